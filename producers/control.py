@@ -1,0 +1,208 @@
+"""The trainer's end of the control loop: receive commands, apply them at step boundaries, ack.
+
+The listener reads its run's partition of the control topic directly (no consumer group,
+so a trainer never waits on a group rebalance), in a background thread. It checks every
+command (schema, run, signature, expiry, already seen) before the loop sees it, and acks
+refused ones as ``rejected`` with the reason at once. The loop takes commands when it is
+ready, between steps::
+
+    listener = ControlListener("ppo-7b-0412").start()
+    for step in ...:
+        train_step()
+        for command in listener.poll_all():
+            ok = apply(command)           # roll back, pause, stop ...
+            listener.ack(command, "applied" if ok else "failed", detail="...")
+
+or with a callback: ``listener.dispatch(handler)`` calls ``handler(command)`` for each
+ready command and acks ``applied`` (or ``failed`` with the exception) for you.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Callable
+
+from trainguard.kafka import KafkaSettings, partition_for
+from trainguard.producers.publisher import Publisher
+from trainguard.schemas import events as ev
+from trainguard.schemas.signing import SigningKey, load_keys, verify
+
+log = logging.getLogger("trainguard.control")
+
+
+class ControlListener:
+    def __init__(self, run_id: str, settings: KafkaSettings | None = None, *,
+                 keys: dict[str, SigningKey] | None = None, require_signature: bool | None = None,
+                 lookback_s: float = 60.0, publisher: Publisher | None = None,
+                 remember: int = 10_000, clock: Callable[[], float] = time.time):
+        self.run_id = run_id
+        self.settings = settings or KafkaSettings.from_env()
+        self.keys = load_keys() if keys is None else keys
+        # With keys configured, unsigned commands are refused; without, signatures are not checked.
+        self.require_signature = bool(self.keys) if require_signature is None else require_signature
+        self.lookback_s = lookback_s
+        self.publisher = publisher or Publisher(self.settings)
+        self.clock = clock
+        self.received = 0
+        self.rejected = 0
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._seen: OrderedDict[str, None] = OrderedDict()  # ids and nonces: at most once
+        self._remember = remember
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._assigned = threading.Event()
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> "ControlListener":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="trainguard-control", daemon=True)
+            self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float = 10.0) -> bool:
+        """True once the listener is reading its partition (for tests and demos)."""
+        return self._assigned.wait(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.publisher.flush(timeout)
+
+    def __enter__(self) -> "ControlListener":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the loop's side ----------------------------------------------------------------
+
+    def poll(self) -> dict | None:
+        """The next command ready to apply, or None. Never blocks."""
+        while True:
+            try:
+                command = self._ready.get_nowait()
+            except queue.Empty:
+                return None
+            if command["expires"] < self.clock():  # expired while waiting for a step boundary
+                self._reject(command, "expired before the trainer reached a step boundary")
+                continue
+            return command
+
+    def poll_all(self) -> list[dict]:
+        commands = []
+        while (command := self.poll()) is not None:
+            commands.append(command)
+        return commands
+
+    def ack(self, command: dict, status: str, detail: str = "", step: int | None = None) -> None:
+        """Acknowledge a command: applied, rejected or failed (with detail)."""
+        event = ev.ack_event(command["id"], self.run_id, status, detail, step=step)
+        self.publisher.publish(self.settings.topics.acks, self.run_id, ev.encode(event))
+
+    def dispatch(self, handler: Callable[[dict], str | None], step: int | None = None) -> int:
+        """Apply every ready command through ``handler``; ack each. Returns how many ran."""
+        n = 0
+        for command in self.poll_all():
+            n += 1
+            try:
+                detail = handler(command)
+                self.ack(command, "applied", detail or "", step=step)
+            except Exception as exc:
+                self.ack(command, "failed", f"{type(exc).__name__}: {exc}", step=step)
+        return n
+
+    # -- the background side ------------------------------------------------------------
+
+    def _reject(self, command: dict, reason: str) -> None:
+        self.rejected += 1
+        log.warning("trainguard: rejected command %s (%s): %s", command.get("id"), command.get("action"), reason)
+        if command.get("id") and command.get("run_id") == self.run_id:
+            self.ack(command, "rejected", reason)
+
+    def _remember_id(self, key: str) -> bool:
+        """False if ``key`` was seen before (a duplicate delivery or a replay)."""
+        if key in self._seen:
+            return False
+        self._seen[key] = None
+        if len(self._seen) > self._remember:
+            self._seen.popitem(last=False)
+        return True
+
+    def check(self, raw: bytes) -> dict | None:
+        """Validate one raw message; the command if it is for us and acceptable."""
+        try:
+            command = ev.decode(raw, expect=(ev.COMMAND,))
+        except ev.SchemaError as exc:
+            log.warning("trainguard: unreadable control message ignored: %s", exc)
+            return None
+        if command["run_id"] != self.run_id:
+            return None  # another run sharing the partition
+        self.received += 1
+        if command.get("signature") or self.require_signature:
+            problem = verify(command, self.keys)
+            if problem:
+                self._reject(command, problem)
+                return None
+        if command["expires"] < self.clock():
+            self._reject(command, f"expired at {command['expires']:.3f}")
+            return None
+        if not self._remember_id("id:" + command["id"]):
+            log.info("trainguard: duplicate delivery of command %s ignored", command["id"])
+            return None
+        nonce = command.get("nonce")
+        if nonce and not self._remember_id("nonce:" + nonce):
+            self._reject(command, "replayed command (nonce already used)")
+            return None
+        return command
+
+    def _run(self) -> None:
+        from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
+
+        topic = self.settings.topics.control
+        consumer = None
+        while not self._stop.is_set():
+            try:
+                if consumer is None:
+                    consumer = Consumer(self.settings.confluent(**{
+                        "group.id": f"trainguard-listener-{uuid.uuid4().hex[:8]}",  # never joined
+                        "enable.auto.commit": False,
+                        "enable.partition.eof": False,
+                        "log_level": 3,
+                    }))
+                    meta = consumer.list_topics(topic, timeout=5)
+                    parts = meta.topics[topic].partitions
+                    if not parts:
+                        raise KafkaException(f"topic {topic} has no partitions yet")
+                    partition = partition_for(self.run_id, len(parts))
+                    since_ms = int((self.clock() - self.lookback_s) * 1000)
+                    found = consumer.offsets_for_times([TopicPartition(topic, partition, since_ms)], timeout=5)
+                    offset = found[0].offset if found and found[0].offset >= 0 else OFFSET_END
+                    consumer.assign([TopicPartition(topic, partition, offset)])
+                    self._assigned.set()
+                msg = consumer.poll(0.2)
+                if msg is None:
+                    continue
+                if msg.error():
+                    log.debug("trainguard: control consumer: %s", msg.error())
+                    continue
+                command = self.check(msg.value())
+                if command is not None:
+                    self._ready.put(command)
+            except Exception as exc:  # broker down, topic missing ...: retry, never raise
+                log.warning("trainguard: control listener retrying in 2s: %s", exc)
+                if consumer is not None:
+                    try:
+                        consumer.close()
+                    except Exception:
+                        pass
+                    consumer = None
+                self._stop.wait(2.0)
+        if consumer is not None:
+            consumer.close()

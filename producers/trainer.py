@@ -1,0 +1,145 @@
+"""The trainer side: publish a run's metrics and checkpoints without ever slowing it down.
+
+>>> logger = TrainerLogger("ppo-7b-0412")              # doctest: +SKIP
+>>> logger.log({"actor/kl_loss": 0.012, "critic/score/mean": 0.41}, step=12)
+>>> logger.checkpoint_saved(12, "/ckpt/global_step_12")
+>>> logger.close()
+
+``log()`` sends all metrics of one step and source as one event; the seed's
+``log_metric(name, value, step=...)`` gathers single values and sends them together
+when the step moves on. Nothing here raises into the training loop or waits on the
+broker: values that cannot be read as numbers are skipped and counted, events that
+cannot be queued are dropped and counted, and the counts travel in the run's own
+metrics (``trainguard/dropped_events``) and are printed on ``close()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import time
+
+from trainguard.kafka import KafkaSettings
+from trainguard.producers.publisher import Publisher
+from trainguard.schemas import events as ev
+
+log = logging.getLogger("trainguard.trainer")
+
+
+def _as_float(v) -> float:
+    t = type(v)
+    if t is float:
+        return v
+    if t is int:
+        return float(v)
+    # numpy scalars, 0-d torch tensors, Decimal ...; .item() avoids keeping tensors alive
+    item = getattr(v, "item", None)
+    return float(item() if item is not None else v)
+
+
+class TrainerLogger:
+    def __init__(self, run_id: str, settings: KafkaSettings | None = None, *, host: str | None = None,
+                 rank: int | None = 0, kind: str = "trainer", publisher: Publisher | None = None):
+        if not run_id:
+            raise ValueError("run_id must be a non-empty string")
+        self.run_id = run_id
+        self.settings = settings or KafkaSettings.from_env()
+        self.source = ev.source(kind, host or socket.gethostname(), rank)
+        self.publisher = publisher or Publisher(self.settings)
+        self.skipped_values = 0
+        self._pending_step: int | None = None
+        self._pending: dict[str, float] = {}
+        self._pending_tags: dict[str, str] = {}
+        self._topic = self.settings.topics.events
+        self._closed = False
+
+    # -- metrics -------------------------------------------------------------------
+
+    def log(self, metrics: dict, step: int, *, tags: dict[str, str] | None = None, ts: float | None = None) -> bool:
+        """Publish one step's metrics as one event. Never raises; False if it was not queued."""
+        try:
+            values = {}
+            for name, v in metrics.items():
+                try:
+                    values[name] = _as_float(v)
+                except (TypeError, ValueError):
+                    self.skipped_values += 1  # strings, lists, None ...: not metrics
+            lost = self.publisher.dropped + self.publisher.delivery_failed
+            if lost:
+                values["trainguard/dropped_events"] = float(lost)
+            event = ev.metrics_event(self.run_id, int(step), values, src=self.source,
+                                     ts=time.time() if ts is None else ts, tags=tags)
+            return self.publisher.publish(self._topic, self.run_id, ev.encode(event))
+        except Exception as exc:
+            self.publisher.dropped += 1
+            log.debug("trainguard: log() dropped a step: %s", exc)
+            return False
+
+    def log_metric(self, name: str, value, tags: dict[str, str] | None = None, step: int | None = None) -> None:
+        """The seed's per-value API: values of one step are sent together as one event."""
+        try:
+            if step is None:
+                step = self._pending_step if self._pending_step is not None else 0
+            if self._pending_step is not None and step != self._pending_step:
+                self.flush_step()
+            self._pending_step = step
+            self._pending[name] = value
+            if tags:
+                self._pending_tags.update(tags)
+        except Exception:
+            self.skipped_values += 1
+
+    def flush_step(self) -> None:
+        """Send what ``log_metric`` gathered for the current step (done automatically)."""
+        if self._pending_step is not None and self._pending:
+            self.log(self._pending, self._pending_step, tags=self._pending_tags or None)
+        self._pending, self._pending_tags, self._pending_step = {}, {}, None
+
+    # -- checkpoints and lifecycle ------------------------------------------------------
+
+    def checkpoint_saved(self, step: int, path: str) -> bool:
+        """Report a checkpoint the trainer can roll back to."""
+        try:
+            self.flush_step()
+            event = ev.checkpoint_event(self.run_id, int(step), str(path), src=self.source)
+            return self.publisher.publish(self._topic, self.run_id, ev.encode(event))
+        except Exception:
+            self.publisher.dropped += 1
+            return False
+
+    def lifecycle(self, what: str, step: int | None = None, detail: dict | None = None) -> bool:
+        """started / finished / heartbeat / rolled_back / paused / resumed / stopped."""
+        try:
+            event = ev.lifecycle_event(self.run_id, what, step=step, src=self.source, detail=detail)
+            return self.publisher.publish(self._topic, self.run_id, ev.encode(event))
+        except Exception:
+            self.publisher.dropped += 1
+            return False
+
+    # -- shutdown -----------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {**self.publisher.stats(), "skipped_values": self.skipped_values}
+
+    def close(self, timeout: float = 10.0, *, quiet: bool = False) -> dict:
+        """Flush (waiting at most ``timeout``) and report what could not be delivered."""
+        if self._closed:
+            return self.stats()
+        self._closed = True
+        self.flush_step()
+        still_pending = self.publisher.flush(timeout)
+        stats = self.stats()
+        stats["undelivered_at_close"] = still_pending
+        if not quiet and (stats["dropped"] or stats["delivery_failed"] or still_pending or self.skipped_values):
+            print(f"trainguard: run {self.run_id}: sent {stats['sent']} events, dropped {stats['dropped']}, "
+                  f"failed delivery {stats['delivery_failed']}, undelivered at close {still_pending}, "
+                  f"skipped non-numeric values {self.skipped_values}.", file=sys.stderr)
+        return stats
+
+    def __enter__(self) -> "TrainerLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

@@ -1,0 +1,361 @@
+"""Event kinds on the wire: build, encode and strictly decode them.
+
+Every event is one JSON object with a ``"schema"`` field naming its kind and version
+(``"metrics/1"``). Encoding uses orjson. Decoding validates every field and raises
+:class:`SchemaError` naming the field and the problem; it never returns a half-valid
+event. The JSON Schema documents in ``schemas/json/`` describe the same contract for
+producers in other languages (``tests/test_schemas.py`` keeps the two in agreement).
+
+Non-finite metric *values* are signals, not errors. JSON has no NaN, so they travel as
+the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``; ``null`` (what many encoders
+write for NaN) also decodes to NaN, and the bare ``NaN`` tokens that Python's ``json``
+module writes are accepted too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import orjson
+
+MAX_EVENT_BYTES = 1 << 20  # 1 MiB: larger payloads are refused, not parsed
+MAX_METRICS_PER_EVENT = 10_000
+MAX_NAME_LEN = 256
+
+METRICS = "metrics/1"
+CHECKPOINT = "checkpoint/1"
+LIFECYCLE = "lifecycle/1"
+ALERT = "alert/1"
+COMMAND = "command/1"
+ACK = "ack/1"
+KINDS = (METRICS, CHECKPOINT, LIFECYCLE, ALERT, COMMAND, ACK)
+
+LAYERS = ("data", "compute", "resource")
+SEVERITIES = ("P0", "P1", "P2", "P3")
+ALERT_STATUSES = ("firing", "resolved")
+ACTIONS = ("rollback", "pause", "resume", "stop", "skip_data", "checkpoint_now")
+ACK_STATUSES = ("applied", "rejected", "failed")
+LIFECYCLE_EVENTS = ("started", "finished", "heartbeat", "rolled_back", "paused", "resumed", "stopped")
+
+_NON_FINITE_IN = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf, None: math.nan}
+
+
+class SchemaError(ValueError):
+    """An event that does not satisfy its schema; the message names the field and the problem."""
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _wire_value(v: float) -> float | str:
+    if v != v:
+        return "NaN"
+    if v == math.inf:
+        return "Infinity"
+    if v == -math.inf:
+        return "-Infinity"
+    return v
+
+
+def encode(event: dict[str, Any]) -> bytes:
+    """Encode an event built by this module; non-finite metric values become strings."""
+    metrics = event.get("metrics")
+    if metrics is not None and event.get("schema") == METRICS:
+        for v in metrics.values():
+            if v != v or v in (math.inf, -math.inf):
+                event = {**event, "metrics": {k: _wire_value(x) for k, x in metrics.items()}}
+                break
+    value = event.get("value")
+    if isinstance(value, float) and not math.isfinite(value):
+        event = {**event, "value": _wire_value(value)}
+    return orjson.dumps(event)
+
+
+def source(kind: str = "trainer", host: str = "", rank: int | None = None, gpu: int | None = None) -> dict:
+    return {"kind": kind, "host": host, "rank": rank, "gpu": gpu}
+
+
+def source_id(src: dict) -> str:
+    """A stable, readable key for one producer: ``trainer:host:0:-``."""
+    rank = src.get("rank")
+    gpu = src.get("gpu")
+    return f"{src['kind']}:{src.get('host', '')}:{'-' if rank is None else rank}:{'-' if gpu is None else gpu}"
+
+
+def metrics_event(run_id: str, step: int, metrics: dict[str, float], *, src: dict, ts: float | None = None,
+                  layer: str | None = None, tags: dict[str, str] | None = None) -> dict:
+    event = {"schema": METRICS, "run_id": run_id, "source": src, "step": step,
+             "ts": time.time() if ts is None else ts, "metrics": metrics}
+    if layer is not None:
+        event["layer"] = layer
+    if tags:
+        event["tags"] = tags
+    return event
+
+
+def checkpoint_event(run_id: str, step: int, path: str, *, ts: float | None = None,
+                     src: dict | None = None) -> dict:
+    event = {"schema": CHECKPOINT, "run_id": run_id, "step": step, "path": path,
+             "ts": time.time() if ts is None else ts}
+    if src is not None:
+        event["source"] = src
+    return event
+
+
+def lifecycle_event(run_id: str, what: str, *, step: int | None = None, ts: float | None = None,
+                    src: dict | None = None, detail: dict | None = None) -> dict:
+    event: dict[str, Any] = {"schema": LIFECYCLE, "run_id": run_id, "event": what,
+                             "ts": time.time() if ts is None else ts}
+    if step is not None:
+        event["step"] = step
+    if src is not None:
+        event["source"] = src
+    if detail:
+        event["detail"] = detail
+    return event
+
+
+def ack_event(command_id: str, run_id: str, status: str, detail: str = "", *, step: int | None = None,
+              ts: float | None = None) -> dict:
+    event: dict[str, Any] = {"schema": ACK, "command_id": command_id, "run_id": run_id, "status": status,
+                             "detail": detail, "ts": time.time() if ts is None else ts}
+    if step is not None:
+        event["step"] = step
+    return event
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _fail(field: str, problem: str) -> SchemaError:
+    return SchemaError(f"{field}: {problem}")
+
+
+def _str(obj: dict, field: str, *, required: bool = True, max_len: int = 4096, prefix: str = "") -> str | None:
+    v = obj.get(field)
+    if v is None:
+        if required:
+            raise _fail(prefix + field, "missing" if field not in obj else "must be a string, got null")
+        return None
+    if type(v) is not str:
+        raise _fail(prefix + field, f"must be a string, got {type(v).__name__}")
+    if required and not v:
+        raise _fail(prefix + field, "must not be empty")
+    if len(v) > max_len:
+        raise _fail(prefix + field, f"longer than {max_len} characters")
+    return v
+
+
+def _int(obj: dict, field: str, *, required: bool = True, minimum: int | None = 0, prefix: str = "") -> int | None:
+    v = obj.get(field)
+    if v is None:
+        if required:
+            raise _fail(prefix + field, "missing" if field not in obj else "must be an integer, got null")
+        return None
+    if type(v) is not int:
+        raise _fail(prefix + field, f"must be an integer, got {type(v).__name__}")
+    if minimum is not None and v < minimum:
+        raise _fail(prefix + field, f"must be >= {minimum}, got {v}")
+    return v
+
+
+def _time(obj: dict, field: str, *, required: bool = True, prefix: str = "") -> float | None:
+    v = obj.get(field)
+    if v is None:
+        if required:
+            raise _fail(prefix + field, "missing" if field not in obj else "must be a number, got null")
+        return None
+    t = type(v)
+    if t is not float and t is not int:
+        raise _fail(prefix + field, f"must be a number (seconds since the epoch), got {t.__name__}")
+    if not math.isfinite(v) or v < 0:
+        raise _fail(prefix + field, f"must be a finite, non-negative number, got {v}")
+    return float(v)
+
+
+def _enum(obj: dict, field: str, allowed: tuple, *, required: bool = True) -> str | None:
+    v = _str(obj, field, required=required)
+    if v is not None and v not in allowed:
+        raise _fail(field, f"must be one of {', '.join(allowed)}; got {v!r}")
+    return v
+
+
+def _dict(obj: dict, field: str, *, required: bool = False) -> dict | None:
+    v = obj.get(field)
+    if v is None:
+        if required:
+            raise _fail(field, "missing")
+        return None
+    if type(v) is not dict:
+        raise _fail(field, f"must be an object, got {type(v).__name__}")
+    return v
+
+
+def _check_source(src: Any, field: str = "source") -> None:
+    if type(src) is not dict:
+        raise _fail(field, f"must be an object, got {type(src).__name__}")
+    _str(src, "kind", max_len=64, prefix=field + ".")
+    _str(src, "host", required=False, max_len=256, prefix=field + ".")
+    _int(src, "rank", required=False, prefix=field + ".")
+    _int(src, "gpu", required=False, prefix=field + ".")
+
+
+def _check_metrics(event: dict) -> None:
+    metrics = event.get("metrics")
+    if type(metrics) is not dict:
+        raise _fail("metrics", "missing" if metrics is None else f"must be an object, got {type(metrics).__name__}")
+    if len(metrics) > MAX_METRICS_PER_EVENT:
+        raise _fail("metrics", f"more than {MAX_METRICS_PER_EVENT} values in one event")
+    converted = None
+    for name, v in metrics.items():
+        t = type(v)
+        if t is float or t is int:
+            continue
+        if t is str or v is None:
+            if v in _NON_FINITE_IN:
+                if converted is None:
+                    converted = {}
+                converted[name] = _NON_FINITE_IN[v]
+                continue
+            raise _fail(f"metrics.{name}", f"must be a number, 'NaN', 'Infinity' or '-Infinity'; got {v!r}")
+        raise _fail(f"metrics.{name}", f"must be a number, got {t.__name__}")
+    for name in metrics:
+        if not name or len(name) > MAX_NAME_LEN:
+            raise _fail("metrics", f"metric names must be 1..{MAX_NAME_LEN} characters, got {name[:40]!r}")
+    if converted:
+        metrics.update(converted)
+
+
+def _check_tags(event: dict) -> None:
+    tags = _dict(event, "tags")
+    if tags:
+        for k, v in tags.items():
+            if type(v) is not str:
+                raise _fail(f"tags.{k}", f"must be a string, got {type(v).__name__}")
+
+
+def _check_run(event: dict) -> None:
+    _str(event, "run_id", max_len=256)
+
+
+def _validate_metrics(event: dict) -> None:
+    _check_run(event)
+    _check_source(event.get("source"))
+    _int(event, "step")
+    _time(event, "ts")
+    if "layer" in event:
+        _enum(event, "layer", LAYERS)
+    _check_metrics(event)
+    _check_tags(event)
+
+
+def _validate_checkpoint(event: dict) -> None:
+    _check_run(event)
+    _int(event, "step")
+    _str(event, "path")
+    _time(event, "ts")
+    if event.get("source") is not None:
+        _check_source(event["source"])
+
+
+def _validate_lifecycle(event: dict) -> None:
+    _check_run(event)
+    _enum(event, "event", LIFECYCLE_EVENTS)
+    _int(event, "step", required=False)
+    _time(event, "ts")
+    if event.get("source") is not None:
+        _check_source(event["source"])
+    _dict(event, "detail")
+
+
+def _validate_alert(event: dict) -> None:
+    _str(event, "id")
+    _check_run(event)
+    _str(event, "rule")
+    _enum(event, "severity", SEVERITIES)
+    _enum(event, "status", ALERT_STATUSES)
+    _int(event, "step", required=False)
+    _time(event, "ts")
+    onset = _dict(event, "onset", required=True)
+    _int(onset, "step", required=False, prefix="onset.")
+    _time(onset, "ts", prefix="onset.")
+    _dict(event, "evidence", required=True)
+    _str(event, "diagnosis", required=False)
+    _str(event, "suggestion", required=False)
+
+
+def _validate_command(event: dict) -> None:
+    _str(event, "id")
+    _check_run(event)
+    _enum(event, "action", ACTIONS)
+    target = _dict(event, "target")
+    if target is not None:
+        _int(target, "step", prefix="target.")
+        _str(target, "path", prefix="target.")
+    reason = event.get("reason", [])
+    if type(reason) is not list or any(type(r) is not str for r in reason):
+        raise _fail("reason", "must be a list of alert ids (strings)")
+    issued = _time(event, "issued")
+    expires = _time(event, "expires")
+    if expires < issued:
+        raise _fail("expires", "is earlier than issued")
+    _int(event, "skip_batches", required=False)
+    signature = _dict(event, "signature")
+    if signature is not None:
+        for f in ("key_id", "nonce", "mac"):
+            _str(signature, f, prefix="signature.")
+
+
+def _validate_ack(event: dict) -> None:
+    _str(event, "command_id")
+    _check_run(event)
+    _enum(event, "status", ACK_STATUSES)
+    _str(event, "detail", required=False)
+    _time(event, "ts")
+    _int(event, "step", required=False)
+
+
+_VALIDATORS = {
+    METRICS: _validate_metrics,
+    CHECKPOINT: _validate_checkpoint,
+    LIFECYCLE: _validate_lifecycle,
+    ALERT: _validate_alert,
+    COMMAND: _validate_command,
+    ACK: _validate_ack,
+}
+
+
+def _loads(raw: bytes | str) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        # Python's json writes bare NaN/Infinity tokens; accept them, refuse anything else.
+        try:
+            return json.loads(raw)
+        except (ValueError, TypeError, RecursionError):
+            pass
+        raise SchemaError(f"not valid JSON: {exc}") from None
+
+
+def decode(raw: bytes | str, *, expect: tuple[str, ...] | None = None, max_bytes: int = MAX_EVENT_BYTES) -> dict:
+    """Decode and validate one event; raise :class:`SchemaError` naming the problem."""
+    if raw is None:
+        raise SchemaError("empty message (no value)")
+    if len(raw) > max_bytes:
+        raise SchemaError(f"payload of {len(raw)} bytes exceeds the {max_bytes}-byte limit")
+    event = _loads(raw)
+    if type(event) is not dict:
+        raise SchemaError(f"an event must be a JSON object, got {type(event).__name__}")
+    kind = event.get("schema")
+    validator = _VALIDATORS.get(kind)
+    if validator is None:
+        if type(kind) is str and kind.split("/")[0] in {k.split("/")[0] for k in KINDS}:
+            raise _fail("schema", f"unknown version {kind!r}; this build reads {', '.join(KINDS)}")
+        raise _fail("schema", "missing" if kind is None else f"unknown event kind {kind!r}")
+    if expect is not None and kind not in expect:
+        raise _fail("schema", f"expected {' or '.join(expect)} on this topic, got {kind}")
+    validator(event)
+    return event

@@ -1,0 +1,77 @@
+"""One readable, coloured line per alert, command and ack; full detail on demand."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import TextIO
+
+import orjson
+
+from trainguard.sinks.base import Sink
+
+_SEVERITY_COLOUR = {"P0": "\033[1;97;41m", "P1": "\033[1;31m", "P2": "\033[33m", "P3": "\033[36m"}
+_RESET = "\033[0m"
+_DIM = "\033[2m"
+_BOLD = "\033[1m"
+_GREEN = "\033[32m"
+_MAGENTA = "\033[1;35m"
+
+
+def _value(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) else str(v)
+    return str(v)
+
+
+def _clock(ts: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts or time.time()))
+
+
+class ConsoleSink(Sink):
+    name = "console"
+
+    def __init__(self, stream: TextIO | None = None, colour: bool | None = None, detail: bool = False):
+        super().__init__()
+        self.stream = stream or sys.stdout
+        self.colour = self.stream.isatty() if colour is None else colour
+        self.detail = detail
+
+    def _c(self, code: str, text: str) -> str:
+        return f"{code}{text}{_RESET}" if self.colour else text
+
+    def format(self, event: dict) -> str:
+        kind = event.get("schema", "")
+        if kind.startswith("alert/"):
+            return self.format_alert(event)
+        if kind.startswith("command/"):
+            target = event.get("target") or {}
+            where = f" -> step {target['step']} ({target['path']})" if target else ""
+            return (f"{_clock(event.get('issued'))} {self._c(_MAGENTA, 'COMMAND ' + event['action'].upper())}"
+                    f"{where} run={event['run_id']} because {len(event.get('reason', []))} alert(s): "
+                    f"{event.get('detail', '')}")
+        if kind.startswith("ack/"):
+            colour = _GREEN if event["status"] == "applied" else _SEVERITY_COLOUR["P1"]
+            return (f"{_clock(event.get('ts'))} {self._c(colour, 'ACK ' + event['status'])} "
+                    f"command={event['command_id']} run={event['run_id']} {event.get('detail', '')}")
+        return orjson.dumps(event).decode()
+
+    def format_alert(self, alert: dict) -> str:
+        sev = alert["severity"]
+        status = "RESOLVED" if alert["status"] == "resolved" else "FIRING"
+        head = self._c(_SEVERITY_COLOUR.get(sev, ""), f"{sev} {status}")
+        ev = alert.get("evidence", {})
+        bounds = ""
+        if "lower" in ev and "upper" in ev:
+            bounds = f" window [{_value(ev['lower'])}, {_value(ev['upper'])}]"
+        line = (f"{_clock(alert.get('ts'))} {head} {self._c(_BOLD, alert['rule'])} run={alert['run_id']} "
+                f"step={alert.get('step')} {alert.get('metric', '')}={_value(alert.get('value'))}{bounds}"
+                f" {self._c(_DIM, alert.get('diagnosis', ''))}")
+        if self.detail:
+            line += "\n    " + orjson.dumps(alert, option=orjson.OPT_INDENT_2).decode().replace("\n", "\n    ")
+        return line
+
+    def write(self, batch: list[dict]) -> None:
+        self.stream.write("".join(self.format(e) + "\n" for e in batch))
+        self.stream.flush()

@@ -1,0 +1,47 @@
+"""Append events as JSON lines; an event id seen before is not written twice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+
+from trainguard.sinks.base import Sink
+
+
+def _event_id(event: dict) -> str | None:
+    return event.get("id") or (event.get("command_id") and f"ack:{event['command_id']}:{event.get('status')}")
+
+
+class JsonlSink(Sink):
+    name = "jsonl"
+
+    def __init__(self, path: str | Path):
+        super().__init__()
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._seen: set[str] = set()
+        if self.path.exists():  # survive restarts without duplicating what is there
+            for line in self.path.read_bytes().splitlines():
+                try:
+                    eid = _event_id(orjson.loads(line))
+                except orjson.JSONDecodeError:
+                    continue
+                if eid:
+                    self._seen.add(eid)
+        self._fh = open(self.path, "ab")
+
+    def write(self, batch: list[dict]) -> None:
+        out = []
+        for event in batch:
+            eid = _event_id(event)
+            if eid is not None:
+                if eid in self._seen:
+                    continue
+                self._seen.add(eid)
+            out.append(orjson.dumps(event) + b"\n")
+        self._fh.write(b"".join(out))
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()

@@ -1,0 +1,117 @@
+"""Where the Kafka cluster is, which topics we use, and how every client is configured.
+
+One place for connection settings so that SASL/SSL pass through to every client the
+project creates: any ``TRAINGUARD_KAFKA_<SETTING>`` variable becomes the librdkafka
+setting ``<setting>`` (underscores to dots), e.g. ``TRAINGUARD_KAFKA_SECURITY_PROTOCOL=SASL_SSL``,
+``TRAINGUARD_KAFKA_SASL_MECHANISM=PLAIN``, ``TRAINGUARD_KAFKA_SASL_USERNAME=...``.
+The Faust worker translates the same settings to its own credentials object.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+ENV_PREFIX = "TRAINGUARD_KAFKA_"
+
+
+@dataclass(frozen=True)
+class Topics:
+    events: str = "trainguard.events"
+    alerts: str = "trainguard.alerts"
+    control: str = "trainguard.control"
+    acks: str = "trainguard.control.acks"
+    dlq: str = "trainguard.dlq"
+
+    def all(self) -> list[str]:
+        return [self.events, self.alerts, self.control, self.acks, self.dlq]
+
+    @classmethod
+    def with_prefix(cls, prefix: str) -> "Topics":
+        """The same topics under another prefix (``myteam.events`` ...)."""
+        return cls(*(f"{prefix}.{t.split('.', 1)[1]}" for t in cls().all()))
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    bootstrap: str = DEFAULT_BOOTSTRAP
+    partitions: int = 4
+    topics: Topics = field(default_factory=Topics)
+    client: dict = field(default_factory=dict)  # extra librdkafka settings (security ...)
+
+    @classmethod
+    def from_env(cls, env: dict | None = None, **overrides) -> "KafkaSettings":
+        env = os.environ if env is None else env
+        client = {k[len(ENV_PREFIX):].lower().replace("_", "."): v
+                  for k, v in env.items() if k.startswith(ENV_PREFIX) and v != ""}
+        prefix = env.get("TRAINGUARD_TOPIC_PREFIX", "trainguard")
+        topics = Topics.with_prefix(prefix)
+        values = dict(
+            bootstrap=env.get("TRAINGUARD_BOOTSTRAP", DEFAULT_BOOTSTRAP),
+            partitions=int(env.get("TRAINGUARD_PARTITIONS", "4")),
+            topics=topics,
+            client=client,
+        )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def confluent(self, **extra) -> dict:
+        """A confluent-kafka config with the bootstrap, security settings and ``extra``."""
+        return {"bootstrap.servers": self.bootstrap, **self.client, **extra}
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's murmur2 hash (the Java client's and aiokafka's default partitioner)."""
+    length = len(data)
+    seed, m, r = 0x9747B28C, 0x5BD1E995, 24
+    h = (seed ^ length) & 0xFFFFFFFF
+    length4 = length // 4
+    for i in range(length4):
+        i4 = i * 4
+        k = (data[i4] & 0xFF) + ((data[i4 + 1] & 0xFF) << 8) + ((data[i4 + 2] & 0xFF) << 16) + ((data[i4 + 3] & 0xFF) << 24)
+        k = (k * m) & 0xFFFFFFFF
+        k ^= k >> r
+        k = (k * m) & 0xFFFFFFFF
+        h = (h * m) & 0xFFFFFFFF
+        h ^= k
+    extra = length % 4
+    if extra >= 3:
+        h ^= (data[(length & ~3) + 2] & 0xFF) << 16
+    if extra >= 2:
+        h ^= (data[(length & ~3) + 1] & 0xFF) << 8
+    if extra >= 1:
+        h ^= data[length & ~3] & 0xFF
+        h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 15
+    return h
+
+
+def partition_for(run_id: str, partitions: int) -> int:
+    """The partition that holds everything about ``run_id`` (same as Java/aiokafka/Faust)."""
+    return (murmur2(run_id.encode()) & 0x7FFFFFFF) % partitions
+
+
+def create_topics(settings: KafkaSettings, timeout: float = 15.0) -> list[str]:
+    """Create the project's topics with the expected partition count; return those created."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient(settings.confluent())
+    existing = set(admin.list_topics(timeout=timeout).topics)
+    wanted = [t for t in settings.topics.all() if t not in existing]
+    if not wanted:
+        return []
+    futures = admin.create_topics(
+        [NewTopic(t, num_partitions=settings.partitions, replication_factor=1) for t in wanted],
+        operation_timeout=timeout, request_timeout=timeout)
+    created = []
+    for topic, fut in futures.items():
+        try:
+            fut.result(timeout)
+            created.append(topic)
+        except Exception as exc:  # a concurrent creator is fine; anything else is not
+            if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                raise
+    return created
