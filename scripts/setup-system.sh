@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# System programs the sink tests run against: a real Prometheus and a real Alertmanager.
+# Idempotent: does nothing when both binaries are already on PATH.
+# CI runs this before `pytest`; without these binaries tests/test_sink_prometheus.py and
+# tests/test_sink_alertmanager.py skip with the reason.
+set -euo pipefail
+
+have() { command -v "$1" >/dev/null 2>&1; }
+
+if have prometheus && { have prometheus-alertmanager || have alertmanager; }; then
+    echo "setup-system: prometheus and alertmanager already installed"
+    exit 0
+fi
+
+if [ "$(id -u)" -ne 0 ]; then
+    if have sudo && sudo -n true 2>/dev/null; then
+        SUDO=sudo
+    else
+        echo "setup-system: not root and no passwordless sudo; install them yourself:" >&2
+        echo "    sudo apt-get update && sudo apt-get install -y prometheus prometheus-alertmanager" >&2
+        exit 1
+    fi
+else
+    SUDO=
+fi
+
+if ! have apt-get; then
+    echo "setup-system: apt-get not found (not Debian/Ubuntu); install prometheus and alertmanager" \
+         "from https://prometheus.io/download/ and put them on PATH" >&2
+    exit 1
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update
+# --no-install-recommends: the exporters Debian recommends are not needed by the tests.
+$SUDO apt-get install -y --no-install-recommends prometheus prometheus-alertmanager
+# Debian's packages start system services where an init system runs; the tests start
+# their own instances on free loopback ports, so leave the services as the admin wants.
+echo "setup-system: installed $(prometheus --version 2>&1 | head -n1)"
