@@ -1,0 +1,155 @@
+"""The common shape of a value detector.
+
+A detector is a small, pure object: ``update(x, t)`` learns from one sample and says
+whether that sample is anomalous; ``score`` is the last anomaly score in [0, 1];
+``evidence()`` gives the numbers behind the last verdict; ``ready`` is False while the
+detector is still warming up. ``to_state()`` returns a JSON-serialisable dict and
+``from_state()`` rebuilds an identical detector from it, so the same object serves the
+live worker (state in a changelog-backed table), the replay command and the evaluation.
+
+A non-finite sample (NaN, +Inf, -Inf) never enters a window or a baseline: ``update``
+returns False and leaves the state untouched. ``NonFinite`` is the detector that flags
+such samples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, ClassVar
+
+from sortedcontainers import SortedList
+
+__all__ = ["Stateful", "Detector", "detector_from_state", "is_finite", "saturating", "REGISTRY"]
+
+REGISTRY: dict[str, type["Detector"]] = {}
+
+
+def is_finite(x: Any) -> bool:
+    """True when x is a real, finite number (bools and None are not samples)."""
+    if x is None or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except TypeError:
+        return False
+
+
+def saturating(z: float, k: float) -> float:
+    """Map a non-negative distance to [0, 1) without saturating: z / (z + k).
+
+    A distance equal to the alarm threshold k maps to 0.5; infinity maps to 1.
+    """
+    z = abs(z)
+    if math.isinf(z):
+        return 1.0
+    if math.isnan(z):
+        return 0.0
+    return z / (z + k) if k > 0 else (1.0 if z > 0 else 0.0)
+
+
+def _encode(v: Any) -> Any:
+    if isinstance(v, deque):
+        return {"__deque__": [_encode(x) for x in v], "maxlen": v.maxlen}
+    if isinstance(v, SortedList):
+        return {"__sorted__": [_encode(x) for x in v]}
+    if isinstance(v, Stateful):
+        return v.to_state()
+    if isinstance(v, dict):
+        return {str(k): _encode(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_encode(x) for x in v]
+    if isinstance(v, float):
+        if math.isnan(v):
+            return {"__float__": "nan"}
+        if math.isinf(v):
+            return {"__float__": "inf" if v > 0 else "-inf"}
+        return v
+    if hasattr(v, "item"):  # numpy scalar
+        return _encode(v.item())
+    return v
+
+
+def _decode(v: Any) -> Any:
+    if isinstance(v, dict):
+        if "__deque__" in v:
+            return deque((_decode(x) for x in v["__deque__"]), maxlen=v["maxlen"])
+        if "__sorted__" in v:
+            return SortedList(_decode(x) for x in v["__sorted__"])
+        if "__float__" in v:
+            return float(v["__float__"])
+        if "kind" in v and "params" in v and "state" in v:
+            return detector_from_state(v)
+        return {k: _decode(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    return v
+
+
+class Stateful:
+    """Base class: state round trip and the registry.
+
+    Subclasses list their constructor arguments in ``_params`` and their mutable
+    fields in ``_fields``; ``to_state``/``from_state`` handle the rest.
+    """
+
+    name: ClassVar[str] = "stateful"
+    _params: ClassVar[tuple[str, ...]] = ()
+    _fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        REGISTRY[cls.__name__] = cls
+
+    def to_state(self) -> dict:
+        return {
+            "kind": type(self).__name__,
+            "params": {p: _encode(getattr(self, p)) for p in self._params},
+            "state": {f: _encode(getattr(self, f)) for f in self._fields},
+        }
+
+    @classmethod
+    def from_state(cls, d: dict) -> "Stateful":
+        if d.get("kind") != cls.__name__:
+            if cls in (Stateful, Detector):
+                return detector_from_state(d)
+            raise ValueError(f"state of {d.get('kind')!r} given to {cls.__name__}")
+        obj = cls(**{k: _decode(v) for k, v in d["params"].items()})
+        for f, v in d["state"].items():
+            setattr(obj, f, _decode(v))
+        return obj
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{p}={getattr(self, p)!r}" for p in self._params)
+        return f"{type(self).__name__}({args})"
+
+
+class Detector(Stateful):
+    """A value detector: ``update(x, t) -> bool``, ``score``, ``evidence()``, ``ready``."""
+
+    name: ClassVar[str] = "detector"
+    score: float = 0.0
+
+    def update(self, x: float, t: float | None = None) -> bool:  # pragma: no cover
+        raise NotImplementedError
+
+    @property
+    def ready(self) -> bool:  # pragma: no cover
+        raise NotImplementedError
+
+    def evidence(self) -> dict:  # pragma: no cover
+        raise NotImplementedError
+
+    def to_state(self) -> dict:
+        d = super().to_state()
+        d["state"]["score"] = _encode(self.score)
+        return d
+
+
+def detector_from_state(d: dict) -> Stateful:
+    """Rebuild any registered detector from its ``to_state()`` dict."""
+    try:
+        cls = REGISTRY[d["kind"]]
+    except KeyError:
+        raise ValueError(f"unknown detector kind {d.get('kind')!r}") from None
+    return cls.from_state(d)

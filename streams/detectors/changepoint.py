@@ -1,0 +1,196 @@
+"""Change points in the mean: two-sided CUSUM and Page-Hinkley, reset after an alarm."""
+
+from __future__ import annotations
+
+import math
+
+from .base import Detector, is_finite, saturating
+
+__all__ = ["CUSUM", "PageHinkley"]
+
+
+class CUSUM(Detector):
+    """Two-sided tabular CUSUM on standardised samples.
+
+    The in-control mean and std are learned from the first ``warmup`` samples (Welford).
+    Then z = (x - mean) / std accumulates into g+ = max(0, g+ + z - drift) and
+    g- = max(0, g- - z - drift); an alarm fires when either exceeds ``threshold``.
+    After an alarm both sums and the baseline reset, and the detector learns the new
+    level during another warm-up, so one shift raises one alarm.
+
+    Parameters: ``warmup`` (samples), ``drift`` (slack k, in std), ``threshold`` (h, in
+    std), ``direction``. Cost: O(1) per sample.
+
+    >>> det = CUSUM(warmup=10, drift=0.5, threshold=5.0)
+    >>> alarms = [det.update(v) for v in [0.0, 0.1, -0.1, 0.05, -0.05] * 2 + [1.0] * 10]
+    >>> alarms.index(True)
+    10
+    >>> det.ready  # reset after the alarm: learning the new level
+    False
+    """
+
+    name = "cusum"
+    _params = ("warmup", "drift", "threshold", "direction")
+    _fields = ("n", "mean", "m2", "gpos", "gneg", "count", "alarms", "last")
+
+    def __init__(self, warmup: int = 30, drift: float = 0.5, threshold: float = 5.0,
+                 direction: str = "both"):
+        if direction not in ("both", "up", "down"):
+            raise ValueError("direction must be both, up or down")
+        self.warmup = max(2, int(warmup))
+        self.drift = float(drift)
+        self.threshold = float(threshold)
+        self.direction = direction
+        self.n = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+        self.gpos = 0.0
+        self.gneg = 0.0
+        self.count = 0
+        self.alarms = 0
+        self.last: list | None = None  # [value, mean, std, z, gpos, gneg, side, anomalous]
+        self.score = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.n >= self.warmup
+
+    def reset(self) -> None:
+        self.n, self.mean, self.m2, self.gpos, self.gneg = 0, 0.0, 0.0, 0.0, 0.0
+
+    def update(self, x: float, t: float | None = None) -> bool:
+        if not is_finite(x):
+            return False
+        x = float(x)
+        self.count += 1
+        if not self.ready:
+            self.n += 1
+            d = x - self.mean
+            self.mean += d / self.n
+            self.m2 += d * (x - self.mean)
+            self.score = 0.0
+            self.last = None
+            return False
+        std = math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else 0.0
+        std = std if std > 0 else max(1e-9 * abs(self.mean), 1e-12)
+        z = (x - self.mean) / std
+        if self.direction in ("both", "up"):
+            self.gpos = max(0.0, self.gpos + z - self.drift)
+        if self.direction in ("both", "down"):
+            self.gneg = max(0.0, self.gneg - z - self.drift)
+        g = max(self.gpos, self.gneg)
+        side = "up" if self.gpos >= self.gneg else "down"
+        anomalous = g > self.threshold
+        self.score = saturating(g, self.threshold)
+        self.last = [x, self.mean, std, z, self.gpos, self.gneg, side, anomalous]
+        if anomalous:
+            self.alarms += 1
+            self.reset()
+        return anomalous
+
+    def evidence(self) -> dict:
+        if self.last is None:
+            return {"detector": self.name, "ready": False, "samples": self.n}
+        value, mean, std, z, gpos, gneg, side, anomalous = self.last
+        return {
+            "detector": self.name,
+            "value": value,
+            "mean": mean,
+            "std": std,
+            "z": z,
+            "cusum_pos": gpos,
+            "cusum_neg": gneg,
+            "direction": side,
+            "threshold": self.threshold,
+            "anomalous": anomalous,
+            "score": self.score,
+        }
+
+
+class PageHinkley(Detector):
+    """Two-sided Page-Hinkley test for a change in the mean.
+
+    m_t = sum(x_i - mean_i - delta) (up) and sum(mean_i - x_i - delta) (down), where
+    mean_i is the running mean; an alarm fires when m_t - min(m) exceeds ``threshold``
+    (in the metric's unit). After an alarm the test restarts from scratch.
+
+    Parameters: ``min_samples``, ``delta`` (tolerated change), ``threshold`` (lambda),
+    ``alpha`` (forgetting factor of the cumulative sums, 1 = none), ``direction``.
+    Cost: O(1) per sample.
+
+    >>> det = PageHinkley(min_samples=10, delta=0.01, threshold=2.0)
+    >>> alarms = [det.update(v) for v in [1.0] * 20 + [2.0] * 10]
+    >>> alarms.index(True)  # two samples after the step
+    22
+    """
+
+    name = "page_hinkley"
+    _params = ("min_samples", "delta", "threshold", "alpha", "direction")
+    _fields = ("n", "mean", "up", "up_min", "down", "down_min", "count", "alarms", "last")
+
+    def __init__(self, min_samples: int = 30, delta: float = 0.005, threshold: float = 50.0,
+                 alpha: float = 1.0, direction: str = "both"):
+        if direction not in ("both", "up", "down"):
+            raise ValueError("direction must be both, up or down")
+        self.min_samples = int(min_samples)
+        self.delta = float(delta)
+        self.threshold = float(threshold)
+        self.alpha = float(alpha)
+        self.direction = direction
+        self.count = 0
+        self.alarms = 0
+        self.last: list | None = None
+        self.score = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        self.n = 0
+        self.mean = 0.0
+        self.up = self.up_min = 0.0
+        self.down = self.down_min = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.n >= self.min_samples
+
+    def update(self, x: float, t: float | None = None) -> bool:
+        if not is_finite(x):
+            return False
+        x = float(x)
+        self.count += 1
+        self.n += 1
+        self.mean += (x - self.mean) / self.n
+        self.up = self.alpha * self.up + (x - self.mean - self.delta)
+        self.down = self.alpha * self.down + (self.mean - x - self.delta)
+        self.up_min = min(self.up_min, self.up)
+        self.down_min = min(self.down_min, self.down)
+        if not self.ready:
+            self.score = 0.0
+            self.last = None
+            return False
+        ph_up = self.up - self.up_min if self.direction in ("both", "up") else 0.0
+        ph_down = self.down - self.down_min if self.direction in ("both", "down") else 0.0
+        stat = max(ph_up, ph_down)
+        anomalous = stat > self.threshold
+        self.score = saturating(stat, self.threshold)
+        self.last = [x, self.mean, ph_up, ph_down, "up" if ph_up >= ph_down else "down", anomalous]
+        if anomalous:
+            self.alarms += 1
+            self.reset()
+        return anomalous
+
+    def evidence(self) -> dict:
+        if self.last is None:
+            return {"detector": self.name, "ready": False, "samples": self.n}
+        value, mean, ph_up, ph_down, side, anomalous = self.last
+        return {
+            "detector": self.name,
+            "value": value,
+            "mean": mean,
+            "ph_up": ph_up,
+            "ph_down": ph_down,
+            "direction": side,
+            "threshold": self.threshold,
+            "anomalous": anomalous,
+            "score": self.score,
+        }

@@ -1,0 +1,104 @@
+"""EWMA control chart: exponentially weighted mean and variance."""
+
+from __future__ import annotations
+
+import math
+
+from .base import Detector, is_finite, saturating
+
+__all__ = ["EWMA"]
+
+
+class EWMA(Detector):
+    """Exponentially weighted mean and variance; anomalous when |x - mean| > k·std.
+
+    The value is judged against the chart *before* it is learned. ``alpha`` is the weight
+    of a new sample (a half-life of about ``0.69 / alpha`` samples). During the first
+    ``min_samples`` samples the chart only learns. ``freeze_on_alarm`` keeps an anomalous
+    value out of the baseline so a burst cannot teach the chart that it is normal.
+
+    Parameters: ``alpha``, ``k``, ``min_samples``, ``direction`` ("both", "up", "down"),
+    ``freeze_on_alarm``. Cost: O(1) per sample.
+
+    >>> det = EWMA(alpha=0.1, k=3.0, min_samples=5)
+    >>> [det.update(v) for v in [5.0, 5.2, 4.9, 5.1, 5.0, 5.05]]
+    [False, False, False, False, False, False]
+    >>> det.update(9.0)
+    True
+    >>> sorted(det.evidence())[:4]
+    ['alpha', 'anomalous', 'detector', 'k']
+    """
+
+    name = "ewma"
+    _params = ("alpha", "k", "min_samples", "direction", "freeze_on_alarm")
+    _fields = ("mean", "var", "count", "last")
+
+    def __init__(self, alpha: float = 0.05, k: float = 3.0, min_samples: int = 20,
+                 direction: str = "both", freeze_on_alarm: bool = False):
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        if direction not in ("both", "up", "down"):
+            raise ValueError("direction must be both, up or down")
+        self.alpha = float(alpha)
+        self.k = float(k)
+        self.min_samples = int(min_samples)
+        self.direction = direction
+        self.freeze_on_alarm = bool(freeze_on_alarm)
+        self.mean = 0.0
+        self.var = 0.0
+        self.count = 0
+        self.last: list | None = None  # [value, mean, std, z, anomalous]
+        self.score = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.count >= self.min_samples
+
+    def update(self, x: float, t: float | None = None) -> bool:
+        if not is_finite(x):
+            return False
+        x = float(x)
+        anomalous = False
+        if self.ready:
+            std = math.sqrt(self.var)
+            d = x - self.mean
+            z = d / std if std > 0 else (0.0 if d == 0 else math.copysign(math.inf, d))
+            side = z if self.direction == "up" else -z if self.direction == "down" else abs(z)
+            anomalous = side > self.k
+            self.score = saturating(max(side, 0.0), self.k)
+            self.last = [x, self.mean, std, z, anomalous]
+        else:
+            self.score = 0.0
+            self.last = None
+        if anomalous and self.freeze_on_alarm:
+            self.count += 1
+            return True
+        self.count += 1
+        if self.count == 1:
+            self.mean, self.var = x, 0.0
+        else:
+            # during warm-up, weight at least 1/n so the start does not dominate
+            a = max(self.alpha, 1.0 / self.count)
+            d = x - self.mean
+            incr = a * d
+            self.mean += incr
+            self.var = (1 - a) * (self.var + d * incr)
+        return anomalous
+
+    def evidence(self) -> dict:
+        if self.last is None:
+            return {"detector": self.name, "ready": False, "samples": self.count}
+        value, mean, std, z, anomalous = self.last
+        return {
+            "detector": self.name,
+            "value": value,
+            "mean": mean,
+            "std": std,
+            "z": z,
+            "lower": mean - self.k * std,
+            "upper": mean + self.k * std,
+            "k": self.k,
+            "alpha": self.alpha,
+            "anomalous": anomalous,
+            "score": self.score,
+        }

@@ -1,0 +1,127 @@
+"""Rolling mean ± k·std: the seed's AdaptiveThreshold, in O(1) per sample."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from .base import Detector, is_finite, saturating
+
+__all__ = ["RollingZ"]
+
+
+class RollingZ(Detector):
+    """Window mean ± k·std (population std), judged with the current value inside the window.
+
+    Same verdicts as the seed's ``AdaptiveThreshold``: the value is appended to the window
+    first, no verdict until ``window // 2`` samples, and the lower bound is clipped at 0
+    when ``clip_lower`` (metrics such as latencies and counts cannot go negative). The
+    mean and the sum of squared deviations are kept as running sums over a ring buffer
+    (sliding Welford update) and recomputed exactly every ``window`` samples.
+
+    Parameters: ``window`` (samples), ``k`` (std factor), ``clip_lower``.
+    Cost: O(1) per sample (O(window) once every ``window`` samples).
+
+    >>> det = RollingZ(window=20, k=2.5)
+    >>> any(det.update(v) for v in [1.0, 1.1, 0.9, 1.0, 1.05] * 2)
+    False
+    >>> det.ready
+    True
+    >>> det.update(5.0)
+    True
+    >>> round(det.evidence()["upper"], 3) < 5.0
+    True
+    >>> det.update(float("nan")), det.count
+    (False, 11)
+    """
+
+    name = "rolling_z"
+    _params = ("window", "k", "clip_lower")
+    _fields = ("buf", "mean", "m2", "since", "count", "last")
+
+    def __init__(self, window: int = 50, k: float = 2.5, clip_lower: bool = True):
+        if window < 2:
+            raise ValueError("window must be >= 2")
+        self.window = int(window)
+        self.k = float(k)
+        self.clip_lower = bool(clip_lower)
+        self.buf: deque = deque(maxlen=self.window)
+        self.mean = 0.0
+        self.m2 = 0.0
+        self.since = 0  # samples since the last exact recomputation
+        self.count = 0
+        self.last: list | None = None  # [value, mean, std, lower, upper, anomalous]
+        self.score = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return len(self.buf) >= self.window // 2
+
+    def _push(self, x: float) -> None:
+        buf = self.buf
+        if len(buf) == self.window:
+            old = buf[0]
+            buf.append(x)
+            n = len(buf)
+            mean_new = self.mean + (x - old) / n
+            self.m2 += (x - old) * (x - mean_new + old - self.mean)
+            self.mean = mean_new
+        else:
+            buf.append(x)
+            n = len(buf)
+            delta = x - self.mean
+            self.mean += delta / n
+            self.m2 += delta * (x - self.mean)
+        self.since += 1
+        if self.since >= self.window:
+            arr = np.fromiter(buf, dtype=float, count=len(buf))
+            self.mean = float(np.mean(arr))
+            self.m2 = float(np.sum((arr - self.mean) ** 2))
+            self.since = 0
+
+    def update(self, x: float, t: float | None = None) -> bool:
+        if not is_finite(x):
+            return False
+        x = float(x)
+        self._push(x)
+        self.count += 1
+        if not self.ready:
+            self.last = None
+            self.score = 0.0
+            return False
+        n = len(self.buf)
+        std = math.sqrt(max(self.m2, 0.0) / n)
+        mean = self.mean
+        lower = mean - self.k * std
+        if self.clip_lower:
+            lower = max(0.0, lower)
+        upper = mean + self.k * std
+        anomalous = not (lower <= x <= upper)
+        if std > 0:
+            z = (x - mean) / std
+        else:
+            z = 0.0 if x == mean else math.inf
+        self.score = saturating(z, self.k)
+        if anomalous:
+            self.score = max(self.score, 0.5)
+        self.last = [x, mean, std, lower, upper, anomalous]
+        return anomalous
+
+    def evidence(self) -> dict:
+        if self.last is None:
+            return {"detector": self.name, "ready": False, "samples": len(self.buf)}
+        value, mean, std, lower, upper, anomalous = self.last
+        return {
+            "detector": self.name,
+            "value": value,
+            "mean": mean,
+            "std": std,
+            "lower": lower,
+            "upper": upper,
+            "k": self.k,
+            "window": self.window,
+            "anomalous": anomalous,
+            "score": self.score,
+        }
