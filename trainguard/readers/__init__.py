@@ -1,0 +1,191 @@
+"""Readers that turn a recorded run into an ordered stream of ``(step, {metric: float})``.
+
+Used by ``trainguard replay`` to run detectors offline over a run that already happened.
+
+    from trainguard.readers import read_steps, open_reader, estimate_steps
+
+    for step, metrics in read_steps("run.log"):          # format detected from the content
+        ...
+
+    reader = open_reader("trainer_state.json")           # the same, with counters
+    for step, metrics in reader: ...
+    reader.skipped, reader.problems, reader.position / reader.total_bytes
+
+Formats (``fmt`` names, aliases in brackets):
+
+- ``jsonl`` (json, ndjson): flat ``{"step": .., "metric": ..}`` lines, or the project's own
+  ``metrics/1`` events;
+- ``csv`` (tsv): a header with a ``step`` column;
+- ``hf`` (trainer_state): Hugging Face ``trainer_state.json`` ``log_history``; a checkpoint
+  directory holding one works too;
+- ``tensorboard`` (tb, tfevents): ``events.out.tfevents.*`` files, or a directory of them;
+- ``verl`` (log, console): verl console output, ``step:12 - key:value - ...``.
+
+Files may be gzip-compressed. Values are floats with NaN/Inf kept as ``nan``/``inf``
+(a NaN loss is the most important thing a replay can find). Steps come in file order;
+records of one step that follow each other are merged into one step.
+
+Bad input: line-based formats (jsonl, csv, verl) skip and count unreadable lines
+(``reader.skipped``, first descriptions in ``reader.problems``) and never stop on one; a
+file where *nothing* could be read, a broken trainer_state.json, or a TensorBoard record
+failing its CRC raises :class:`ReadError`, whose message names the file, the line or byte
+offset, and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Iterator
+
+from .base import ReadError, Step, StepReader, head_bytes
+from .csvfile import CsvReader, step_column
+from .hf import TrainerStateReader
+from .jsonl import JsonlReader
+from .tensorboard import TensorBoardReader, looks_like_tfrecord
+from .verl import VerlLogReader, parse_line
+
+READERS: dict[str, type[StepReader]] = {
+    "jsonl": JsonlReader,
+    "csv": CsvReader,
+    "hf": TrainerStateReader,
+    "tensorboard": TensorBoardReader,
+    "verl": VerlLogReader,
+}
+ALIASES = {"json": "jsonl", "ndjson": "jsonl", "events": "jsonl", "tsv": "csv", "trainer_state": "hf",
+           "huggingface": "hf", "tb": "tensorboard", "tfevents": "tensorboard", "log": "verl",
+           "console": "verl", "text": "verl"}
+FORMATS = tuple(READERS)
+
+_SNIFF_BYTES = 65536
+
+
+def _canonical(fmt: str, path: str) -> str:
+    name = fmt.strip().lower()
+    name = ALIASES.get(name, name)
+    if name not in READERS:
+        raise ReadError(path, f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+    return name
+
+
+def _strip_gz(name: str) -> str:
+    return name[:-3] if name.endswith(".gz") else name
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """The format of ``path`` from its name and first bytes; ReadError when it cannot tell."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "trainer_state.json")):
+            return "hf"
+        if any("tfevents" in n for n in os.listdir(path)):
+            return "tensorboard"
+        raise ReadError(path, "directory holds neither trainer_state.json nor events.out.tfevents.* files")
+    name = _strip_gz(os.path.basename(path).lower())
+    if "tfevents" in name:
+        return "tensorboard"
+    if name == "trainer_state.json":
+        return "hf"
+    try:
+        head = head_bytes(path, _SNIFF_BYTES)
+    except OSError as exc:
+        raise ReadError(path, f"cannot open: {exc.strerror or exc}") from None
+    if not head.strip():
+        raise ReadError(path, "file is empty")
+    if looks_like_tfrecord(head):
+        return "tensorboard"
+    text = head.decode("utf-8", errors="replace")
+    lines = text.splitlines()
+    if len(head) == _SNIFF_BYTES and len(lines) > 1:
+        lines = lines[:-1]  # the last line may be cut by the sniff window
+    first = next((ln.strip() for ln in lines if ln.strip()), "")
+    ext = os.path.splitext(name)[1]
+    if first.startswith("{"):
+        obj = _json_object(first)
+        if obj is not None:  # a whole object on the first line: JSON lines (or a one-line trainer state)
+            return "hf" if type(obj.get("log_history")) is list else "jsonl"
+        if '"log_history"' in text or ext == ".json":
+            return "hf"
+        return "jsonl"
+    if ext in (".jsonl", ".ndjson"):
+        return "jsonl"
+    if any(parse_line(ln) for ln in lines[:2000]):
+        return "verl"
+    if ext in (".csv", ".tsv") or (any(d in first for d in ",\t;") and _csv_header_has_step(first)):
+        return "csv"
+    if ext in (".log", ".txt", ".out", ".err"):
+        return "verl"
+    raise ReadError(path, "cannot tell the format (not JSON lines, CSV with a step column, trainer_state.json, "
+                          f"a TensorBoard event file, or a verl log); pass a format: {', '.join(FORMATS)}")
+
+
+def _json_object(line: str) -> dict | None:
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return obj if type(obj) is dict else None
+
+
+def _csv_header_has_step(line: str) -> bool:
+    cells = re.split(r"[,\t;]", line)
+    return step_column([c.strip().strip('"') for c in cells]) is not None
+
+
+def open_reader(path: str | os.PathLike, fmt: str | None = None) -> StepReader:
+    """A reader for ``path`` (iterate it for steps; it keeps the counters)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ReadError(path, "no such file or directory")
+    name = _canonical(fmt, path) if fmt else detect_format(path)
+    if name == "hf" and os.path.isdir(path):
+        path = os.path.join(path, "trainer_state.json")
+    return READERS[name](path)
+
+
+def read_steps(path: str | os.PathLike, fmt: str | None = None) -> Iterator[Step]:
+    """``(step, {metric: float})`` in file order; ``fmt`` None detects the format."""
+    yield from open_reader(path, fmt)
+
+
+def count_steps(path: str | os.PathLike, fmt: str | None = None) -> int:
+    """The exact number of steps ``read_steps`` will yield (reads the whole file once)."""
+    reader = open_reader(path, fmt)
+    if isinstance(reader, TensorBoardReader):
+        reader.verify_crc = False  # counting only; the replay pass checks them
+    n = 0
+    for _ in reader:
+        n += 1
+    return n
+
+
+def estimate_steps(path: str | os.PathLike, fmt: str | None = None, sample_bytes: int = 1 << 20) -> int:
+    """A cheap estimate of the step count for a progress bar: exact for files up to
+    ``sample_bytes`` (and for trainer_state.json), else extrapolated from the steps in the
+    first ``sample_bytes`` by file size (compressed files: by compressed size)."""
+    reader = open_reader(path, fmt)
+    if isinstance(reader, TensorBoardReader):
+        reader.verify_crc = False
+    if isinstance(reader, TrainerStateReader) or reader.total_bytes <= sample_bytes:
+        return sum(1 for _ in _quiet(reader))
+    n = 0
+    for _ in _quiet(reader):
+        n += 1
+        if reader.position >= sample_bytes:
+            break
+    if reader.position <= 0:
+        return n
+    return max(n, round(n * reader.total_bytes / reader.position))
+
+
+def _quiet(reader: StepReader) -> Iterator[Step]:
+    try:
+        yield from reader
+    except ReadError:
+        return
+
+
+__all__ = ["ReadError", "StepReader", "Step", "FORMATS", "READERS", "detect_format", "open_reader",
+           "read_steps", "count_steps", "estimate_steps", "JsonlReader", "CsvReader", "TrainerStateReader",
+           "TensorBoardReader", "VerlLogReader"]
