@@ -20,6 +20,7 @@ trainguard_samples_processed_total       (none)              1
 trainguard_dlq_total                     reason              len(DLQ_REASONS)
 trainguard_runs_tracked                  (none)              1
 trainguard_runs_evicted_total            (none)              1
+trainguard_notifications_total           sink, outcome       5 sinks x 3 outcomes
 =======================================  ==================  ===============================
 
 - ``metric`` takes only names from the allow-list ``KEY_METRICS`` (or the list given to
@@ -28,9 +29,11 @@ trainguard_runs_evicted_total            (none)              1
   run seen least recently is evicted and all its series are removed.
 - ``rule``: at most ``max_rules`` distinct rule names (default 100); alerts of further
   rules are counted under ``rule="_other"``.
-- ``severity`` is P0..P3, ``status`` firing|resolved, ``reason`` one of ``DLQ_REASONS``.
+- ``severity`` is P0..P3, ``status`` firing|resolved, ``reason`` one of ``DLQ_REASONS``,
+  ``sink`` a sink kind (dingtalk, wecom, slack, webhook, alertmanager), ``outcome``
+  delivered|retried|undelivered.
 
-With the defaults that is at most 20 x 16 + 20 + 20 x 100 + 800 + 400 + 16 series.
+With the defaults that is at most 20 x 16 + 20 + 20 x 100 + 800 + 400 + 40 series.
 
 One :class:`Exporter` per process (the metrics are process-wide, as in client_python).
 """
@@ -95,6 +98,8 @@ SAMPLES = Counter("trainguard_samples_processed", "Metric samples (name=value pa
 DLQ = Counter("trainguard_dlq", "Messages sent to the dead-letter topic, by reason", ["reason"],
               registry=REGISTRY)
 RUNS_TRACKED = Gauge("trainguard_runs_tracked", "Runs whose series are exported now", registry=REGISTRY)
+NOTIFICATIONS = Counter("trainguard_notifications", "Alert notifications by sink and outcome "
+                        "(delivered, retried, undelivered = given up)", ["sink", "outcome"], registry=REGISTRY)
 RUNS_EVICTED = Counter("trainguard_runs_evicted", "Runs evicted to keep within max_runs", registry=REGISTRY)
 
 _DLQ_RULES = (  # first match wins; the messages are schemas.events.SchemaError's

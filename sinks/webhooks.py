@@ -1,0 +1,492 @@
+"""Chat and HTTP notifications: DingTalk, WeCom, Slack and a generic JSON webhook.
+
+Every sink here is a :class:`WebhookSink`: ``write(batch)`` only puts alerts into an
+:class:`Outbox` and returns at once; one sender thread per sink delivers them in order,
+retrying with exponential backoff (and jitter) while the receiver is down.
+
+Guarantees:
+
+- **Once per alert id + status.** An alert whose ``(id, status)`` was delivered or is
+  pending is not queued again (the worker replays a few alerts after a restart). With
+  ``outbox_path`` the pending queue and the delivered keys survive a restart of the sink.
+  (At the HTTP level a receiver that takes a message and then fails to answer is sent it
+  again: no webhook API offers a deduplication key.)
+- **Never lost silently.** An alert stays in the outbox until it is delivered, until it is
+  older than ``max_age_s`` (default one day), until ``max_items`` newer alerts push it out
+  (default 1000), or until the receiver refuses it for good (HTTP 4xx other than 408/429).
+  Whatever could not be delivered is logged, counted (``undelivered_count`` and
+  ``trainguard_notifications_total{outcome="undelivered"}``) and listed by
+  :meth:`WebhookSink.undelivered`.
+
+Message text comes from the editable templates in ``sinks/templates/`` (see its README).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import os
+import random
+import string
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainguard.sinks.base import Sink
+
+log = logging.getLogger("trainguard.sinks.webhooks")
+
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+
+# --------------------------------------------------------------------------- templates
+
+
+def _clock(ts) -> str:
+    if not isinstance(ts, (int, float)):
+        return ""
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(ts))
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def alert_fields(alert: dict) -> dict[str, str]:
+    """The placeholders a template can use, all strings (empty when the alert has no such field)."""
+    onset = alert.get("onset") or {}
+    src = alert.get("source") or {}
+    source = " ".join(f"{k}={src[k]}" for k in ("kind", "host", "rank", "gpu") if src.get(k) not in (None, ""))
+    rule = str(alert.get("rule", ""))
+    status = str(alert.get("status", "firing"))
+    return {
+        "id": _fmt(alert.get("id")),
+        "severity": _fmt(alert.get("severity")),
+        "rule": rule,
+        "title": _fmt(alert.get("title")) or rule.replace("_", " ").replace("-", " ").title(),
+        "status": status,
+        "resolved": " (resolved)" if status == "resolved" else "",
+        "run": _fmt(alert.get("run_id")),
+        "time": _clock(alert.get("ts")),
+        "step": _fmt(alert.get("step")),
+        "onset_step": _fmt(onset.get("step")),
+        "onset_time": _clock(onset.get("ts")),
+        "metric": _fmt(alert.get("metric")),
+        "value": _fmt(alert.get("value")),
+        "root_cause": _fmt(alert.get("diagnosis")),
+        "suggestion": _fmt(alert.get("suggestion")),
+        "incident": _fmt(alert.get("incident")),
+        "report": _fmt(alert.get("report")),
+        "source": source,
+        "host": _fmt(src.get("host")),
+        "layer": _fmt(alert.get("layer")),
+    }
+
+
+class Templates:
+    """Loads ``name`` from ``directory`` (else the packaged one) and renders alerts with it."""
+
+    def __init__(self, directory: str | Path | None = None):
+        directory = directory or os.environ.get("TRAINGUARD_TEMPLATES_DIR")
+        self.directory = Path(directory) if directory else TEMPLATES_DIR
+        self._cache: dict[str, string.Template] = {}
+
+    def get(self, name: str) -> string.Template:
+        if name not in self._cache:
+            path = self.directory / name
+            if not path.exists():
+                path = TEMPLATES_DIR / name
+            self._cache[name] = string.Template(path.read_text(encoding="utf-8"))
+        return self._cache[name]
+
+    def render(self, name: str, alert: dict) -> str:
+        return render(self.get(name), alert_fields(alert))
+
+
+def render(template: string.Template, values: dict[str, str]) -> str:
+    """``safe_substitute`` line by line, dropping lines whose placeholders are all empty."""
+    out = []
+    for line in template.template.splitlines():
+        names = [m.group("named") or m.group("braced") for m in template.pattern.finditer(line)
+                 if m.group("named") or m.group("braced")]
+        known = [n for n in names if n in values]
+        if known and not any(values[n] for n in known):
+            continue
+        out.append(string.Template(line).safe_substitute(values))
+    return "\n".join(out).strip("\n")
+
+
+# --------------------------------------------------------------------------- outbox
+
+
+class PermanentError(Exception):
+    """The receiver refused the message for good (bad request, wrong token ...)."""
+
+
+@dataclass
+class Item:
+    key: str  # "<alert id>:<status>"
+    alert: dict
+    queued: float = field(default_factory=time.time)
+    attempts: int = 0
+    last_error: str = ""
+
+
+class Outbox:
+    """Bounded FIFO of alerts to deliver, with the keys already delivered (optionally on disk)."""
+
+    def __init__(self, max_items: int = 1000, max_age_s: float = 86_400.0, path: str | Path | None = None,
+                 max_delivered_keys: int = 100_000, max_undelivered: int = 1000):
+        self.max_items = max_items
+        self.max_age_s = max_age_s
+        self.path = Path(path) if path else None
+        self.pending: deque[Item] = deque()
+        self.delivered: OrderedDict[str, None] = OrderedDict()
+        self.max_delivered_keys = max_delivered_keys
+        self.undelivered: deque[dict] = deque(maxlen=max_undelivered)
+        self.undelivered_count = 0
+        self._keys: set[str] = set()
+        if self.path and self.path.exists():
+            self._load()
+
+    def _load(self) -> None:
+        try:
+            state = json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            log.error("trainguard: outbox %s unreadable, starting empty: %s", self.path, exc)
+            return
+        for key in state.get("delivered", []):
+            self.delivered[key] = None
+        for raw in state.get("pending", []):
+            item = Item(raw["key"], raw["alert"], raw.get("queued", time.time()), raw.get("attempts", 0))
+            self.pending.append(item)
+            self._keys.add(item.key)
+
+    def save(self) -> None:
+        if not self.path:
+            return
+        state = {"pending": [{"key": i.key, "alert": i.alert, "queued": i.queued, "attempts": i.attempts}
+                             for i in self.pending],
+                 "delivered": list(self.delivered)}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps(state, default=str))
+        os.replace(tmp, self.path)
+
+    def add(self, alert: dict) -> bool:
+        """Queue ``alert`` unless its id+status was delivered or is pending; False when skipped."""
+        key = f"{alert.get('id')}:{alert.get('status', 'firing')}"
+        if key in self.delivered or key in self._keys:
+            return False
+        self.pending.append(Item(key, alert))
+        self._keys.add(key)
+        while len(self.pending) > self.max_items:
+            self.give_up(self.pending[0], f"outbox full ({self.max_items} alerts)")
+        return True
+
+    def expire(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        while self.pending and now - self.pending[0].queued > self.max_age_s:
+            self.give_up(self.pending[0], f"not delivered within {self.max_age_s:.0f} s")
+
+    def done(self, item: Item) -> None:
+        self._remove(item)
+        self.delivered[item.key] = None
+        while len(self.delivered) > self.max_delivered_keys:
+            self.delivered.popitem(last=False)
+
+    def give_up(self, item: Item, why: str) -> None:
+        self._remove(item)
+        self.undelivered_count += 1
+        self.undelivered.append({"key": item.key, "alert": item.alert, "reason": why,
+                                 "attempts": item.attempts, "last_error": item.last_error})
+
+    def _remove(self, item: Item) -> None:
+        try:
+            self.pending.remove(item)
+        except ValueError:
+            pass
+        self._keys.discard(item.key)
+
+
+# --------------------------------------------------------------------------- sinks
+
+
+def _counter():
+    try:
+        from trainguard.sinks.prometheus import NOTIFICATIONS
+        return NOTIFICATIONS
+    except ImportError:  # prometheus-client not installed: the sink still works
+        return None
+
+
+class WebhookSink(Sink):
+    """Base of the HTTP sinks: subclasses say where to POST (:meth:`url`) and what (:meth:`payload`)."""
+
+    name = "webhook"
+    retry_statuses = frozenset({408, 429})
+
+    def __init__(self, url: str, *, timeout_s: float = 10.0, backoff_s: float = 0.5, max_backoff_s: float = 60.0,
+                 max_items: int = 1000, max_age_s: float = 86_400.0, outbox_path: str | Path | None = None,
+                 templates: Templates | str | Path | None = None, headers: dict | None = None,
+                 severities: tuple[str, ...] | None = None):
+        super().__init__()
+        if not url:
+            raise ValueError(f"{self.name}: a webhook URL is required")
+        self.webhook = url
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.headers = {"Content-Type": "application/json", "User-Agent": "trainguard", **(headers or {})}
+        self.templates = templates if isinstance(templates, Templates) else Templates(templates)
+        self.severities = severities
+        self.outbox = Outbox(max_items=max_items, max_age_s=max_age_s, path=outbox_path)
+        self.sent = 0
+        self.retries = 0
+        self._cond = threading.Condition()
+        self._stop = False
+        self._busy = False
+        self._metric = _counter()
+        self._thread = threading.Thread(target=self._loop, name=f"trainguard-{self.name}", daemon=True)
+        self._thread.start()
+
+    # -- what subclasses define
+
+    def url(self) -> str:
+        return self.webhook
+
+    def payload(self, alert: dict) -> dict:
+        raise NotImplementedError
+
+    def check_response(self, status: int, body: bytes) -> None:
+        """Raise when a 2xx answer still says the message was not taken (DingTalk/WeCom errcode)."""
+
+    # -- Sink
+
+    def write(self, batch: list[dict]) -> None:
+        added = False
+        with self._cond:
+            for event in batch:
+                if not str(event.get("schema", "")).startswith("alert/"):
+                    continue
+                if self.severities and event.get("severity") not in self.severities:
+                    continue
+                added |= self.outbox.add(event)
+            if added:
+                self.outbox.save()
+                self._cond.notify_all()
+
+    def undelivered(self) -> list[dict]:
+        """Alerts given up on (oldest first), each with the reason, attempts and last error."""
+        with self._cond:
+            return list(self.outbox.undelivered)
+
+    @property
+    def undelivered_count(self) -> int:
+        return self.outbox.undelivered_count
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self.outbox.pending)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until the outbox is empty; True when it is."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.outbox.pending or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.5))
+            return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.flush(timeout)
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=self.timeout_s + 1)
+        with self._cond:
+            left = len(self.outbox.pending)
+            self.outbox.save()
+        if left:
+            where = f"kept in {self.outbox.path}" if self.outbox.path else "lost (no outbox_path)"
+            log.error("trainguard: %s closed with %d alert(s) not delivered, %s", self.name, left, where)
+
+    # -- delivery
+
+    def _post(self, alert: dict) -> None:
+        data = json.dumps(self.payload(alert), ensure_ascii=False, default=str).encode()
+        req = urllib.request.Request(self.url(), data=data, headers=self.headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                body = resp.read()
+                self.check_response(resp.status, body)
+        except urllib.error.HTTPError as exc:
+            detail = f"HTTP {exc.code}: {exc.read()[:200]!r}"
+            if 400 <= exc.code < 500 and exc.code not in self.retry_statuses:
+                raise PermanentError(detail) from None
+            raise OSError(detail) from None
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        if self._metric is not None:
+            self._metric.labels(self.name, outcome).inc(n)
+
+    def _loop(self) -> None:
+        next_try = 0.0  # monotonic time of the next attempt (backoff after a failure)
+        while True:
+            with self._cond:
+                while not self._stop:
+                    wait = next_try - time.monotonic()
+                    if self.outbox.pending and wait <= 0:
+                        break
+                    self._cond.wait(min(wait, 1.0) if wait > 0 else 1.0)
+                if self._stop:
+                    return
+                before = self.outbox.undelivered_count
+                self.outbox.expire()
+                self._report_given_up(before)
+                if not self.outbox.pending:
+                    continue
+                item = self.outbox.pending[0]
+                self._busy = True
+            try:
+                self._post(item.alert)
+                error = None
+            except PermanentError as exc:
+                error, permanent = str(exc), True
+            except Exception as exc:  # connection refused, timeout, 5xx, errcode != 0
+                error, permanent = f"{type(exc).__name__}: {exc}", False
+            with self._cond:
+                self._busy = False
+                item.attempts += 1
+                if error is None:
+                    self.outbox.done(item)
+                    self.sent += 1
+                    self._count("delivered")
+                    next_try = 0.0
+                elif permanent:
+                    item.last_error = error
+                    before = self.outbox.undelivered_count
+                    self.outbox.give_up(item, "refused by the receiver")
+                    self._report_given_up(before)
+                    next_try = 0.0
+                else:
+                    item.last_error = error
+                    self.retries += 1
+                    self._count("retried")
+                    delay = min(self.max_backoff_s, self.backoff_s * 2 ** min(item.attempts - 1, 30))
+                    delay *= random.uniform(0.8, 1.2)
+                    next_try = time.monotonic() + delay
+                    if item.attempts == 1 or item.attempts % 10 == 0:
+                        log.warning("trainguard: %s delivery of %s failed (attempt %d, retry in %.1f s): %s",
+                                    self.name, item.key, item.attempts, delay, error)
+                self.outbox.save()
+                self._cond.notify_all()
+
+    def _report_given_up(self, before: int) -> None:
+        n = self.outbox.undelivered_count - before
+        if n <= 0:
+            return
+        self._count("undelivered", n)
+        for entry in list(self.outbox.undelivered)[-n:]:
+            log.error("trainguard: %s gave up on alert %s after %d attempt(s): %s (last error: %s)",
+                      self.name, entry["key"], entry["attempts"], entry["reason"], entry["last_error"])
+
+
+def _errcode_check(status: int, body: bytes) -> None:
+    try:
+        answer = json.loads(body or b"{}")
+    except ValueError:
+        return
+    if isinstance(answer, dict) and answer.get("errcode", 0) != 0:
+        raise OSError(f"errcode {answer.get('errcode')}: {answer.get('errmsg')}")
+
+
+def dingtalk_sign(secret: str, timestamp_ms: int) -> str:
+    """DingTalk robot signature: base64(HMAC-SHA256(key=secret, msg=f"{timestamp}\\n{secret}")), url-encoded."""
+    digest = hmac.new(secret.encode(), f"{timestamp_ms}\n{secret}".encode(), hashlib.sha256).digest()
+    return urllib.parse.quote_plus(base64.b64encode(digest))
+
+
+class DingTalkSink(WebhookSink):
+    """DingTalk group robot (``https://oapi.dingtalk.com/robot/send?access_token=...``), markdown."""
+
+    name = "dingtalk"
+
+    def __init__(self, url: str, secret: str | None = None, *, at_mobiles: tuple[str, ...] = (),
+                 at_all_severities: tuple[str, ...] = (), **kwargs):
+        self.secret = secret or None
+        self.at_mobiles = list(at_mobiles)
+        self.at_all_severities = tuple(at_all_severities)
+        super().__init__(url, **kwargs)
+
+    def url(self) -> str:
+        if not self.secret:
+            return self.webhook
+        ts = int(time.time() * 1000)
+        sep = "&" if "?" in self.webhook else "?"
+        return f"{self.webhook}{sep}timestamp={ts}&sign={dingtalk_sign(self.secret, ts)}"
+
+    def payload(self, alert: dict) -> dict:
+        text = self.templates.render("markdown.md", alert)
+        if self.at_mobiles:
+            text += "\n\n" + " ".join(f"@{m}" for m in self.at_mobiles)
+        return {"msgtype": "markdown",
+                "markdown": {"title": self.templates.render("title.txt", alert), "text": text},
+                "at": {"atMobiles": self.at_mobiles,
+                       "isAtAll": alert.get("severity") in self.at_all_severities}}
+
+    def check_response(self, status: int, body: bytes) -> None:
+        _errcode_check(status, body)
+
+
+class WeComSink(WebhookSink):
+    """WeCom (企业微信) group robot (``https://qyapi.weixin.qq.com/cgi-bin/webhook/send?key=...``), markdown."""
+
+    name = "wecom"
+    max_bytes = 4096  # WeCom's limit on markdown content
+
+    def payload(self, alert: dict) -> dict:
+        content = self.templates.render("markdown.md", alert)
+        raw = content.encode()
+        if len(raw) > self.max_bytes:
+            content = raw[: self.max_bytes - 3].decode(errors="ignore") + "..."
+        return {"msgtype": "markdown", "markdown": {"content": content}}
+
+    def check_response(self, status: int, body: bytes) -> None:
+        _errcode_check(status, body)
+
+
+class SlackSink(WebhookSink):
+    """Slack incoming webhook: a header block, a mrkdwn section, and plain ``text`` as fallback."""
+
+    name = "slack"
+
+    def payload(self, alert: dict) -> dict:
+        title = self.templates.render("title.txt", alert)
+        body = self.templates.render("slack.md", alert)
+        return {"text": title,
+                "blocks": [{"type": "header", "text": {"type": "plain_text", "text": title[:150]}},
+                           {"type": "section", "text": {"type": "mrkdwn", "text": body[:3000]}}]}
+
+
+class GenericWebhookSink(WebhookSink):
+    """POST the alert itself as JSON, plus ``text`` (the rendered title) for chat-like receivers."""
+
+    name = "webhook"
+
+    def payload(self, alert: dict) -> dict:
+        return {**alert, "text": self.templates.render("title.txt", alert)}
+

@@ -1,0 +1,265 @@
+"""Webhook sinks against a real local HTTP server that is down, then failing, then well."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import socket
+import threading
+import time
+import urllib.parse
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from trainguard.sinks.webhooks import (DingTalkSink, GenericWebhookSink, SlackSink, Templates, WeComSink,
+                                       alert_fields, dingtalk_sign, render)
+
+
+def _alert(i: int = 0, status: str = "firing", **extra) -> dict:
+    return {"schema": "alert/1", "id": f"a{i}-{uuid.uuid4().hex[:6]}" if "id" not in extra else extra.pop("id"),
+            "run_id": "ppo-7b", "rule": "dataflow_collapse", "severity": "P0", "status": status,
+            "metric": "rollout/latency_ms", "value": 9120.5, "step": 130 + i, "ts": 1764400000.0 + i,
+            "onset": {"step": 128, "ts": 1764399990.0},
+            "source": {"kind": "trainer", "host": "gpu-08", "rank": 0, "gpu": None},
+            "evidence": {"detector": "rolling_z"}, "diagnosis": "Reward model OOM on node gpu-08",
+            "suggestion": "Reduce reward_batch_size from 64 to 32", **extra}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+class Receiver:
+    """A local HTTP server that answers 500 (or ``fail_body`` with 200) to the first ``fail_first`` requests."""
+
+    def __init__(self, port: int = 0, fail_first: int = 0, fail_status: int = 500, fail_body: bytes | None = None,
+                 ok_body: bytes = b"ok"):
+        self.fail_first = fail_first
+        self.fail_status = fail_status
+        self.fail_body = fail_body
+        self.ok_body = ok_body
+        self.requests: list[tuple[str, dict]] = []  # accepted: (path with query, JSON body)
+        self.attempts = 0
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with outer.lock:
+                    outer.attempts += 1
+                    failing = outer.attempts <= outer.fail_first
+                    if not failing:
+                        outer.requests.append((self.path, json.loads(body)))
+                if failing and outer.fail_body is None:
+                    self.send_response(outer.fail_status)
+                    self.end_headers()
+                    self.wfile.write(b"down")
+                    return
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(outer.fail_body if failing else outer.ok_body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def bodies(self) -> list[dict]:
+        with self.lock:
+            return [b for _, b in self.requests]
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+@pytest.fixture
+def servers():
+    started: list[Receiver] = []
+    sinks = []
+
+    def start(**kwargs) -> Receiver:
+        r = Receiver(**kwargs)
+        started.append(r)
+        return r
+
+    start.sinks = sinks
+    try:
+        yield start
+    finally:
+        for sink in sinks:
+            sink.close(timeout=1)
+        for r in started:
+            r.stop()
+
+
+FAST = dict(backoff_s=0.05, max_backoff_s=0.4, timeout_s=5)
+
+
+def test_every_alert_arrives_exactly_once_through_refused_connections_and_500s(servers, caplog):
+    port = _free_port()  # nothing listens yet: connection refused
+    sink = GenericWebhookSink(f"http://127.0.0.1:{port}/hook", **FAST)
+    servers.sinks.append(sink)
+    alerts = [_alert(i) for i in range(20)]
+    sink.deliver(alerts[:10])
+    _wait(lambda: sink.retries >= 3, what="retries while the receiver is down")
+    assert sink.sent == 0 and sink.pending() == 10
+    receiver = servers(port=port, fail_first=5)  # comes up, answers 500 five times, then recovers
+    sink.deliver(alerts[10:])
+    sink.deliver(alerts[:5])  # replays (a worker restart) are not sent again
+    sink.deliver([{**alerts[0], "status": "resolved"}])
+    assert sink.flush(timeout=60), f"still pending: {sink.pending()}"
+    got = [(b["id"], b["status"]) for b in receiver.bodies()]
+    want = [(a["id"], "firing") for a in alerts] + [(alerts[0]["id"], "resolved")]
+    assert got == want  # exactly once each, in order
+    assert receiver.attempts == len(want) + 5
+    assert sink.undelivered() == [] and sink.undelivered_count == 0
+    sink.deliver(alerts)  # already delivered
+    assert sink.flush(timeout=5)
+    assert len(receiver.bodies()) == len(want)
+    assert "delivery of" in caplog.text  # the outage was logged
+
+
+def test_refused_for_good_and_overflow_are_visible(servers):
+    receiver = servers(fail_first=1, fail_status=400)
+    sink = GenericWebhookSink(receiver.url, max_items=3, **FAST)
+    servers.sinks.append(sink)
+    first = _alert(0)
+    sink.deliver([first])
+    assert sink.flush(timeout=30)
+    [gone] = sink.undelivered()
+    assert gone["alert"]["id"] == first["id"] and "refused" in gone["reason"] and "HTTP 400" in gone["last_error"]
+
+    down = GenericWebhookSink(f"http://127.0.0.1:{_free_port()}/hook", max_items=3, **FAST)
+    servers.sinks.append(down)
+    alerts = [_alert(i) for i in range(5)]
+    down.deliver(alerts)
+    assert down.pending() == 3
+    assert [u["alert"]["id"] for u in down.undelivered()] == [a["id"] for a in alerts[:2]]
+    assert all("outbox full" in u["reason"] for u in down.undelivered())
+    assert down.undelivered_count == 2
+
+
+def test_old_alerts_expire_into_undelivered(servers):
+    sink = GenericWebhookSink(f"http://127.0.0.1:{_free_port()}/hook", max_age_s=0.3, **FAST)
+    servers.sinks.append(sink)
+    sink.deliver([_alert(0)])
+    _wait(lambda: sink.undelivered_count == 1, what="expiry")
+    assert "not delivered within" in sink.undelivered()[0]["reason"]
+    assert sink.undelivered()[0]["attempts"] >= 1
+
+
+def test_file_backed_outbox_survives_a_restart(servers, tmp_path):
+    path = tmp_path / "outbox.json"
+    port = _free_port()
+    first = GenericWebhookSink(f"http://127.0.0.1:{port}/hook", outbox_path=path, **FAST)
+    delivered_before = _alert(99)
+    alerts = [_alert(i) for i in range(3)]
+    first.deliver(alerts)
+    _wait(lambda: first.retries >= 1, what="a failed attempt")
+    first.close(timeout=0.1)
+    assert json.loads(path.read_text())["pending"]
+    receiver = servers(port=port)
+    second = GenericWebhookSink(receiver.url, outbox_path=path, **FAST)
+    servers.sinks.append(second)
+    second.deliver([delivered_before])
+    assert second.flush(timeout=30)
+    second.close(timeout=1)
+    third = GenericWebhookSink(receiver.url, outbox_path=path, **FAST)
+    servers.sinks.append(third)
+    third.deliver(alerts + [delivered_before])  # all delivered already, by the previous instance
+    assert third.flush(timeout=10)
+    assert [b["id"] for b in receiver.bodies()] == [a["id"] for a in alerts] + [delivered_before["id"]]
+
+
+def _independent_sign(secret: str, timestamp: str) -> str:
+    string_to_sign = "{}\n{}".format(timestamp, secret)
+    mac = hmac.new(secret.encode("utf-8"), string_to_sign.encode("utf-8"), digestmod=hashlib.sha256).digest()
+    return base64.b64encode(mac).decode()
+
+
+def test_dingtalk_signature_matches_an_independent_computation():
+    secret = "SEC" + "0123456789abcdef" * 4
+    ts = 1764400000123
+    expected = urllib.parse.quote_plus(_independent_sign(secret, str(ts)))
+    assert dingtalk_sign(secret, ts) == expected
+    assert "%" in expected or expected.isalnum()  # url-encoded: '+', '/', '=' never appear raw
+    assert not set("+/=") & set(expected)
+
+
+def test_dingtalk_message_signed_markdown_and_retried_on_errcode(servers):
+    secret = "SECtest-secret"
+    receiver = servers(fail_first=2, fail_body=b'{"errcode":130101,"errmsg":"send too fast"}',
+                       ok_body=b'{"errcode":0,"errmsg":"ok"}')
+    sink = DingTalkSink(receiver.url + "?access_token=abc", secret, at_mobiles=("13800000000",),
+                        at_all_severities=("P0",), **FAST)
+    servers.sinks.append(sink)
+    alert = _alert(0, report="https://reports.example/ppo-7b/130")
+    sink.deliver([alert])
+    assert sink.flush(timeout=30)
+    assert receiver.attempts == 3
+    [(path, body)] = receiver.requests
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+    assert query["access_token"] == ["abc"]
+    timestamp = query["timestamp"][0]
+    assert abs(int(timestamp) / 1000 - time.time()) < 60
+    assert query["sign"][0] == _independent_sign(secret, timestamp)
+    assert body["msgtype"] == "markdown"
+    assert body["markdown"]["title"] == "[trainguard] P0: Dataflow Collapse"
+    text = body["markdown"]["text"]
+    assert "Run:** ppo-7b" in text and "Root cause:** Reward model OOM on node gpu-08" in text
+    assert "Suggestion:** Reduce reward_batch_size" in text and "reports.example" in text
+    assert "@13800000000" in text
+    assert body["at"] == {"atMobiles": ["13800000000"], "isAtAll": True}
+
+
+def test_wecom_and_slack_payloads(servers):
+    receiver = servers(ok_body=b'{"errcode":0,"errmsg":"ok"}')
+    wecom = WeComSink(receiver.url, **FAST)
+    slack = SlackSink(receiver.url, **FAST)
+    servers.sinks.extend([wecom, slack])
+    wecom.deliver([_alert(0)])
+    assert wecom.flush(timeout=30)
+    slack.deliver([_alert(1, status="resolved")])
+    assert slack.flush(timeout=30)
+    wecom_body, slack_body = receiver.bodies()
+    assert wecom_body["msgtype"] == "markdown"
+    content = wecom_body["markdown"]["content"]
+    assert content.startswith("### [trainguard] P0: Dataflow Collapse")
+    assert "Report" not in content  # the alert has no report: the line is dropped
+    assert slack_body["text"] == "[trainguard] P0: Dataflow Collapse (resolved)"
+    assert slack_body["blocks"][0]["type"] == "header"
+    assert "*Root cause:* Reward model OOM" in slack_body["blocks"][1]["text"]["text"]
+
+
+def test_templates_are_files_a_user_can_override(tmp_path):
+    (tmp_path / "title.txt").write_text("ALERT ${severity} ${rule} on ${run} costs $$0 ${unknown}")
+    templates = Templates(tmp_path)
+    alert = _alert(0)
+    assert templates.render("title.txt", alert) == "ALERT P0 dataflow_collapse on ppo-7b costs $0 ${unknown}"
+    assert "Root cause" in templates.render("markdown.md", alert)  # falls back to the packaged file
+    fields = alert_fields({"rule": "kl_explosion", "status": "firing"})
+    assert fields["title"] == "Kl Explosion" and fields["report"] == ""
+    import string
+    assert render(string.Template("a\nx ${report}\nb ${run}"), {"report": "", "run": "r"}) == "a\nb r"
