@@ -174,7 +174,7 @@ class ControlListener:
                         "group.id": f"trainguard-listener-{uuid.uuid4().hex[:8]}",  # never joined
                         "enable.auto.commit": False,
                         "enable.partition.eof": False,
-                        "log_level": 3,
+                        "log_level": 2,
                     }))
                     meta = consumer.list_topics(topic, timeout=5)
                     parts = meta.topics[topic].partitions

@@ -35,7 +35,7 @@ class Publisher:
             "enable.idempotence": True,
             "acks": "all",
             "message.timeout.ms": 60_000,
-            "log_level": 3,
+            "log_level": 2,
         })
         config.update(producer_config or {})
         config.setdefault("error_cb", self._on_error)

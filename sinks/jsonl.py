@@ -10,7 +10,11 @@ from trainguard.sinks.base import Sink
 
 
 def _event_id(event: dict) -> str | None:
-    return event.get("id") or (event.get("command_id") and f"ack:{event['command_id']}:{event.get('status')}")
+    if event.get("id"):
+        return f"{event['id']}:{event.get('status', '')}"  # an alert fires once and resolves once
+    if event.get("command_id"):
+        return f"ack:{event['command_id']}:{event.get('status')}"
+    return None
 
 
 class JsonlSink(Sink):

@@ -1,0 +1,1 @@
+"""Rule files: the default rules ship here; users copy and edit them."""

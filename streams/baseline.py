@@ -1,0 +1,180 @@
+"""Rolling baselines for all metrics of one source, updated together with numpy.
+
+The seed's ``AdaptiveThreshold`` (window mean +- k * std, no verdict before half a window,
+lower bound clipped at 0) re-reads its whole window for every sample. Here every metric
+of a source shares one block: a ring buffer per metric plus running sums, so one event
+with 50 metrics is one vectorised update, O(1) per sample. The sums are recomputed from
+the buffer once per window to stop floating-point drift, and values are stored relative
+to the metric's first value so that a large mean does not swallow a small variance.
+
+Non-finite values never enter a window: they are reported, and the baseline stays as it
+was (one NaN must not blind the detector or freeze its baseline at NaN).
+
+>>> import numpy as np
+>>> block = BaselineBlock()
+>>> rows = block.rows(["loss"], lambda name: (10, 2.5, True))
+>>> [bool(block.update(rows, np.array([1.0 + 0.01 * (i % 3)]))[0][0]) for i in range(10)][-1]
+False
+>>> bool(block.update(rows, np.array([5.0]))[0][0])
+True
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Callable
+
+import numpy as np
+import orjson
+
+
+class BaselineBlock:
+    __slots__ = ("names", "index", "window", "k", "clip", "buf", "count", "s1", "s2", "shift",
+                 "_last_key", "_last_rows")
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.index: dict[str, int] = {}
+        self.window = np.zeros(0, np.int64)
+        self.k = np.zeros(0)
+        self.clip = np.zeros(0, bool)
+        self.buf = np.zeros((0, 0))
+        self.count = np.zeros(0, np.int64)
+        self.s1 = np.zeros(0)
+        self.s2 = np.zeros(0)
+        self.shift = np.full(0, np.nan)
+        self._last_key: tuple | None = None
+        self._last_rows: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    # -- rows -----------------------------------------------------------------------
+
+    def rows(self, names, params: Callable[[str], tuple[int, float, bool]]) -> np.ndarray:
+        """Row numbers for ``names`` (a tuple or list), adding rows for new metrics."""
+        key = tuple(names)
+        if key == self._last_key:
+            return self._last_rows
+        index = self.index
+        new = [n for n in key if n not in index]
+        if new:
+            self._grow(new, params)
+        rows = np.fromiter((index[n] for n in key), np.int64, len(key))
+        self._last_key, self._last_rows = key, rows
+        return rows
+
+    def _grow(self, new: list[str], params) -> None:
+        settings = [params(n) for n in new]
+        for n in new:
+            self.index[n] = len(self.names)
+            self.names.append(n)
+        add = len(new)
+        self.window = np.concatenate([self.window, [s[0] for s in settings]]).astype(np.int64)
+        self.k = np.concatenate([self.k, [s[1] for s in settings]])
+        self.clip = np.concatenate([self.clip, [s[2] for s in settings]]).astype(bool)
+        width = int(self.window.max())
+        buf = np.zeros((len(self.names), width))
+        buf[: self.buf.shape[0], : self.buf.shape[1]] = self.buf
+        self.buf = buf
+        self.count = np.concatenate([self.count, np.zeros(add, np.int64)])
+        self.s1 = np.concatenate([self.s1, np.zeros(add)])
+        self.s2 = np.concatenate([self.s2, np.zeros(add)])
+        self.shift = np.concatenate([self.shift, np.full(add, np.nan)])
+
+    # -- samples ----------------------------------------------------------------------
+
+    def update(self, rows: np.ndarray, x: np.ndarray):
+        """Learn one sample per row and judge it against its window (the seed's semantics:
+        the sample is in the window it is judged by).
+
+        Returns ``(anomalous, finite, mean, std, lower, upper, ready)``, arrays aligned with
+        ``rows``; for non-finite samples the statistics are those of the untouched window.
+        """
+        finite = np.isfinite(x)
+        if not finite.all():
+            rows_f, x_f = rows[finite], x[finite]
+        else:
+            rows_f, x_f = rows, x
+        shift = self.shift[rows_f]
+        unset = np.isnan(shift)
+        if unset.any():
+            shift = np.where(unset, x_f, shift)
+            self.shift[rows_f] = shift
+        xs = x_f - shift
+        window = self.window[rows_f]
+        count = self.count[rows_f]
+        pos = count % window
+        old = self.buf[rows_f, pos]
+        full = count >= window
+        old = np.where(full, old, 0.0)
+        self.s1[rows_f] += xs - old
+        self.s2[rows_f] += xs * xs - old * old
+        self.buf[rows_f, pos] = xs
+        count += 1
+        self.count[rows_f] = count
+        cycle = rows_f[count % window == 0]
+        if cycle.size:  # once per window: exact sums, no drift
+            b = self.buf[cycle]
+            self.s1[cycle] = b.sum(axis=1)
+            self.s2[cycle] = (b * b).sum(axis=1)
+
+        n = np.minimum(self.count[rows], self.window[rows])
+        nz = np.maximum(n, 1)
+        mean_s = self.s1[rows] / nz
+        var = np.maximum(self.s2[rows] / nz - mean_s * mean_s, 0.0)
+        std = np.sqrt(var)
+        mean = mean_s + np.nan_to_num(self.shift[rows])
+        half = self.k[rows] * std
+        lower = mean - half
+        lower = np.where(self.clip[rows], np.maximum(lower, 0.0), lower)
+        upper = mean + half
+        ready = n >= self.window[rows] // 2
+        with np.errstate(invalid="ignore"):
+            anomalous = ready & finite & ((x < lower) | (x > upper))
+        return anomalous, finite, mean, std, lower, upper, ready
+
+    def reset(self) -> None:
+        """Forget every window (after a rollback the run is no longer what the windows saw)."""
+        self.buf[:] = 0.0
+        self.count[:] = 0
+        self.s1[:] = 0.0
+        self.s2[:] = 0.0
+        self.shift[:] = np.nan
+
+    # -- state ------------------------------------------------------------------------------
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.window, self.k, self.clip, self.buf, self.count, self.s1,
+                                      self.s2, self.shift))
+
+    def to_state(self) -> dict:
+        return {
+            "names": self.names,
+            "window": self.window.tolist(),
+            "k": self.k.tolist(),
+            "clip": self.clip.tolist(),
+            "count": self.count.tolist(),
+            "shift": base64.b64encode(self.shift.tobytes()).decode(),
+            "buf": base64.b64encode(self.buf.tobytes()).decode(),
+        }
+
+    @classmethod
+    def from_state(cls, d: dict) -> "BaselineBlock":
+        block = cls()
+        block.names = list(d["names"])
+        block.index = {n: i for i, n in enumerate(block.names)}
+        block.window = np.array(d["window"], np.int64)
+        block.k = np.array(d["k"], float)
+        block.clip = np.array(d["clip"], bool)
+        block.count = np.array(d["count"], np.int64)
+        block.shift = np.frombuffer(base64.b64decode(d["shift"]), float).copy()
+        m = len(block.names)
+        width = int(block.window.max()) if m else 0
+        block.buf = np.frombuffer(base64.b64decode(d["buf"]), float).copy().reshape(m, width)
+        block.s1 = block.buf.sum(axis=1)
+        block.s2 = (block.buf * block.buf).sum(axis=1)
+        return block
+
+    def dumps(self) -> bytes:
+        return orjson.dumps(self.to_state())

@@ -1,0 +1,262 @@
+"""Load and validate a rules file (YAML) into plain objects the engine evaluates.
+
+Every problem is reported with the file and line that holds it, at start-up, so a typo
+never silently disables a rule. The format is documented in ``rules/default.yaml``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+SEVERITIES = ("P0", "P1", "P2", "P3")
+LAYERS = ("data", "compute", "resource")
+_RULE_KEYS = {"name", "metric", "anomalous", "above", "below", "non_finite", "for", "severity", "critical",
+              "summary", "diagnosis", "suggestion", "sources"}
+_POLICY_DEFAULTS = {"consecutive_critical": 3, "command_ttl_s": 300.0, "skip_batches": 0,
+                    "step_sources": ["trainer"]}
+
+
+class RulesError(ValueError):
+    """A rules file that cannot be used; the message names the file, line and problem."""
+
+
+def base_name(metric: str) -> str:
+    """``gpu/utilization_pct[3]`` -> ``gpu/utilization_pct``: rules match per-device metrics by base name."""
+    i = metric.find("[")
+    return metric if i < 0 else metric[:i]
+
+
+class Patterns:
+    """Exact names and globs, compiled once."""
+
+    def __init__(self, patterns: list[str]):
+        self.patterns = patterns
+        self._exact = {p for p in patterns if not any(c in p for c in "*?[")}
+        globs = [fnmatch.translate(p) for p in patterns if p not in self._exact]
+        self._regex = re.compile("|".join(globs)) if globs else None
+
+    def match(self, metric: str) -> bool:
+        name = base_name(metric)
+        return name in self._exact or (self._regex is not None and self._regex.match(name) is not None)
+
+
+@dataclass
+class Rule:
+    name: str
+    metrics: Patterns
+    severity: str
+    anomalous: bool = False
+    above: float | None = None
+    below: float | None = None
+    non_finite: bool = False
+    for_samples: int = 1
+    critical: bool = False
+    summary: str = ""
+    diagnosis: str = ""
+    suggestion: str = ""
+    sources: tuple[str, ...] = ()
+    line: int = 0
+
+    def holds(self, value: float, anomalous: bool) -> bool:
+        """Whether one sample satisfies the rule (before the ``for`` duration)."""
+        if value != value or value in (math.inf, -math.inf):
+            return self.non_finite
+        if self.anomalous and not anomalous:
+            return False
+        if self.above is None and self.below is None:
+            return self.anomalous  # a pure non_finite rule says nothing about finite values
+        return (self.above is not None and value > self.above) or (self.below is not None and value < self.below)
+
+    @property
+    def threshold_only(self) -> bool:
+        """A pure threshold: it can fire without the baseline flagging the sample."""
+        return not self.anomalous and (self.above is not None or self.below is not None)
+
+
+@dataclass
+class Baseline:
+    metrics: Patterns
+    window: int
+    k: float
+    clip_lower: bool = True
+
+
+@dataclass
+class RuleSet:
+    rules: list[Rule]
+    baselines: list[Baseline]
+    layers: list[tuple[str, Patterns]]
+    policy: dict = field(default_factory=lambda: dict(_POLICY_DEFAULTS))
+    path: str = "<rules>"
+
+    def baseline_for(self, metric: str) -> Baseline:
+        for b in self.baselines:
+            if b.metrics.match(metric):
+                return b
+        return Baseline(Patterns(["*"]), 50, 2.5)
+
+    def layer_for(self, metric: str) -> str:
+        for layer, patterns in self.layers:
+            if patterns.match(metric):
+                return layer
+        return "data"
+
+    def rules_for(self, metric: str, source_kind: str) -> list[int]:
+        return [i for i, r in enumerate(self.rules)
+                if r.metrics.match(metric) and (not r.sources or source_kind in r.sources)]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _LineLoader(yaml.SafeLoader):
+    """Remembers the line of every mapping so that errors can name it."""
+
+
+def _construct_mapping(loader, node):
+    mapping = loader.construct_mapping(node, deep=True)
+    mapping["__line__"] = node.start_mark.line + 1
+    return mapping
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _err(path: str, line: int, problem: str) -> RulesError:
+    return RulesError(f"{path}:{line}: {problem}")
+
+
+def _patterns(path: str, line: int, value, what: str) -> Patterns:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise _err(path, line, f"{what}: 'metric' must be a name, a glob or a list of them")
+    return Patterns(value)
+
+
+def _number(path, line, mapping, key, default=None, *, integer=False, minimum=None):
+    v = mapping.get(key, default)
+    if v is None:
+        return None
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok:
+        raise _err(path, line, f"'{key}' must be {'an integer' if integer else 'a number'}, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise _err(path, line, f"'{key}' must be >= {minimum}, got {v}")
+    return v
+
+
+def _rule(path: str, m: dict, seen: set) -> Rule:
+    line = m.get("__line__", 0)
+    unknown = set(m) - _RULE_KEYS - {"__line__"}
+    if unknown:
+        raise _err(path, line, f"unknown key(s) {', '.join(sorted(unknown))} in a rule; "
+                               f"allowed: {', '.join(sorted(_RULE_KEYS))}")
+    name = m.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]+", name or ""):
+        raise _err(path, line, f"every rule needs a 'name' of letters, digits, _ . : -; got {name!r}")
+    if name in seen:
+        raise _err(path, line, f"rule name {name!r} is used twice")
+    seen.add(name)
+    if "metric" not in m:
+        raise _err(path, line, f"rule {name!r} has no 'metric'")
+    severity = m.get("severity", "P2")
+    if severity not in SEVERITIES:
+        raise _err(path, line, f"rule {name!r}: severity must be one of {', '.join(SEVERITIES)}, got {severity!r}")
+    for flag in ("anomalous", "non_finite", "critical"):
+        if flag in m and not isinstance(m[flag], bool):
+            raise _err(path, line, f"rule {name!r}: '{flag}' must be true or false, got {m[flag]!r}")
+    rule = Rule(
+        name=name, metrics=_patterns(path, line, m["metric"], f"rule {name!r}"), severity=severity,
+        anomalous=m.get("anomalous", False), above=_number(path, line, m, "above"),
+        below=_number(path, line, m, "below"), non_finite=m.get("non_finite", False),
+        for_samples=_number(path, line, m, "for", 1, integer=True, minimum=1),
+        critical=m.get("critical", False), summary=str(m.get("summary", name)),
+        diagnosis=str(m.get("diagnosis", "")), suggestion=str(m.get("suggestion", "")),
+        sources=tuple(m.get("sources", ())), line=line)
+    if not (rule.anomalous or rule.non_finite or rule.above is not None or rule.below is not None):
+        raise _err(path, line, f"rule {name!r} has no condition: give at least one of "
+                               f"anomalous, above, below, non_finite")
+    return rule
+
+
+def parse(text: str, path: str = "<rules>") -> RuleSet:
+    try:
+        doc = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else 0
+        raise _err(path, line, f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(doc, dict):
+        raise _err(path, 1, "a rules file is a mapping with 'version' and 'rules'")
+    if doc.get("version") != 1:
+        raise _err(path, doc.get("__line__", 1), f"'version' must be 1, got {doc.get('version')!r}")
+
+    baselines = []
+    for b in doc.get("baselines", []) or []:
+        line = b.get("__line__", 0) if isinstance(b, dict) else 0
+        if not isinstance(b, dict) or "metric" not in b:
+            raise _err(path, line, "each baseline needs 'metric', 'window' and 'k'")
+        window = _number(path, line, b, "window", 50, integer=True, minimum=2)
+        k = _number(path, line, b, "k", 2.5, minimum=0)
+        clip = b.get("clip_lower", True)
+        baselines.append(Baseline(_patterns(path, line, b["metric"], "baseline"), window, float(k), bool(clip)))
+
+    layers = []
+    raw_layers = doc.get("layers", {}) or {}
+    for layer, pats in raw_layers.items():
+        if layer == "__line__":
+            continue
+        if layer not in LAYERS:
+            raise _err(path, raw_layers.get("__line__", 0), f"unknown layer {layer!r}; use {', '.join(LAYERS)}")
+        layers.append((layer, _patterns(path, raw_layers.get("__line__", 0), pats, f"layer {layer}")))
+
+    policy = dict(_POLICY_DEFAULTS)
+    raw_policy = doc.get("policy", {}) or {}
+    line = raw_policy.get("__line__", 0)
+    for key, value in raw_policy.items():
+        if key == "__line__":
+            continue
+        if key not in _POLICY_DEFAULTS:
+            raise _err(path, line, f"unknown policy setting {key!r}; allowed: {', '.join(_POLICY_DEFAULTS)}")
+        policy[key] = value
+    _number(path, line, policy, "consecutive_critical", integer=True, minimum=1)
+    _number(path, line, policy, "command_ttl_s", minimum=1)
+    _number(path, line, policy, "skip_batches", integer=True, minimum=0)
+
+    raw_rules = doc.get("rules")
+    if not isinstance(raw_rules, list) or not raw_rules:
+        raise _err(path, doc.get("__line__", 1), "'rules' must be a non-empty list")
+    seen: set[str] = set()
+    rules = []
+    for m in raw_rules:
+        if not isinstance(m, dict):
+            raise _err(path, 0, f"each rule must be a mapping, got {m!r}")
+        rules.append(_rule(path, m, seen))
+    return RuleSet(rules, baselines, layers, policy, path)
+
+
+def load(path: str | Path | None = None) -> RuleSet:
+    """Load a rules file; the packaged default when ``path`` is None."""
+    if path is None:
+        text = resources.files("trainguard.rules").joinpath("default.yaml").read_text(encoding="utf-8")
+        return parse(text, "default.yaml")
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RulesError(f"{p}: cannot read the rules file ({exc.strerror})") from None
+    return parse(text, str(p))
+
+
+@lru_cache(maxsize=1)
+def default() -> RuleSet:
+    return load(None)
