@@ -8,11 +8,16 @@ verbs because they do not judge one value at a time.
 
 from .base import Detector, Stateful, detector_from_state, is_finite
 from .changepoint import CUSUM, PageHinkley
+from .collapse import Collapse
 from .duration import For
 from .ewma import EWMA
 from .leak import Leak
 from .mad import RobustMAD
+from .nonfinite import NonFinite
+from .ranks import CrossRank
 from .rolling import RollingZ
+from .shift import DistributionShift
+from .staleness import Staleness
 from .trend import MannKendall
 
 __all__ = [
@@ -28,4 +33,9 @@ __all__ = [
     "For",
     "MannKendall",
     "Leak",
+    "DistributionShift",
+    "Collapse",
+    "NonFinite",
+    "Staleness",
+    "CrossRank",
 ]

@@ -1,0 +1,145 @@
+"""Collapse: the mean falls and the spread shrinks against a healthy reference (reward collapse)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from .base import Detector, is_finite, saturating
+
+__all__ = ["Collapse"]
+
+
+class Collapse(Detector):
+    """Flags a reward collapse: the current window's mean has fallen and its spread shrunk.
+
+    The reference mean and std come from the first ``reference`` finite samples (kept,
+    not rolled). The current window keeps running sums (sliding Welford, recomputed
+    exactly every ``window`` samples). With ``mode="both"`` (default) the verdict needs
+    mean_drop_z = (ref_mean - mean) / ref_std ≥ ``mean_drop`` *and* std / ref_std ≤
+    ``spread_ratio``; with ``mode="either"`` one of them is enough (e.g. for a reward-std
+    stream, where the spread alone collapsing to 0 means every sample gets one reward).
+    ``direction="down"`` watches a falling mean; ``"up"`` a rising one (e.g. a loss).
+
+    Parameters: ``reference``, ``window``, ``mean_drop``, ``spread_ratio``, ``mode``,
+    ``direction``. Cost: O(1) per sample.
+
+    >>> import random
+    >>> rng = random.Random(0)
+    >>> det = Collapse(reference=50, window=30)
+    >>> any(det.update(0.5 + rng.gauss(0, 0.1)) for _ in range(150))
+    False
+    >>> any(det.update(0.1 + rng.gauss(0, 0.01)) for _ in range(30))
+    True
+    >>> ev = det.evidence(); ev["spread_ratio"] < 0.5 and ev["mean_drop_z"] > 1
+    True
+    """
+
+    name = "collapse"
+    _params = ("reference", "window", "mean_drop", "spread_ratio", "mode", "direction")
+    _fields = ("rn", "rmean", "rm2", "buf", "mean", "m2", "since", "count", "last")
+
+    def __init__(self, reference: int = 100, window: int = 50, mean_drop: float = 1.0,
+                 spread_ratio: float = 0.5, mode: str = "both", direction: str = "down"):
+        if mode not in ("both", "either"):
+            raise ValueError("mode must be both or either")
+        if direction not in ("down", "up"):
+            raise ValueError("direction must be down or up")
+        self.reference = max(3, int(reference))
+        self.window = max(3, int(window))
+        self.mean_drop = float(mean_drop)
+        self.spread_ratio = float(spread_ratio)
+        self.mode = mode
+        self.direction = direction
+        self.rn = 0
+        self.rmean = 0.0
+        self.rm2 = 0.0
+        self.buf: deque = deque(maxlen=self.window)
+        self.mean = 0.0
+        self.m2 = 0.0
+        self.since = 0
+        self.count = 0
+        self.last: list | None = None  # [value, drop_z, ratio, mean_ok, spread_ok, anomalous]
+        self.score = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.rn >= self.reference and len(self.buf) >= self.window
+
+    def rebase(self) -> None:
+        """Take the current window as the new healthy reference."""
+        n = len(self.buf)
+        self.rn, self.rmean, self.rm2 = n, self.mean, self.m2
+
+    def _push(self, x: float) -> None:
+        buf = self.buf
+        if len(buf) == self.window:
+            old = buf[0]
+            buf.append(x)
+            n = len(buf)
+            mean_new = self.mean + (x - old) / n
+            self.m2 += (x - old) * (x - mean_new + old - self.mean)
+            self.mean = mean_new
+        else:
+            buf.append(x)
+            d = x - self.mean
+            self.mean += d / len(buf)
+            self.m2 += d * (x - self.mean)
+        self.since += 1
+        if self.since >= self.window:
+            n = len(buf)
+            self.mean = math.fsum(buf) / n
+            self.m2 = math.fsum((v - self.mean) ** 2 for v in buf)
+            self.since = 0
+
+    def update(self, x: float, t: float | None = None) -> bool:
+        if not is_finite(x):
+            return False
+        x = float(x)
+        self.count += 1
+        if self.rn < self.reference:
+            self.rn += 1
+            d = x - self.rmean
+            self.rmean += d / self.rn
+            self.rm2 += d * (x - self.rmean)
+            return False
+        self._push(x)
+        if not self.ready:
+            return False
+        rstd = math.sqrt(max(self.rm2, 0.0) / self.rn)
+        std = math.sqrt(max(self.m2, 0.0) / len(self.buf))
+        floor = 1e-12 * max(1.0, abs(self.rmean))
+        rstd_eff = max(rstd, floor)
+        sign = 1.0 if self.direction == "down" else -1.0
+        drop_z = sign * (self.rmean - self.mean) / rstd_eff
+        ratio = std / rstd_eff
+        mean_ok = drop_z >= self.mean_drop
+        spread_ok = ratio <= self.spread_ratio
+        anomalous = (mean_ok and spread_ok) if self.mode == "both" else (mean_ok or spread_ok)
+        # score: both signals, each mapped to [0, 1); 0.5 on their thresholds
+        s_mean = saturating(max(drop_z, 0.0), self.mean_drop)
+        shrink = self.spread_ratio / max(ratio, 1e-12)  # ≥ 1 once the spread has shrunk enough
+        s_spread = saturating(shrink, 1.0)
+        self.score = min(s_mean, s_spread) if self.mode == "both" else max(s_mean, s_spread)
+        self.last = [x, drop_z, ratio, mean_ok, spread_ok, anomalous, std]
+        return anomalous
+
+    def evidence(self) -> dict:
+        if self.last is None:
+            return {"detector": self.name, "ready": False, "reference_samples": self.rn,
+                    "samples": len(self.buf)}
+        value, drop_z, ratio, mean_ok, spread_ok, anomalous, std = self.last
+        return {
+            "detector": self.name,
+            "value": value,
+            "reference_mean": self.rmean,
+            "reference_std": math.sqrt(max(self.rm2, 0.0) / self.rn),
+            "mean": self.mean,
+            "std": std,
+            "mean_drop_z": drop_z,
+            "spread_ratio": ratio,
+            "mean_fell": mean_ok,
+            "spread_shrank": spread_ok,
+            "anomalous": anomalous,
+            "score": self.score,
+        }
