@@ -22,8 +22,11 @@ Formats (``fmt`` names, aliases in brackets):
 - ``verl`` (log, console): verl console output, ``step:12 - key:value - ...``.
 
 Files may be gzip-compressed. Values are floats with NaN/Inf kept as ``nan``/``inf``
-(a NaN loss is the most important thing a replay can find). Steps come in file order;
-records of one step that follow each other are merged into one step.
+(a NaN loss is the most important thing a replay can find). Steps come in file order, a
+step logged again later (a run resumed from a checkpoint) again, as the run lived it. Where a
+format splits one step over several records (TensorBoard events, trainer_state train and eval
+entries, metric events of several sources), records of one step that follow each other are
+merged into one step.
 
 Bad input: line-based formats (jsonl, csv, verl) skip and count unreadable lines
 (``reader.skipped``, first descriptions in ``reader.problems``) and never stop on one; a

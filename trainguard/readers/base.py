@@ -112,6 +112,11 @@ class StepReader:
     """
 
     format = "?"
+    # Formats that split one step over several records (one TensorBoard event per tag, a train
+    # and an eval entry, one event per source) merge consecutive records of the same step.
+    # Formats with one complete step per line do not: a step logged twice in a row there is
+    # the step run twice (a resume), and both are yielded.
+    merge_steps = True
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
@@ -140,7 +145,8 @@ class StepReader:
                 log.warning("skipped unreadable input: %s", text)
 
     def __iter__(self) -> Iterator[Step]:
-        for step, metrics in merge_consecutive(self.records()):
+        records = merge_consecutive(self.records()) if self.merge_steps else self.records()
+        for step, metrics in records:
             self.steps += 1
             yield step, metrics
         if self.steps == 0 and self.skipped:

@@ -84,6 +84,7 @@ def parse_line(line: str) -> tuple[int, dict[str, float], int] | None:
 
 class VerlLogReader(LineReader):
     format = "verl"
+    merge_steps = False  # one line, one step
 
     def __init__(self, path):
         super().__init__(path)
