@@ -1,0 +1,135 @@
+"""The wire contract: strict decoding in Python agrees with the published JSON Schemas."""
+
+import json
+import math
+from importlib import resources
+
+import jsonschema
+import orjson
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from trainguard.schemas import events as ev
+from trainguard.schemas.signing import SigningKey, sign, verify
+
+
+def published(kind: str) -> dict:
+    name = kind.replace("/", "-") + ".schema.json"
+    return json.loads(resources.files("trainguard.schemas").joinpath("json", name).read_text())
+
+
+SRC = ev.source("trainer", "node-3", 0)
+VALID = [
+    ev.metrics_event("run-1", 12, {"actor/kl_loss": 0.01, "critic/score/mean": 0.4}, src=SRC, ts=1.5e9),
+    ev.metrics_event("run-1", 13, {"actor/pg_loss": math.nan, "actor/grad_norm": math.inf}, src=SRC, ts=1.5e9,
+                     layer="data", tags={"phase": "train"}),
+    ev.checkpoint_event("run-1", 20, "/ckpt/global_step_20", ts=1.5e9),
+    ev.lifecycle_event("run-1", "rolled_back", step=20, ts=1.5e9, detail={"command_id": "c1"}),
+    ev.ack_event("c1", "run-1", "applied", "restored", ts=1.5e9),
+    {"schema": "command/1", "id": "c1", "run_id": "run-1", "action": "rollback",
+     "target": {"step": 20, "path": "/ckpt/20"}, "reason": ["a1"], "issued": 1.5e9, "expires": 1.5e9 + 300},
+    {"schema": "alert/1", "id": "a1", "run_id": "run-1", "rule": "kl_explosion", "severity": "P1",
+     "status": "firing", "ts": 1.5e9, "onset": {"step": 3, "ts": 1.5e9}, "evidence": {"value": 1.0},
+     "value": "NaN"},
+]
+
+
+@pytest.mark.parametrize("event", VALID, ids=lambda e: e["schema"])
+def test_valid_events_decode_and_match_the_published_schema(event):
+    raw = ev.encode(event)
+    jsonschema.validate(orjson.loads(raw), published(event["schema"]))
+    decoded = ev.decode(raw)
+    assert decoded["schema"] == event["schema"]
+
+
+def test_non_finite_metric_values_are_signals_not_errors():
+    raw = ev.encode(VALID[1])
+    assert b'"NaN"' in raw and b'"Infinity"' in raw
+    metrics = ev.decode(raw)["metrics"]
+    assert math.isnan(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] == math.inf
+    # What other encoders write for NaN: null (orjson, JavaScript) and bare NaN tokens (Python's json).
+    for text in ('{"actor/pg_loss": null}', '{"actor/pg_loss": NaN}', '{"actor/pg_loss": -Infinity}'):
+        raw = ('{"schema":"metrics/1","run_id":"r","source":{"kind":"trainer"},"step":1,"ts":1,'
+               f'"metrics":{text}}}').encode()
+        assert not math.isfinite(ev.decode(raw)["metrics"]["actor/pg_loss"])
+
+
+BAD = [
+    (b"\x00\xffgarbage", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b'{"run_id": "r"}', "schema: missing"),
+    (b'{"schema": "metrics/2", "run_id": "r"}', "unknown version"),
+    (b'{"schema": "weather/1"}', "unknown event kind"),
+    (b'{"schema":"metrics/1","source":{"kind":"t"},"step":1,"ts":1,"metrics":{}}', "run_id: missing"),
+    (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"t"},"step":"1","ts":1,"metrics":{}}',
+     "step: must be an integer"),
+    (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"t"},"step":-1,"ts":1,"metrics":{}}', "step: must be >= 0"),
+    (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"t"},"step":1,"ts":1,"metrics":{"a":"x"}}',
+     "metrics.a: must be a number"),
+    (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"t"},"step":1,"ts":1,"metrics":{"a":true}}',
+     "metrics.a: must be a number"),
+    (b'{"schema":"metrics/1","run_id":"r","source":{},"step":1,"ts":1,"metrics":{}}', "source.kind: missing"),
+    (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"t"},"step":1,"ts":1,"metrics":{},"layer":"x"}',
+     "layer: must be one of"),
+    (b'{"schema":"checkpoint/1","run_id":"r","step":1,"ts":NaN,"path":"p"}', "ts: must be a finite"),
+    (b'{"schema":"command/1","id":"c","run_id":"r","action":"explode","issued":1,"expires":2}', "action: must be one of"),
+    (b'{"schema":"command/1","id":"c","run_id":"r","action":"stop","issued":5,"expires":2}', "expires: is earlier"),
+    (b'{"schema":"ack/1","command_id":"c","run_id":"r","status":"maybe","ts":1}', "status: must be one of"),
+]
+
+
+@pytest.mark.parametrize("raw,problem", BAD, ids=[p for _, p in BAD])
+def test_invalid_events_raise_one_error_type_naming_the_problem(raw, problem):
+    with pytest.raises(ev.SchemaError, match=problem):
+        ev.decode(raw)
+
+
+@pytest.mark.parametrize("raw,problem", BAD[2:], ids=[p for _, p in BAD[2:]])
+def test_the_published_schema_refuses_what_the_decoder_refuses(raw, problem):
+    if b"NaN" in raw or problem.startswith("expires"):
+        return  # not JSON at all / a relation between fields, which only the decoder checks
+    doc = json.loads(raw)
+    kind = doc.get("schema")
+    if kind not in ev.KINDS:
+        return
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc, published(kind))
+
+
+def test_oversized_payload_is_refused_before_parsing():
+    big = b'{"schema":"metrics/1","pad":"' + b"x" * ev.MAX_EVENT_BYTES + b'"}'
+    with pytest.raises(ev.SchemaError, match="exceeds"):
+        ev.decode(big)
+
+
+def test_a_topic_only_accepts_its_kinds():
+    with pytest.raises(ev.SchemaError, match="expected command/1"):
+        ev.decode(ev.encode(VALID[0]), expect=(ev.COMMAND,))
+
+
+finite = st.floats(allow_nan=False, allow_infinity=False)
+values = st.one_of(finite, st.just(math.nan), st.just(math.inf), st.just(-math.inf), st.integers(-2**53, 2**53))
+
+
+@settings(max_examples=200, deadline=None)
+@given(metrics=st.dictionaries(st.text(min_size=1, max_size=40), values, max_size=60),
+       step=st.integers(0, 2**40))
+def test_any_metric_event_round_trips_and_satisfies_the_schema(metrics, step):
+    event = ev.metrics_event("run", step, metrics, src=SRC, ts=1.7e9)
+    raw = ev.encode(event)
+    jsonschema.validate(orjson.loads(raw), published("metrics/1"))
+    back = ev.decode(raw)["metrics"]
+    assert back.keys() == metrics.keys()
+    for k, v in metrics.items():
+        assert (math.isnan(v) and math.isnan(back[k])) or back[k] == v
+
+
+def test_signatures_detect_forgery_and_unknown_keys():
+    key = SigningKey("ops", b"s3cret")
+    command = sign(VALID[5], key)
+    assert verify(command, {"ops": key}) is None
+    forged = {**command, "target": {"step": 0, "path": "/evil"}}
+    assert "bad signature" in verify(forged, {"ops": key})
+    assert "unknown signing key" in verify(command, {"other": SigningKey("other", b"x")})
+    assert verify(VALID[5], {"ops": key}) == "unsigned command"
+    ev.decode(ev.encode(command))  # a signed command is still a valid command
