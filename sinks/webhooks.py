@@ -272,6 +272,16 @@ class WebhookSink(Sink):
     def check_response(self, status: int, body: bytes) -> None:
         """Raise when a 2xx answer still says the message was not taken (DingTalk/WeCom errcode)."""
 
+    def tick_due(self) -> bool:
+        """True when :meth:`tick` has periodic work to do (called with the lock held)."""
+        return False
+
+    def tick(self) -> None:
+        """Periodic work in the sender thread (Alertmanager re-sends firing alerts)."""
+
+    def delivered(self, alert: dict) -> None:
+        """Called in the sender thread after ``alert`` was delivered."""
+
     # -- Sink
 
     def write(self, batch: list[dict]) -> None:
@@ -327,7 +337,10 @@ class WebhookSink(Sink):
     # -- delivery
 
     def _post(self, alert: dict) -> None:
-        data = json.dumps(self.payload(alert), ensure_ascii=False, default=str).encode()
+        self._post_json(self.payload(alert))
+
+    def _post_json(self, payload) -> None:
+        data = json.dumps(payload, ensure_ascii=False, default=str).encode()
         req = urllib.request.Request(self.url(), data=data, headers=self.headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
@@ -352,8 +365,14 @@ class WebhookSink(Sink):
                     if self.outbox.pending and wait <= 0:
                         break
                     self._cond.wait(min(wait, 1.0) if wait > 0 else 1.0)
+                    if self.tick_due():
+                        break
                 if self._stop:
                     return
+            self.tick()
+            with self._cond:
+                if not self.outbox.pending or time.monotonic() < next_try:
+                    continue
                 before = self.outbox.undelivered_count
                 self.outbox.expire()
                 self._report_given_up(before)
@@ -372,6 +391,7 @@ class WebhookSink(Sink):
                 self._busy = False
                 item.attempts += 1
                 if error is None:
+                    self.delivered(item.alert)
                     self.outbox.done(item)
                     self.sent += 1
                     self._count("delivered")

@@ -1,0 +1,136 @@
+"""Alertmanager sink: alerts go to ``POST /api/v2/alerts``, where teams' routes, silences and
+inhibitions already live.
+
+Each trainguard alert becomes one Alertmanager alert:
+
+- labels (they identify the alert, so a resolution matches its firing): ``alertname`` and
+  ``rule`` (the rule), ``run``, ``severity``, ``host``, and where the alert has them
+  ``metric``, ``layer``, ``rank``, ``gpu``;
+- annotations: ``summary`` (the ``title.txt`` template), ``root_cause`` (the diagnosis),
+  ``suggestion``, ``report``, ``incident``, ``value``, ``step``, ``alert_id``;
+- ``startsAt`` = onset time; a resolved alert carries ``endsAt`` = its time.
+
+Alertmanager resolves on its own an alert that is not re-sent (like Prometheus, which
+re-sends every minute), so a firing alert is re-posted every ``resend_s`` with ``endsAt``
+= now + 4 x ``resend_s`` until its resolution arrives; if trainguard stops, its alerts
+resolve a few minutes later instead of firing forever. At most ``max_active`` firing alerts
+(default 1000), each for at most ``max_firing_s`` (default one day), are re-sent.
+
+Delivery itself (retries with backoff, outbox, once per id+status, ``undelivered()``) is
+:class:`~trainguard.sinks.webhooks.WebhookSink`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from datetime import datetime, timezone
+
+from trainguard.sinks.webhooks import WebhookSink
+
+log = logging.getLogger("trainguard.sinks.alertmanager")
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _num(ts, default: float) -> float:
+    return float(ts) if isinstance(ts, (int, float)) and ts == ts else default
+
+
+class AlertmanagerSink(WebhookSink):
+    """``AlertmanagerSink("http://alertmanager:9093")`` (the base URL, without ``/api/v2``)."""
+
+    name = "alertmanager"
+
+    def __init__(self, url: str, *, resend_s: float = 60.0, max_active: int = 1000, max_firing_s: float = 86_400.0,
+                 **kwargs):
+        base = url.rstrip("/")
+        for suffix in ("/api/v2/alerts", "/api/v2"):
+            if base.endswith(suffix):
+                base = base[: -len(suffix)]
+        self.base_url = base
+        self.resend_s = resend_s
+        self.max_active = max_active
+        self.max_firing_s = max_firing_s
+        self._active: OrderedDict[str, dict] = OrderedDict()  # alert id -> firing alert (delivered)
+        self._active_lock = threading.Lock()
+        self._next_resend = time.monotonic() + resend_s
+        super().__init__(base + "/api/v2/alerts", **kwargs)
+
+    def labels(self, alert: dict) -> dict[str, str]:
+        src = alert.get("source") or {}
+        labels = {"alertname": str(alert.get("rule", "")), "rule": str(alert.get("rule", "")),
+                  "run": str(alert.get("run_id", "")), "severity": str(alert.get("severity", "")),
+                  "host": str(src.get("host") or "")}
+        for name, value in (("metric", alert.get("metric")), ("layer", alert.get("layer")),
+                            ("rank", src.get("rank")), ("gpu", src.get("gpu"))):
+            if value not in (None, ""):
+                labels[name] = str(value)
+        return labels
+
+    def annotations(self, alert: dict) -> dict[str, str]:
+        notes = {"summary": self.templates.render("title.txt", alert),
+                 "root_cause": alert.get("diagnosis"), "suggestion": alert.get("suggestion"),
+                 "report": alert.get("report"), "incident": alert.get("incident"),
+                 "value": alert.get("value"), "step": alert.get("step"), "alert_id": alert.get("id")}
+        return {k: str(v) for k, v in notes.items() if v not in (None, "")}
+
+    def postable(self, alert: dict, now: float | None = None) -> dict:
+        now = time.time() if now is None else now
+        ts = _num(alert.get("ts"), now)
+        starts = min(_num((alert.get("onset") or {}).get("ts"), ts), ts)
+        out = {"labels": self.labels(alert), "annotations": self.annotations(alert), "startsAt": _iso(starts)}
+        if alert.get("status") == "resolved":
+            out["endsAt"] = _iso(max(starts, min(ts, now)))
+        else:
+            out["endsAt"] = _iso(now + 4 * self.resend_s)
+        report = str(alert.get("report") or "")
+        if report.startswith(("http://", "https://")):
+            out["generatorURL"] = report
+        return out
+
+    def payload(self, alert: dict) -> list[dict]:
+        return [self.postable(alert)]
+
+    # -- keep firing alerts alive in Alertmanager until they resolve
+
+    def delivered(self, alert: dict) -> None:
+        with self._active_lock:
+            aid = str(alert.get("id"))
+            if alert.get("status") == "resolved":
+                self._active.pop(aid, None)
+                return
+            self._active[aid] = alert
+            while len(self._active) > self.max_active:
+                self._active.popitem(last=False)
+
+    def active(self) -> list[dict]:
+        """Firing alerts being re-sent now."""
+        with self._active_lock:
+            return list(self._active.values())
+
+    def tick_due(self) -> bool:
+        return bool(self._active) and time.monotonic() >= self._next_resend
+
+    def tick(self) -> None:
+        if time.monotonic() < self._next_resend:
+            return
+        self._next_resend = time.monotonic() + self.resend_s
+        now = time.time()
+        with self._active_lock:
+            for aid, alert in list(self._active.items()):
+                if now - _num(alert.get("ts"), now) > self.max_firing_s:
+                    log.warning("trainguard: alertmanager stops re-sending alert %s, firing for over %.0f s",
+                                aid, self.max_firing_s)
+                    del self._active[aid]
+            alerts = list(self._active.values())
+        if not alerts:
+            return
+        try:
+            self._post_json([self.postable(a, now) for a in alerts])
+        except Exception as exc:  # the next tick tries again; the alerts stay active until endsAt
+            log.warning("trainguard: alertmanager re-send of %d firing alert(s) failed: %s", len(alerts), exc)
