@@ -1,0 +1,212 @@
+"""The detection engine without Kafka: baselines, rules, breaker, replays, state round trip."""
+
+import math
+import random
+from collections import deque
+
+import numpy as np
+import pytest
+
+from trainguard.schemas import events as ev
+from trainguard.simulator import FAULTS, SimulatedPPO
+from trainguard.streams import rules as rules_mod
+from trainguard.streams.baseline import BaselineBlock
+from trainguard.streams.engine import Engine, RunState, SourceState
+
+TRAINER = ev.source("trainer", "h", 0)
+NODE = ev.source("node", "h")
+
+
+class SeedAdaptiveThreshold:
+    """The seed's detector, verbatim in behaviour: the reference our baseline must match."""
+
+    def __init__(self, window_size=50, std_factor=2.5):
+        self.window_size, self.std_factor = window_size, std_factor
+        self.history = deque(maxlen=window_size)
+
+    def update(self, value):
+        self.history.append(float(value))
+        if len(self.history) < self.window_size // 2:
+            return False
+        arr = np.array(self.history)
+        mean, std = np.mean(arr), np.std(arr)
+        lower, upper = max(0, mean - self.std_factor * std), mean + self.std_factor * std
+        return not (lower <= value <= upper)
+
+
+def test_baseline_gives_the_seeds_verdicts_on_every_sample():
+    rng = random.Random(1)
+    windows = [(100, 3.0), (30, 2.0), (20, 4.0), (50, 2.5)]
+    block = BaselineBlock()
+    names = [f"m{i}" for i in range(len(windows))]
+    rows = block.rows(names, lambda n: (*windows[int(n[1:])], True))
+    seeds = [SeedAdaptiveThreshold(w, k) for w, k in windows]
+    disagreements = 0
+    for t in range(3000):
+        # noisy levels with jumps and spikes, some near zero so the lower clip matters
+        x = np.array([abs(rng.gauss(1000 if t < 1500 else 1500, 80)) + (5000 if t % 97 == 0 else 0),
+                      abs(rng.gauss(0.02, 0.01)), abs(rng.gauss(0.01, 0.004)), rng.gauss(5, 1)])
+        ours = block.update(rows, x)[0]
+        theirs = [s.update(v) for s, v in zip(seeds, x)]
+        disagreements += int((ours != np.array(theirs)).sum())
+    assert disagreements == 0
+
+
+def test_non_finite_values_never_enter_a_window():
+    block = BaselineBlock()
+    rows = block.rows(["loss"], lambda n: (20, 2.5, True))
+    for i in range(30):
+        block.update(rows, np.array([1.0 + 0.01 * (i % 5)]))
+    for bad in (math.nan, math.inf, -math.inf):
+        anomalous, finite, mean, std, *_ = block.update(rows, np.array([bad]))
+        assert not finite[0] and not anomalous[0] and math.isfinite(mean[0]) and math.isfinite(std[0])
+    # The very next finite spike is still seen: the NaN did not blind the detector.
+    assert block.update(rows, np.array([3.0]))[0][0]
+
+
+def test_baseline_state_round_trips_exactly():
+    block = BaselineBlock()
+    rows = block.rows(["a", "b"], lambda n: (10, 2.0, n == "a"))
+    rng = np.random.default_rng(0)
+    for _ in range(37):
+        block.update(rows, rng.normal(5, 1, 2))
+    copy = BaselineBlock.from_state(block.to_state())
+    for _ in range(50):
+        x = rng.normal(5, 1, 2)
+        a, b = block.update(rows, x), copy.update(rows, x)
+        for u, v in zip(a, b):
+            np.testing.assert_allclose(u, v)
+
+
+def run_sim(engine, fault=None, steps=200, fault_step=70, run="r", checkpoint_every=20, offset=0,
+            obey=True, seed=3):
+    """Drive the engine with the simulated trainer; apply rollbacks the way a trainer would."""
+    sim = SimulatedPPO(seed=seed)
+    if fault:
+        sim.inject(fault, at_step=fault_step)
+    outputs = []
+    iterations = 0
+    while sim.current_step < steps and iterations < steps * 3:
+        iterations += 1
+        m = sim.step()
+        outs = engine.handle(ev.encode(ev.metrics_event(run, sim.current_step, m, src=TRAINER, ts=1e9 + iterations)),
+                             0, offset)
+        outs += engine.handle(ev.encode(ev.metrics_event(run, sim.current_step, sim.node_metrics(), src=NODE,
+                                                         ts=1e9 + iterations)), 0, offset + 1)
+        offset += 2
+        if checkpoint_every and sim.current_step % checkpoint_every == 0:
+            engine.handle(ev.encode(ev.checkpoint_event(run, sim.current_step, sim.save_checkpoint(),
+                                                        ts=1e9 + iterations)), 0, offset)
+            offset += 1
+        outputs += [(sim.current_step, o) for o in outs]
+        for o in (o for o in outs if o.kind == "command"):
+            if obey and o.value["action"] == "rollback":
+                sim.restore(o.value["target"]["step"])
+                engine.handle(ev.encode(ev.lifecycle_event(run, "rolled_back", step=sim.current_step,
+                                                           ts=1e9 + iterations)), 0, offset)
+                offset += 1
+            elif o.value["action"] == "stop":
+                return outputs
+    return outputs
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_each_seed_fault_alerts_and_rolls_back_to_a_checkpoint_before_the_onset(fault):
+    outputs = run_sim(Engine(rules_mod.default()), fault)
+    alerts = [o.value for _, o in outputs if o.kind == "alert" and o.value["status"] == "firing"]
+    commands = [o.value for _, o in outputs if o.kind == "command"]
+    assert alerts and all(a["critical"] for a in alerts)
+    assert [c["action"] for c in commands] == ["rollback"]
+    assert commands[0]["target"]["step"] == 60  # newest checkpoint before step 70
+    assert set(commands[0]["reason"]) <= {a["id"] for a in alerts}
+    first = min(a["step"] for a in alerts)
+    assert 70 <= first <= 76
+    for a in alerts:
+        assert a["node_snapshot"], "an alert carries the run's latest node snapshot"
+        assert a["evidence"]["detector"] in ("rolling_z", "non_finite")
+
+
+def test_a_healthy_run_raises_no_critical_alert_and_no_command():
+    outputs = run_sim(Engine(rules_mod.default()), None, steps=600)
+    assert [o for _, o in outputs if o.kind == "command"] == []
+    assert [o for _, o in outputs if o.kind == "alert" and o.value["critical"]] == []
+
+
+def test_without_a_checkpoint_before_the_onset_the_breaker_stops_the_run():
+    outputs = run_sim(Engine(rules_mod.default()), "nan_loss", checkpoint_every=0)
+    commands = [o.value for _, o in outputs if o.kind == "command"]
+    assert [c["action"] for c in commands] == ["stop"] and commands[0]["target"] is None
+
+
+def test_replayed_events_change_nothing_and_emit_nothing():
+    engine = Engine(rules_mod.default())
+    first = run_sim(engine, "kl_explosion", steps=90, obey=False)
+    assert any(o.kind == "command" for _, o in first)
+    again = run_sim(engine, "kl_explosion", steps=90, obey=False)  # same offsets, delivered again
+    assert again == [] and engine.skipped_replays > 0
+
+
+def test_state_survives_serialisation_mid_run():
+    """What the worker writes to the changelog is enough to carry on after a restart."""
+    engine = Engine(rules_mod.default())
+    run_sim(engine, None, steps=60)
+    restored = Engine(rules_mod.default(), {k: engine.serialize(k) for k in engine.store})
+    assert all(type(v) is bytes for v in restored.store.values())
+    rest_a = run_sim(engine, "rollout_stall", steps=120, fault_step=65, offset=10_000, seed=9)
+    rest_b = run_sim(restored, "rollout_stall", steps=120, fault_step=65, offset=10_000, seed=9)
+    assert [(s, o.kind, o.value.get("id")) for s, o in rest_a] == [(s, o.kind, o.value.get("id")) for s, o in rest_b]
+    assert any(o.kind == "command" for _, o in rest_b)
+    assert isinstance(restored.store[b"r"], RunState) and isinstance(restored.store[b"r|" + ev.source_id(TRAINER).encode()], SourceState)
+
+
+def test_invalid_input_becomes_a_dead_letter_with_the_reason_and_the_bytes():
+    engine = Engine(rules_mod.default())
+    out = engine.handle(b'{"schema":"metrics/1","run_id":"r"}', 2, 41, "events")
+    assert len(out) == 1 and out[0].kind == "dlq"
+    record = out[0].value
+    assert "source" in record["reason"] and record["partition"] == 2 and record["offset"] == 41
+    assert record["raw_text"] == '{"schema":"metrics/1","run_id":"r"}'
+    assert engine.handle(b"\xff\xfe", 0, 1)[0].value["raw_b64"] == "//4="
+
+
+def test_one_event_with_fifty_metrics_touches_one_source_entry():
+    engine = Engine(rules_mod.default())
+    metrics = {f"m/{i}": float(i) for i in range(50)}
+    engine.handle(ev.encode(ev.metrics_event("r", 1, metrics, src=TRAINER)), 3, 0)
+    assert engine.dirty == {b"r": 3, b"r|" + ev.source_id(TRAINER).encode(): 3}
+
+
+USER_RULES = """
+version: 1
+rules:
+  - name: entropy_floor        # added by a user, no code change
+    metric: actor/entropy
+    below: 0.5
+    for: 3
+    severity: P2
+    summary: Entropy below 0.5
+"""
+
+
+def test_a_rule_added_in_yaml_fires_without_code():
+    engine = Engine(rules_mod.parse(USER_RULES, "team.yaml"))
+    outs = []
+    for step in range(1, 11):
+        value = 0.6 if step < 5 else 0.4
+        outs += engine.handle(ev.encode(ev.metrics_event("r", step, {"actor/entropy": value}, src=TRAINER)), 0, step)
+    fired = [o.value for o in outs if o.kind == "alert"]
+    assert [(a["rule"], a["step"], a["status"]) for a in fired] == [("entropy_floor", 7, "firing")]
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("version: 1\nrules:\n  - name: a\n    metric: x\n    above: high\n", "team.yaml:3: 'above' must be a number"),
+    ("version: 1\nrules:\n  - name: a\n    metric: x\n", "team.yaml:3: rule 'a' has no condition"),
+    ("version: 1\nrules:\n  - name: a\n    metric: x\n    above: 1\n  - name: b\n    metric: x\n    severty: P1\n    above: 2\n",
+     "team.yaml:6: unknown key\\(s\\) severty"),
+    ("version: 1\nrules:\n  - name: a\n    metric: x\n    above: 1\n    severity: P9\n", "team.yaml:3: rule 'a': severity"),
+    ("version: 1\nrules:\n  - name: a\n    metric: [x\n", "team.yaml:5: not valid YAML"),
+    ("version: 2\nrules: []\n", "team.yaml:1: 'version' must be 1"),
+])
+def test_a_rules_file_with_a_mistake_names_the_line(text, problem):
+    with pytest.raises(rules_mod.RulesError, match=problem):
+        rules_mod.parse(text, "team.yaml")
