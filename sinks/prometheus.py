@@ -47,6 +47,8 @@ from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from trainguard.sinks.base import Sink
+
 KEY_METRICS: tuple[str, ...] = (
     "actor/kl_loss",
     "actor/entropy",
@@ -297,6 +299,25 @@ class Exporter:
             server.server_close()
             thread.join(timeout=5)
             self._server = None
+
+
+class PrometheusSink(Sink):
+    """Feeds alerts read from the alerts topic to an :class:`Exporter` (for a sink runner that
+    exports alert counters; the worker feeds its own exporter directly)."""
+
+    name = "prometheus"
+
+    def __init__(self, exporter: Exporter | None = None):
+        super().__init__()
+        self.exporter = exporter or Exporter()
+
+    def write(self, batch: list[dict]) -> None:
+        for event in batch:
+            if str(event.get("schema", "")).startswith("alert/"):
+                self.exporter.observe_alert(event)
+
+    def close(self) -> None:
+        self.exporter.stop_http()
 
 
 def _remove(metric, *labels: str) -> None:

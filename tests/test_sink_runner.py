@@ -1,0 +1,122 @@
+"""The sink runner on a real broker: alerts produced to the alerts topic reach the sinks."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+import pytest
+from confluent_kafka import Producer
+
+from trainguard.schemas.events import encode
+from trainguard.sinks.alertmanager import AlertmanagerSink
+from trainguard.sinks.console import ConsoleSink
+from trainguard.sinks.jsonl import JsonlSink
+from trainguard.sinks.prometheus import PrometheusSink
+from trainguard.sinks.runner import build_sinks, run_sinks
+from trainguard.sinks.webhooks import DingTalkSink, GenericWebhookSink, SlackSink, WeComSink
+
+pytestmark = pytest.mark.integration
+
+
+def _alert(run: str, i: int, status: str = "firing") -> dict:
+    now = time.time()
+    return {"schema": "alert/1", "id": f"{run}-a{i}", "run_id": run, "rule": "kl_explosion", "severity": "P1",
+            "status": status, "metric": "actor/kl_loss", "value": 0.9, "step": 100 + i, "ts": now,
+            "onset": {"step": 99 + i, "ts": now}, "evidence": {"detector": "rolling_z"},
+            "diagnosis": "KL divergence exploded", "suggestion": "lower the learning rate"}
+
+
+def _produce(kafka, values: list[tuple[str, bytes]]) -> None:
+    producer = Producer(kafka.confluent())
+    for key, value in values:
+        producer.produce(kafka.topics.alerts, key=key.encode(), value=value)
+    assert producer.flush(30) == 0
+
+
+def _lines(path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _run_until(kafka, sinks, done, timeout=60.0, **kwargs):
+    stop = threading.Event()
+    result = {}
+
+    def target():
+        result.update(run_sinks(kafka, sinks, stop, **kwargs))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert thread.is_alive(), "run_sinks ended early"
+            assert time.monotonic() < deadline, f"sinks did not receive everything in {timeout} s"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    return result
+
+
+def test_alerts_reach_a_jsonl_sink_without_a_group(kafka, tmp_path):
+    runs = [f"ppo-{uuid.uuid4().hex[:6]}" for _ in range(3)]
+    alerts = [_alert(run, i) for run in runs for i in range(4)]
+    _produce(kafka, [(a["run_id"], encode(a)) for a in alerts] + [("junk", b"{not json")])
+    path = tmp_path / "alerts.jsonl"
+    sink = JsonlSink(path)
+    counts = _run_until(kafka, [sink], lambda: len(_lines(path)) >= len(alerts), start="beginning")
+    sink.close()
+    got = _lines(path)
+    assert sorted(a["id"] for a in got) == sorted(a["id"] for a in alerts)
+    for run in runs:  # one run's alerts keep their order (one partition per run)
+        assert [a["id"] for a in got if a["run_id"] == run] == [a["id"] for a in alerts if a["run_id"] == run]
+    assert counts == {"delivered": len(alerts), "invalid": 1}
+
+
+def test_alerts_reach_a_jsonl_sink_through_a_consumer_group(kafka, tmp_path):
+    run = f"ppo-{uuid.uuid4().hex[:6]}"
+    alerts = [_alert(run, i) for i in range(3)] + [_alert(run, 0, "resolved")]
+    _produce(kafka, [(run, encode(a)) for a in alerts])
+    path = tmp_path / "alerts.jsonl"
+    sink = JsonlSink(path)
+    # a short poll interval: the embedded broker waits the whole rebalance timeout on a join
+    fast_join = {"session.timeout.ms": 6000, "max.poll.interval.ms": 6000}
+    _run_until(kafka, [sink], lambda: len(_lines(path)) >= 4, group_id=f"g-{uuid.uuid4().hex[:6]}",
+               consumer_config=fast_join)
+    sink.close()
+    assert [(a["id"], a["status"]) for a in _lines(path)] == [(a["id"], a["status"]) for a in alerts]
+
+
+def test_build_sinks_from_the_environment(tmp_path):
+    env = {"TRAINGUARD_DINGTALK_WEBHOOK": "http://127.0.0.1:9/robot/send?access_token=x",
+           "TRAINGUARD_DINGTALK_SECRET": "SECx", "TRAINGUARD_DINGTALK_AT_MOBILES": "138,139",
+           "TRAINGUARD_WECOM_WEBHOOK": "http://127.0.0.1:9/wecom",
+           "TRAINGUARD_SLACK_WEBHOOK": "http://127.0.0.1:9/slack",
+           "TRAINGUARD_WEBHOOK_URL": "http://127.0.0.1:9/hook",
+           "TRAINGUARD_WEBHOOK_HEADERS": '{"Authorization": "Bearer t"}',
+           "TRAINGUARD_ALERTMANAGER_URL": "http://127.0.0.1:9",
+           "TRAINGUARD_NOTIFY_SEVERITIES": "P0,P1",
+           "TRAINGUARD_OUTBOX_DIR": str(tmp_path / "outbox"),
+           "TRAINGUARD_PROMETHEUS_PORT": "0"}
+    sinks = build_sinks(env, console=True, jsonl_path=tmp_path / "a.jsonl")
+    try:
+        kinds = [type(s) for s in sinks]
+        assert kinds == [ConsoleSink, JsonlSink, DingTalkSink, WeComSink, SlackSink, GenericWebhookSink,
+                         AlertmanagerSink, PrometheusSink]
+        ding = sinks[2]
+        assert ding.secret == "SECx" and ding.at_mobiles == ["138", "139"] and ding.severities == ("P0", "P1")
+        assert sinks[5].headers["Authorization"] == "Bearer t"
+        assert sinks[6].severities is None and sinks[6].webhook == "http://127.0.0.1:9/api/v2/alerts"
+        assert ding.outbox.path == tmp_path / "outbox" / "dingtalk.json"
+        ding.deliver([_alert("r", 0, "firing") | {"severity": "P3"}])  # below the notify threshold
+        assert ding.pending() == 0
+    finally:
+        for s in sinks:
+            s.close(timeout=0.1) if hasattr(s, "outbox") else s.close()
+    assert build_sinks({}, console=False) == []
