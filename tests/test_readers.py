@@ -334,6 +334,9 @@ def test_crc32c_known_vectors():
     assert crc32c(b"123456789") == 0xE3069283 == _crc32c_bitwise(b"123456789")
     assert crc32c(b"") == 0
     assert masked_crc32c(b"\x00" * 32) == _masked(b"\x00" * 32)
+    blob = bytes(range(256)) * 3
+    for n in (1, 7, 8, 9, 15, 16, 17, 100, 767):  # the 8-byte fast path and its tail
+        assert crc32c(blob[:n]) == _crc32c_bitwise(blob[:n]), n
 
 
 def test_tensorboard_file_from_our_writer(tmp_path):
