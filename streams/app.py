@@ -25,6 +25,14 @@ from trainguard.streams.engine import Engine
 log = logging.getLogger("trainguard.worker")
 
 
+class BytesTable(faust.Table):
+    """A table whose keys and values are bytes as they are: the engine encodes its own state
+    (and decodes it lazily), so the changelog never goes through JSON."""
+
+    def _serializer_from_type(self, typ):
+        return "raw"
+
+
 def _credentials(settings: KafkaSettings):
     """Translate the librdkafka-style security settings to Faust's credentials."""
     c = settings.client
@@ -78,9 +86,8 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     alerts_topic = app.topic(settings.topics.alerts, key_serializer="raw", value_serializer="raw")
     control_topic = app.topic(settings.topics.control, key_serializer="raw", value_serializer="raw")
     dlq_topic = app.topic(settings.topics.dlq, key_serializer="raw", value_serializer="raw")
-    state_table = app.Table("state", partitions=settings.partitions)
-    # The engine encodes its own state; the changelog carries those bytes as they are.
-    state_table.key_serializer = state_table.value_serializer = "raw"
+    state_table = app.tables.add(BytesTable(app, name="state", partitions=settings.partitions,
+                                            beacon=app.tables.beacon, help="engine state per run and source"))
 
     engine = Engine(ruleset, state_table.data, signing_key=signing_key)
     app.trainguard_engine = engine  # for tests and the status line

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -19,7 +20,7 @@ def _worker(args) -> int:
     from trainguard.streams.app import run_worker
 
     return run_worker(KafkaSettings.from_env(bootstrap=args.bootstrap), rules_path=args.rules,
-                      loglevel=args.loglevel)
+                      loglevel=args.loglevel, app_id=args.app_id)
 
 
 def _node(args) -> int:
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run the stream worker (Faust)")
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or 127.0.0.1:9092)")
     p.add_argument("--rules", help="rules YAML (default: the packaged rules/default.yaml)")
+    p.add_argument("--app-id", default=os.environ.get("TRAINGUARD_APP_ID", "trainguard"),
+                   help="consumer group and state-topic prefix; workers with one id share the work")
     p.add_argument("--loglevel", default="warning")
     p.set_defaults(func=_worker)
 

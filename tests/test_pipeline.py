@@ -1,0 +1,97 @@
+"""End to end on a real broker with real worker processes (integration)."""
+
+import base64
+import time
+
+import orjson
+import pytest
+
+from trainguard.demo import run_trainer
+from trainguard.schemas import events as ev
+from trainguard.simulator import SimulatedPPO
+from trainguard.producers.trainer import TrainerLogger
+from tests.integration import TopicReader, WorkerProcess, produce
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def worker(kafka, tmp_path):
+    w = WorkerProcess(kafka, tmp_path).start()
+    yield w
+    w.kill()
+
+
+def test_a_hand_written_event_is_processed_and_a_malformed_one_lands_in_the_dlq(kafka, worker):
+    """Any Kafka client can publish: plain JSON text, per the published JSON Schema."""
+    healthy = [('{"schema":"metrics/1","run_id":"hand-1","source":{"kind":"trainer","host":"h","rank":0},'
+                f'"step":{s},"ts":{1.7e9 + s},"metrics":{{"actor/pg_loss":{-0.01 + 0.001 * (s % 3)}}}}}').encode()
+               for s in range(1, 6)]
+    broken = b'{"schema":"metrics/1","run_id":"hand-1","step":"six"}'
+    nan_loss = (b'{"schema":"metrics/1","run_id":"hand-1","source":{"kind":"trainer","host":"h","rank":0},'
+                b'"step":7,"ts":1700000007,"metrics":{"actor/pg_loss":"NaN"}}')
+    produce(kafka, kafka.topics.events, "hand-1", healthy + [broken, b"\x00not json", nan_loss])
+
+    dlq = TopicReader(kafka, kafka.topics.dlq, decode=orjson.loads)
+    record = dlq.wait_for(lambda r: "source" in r["reason"], what="a DLQ record for the broken event", worker=worker)
+    assert base64.b64decode(record["raw_b64"]) == broken and record["topic"] == kafka.topics.events
+    dlq.wait_for(lambda r: "not valid JSON" in r["reason"], what="a DLQ record for the garbage", worker=worker)
+
+    alerts = TopicReader(kafka, kafka.topics.alerts)
+    alert = alerts.wait_for(lambda a: a["rule"] == "non_finite", what="the NaN alert", worker=worker)
+    assert alert["run_id"] == "hand-1" and alert["step"] == 7 and alert["value"] == "NaN"
+    assert worker.proc.poll() is None, "the worker keeps going after bad input"
+
+
+def test_breaker_command_reaches_the_trainer_listener_and_is_acked(kafka, worker):
+    worker.wait_ready()
+    result = run_trainer(kafka, "e2e-1", fault="nan_loss", fault_step=40, steps=90, step_seconds=0.05,
+                         say=lambda s: None, deadline_s=90)
+    assert result["rollbacks"] == 1 and result["steps_after_rollback"] > 20
+
+    commands = TopicReader(kafka, kafka.topics.control)
+    command = commands.wait_for(lambda c: c["run_id"] == "e2e-1", what="the rollback command", worker=worker)
+    assert command["action"] == "rollback"
+    assert command["target"]["step"] == 20, "the newest checkpoint saved before the onset (step 40)"
+    acks = TopicReader(kafka, kafka.topics.acks)
+    ack = acks.wait_for(lambda a: a["command_id"] == command["id"], what="the ack")
+    assert ack["status"] == "applied" and "restored" in ack["detail"]
+    alerts = TopicReader(kafka, kafka.topics.alerts)
+    alert = alerts.wait_for(lambda a: a["rule"] == "non_finite" and a["run_id"] == "e2e-1", what="the NaN alert")
+    assert alert["id"] in command["reason"]
+    with pytest.raises(AssertionError):  # one incident, one command
+        commands.wait_for(lambda c: c["id"] != command["id"], timeout=3, what="a second command")
+
+
+def test_a_restarted_worker_resumes_with_its_windows_intact(kafka, tmp_path):
+    """Kill the worker mid-run; its successor recovers the baselines from the changelog, so a
+    fault right after the restart is judged against the pre-restart window (no warm-up gap)."""
+    first = WorkerProcess(kafka, tmp_path).start().wait_ready()
+    sim = SimulatedPPO(seed=5)
+    sim.inject("kl_explosion", at_step=41)
+    logger = TrainerLogger("restart-1", kafka, host="h")
+    try:
+        for _ in range(40):
+            logger.log(sim.step(), sim.current_step)
+        logger.publisher.flush(10)
+        alerts = TopicReader(kafka, kafka.topics.alerts)
+        # Wait until the first worker has processed (and written state for) the healthy steps.
+        deadline = time.monotonic() + 60
+        while "40 events" not in first.log() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(3)  # past a commit interval
+        first.kill()
+        second = WorkerProcess(kafka, tmp_path, app_id=first.app_id).start().wait_ready()
+        try:
+            for _ in range(6):  # the simulated KL passes 0.8 on the fifth faulty step
+                logger.log(sim.step(), sim.current_step)
+            logger.publisher.flush(10)
+            alert = alerts.wait_for(lambda a: a["rule"] == "kl_explosion", what="the KL alert after restart",
+                                    worker=second)
+            assert alert["evidence"]["samples"] >= 30, "the window came back from the changelog"
+            assert alert["step"] == 45
+        finally:
+            second.kill()
+    finally:
+        logger.close(quiet=True)
+        first.kill()
