@@ -16,6 +16,7 @@ a restart (at-least-once delivery) change nothing and emit nothing new.
 from __future__ import annotations
 
 import base64
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from trainguard.schemas.signing import SigningKey, sign
 from trainguard.streams import policy
 from trainguard.streams.baseline import BaselineBlock
 from trainguard.streams.rules import RuleSet
+
+log = logging.getLogger("trainguard.engine")
 
 MAX_CHECKPOINTS = 64
 MAX_SNAPSHOT_HOSTS = 16
@@ -130,6 +133,9 @@ class Engine:
         self.samples = 0
         self.skipped_replays = 0
         self._params_cache: dict[str, tuple[int, float, bool]] = {}
+        # Callables given every decoded event that is applied (not replays), before detection:
+        # e.g. the worker's Prometheus exporter. Empty by default; keep them cheap.
+        self.on_event: list = []
 
     # -- state access ----------------------------------------------------------------------
 
@@ -191,6 +197,12 @@ class Engine:
             run.offset = offset
         self.dirty[run_key] = partition
         self.processed += 1
+        if self.on_event:
+            for callback in self.on_event:
+                try:
+                    callback(event)
+                except Exception:  # an observer's failure must not cost the event its detection
+                    log.exception("trainguard: on_event callback failed")
         kind = event["schema"]
         if kind == ev.METRICS:
             return self._metrics(event, run, run_id, partition)
