@@ -1,0 +1,38 @@
+# trainguard: `make demo` and `make test` work on a fresh clone (they set everything up).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup system demo test test-unit eval bench clean
+
+# The project's Python environment, rebuilt when pyproject.toml changes.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+# Real Prometheus and Alertmanager for the sink tests (Debian packages).
+system:
+	bash scripts/setup-system.sh
+
+demo: setup
+	$(BIN)/trainguard demo
+
+test: setup system
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-unit: setup
+	$(BIN)/python -m pytest -q -m "not integration"
+
+eval: setup
+	$(BIN)/python evaluation/run.py
+
+bench: setup
+	$(BIN)/python benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) out .pytest_cache
