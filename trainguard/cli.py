@@ -35,6 +35,30 @@ def _demo(args) -> int:
     return demo_main(args)
 
 
+def _replay(args) -> int:
+    from trainguard.replay import main as replay_main
+
+    return replay_main(args)
+
+
+def _tail(args) -> int:
+    from trainguard.tail import main as tail_main
+
+    return tail_main(args)
+
+
+def _sinks(args) -> int:
+    from trainguard.sinks.runner import main as sinks_main
+
+    argv = ["--topics", args.topics, "--group", args.group]
+    for flag, value in (("--bootstrap", args.bootstrap), ("--from", args.start), ("--jsonl", args.jsonl)):
+        if value:
+            argv += [flag, value]
+    if args.no_console:
+        argv.append("--no-console")
+    return sinks_main(argv)
+
+
 def _check_rules(args) -> int:
     from trainguard.streams.rules import RulesError, load
 
@@ -78,6 +102,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", help="use a running broker instead of starting the embedded one")
     p.add_argument("--jsonl", default="out/demo-alerts.jsonl", help="where alerts, commands and acks are kept")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("replay", help="run a recorded run (log, JSONL, CSV, trainer_state.json, TensorBoard) "
+                                      "through the rules offline and list the alerts")
+    p.add_argument("file", help="the recording: a file, a checkpoint directory or a TensorBoard log directory")
+    p.add_argument("--rules", help="rules YAML (default: the packaged rules/default.yaml)")
+    p.add_argument("--format", help="jsonl, csv, hf, tensorboard or verl (default: detected from the file)")
+    p.add_argument("--run-id", help="run id in the alerts (default: the file name)")
+    p.add_argument("--checkpoint", action="append", metavar="STEP[:PATH]",
+                   help="a checkpoint the run saved (repeatable), for the breaker's rollback target")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per alert on stdout and nothing else (summary on stderr)")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.set_defaults(func=_replay)
+
+    p = sub.add_parser("tail", help="follow alerts, commands and acks live, one line each, until Ctrl-C")
+    p.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or 127.0.0.1:9092)")
+    p.add_argument("--from", dest="start", choices=("beginning", "end"), default="end",
+                   help="start at the end (default: only what comes next) or the beginning of the topics")
+    p.add_argument("--run", help="only this run id")
+    p.add_argument("--detail", action="store_true", help="print each event in full under its line")
+    p.set_defaults(func=_tail)
+
+    p = sub.add_parser("sinks", help="deliver alerts to the sinks configured in the environment "
+                                     "(console, JSONL, webhooks, Alertmanager, Prometheus; see docs/sinks.md)")
+    p.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or 127.0.0.1:9092)")
+    p.add_argument("--topics", default="alerts", help="comma-separated: alerts,control,acks (default: alerts)")
+    p.add_argument("--group", default="trainguard-sinks", help="consumer group (default: %(default)s)")
+    p.add_argument("--from", dest="start", choices=("beginning", "end"),
+                   help="read without a group, from this end of every partition")
+    p.add_argument("--jsonl", help="also append events to this JSONL file (or $TRAINGUARD_ALERTS_JSONL)")
+    p.add_argument("--no-console", action="store_true", help="do not print to stdout")
+    p.set_defaults(func=_sinks)
 
     p = sub.add_parser("check-rules", help="validate a rules file and exit")
     p.add_argument("file")

@@ -1,0 +1,140 @@
+"""``trainguard tail``: follow alerts, commands and acks live, one coloured line each.
+
+Reads the alerts, control and acks topics without a consumer group: every partition is
+assigned from the chosen end (``--from end``, the default, shows what happens from now on;
+``--from beginning`` shows the history first). Nothing is committed, so any number of
+people can tail the same cluster without disturbing the sinks' group. Runs until Ctrl-C
+(or SIGTERM). When nothing arrives, a status line says what it is waiting on (on a terminal;
+otherwise it is said once, on stderr).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+import uuid
+from typing import TextIO
+
+from trainguard.kafka import KafkaSettings
+
+TOPICS = ("alerts", "control", "acks")
+
+
+def _assignments(consumer, names: list[str], start: str, timeout: float = 10.0):
+    from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, TopicPartition
+
+    offset = OFFSET_BEGINNING if start == "beginning" else OFFSET_END
+    meta = consumer.list_topics(timeout=timeout)
+    parts = []
+    missing = []
+    for name in names:
+        topic = meta.topics.get(name)
+        if topic is None or topic.error is not None or not topic.partitions:
+            missing.append(name)
+            continue
+        parts += [TopicPartition(name, p, offset) for p in sorted(topic.partitions)]
+    return parts, missing
+
+
+def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None, detail: bool = False,
+         stop: threading.Event | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None,
+         topics=TOPICS, idle_s: float = 2.0) -> int:
+    """Print every alert, command and ack (of ``run``, or all) until ``stop`` is set."""
+    from confluent_kafka import Consumer, KafkaError, KafkaException
+
+    from trainguard.schemas.events import SchemaError, decode
+    from trainguard.sinks.console import ConsoleSink
+
+    if start not in ("beginning", "end"):
+        raise ValueError(f"start must be 'beginning' or 'end', not {start!r}")
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    stop = stop or threading.Event()
+    console = ConsoleSink(stdout, detail=detail)
+    status_on_tty = _isatty(stdout)
+    names = [getattr(settings.topics, t) if hasattr(settings.topics, t) else t for t in topics]
+
+    consumer = Consumer(settings.confluent(**{
+        "group.id": f"trainguard-tail-{uuid.uuid4().hex[:8]}",  # required by the client; never joined
+        "enable.auto.commit": False,
+        "enable.partition.eof": False,
+        "log_level": 3,
+    }))
+    try:
+        try:
+            parts, missing = _assignments(consumer, names, start)
+        except KafkaException as exc:
+            print(f"trainguard tail: cannot reach Kafka at {settings.bootstrap}: {exc}", file=stderr)
+            return 2
+        if not parts:
+            print(f"trainguard tail: none of the topics {', '.join(names)} exist on {settings.bootstrap}",
+                  file=stderr)
+            return 2
+        if missing:
+            print(f"trainguard tail: not following {', '.join(missing)} (no such topic)", file=stderr)
+        consumer.assign(parts)
+        waiting = f"waiting for alerts on {settings.bootstrap} ({', '.join(n for n in names if n not in missing)})" \
+                  + (f" for run {run}" if run else "") + " ... Ctrl-C to stop"
+        if not status_on_tty:
+            print(waiting, file=stderr, flush=True)
+        status_shown = False
+        last_event = time.monotonic()
+        shown = 0
+        while not stop.is_set():
+            messages = consumer.consume(num_messages=500, timeout=0.5)
+            lines = []
+            for msg in messages:
+                if msg.error():
+                    if msg.error().code() != KafkaError._PARTITION_EOF:
+                        print(f"trainguard tail: consumer error: {msg.error()}", file=stderr)
+                    continue
+                try:
+                    event = decode(msg.value())
+                except SchemaError as exc:
+                    print(f"trainguard tail: skipping an invalid message on {msg.topic()}[{msg.partition()}]"
+                          f"@{msg.offset()}: {exc}", file=stderr)
+                    continue
+                if run is not None and event.get("run_id") != run:
+                    continue
+                lines.append(console.format(event))
+            if lines:
+                if status_shown:
+                    stdout.write("\r\033[K")
+                    status_shown = False
+                stdout.write("".join(line + "\n" for line in lines))
+                stdout.flush()
+                shown += len(lines)
+                last_event = time.monotonic()
+            elif status_on_tty and not status_shown and time.monotonic() - last_event >= idle_s:
+                stdout.write(f"\r\033[2m{waiting}\033[0m")
+                stdout.flush()
+                status_shown = True
+        if status_shown:
+            stdout.write("\r\033[K")
+            stdout.flush()
+    finally:
+        consumer.close()
+    return 0
+
+
+def main(args) -> int:
+    """``trainguard tail`` (args from the CLI's parser)."""
+    settings = KafkaSettings.from_env(bootstrap=getattr(args, "bootstrap", None))
+    stop = threading.Event()
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        return tail(settings, start=args.start, run=args.run, detail=args.detail, stop=stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
