@@ -1,0 +1,163 @@
+"""trainguard replay: recorded runs through the engine and rules offline, as the CLI shows them."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_readers import _event, _value, write_tfevents
+from trainguard.cli import build_parser
+from trainguard.readers import read_steps
+from trainguard.replay import Progress, find_checkpoints, replay
+from trainguard.replay import main as replay_main
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+VERL_LOG = os.path.join(DATA, "verl_kl_blowup.log")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainguard.cli", "replay", *argv], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+def _main(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    rc = replay_main(build_parser().parse_args(["replay", *argv]), stdout=out, stderr=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _first_kl_above(threshold: float) -> int:
+    return next(s for s, m in read_steps(VERL_LOG) if m.get("actor/kl_loss", 0.0) > threshold)
+
+
+# Ground truth of the sample (tests/data/README.md): the KL blow-up begins at step 150 and grows
+# ~12 %/step; the default kl_explosion rule needs the value above 0.8 *and* out of its window, so
+# it fires on the first step past 0.8. grad_norm is NaN at 198 and 205 (and finite around them).
+
+
+def test_verl_log_through_the_cli_lists_the_alerts_and_the_breakers_rollback():
+    proc = _cli(VERL_LOG, "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    kl_step = _first_kl_above(0.8)
+    assert 150 < kl_step <= 200, "the blow-up that begins at 150 passes 0.8 before step 200"
+    rows = [line for line in out.splitlines() if line.startswith("step ")]
+    kl = [r for r in rows if " kl_explosion " in r]
+    assert len(kl) == 1 and "FIRING" in kl[0] and f"step={kl_step} " in kl[0] and "actor/kl_loss=" in kl[0]
+    nan = [(r.split()[1], "FIRING" in r) for r in rows if " non_finite " in r]
+    assert nan == [("198", True), ("199", False), ("205", True), ("206", False)]
+    assert "301 steps (steps 0..300)" in out
+    assert "skipped 1 unreadable record(s):" in out and "verl_kl_blowup.log:132:" in out
+    assert "kl_explosion             1 firing, 0 resolved" in out
+    # The log saved checkpoints every 50 steps: the newest before the onset is step 150.
+    assert "checkpoints known: 6 (steps 50, 100, 150, 200, 250, 300)" in out
+    assert "at step 198 would roll back to checkpoint at step 150" in out
+    assert f"from step {kl_step}" in out
+    assert "\r" not in proc.stderr, "no progress line when stderr is not a terminal"
+
+
+def test_json_output_is_one_object_per_alert_and_nothing_else():
+    proc = _cli(VERL_LOG, "--json")
+    assert proc.returncode == 0, proc.stderr
+    objects = [json.loads(line) for line in proc.stdout.splitlines()]  # every line parses
+    assert proc.stdout.endswith("\n") and all(line for line in proc.stdout.splitlines())
+    assert all(set(o) == {"step", "rule", "severity", "metric", "value", "status"} for o in objects)
+    firing = [(o["step"], o["rule"], o["metric"]) for o in objects if o["status"] == "firing"]
+    assert firing == [(_first_kl_above(0.8), "kl_explosion", "actor/kl_loss"),
+                      (198, "non_finite", "actor/grad_norm"), (205, "non_finite", "actor/grad_norm")]
+    assert [o["value"] for o in objects if o["step"] in (198, 205)] == ["NaN", "NaN"]
+    assert "replayed" in proc.stderr and "would roll back" in proc.stderr  # the summary went to stderr
+
+
+def _tb_run(path, nan_steps=(), spike_at=None, steps=60):
+    events = [_event(0, extra=b"\x1a\x0dbrain.Event:2")]
+    for step in range(1, steps + 1):
+        kl = 0.01 + 0.0002 * (step % 5)
+        if spike_at is not None and step >= spike_at:
+            kl = 2.5
+        grad = float("nan") if step in nan_steps else 0.3 + 0.01 * (step % 3)
+        events.append(_event(step, [_value("actor/kl_loss", simple=kl)]))
+        events.append(_event(step, [_value("actor/grad_norm", simple=grad)]))
+    write_tfevents(path, events)
+
+
+def test_tensorboard_file_with_a_nan_and_a_spike(tmp_path):
+    path = tmp_path / "events.out.tfevents.1700000000.host.1.0"
+    _tb_run(path, nan_steps=(25,), spike_at=40)
+    result = replay(path)
+    assert result.format == "tensorboard" and result.steps == 60 and result.skipped == 0
+    firing = [(a["step"], a["rule"], a["metric"]) for a in result.alerts if a["status"] == "firing"]
+    assert firing == [(25, "non_finite", "actor/grad_norm"), (40, "kl_explosion", "actor/kl_loss")]
+    # TensorBoard files record no checkpoints: three critical steps in a row mean "stop".
+    assert result.checkpoints == []
+    assert [c["action"] for c in result.commands] == ["stop"] and result.command_steps == [42]
+
+    rc, out, err = _main(str(path), "--run-id", "tb-run")
+    assert rc == 0 and err == ""
+    assert "run=tb-run step=25 actor/grad_norm=nan" in out.lower()
+    assert "checkpoints known: none" in out and "at step 42 would stop:" in out
+
+
+def test_given_checkpoints_turn_the_stop_into_a_rollback(tmp_path):
+    path = tmp_path / "events.out.tfevents.1700000000.host.1.0"
+    _tb_run(path, nan_steps=(30, 31, 32))
+    rc, out, _ = _main(str(path), "--checkpoint", "10:/ckpt/step_10", "--checkpoint", "20")
+    assert rc == 0
+    assert "at step 32 would roll back to checkpoint at step 20 (global_step_20)" in out
+    assert "3 consecutive critical steps from step 30" in out
+
+
+def test_checkpoints_found_in_an_event_dump(tmp_path):
+    from trainguard.schemas.events import checkpoint_event, encode, metrics_event, source
+
+    src = source("trainer", "h", 0)
+    lines = [encode(metrics_event("dump", s, {"actor/pg_loss": 0.1}, src=src, ts=1.7e9 + s)) for s in range(1, 6)]
+    lines.insert(3, encode(checkpoint_event("dump", 3, "/ckpt/3", ts=1.7e9 + 3)))
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    assert find_checkpoints(str(path), "jsonl") == [{"step": 3, "path": "/ckpt/3"}]
+    assert find_checkpoints(VERL_LOG, "verl")[0] == {"step": 50,
+                                                     "path": "checkpoints/gsm8k_grpo/qwen2_7b/global_step_50"}
+
+
+@pytest.mark.parametrize("name, content, problem", [
+    ("missing.log", None, "no such file or directory"),
+    ("empty.jsonl", "", "file is empty"),
+    ("garbage.log", "step:1 - ???\nstep:2 - !!!\n", "no step could be read as verl"),
+])
+def test_unreadable_input_exits_2_naming_the_file_and_the_problem(tmp_path, name, content, problem):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    rc, out, err = _main(str(path))
+    assert rc == 2 and out == ""
+    assert str(path) in err and problem in err
+
+
+def test_bad_rules_file_exits_2(tmp_path):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("version: 1\nrules: [{name: x}]\n")
+    rc, _, err = _main(VERL_LOG, "--rules", str(rules))
+    assert rc == 2 and "bad rules file" in err
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_line_on_a_terminal(tmp_path):
+    err = _Tty()
+    progress = Progress(err, "x.log", interval_s=0.0)
+    result = replay(VERL_LOG, on_step=progress)
+    progress.clear()
+    assert result.steps == 301
+    text = err.getvalue()
+    assert text.startswith("\rreplaying x.log [") and "100.0%" in text and "301 steps" in text
+    assert "steps/s" in text and text.endswith("\r\033[K")
