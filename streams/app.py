@@ -57,9 +57,57 @@ def _credentials(settings: KafkaSettings):
     return faust.SSLCredentials(ssl_context)
 
 
+class _ExporterFeed:
+    """Collects, per batch, what the Prometheus exporter needs from the decoded events (an
+    ``Engine.on_event`` observer): the newest event time and, per run, the latest values of the
+    exporter's allow-listed trainer metrics. One dict lookup per allow-listed name per event."""
+
+    __slots__ = ("key_metrics", "max_ts", "runs", "lag")
+
+    def __init__(self, key_metrics):
+        self.key_metrics = tuple(key_metrics)
+        self.max_ts = None
+        self.runs: dict[str, list] = {}  # run -> [latest allow-listed values, ts]
+        self.lag = 0.0
+
+    def __call__(self, event: dict) -> None:
+        ts = event["ts"]
+        if self.max_ts is None or ts > self.max_ts:
+            self.max_ts = ts
+        if event["schema"] == "metrics/1" and event["source"]["kind"] == "trainer":
+            m = event["metrics"]
+            keep = {k: m[k] for k in self.key_metrics if k in m}
+            if keep:
+                entry = self.runs.get(event["run_id"])
+                if entry is None:
+                    self.runs[event["run_id"]] = [keep, ts]
+                else:
+                    entry[0].update(keep)
+                    entry[1] = ts
+
+    def flush(self, exporter, events: int, samples: int, outputs) -> None:
+        for run_id, (values, ts) in self.runs.items():
+            exporter.observe_metrics(run_id, values, ts)
+        self.runs.clear()
+        for out in outputs:
+            if out.kind == "alert":
+                exporter.observe_alert(out.value)
+            elif out.kind == "dlq":
+                exporter.observe_dlq(out.value["reason"])
+        if self.max_ts is not None:  # else nothing decodable in this batch: the lag stays as it was
+            self.lag = time.time() - self.max_ts
+            self.max_ts = None
+        exporter.observe_batch(events, samples, self.lag)
+
+
 def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None = None, app_id: str = "trainguard",
-               batch_max: int = 1000, batch_within_s: float = 0.02, rebalance_timeout_s: float | None = None):
-    """Build the app: topics, the state table and the agent, visible in one place."""
+               batch_max: int = 1000, batch_within_s: float = 0.02, rebalance_timeout_s: float | None = None,
+               prometheus_port: int | None = None, prometheus_addr: str | None = None):
+    """Build the app: topics, the state table and the agent, visible in one place.
+
+    With ``prometheus_port`` (or ``TRAINGUARD_PROMETHEUS_PORT``) the worker exports its own
+    metrics (throughput, lag, alerts, dead letters, key run metrics) on ``/metrics`` there,
+    bound to ``prometheus_addr`` (or ``TRAINGUARD_PROMETHEUS_ADDR``, default 127.0.0.1)."""
     settings = settings or KafkaSettings.from_env()
     ruleset = rules_mod.load(rules_path)
     keys = load_keys()
@@ -91,13 +139,34 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
 
     engine = Engine(ruleset, state_table.data, signing_key=signing_key)
     app.trainguard_engine = engine  # for tests and the status line
+
+    if prometheus_port is None and os.environ.get("TRAINGUARD_PROMETHEUS_PORT"):
+        prometheus_port = int(os.environ["TRAINGUARD_PROMETHEUS_PORT"])
+    exporter = feed = None
+    if prometheus_port is not None:
+        from trainguard.sinks.prometheus import Exporter
+
+        exporter = Exporter()
+        feed = _ExporterFeed(exporter.key_metrics)
+        engine.on_event.append(feed)
+        addr = prometheus_addr or os.environ.get("TRAINGUARD_PROMETHEUS_ADDR", "127.0.0.1")
+
+        @app.task
+        async def serve_metrics() -> None:
+            try:
+                port = exporter.start_http(prometheus_port, addr)
+            except OSError as exc:
+                log.error("trainguard: cannot serve Prometheus metrics on %s:%s: %s", addr, prometheus_port, exc)
+                return
+            log.warning("trainguard: Prometheus metrics on http://%s:%d/metrics", addr, port)
+    app.trainguard_exporter = exporter
     control_partitions = settings.partitions
 
     async def publish(outputs) -> None:
         for out in outputs:
             value = orjson.dumps(out.value)
             key = out.key.encode()
-            if out.kind == "alert":
+            if out.kind in ("alert", "report"):  # diagnosis reports travel with the alerts
                 await alerts_topic.send(key=key, value=value)
             elif out.kind == "command":
                 await control_topic.send(key=key, value=value,
@@ -118,12 +187,18 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         async for batch in stream.take_events(batch_max, within=batch_within_s):
             outputs = []
             handle = engine.handle
+            samples_before = engine.samples
             for event in batch:
                 m = event.message
                 outputs.extend(handle(m.value, m.partition, m.offset, m.topic))
             if outputs:
                 await publish(outputs)
             flush_state()
+            if exporter is not None:
+                try:
+                    feed.flush(exporter, len(batch), engine.samples - samples_before, outputs)
+                except Exception:  # the exporter must never stop detection
+                    log.exception("trainguard: exporter update failed")
 
     @app.timer(10.0)
     async def status() -> None:
