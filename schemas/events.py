@@ -31,7 +31,8 @@ LIFECYCLE = "lifecycle/1"
 ALERT = "alert/1"
 COMMAND = "command/1"
 ACK = "ack/1"
-KINDS = (METRICS, CHECKPOINT, LIFECYCLE, ALERT, COMMAND, ACK)
+REPORT = "report/1"
+KINDS = (METRICS, CHECKPOINT, LIFECYCLE, ALERT, COMMAND, ACK, REPORT)
 
 LAYERS = ("data", "compute", "resource")
 SEVERITIES = ("P0", "P1", "P2", "P3")
@@ -318,6 +319,19 @@ def _validate_ack(event: dict) -> None:
     _int(event, "step", required=False)
 
 
+def _validate_report(event: dict) -> None:
+    _str(event, "id")
+    _check_run(event)
+    _enum(event, "action", ACTIONS)
+    _str(event, "command_id")
+    _time(event, "ts")
+    _str(event, "summary", required=False)
+    _dict(event, "incident", required=True)
+    _dict(event, "checkpoint", required=True)
+    if type(event.get("alerts", [])) is not list:
+        raise _fail("alerts", "must be a list")
+
+
 _VALIDATORS = {
     METRICS: _validate_metrics,
     CHECKPOINT: _validate_checkpoint,
@@ -325,6 +339,7 @@ _VALIDATORS = {
     ALERT: _validate_alert,
     COMMAND: _validate_command,
     ACK: _validate_ack,
+    REPORT: _validate_report,
 }
 
 

@@ -51,6 +51,9 @@ class ConsoleSink(Sink):
             return (f"{_clock(event.get('issued'))} {self._c(_MAGENTA, 'COMMAND ' + event['action'].upper())}"
                     f"{where} run={event['run_id']} because {len(event.get('reason', []))} alert(s): "
                     f"{event.get('detail', '')}")
+        if kind.startswith("report/"):
+            return (f"{_clock(event.get('ts'))} {self._c(_MAGENTA, 'REPORT')} {event['id']} run={event['run_id']} "
+                    f"decision={event['action']}: {event['checkpoint'].get('why', '')}")
         if kind.startswith("ack/"):
             colour = _GREEN if event["status"] == "applied" else _SEVERITY_COLOUR["P1"]
             return (f"{_clock(event.get('ts'))} {self._c(colour, 'ACK ' + event['status'])} "

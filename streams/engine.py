@@ -19,7 +19,7 @@ import base64
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, MutableMapping
 
 import numpy as np
@@ -35,6 +35,7 @@ log = logging.getLogger("trainguard.engine")
 
 MAX_CHECKPOINTS = 64
 MAX_SNAPSHOT_HOSTS = 16
+MAX_RECENT_ALERTS = 32
 
 
 class SourceState:
@@ -88,26 +89,23 @@ class SourceState:
 @dataclass
 class RunState:
     offset: int = -1
-    breaker: policy.BreakerState = None  # type: ignore[assignment]
-    checkpoints: list = None  # type: ignore[assignment]
-    nodes: dict = None  # type: ignore[assignment]  host -> {ts, metrics}
-    sources: list = None  # type: ignore[assignment]  source ids seen
-
-    def __post_init__(self):
-        self.breaker = self.breaker or policy.BreakerState()
-        self.checkpoints = self.checkpoints or []
-        self.nodes = self.nodes or {}
-        self.sources = self.sources or []
+    breaker: policy.BreakerState = field(default_factory=policy.BreakerState)
+    checkpoints: list = field(default_factory=list)     # {step, path, ts, healthy}
+    nodes: dict = field(default_factory=dict)           # host -> {ts, step, metrics}
+    sources: list = field(default_factory=list)         # source ids seen
+    open_critical: dict = field(default_factory=dict)   # alert id -> rule, while firing
+    recent_alerts: list = field(default_factory=list)   # the last critical alerts, for reports
 
     def to_bytes(self) -> bytes:
-        return orjson.dumps({"offset": self.offset, "breaker": self.breaker.to_state(),
-                             "checkpoints": self.checkpoints, "nodes": self.nodes, "sources": self.sources})
+        d = self.__dict__.copy()
+        d["breaker"] = self.breaker.to_state()
+        return orjson.dumps(d)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "RunState":
         d = orjson.loads(raw)
-        return cls(d["offset"], policy.BreakerState.from_state(d["breaker"]), d["checkpoints"], d["nodes"],
-                   d["sources"])
+        d["breaker"] = policy.BreakerState.from_state(d["breaker"])
+        return cls(**d)
 
 
 @dataclass
@@ -207,23 +205,32 @@ class Engine:
         if kind == ev.METRICS:
             return self._metrics(event, run, run_id, partition)
         if kind == ev.CHECKPOINT:
-            run.checkpoints.append({"step": event["step"], "path": event["path"], "ts": event["ts"]})
+            # Only a checkpoint saved while no critical alert was open is a rollback target.
+            run.checkpoints.append({"step": event["step"], "path": event["path"], "ts": event["ts"],
+                                    "healthy": not run.open_critical})
             del run.checkpoints[:-MAX_CHECKPOINTS]
             return []
         if event["event"] == "rolled_back":
-            self._rolled_back(run, run_id, partition)
+            return self._rolled_back(event, run, run_id, partition)
         return []
 
-    def _rolled_back(self, run: RunState, run_id: str, partition: int) -> None:
-        policy.on_rolled_back(run.breaker)
+    def _rolled_back(self, event: dict, run: RunState, run_id: str, partition: int) -> list[Output]:
+        policy.on_rolled_back(run.breaker, event.get("step"))
+        outputs = []
         for sid in run.sources:  # the restored model is not what the windows saw
             key = f"{run_id}|{sid}".encode()
-            src = self.store.get(key)
-            if src is not None and type(src) is not bytes and src.kind in self.rules.policy["step_sources"]:
+            src = self._source(key, "") if key in self.store else None
+            if src is not None and src.kind in self.rules.policy["step_sources"]:
+                for alert in src.firing.values():
+                    outputs.append(Output("alert", run_id, {
+                        **alert, "status": "resolved", "ts": event["ts"], "step": event.get("step", alert["step"]),
+                        "node_snapshot": None, "resolution": "the trainer rolled back"}))
                 src.block.reset()
                 src.streaks.clear()
                 src.firing.clear()
                 self.dirty[key] = partition
+        run.open_critical.clear()
+        return outputs
 
     def _metrics(self, event: dict, run: RunState, run_id: str, partition: int) -> list[Output]:
         src = event["source"]
@@ -258,6 +265,7 @@ class Engine:
         hits = np.flatnonzero(candidate)
         outputs: list[Output] = []
         critical_ids: list[str] = []
+        critical_rules: list[str] = []
         critical_text = ""
         holding: set[tuple[int, int]] = set()
         attempt = run.breaker.attempt
@@ -283,8 +291,13 @@ class Engine:
                     alert = self._alert(event, run, run_id, sid, rule, names[j], value, evidence, attempt)
                     state.firing[slot] = alert
                     outputs.append(Output("alert", run_id, alert))
+                    if rule.critical:
+                        run.open_critical[alert["id"]] = rule.name
+                        run.recent_alerts.append(alert)
+                        del run.recent_alerts[:-MAX_RECENT_ALERTS]
                 if rule.critical:
                     critical_ids.append(alert["id"])
+                    critical_rules.append(rule.name)
                     critical_text = critical_text or f"{rule.summary} ({names[j]}={value:.4g})"
         # Episodes that no longer hold are resolved; streaks that broke start again.
         present = set(rows.tolist())
@@ -292,17 +305,67 @@ class Engine:
             del state.streaks[slot]
         for slot in [s for s in state.firing if s not in holding and s[1] in present]:
             opened = state.firing.pop(slot)
+            run.open_critical.pop(opened["id"], None)
             outputs.append(Output("alert", run_id, self._resolved(opened, event)))
 
         if src["kind"] in self.rules.policy["step_sources"]:
-            command = policy.on_step(run.breaker, self.rules.policy, run_id=run_id, step=event["step"],
-                                     ts=event["ts"], critical=bool(critical_ids), alert_ids=critical_ids,
-                                     checkpoints=run.checkpoints, diagnosis=critical_text)
-            if command is not None:
+            decision = policy.on_step(run.breaker, self.rules.policy, run_id=run_id, step=event["step"],
+                                      ts=event["ts"], critical=bool(critical_ids), alert_ids=critical_ids,
+                                      rules=critical_rules, checkpoints=run.checkpoints, diagnosis=critical_text)
+            if decision is not None:
+                report = self._report(run, run_id, decision, event)
+                command = {**decision.command, "report": report["id"]}
                 if self.signing_key is not None:
                     command = sign(command, self.signing_key)
+                outputs.append(Output("report", run_id, report))
                 outputs.append(Output("command", run_id, command))
         return outputs
+
+    def _window(self, run_id: str, alert: dict) -> dict | None:
+        """The metric's recent values, oldest first, from the baseline's ring buffer."""
+        src = self.store.get(f"{run_id}|{ev.source_id(alert['source'])}".encode())
+        if src is None or type(src) is bytes or alert["metric"] not in src.block.index:
+            return None
+        block = src.block
+        row = block.index[alert["metric"]]
+        w, n = int(block.window[row]), int(block.count[row])
+        filled = min(n, w)
+        positions = [(n - filled + i) % w for i in range(filled)]
+        shift = 0.0 if math.isnan(block.shift[row]) else float(block.shift[row])
+        values = [float(block.buf[row, p]) + shift for p in positions]
+        return {"source": ev.source_id(alert["source"]), "window": w, "values": values}
+
+    def _report(self, run: RunState, run_id: str, decision: policy.Decision, event: dict) -> dict:
+        """The diagnosis report behind a command: what happened, the evidence, what was chosen and why."""
+        ids = set(decision.command["reason"])
+        alerts = [a for a in run.recent_alerts if a["id"] in ids] or run.recent_alerts[-5:]
+        windows = {}
+        for a in alerts:
+            if a["metric"] not in windows:
+                window = self._window(run_id, a)
+                if window is not None:
+                    windows[a["metric"]] = window
+        b = run.breaker
+        return {
+            "schema": "report/1",
+            "id": "report-" + decision.command["id"],
+            "run_id": run_id,
+            "ts": event["ts"],
+            "step": event["step"],
+            "action": decision.command["action"],
+            "command_id": decision.command["id"],
+            "summary": decision.command["detail"],
+            "incident": {"onset_step": b.onset_step if b.onset_step is not None else event["step"],
+                         "rules": sorted({a["rule"] for a in alerts}),
+                         "layers": sorted({a.get("layer", "data") for a in alerts})},
+            "alerts": [{k: a[k] for k in ("id", "rule", "severity", "metric", "value", "step", "evidence",
+                                          "diagnosis", "suggestion") if k in a} for a in alerts],
+            "windows": windows,
+            "resource_snapshot": run.nodes,
+            "checkpoint": {"chosen": decision.checkpoint, "why": decision.why,
+                           "candidates": decision.candidates},
+            "history": {"rollbacks": b.attempt, "rollbacks_last_hour": len(b.rollback_ts)},
+        }
 
     # -- building outputs ---------------------------------------------------------------------
 

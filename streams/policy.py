@@ -1,10 +1,16 @@
 """The circuit breaker: turn consecutive critical steps into one control command.
 
 Pure decisions, no I/O. After ``consecutive_critical`` critical steps in a row (3 in the
-seed) it asks for a rollback to the newest checkpoint saved before the anomaly began;
-with no such checkpoint it asks the trainer to stop. It then waits for the trainer to
-report the rollback (a ``rolled_back`` lifecycle event) before it counts again, so one
-incident yields one command, and a replayed event yields the same command id.
+seed) it asks for a rollback to the newest *safe* checkpoint: saved before the incident's
+onset, while no critical alert was open, and (optionally) at least
+``rollback_min_steps_before_onset`` steps before it. It asks to skip the batches that led
+into the failure (``skip_batches``: a number, or ``auto`` for the ones between the
+checkpoint and the last critical step). With no safe checkpoint, with more than
+``max_rollbacks_per_hour`` rollbacks, or when the same incident comes back within
+``recurrence_steps`` after a rollback, it stops the run instead of looping forever.
+It then waits for the trainer to report the rollback (a ``rolled_back`` lifecycle event)
+before it counts again, so one incident yields one command, and a replayed event yields
+the same command id.
 """
 
 from __future__ import annotations
@@ -13,6 +19,16 @@ import hashlib
 from dataclasses import dataclass, field
 
 ARMED, AWAITING, STOPPED = "armed", "awaiting", "stopped"
+
+DEFAULTS = {
+    "consecutive_critical": 3,
+    "command_ttl_s": 300.0,
+    "skip_batches": 0,                      # a number, or "auto"
+    "rollback_min_steps_before_onset": 0,
+    "max_rollbacks_per_hour": 3,
+    "recurrence_steps": 200,
+    "step_sources": ["trainer"],
+}
 
 
 def stable_id(*parts) -> str:
@@ -27,10 +43,13 @@ class BreakerState:
     onset_ts: float | None = None
     last_step: int | None = None
     alert_ids: list[str] = field(default_factory=list)
+    rules: list[str] = field(default_factory=list)      # critical rules of the current incident
     command_id: str | None = None
     command_expires: float = 0.0
-    attempt: int = 0           # how many rollbacks the run went through (part of alert ids)
-    rollbacks: int = 0
+    attempt: int = 0                                     # rollbacks the run went through
+    rollback_ts: list[float] = field(default_factory=list)
+    restored_step: int | None = None                     # where the last rollback landed
+    last_rules: list[str] = field(default_factory=list)  # the incident behind the last rollback
 
     def to_state(self) -> dict:
         return self.__dict__.copy()
@@ -40,19 +59,38 @@ class BreakerState:
         return cls(**d)
 
 
-def newest_safe_checkpoint(checkpoints: list[dict], onset_step: int, onset_ts: float | None) -> dict | None:
-    """The newest checkpoint saved before the anomaly began."""
-    best = None
+@dataclass
+class Decision:
+    """What the breaker decided and why, for the command and the diagnosis report."""
+    command: dict
+    why: str
+    checkpoint: dict | None
+    candidates: list[dict]
+
+
+def safe_checkpoint(checkpoints: list[dict], onset_step: int, onset_ts: float | None,
+                    min_steps_before: int = 0) -> tuple[dict | None, str]:
+    """The newest checkpoint saved before the onset while the run was healthy, and why."""
+    best, rejected = None, []
     for c in checkpoints:
-        if c["step"] < onset_step and (onset_ts is None or c["ts"] <= onset_ts):
-            if best is None or c["step"] > best["step"]:
-                best = c
-    return best
+        if c["step"] >= onset_step or (onset_ts is not None and c["ts"] > onset_ts):
+            rejected.append(f"step {c['step']}: saved after the onset")
+        elif not c.get("healthy", True):
+            rejected.append(f"step {c['step']}: saved while a critical alert was open")
+        elif c["step"] > onset_step - min_steps_before:
+            rejected.append(f"step {c['step']}: closer than {min_steps_before} steps to the onset")
+        elif best is None or c["step"] > best["step"]:
+            best = c
+    if best is None:
+        return None, "no checkpoint was saved before the onset while the run was healthy" + (
+            f" ({'; '.join(rejected[-5:])})" if rejected else "")
+    return best, (f"newest checkpoint saved before the onset at step {onset_step} while no critical alert "
+                  f"was open: step {best['step']}")
 
 
 def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: float, critical: bool,
-            alert_ids: list[str], checkpoints: list[dict], diagnosis: str) -> dict | None:
-    """Feed one trainer step; return an unsigned command when the breaker trips."""
+            alert_ids: list[str], rules: list[str], checkpoints: list[dict], diagnosis: str) -> Decision | None:
+    """Feed one trainer step; return a decision (with an unsigned command) when the breaker trips."""
     if state.status == STOPPED:
         return None
     if state.status == AWAITING:
@@ -64,43 +102,66 @@ def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: fl
         return None  # another source of the same step: the step was already judged
     state.last_step = step
     if not critical:
-        state.streak, state.onset_step, state.onset_ts, state.alert_ids = 0, None, None, []
+        state.streak, state.onset_step, state.onset_ts, state.alert_ids, state.rules = 0, None, None, [], []
         return None
     if state.streak == 0:
         state.onset_step, state.onset_ts = step, ts
     state.streak += 1
-    for a in alert_ids:
-        if a not in state.alert_ids:
-            state.alert_ids.append(a)
+    state.alert_ids += [a for a in alert_ids if a not in state.alert_ids]
+    state.rules += [r for r in rules if r not in state.rules]
     if state.streak < int(policy["consecutive_critical"]):
         return None
+    return _decide(state, policy, run_id=run_id, step=step, ts=ts, checkpoints=checkpoints, diagnosis=diagnosis)
 
-    target = newest_safe_checkpoint(checkpoints, state.onset_step, state.onset_ts)
+
+def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints, diagnosis) -> Decision:
+    onset = state.onset_step
+    recent = [t for t in state.rollback_ts if ts - t < 3600]
+    recurred = (state.restored_step is not None and set(state.rules) & set(state.last_rules)
+                and onset - state.restored_step <= int(policy["recurrence_steps"]))
+    target, why = safe_checkpoint(checkpoints, onset, state.onset_ts,
+                                  int(policy.get("rollback_min_steps_before_onset", 0)))
+    if recurred:
+        target, why = None, (f"the same incident ({', '.join(sorted(set(state.rules) & set(state.last_rules)))}) "
+                             f"came back {onset - state.restored_step} steps after the rollback to step "
+                             f"{state.restored_step}: rolling back again would loop")
+    elif len(recent) >= int(policy["max_rollbacks_per_hour"]):
+        target, why = None, (f"{len(recent)} rollbacks in the last hour reached max_rollbacks_per_hour="
+                             f"{policy['max_rollbacks_per_hour']}")
     action = "rollback" if target is not None else "stop"
     command = {
         "schema": "command/1",
-        "id": stable_id(run_id, action, state.onset_step, state.attempt),
+        "id": stable_id(run_id, action, onset, state.attempt),
         "run_id": run_id,
         "action": action,
         "target": {"step": target["step"], "path": target["path"]} if target else None,
         "reason": state.alert_ids[-20:],
         "issued": ts,
         "expires": ts + float(policy["command_ttl_s"]),
-        "detail": (f"{state.streak} consecutive critical steps from step {state.onset_step}: {diagnosis}"
-                   + ("" if target else " No checkpoint was saved before the onset, so the run is stopped.")),
+        "detail": f"{state.streak} consecutive critical steps from step {onset}: {diagnosis}. {why}.",
     }
-    if action == "rollback" and policy.get("skip_batches"):
-        command["skip_batches"] = int(policy["skip_batches"])
+    if target is not None:
+        skip = policy.get("skip_batches", 0)
+        skip = step - target["step"] if skip == "auto" else int(skip)
+        if skip > 0:
+            command["skip_batches"] = skip
+    candidates = [c for c in checkpoints][-10:]
     state.command_id = command["id"]
     state.command_expires = command["expires"]
-    state.status = AWAITING if action == "rollback" else STOPPED
+    if action == "rollback":
+        state.status = AWAITING
+        state.rollback_ts = recent + [ts]
+        state.last_rules = list(state.rules)
+    else:
+        state.status = STOPPED
     state.streak, state.alert_ids = 0, []
-    return command
+    return Decision(command, why, target, candidates)
 
 
-def on_rolled_back(state: BreakerState) -> None:
+def on_rolled_back(state: BreakerState, restored_step: int | None) -> None:
     """The trainer restored a checkpoint: count again from a clean slate."""
     state.status = ARMED
-    state.streak, state.onset_step, state.onset_ts, state.last_step, state.alert_ids = 0, None, None, None, []
+    state.streak, state.onset_step, state.onset_ts, state.last_step = 0, None, None, None
+    state.alert_ids, state.rules = [], []
     state.attempt += 1
-    state.rollbacks += 1
+    state.restored_step = restored_step

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import yaml
 
+from trainguard.streams import policy as policy_mod
+
 SEVERITIES = ("P0", "P1", "P2", "P3")
 LAYERS = ("data", "compute", "resource")
 _RULE_KEYS = {"name", "metric", "anomalous", "above", "below", "non_finite", "for", "severity", "critical",
               "summary", "diagnosis", "suggestion", "sources"}
-_POLICY_DEFAULTS = {"consecutive_critical": 3, "command_ttl_s": 300.0, "skip_batches": 0,
-                    "step_sources": ["trainer"]}
+_POLICY_DEFAULTS = policy_mod.DEFAULTS
 
 
 class RulesError(ValueError):
@@ -230,7 +231,11 @@ def parse(text: str, path: str = "<rules>") -> RuleSet:
         policy[key] = value
     _number(path, line, policy, "consecutive_critical", integer=True, minimum=1)
     _number(path, line, policy, "command_ttl_s", minimum=1)
-    _number(path, line, policy, "skip_batches", integer=True, minimum=0)
+    if policy["skip_batches"] != "auto":
+        _number(path, line, policy, "skip_batches", integer=True, minimum=0)
+    _number(path, line, policy, "rollback_min_steps_before_onset", integer=True, minimum=0)
+    _number(path, line, policy, "max_rollbacks_per_hour", integer=True, minimum=0)
+    _number(path, line, policy, "recurrence_steps", integer=True, minimum=0)
 
     raw_rules = doc.get("rules")
     if not isinstance(raw_rules, list) or not raw_rules:

@@ -1,0 +1,135 @@
+"""The circuit breaker's decisions: safe checkpoints, skipped batches, limits, reports."""
+
+import time
+
+import orjson
+import pytest
+
+from trainguard.schemas import events as ev
+from trainguard.sinks.reports import ReportSink
+from trainguard.simulator import SimulatedPPO
+from trainguard.streams import rules as rules_mod
+from trainguard.streams.engine import Engine
+
+TRAINER = ev.source("trainer", "h", 0)
+NODE = ev.source("node", "h")
+
+
+def ruleset(**policy):
+    r = rules_mod.load(None)
+    r.policy = {**r.policy, **policy}
+    return r
+
+
+class Run:
+    """The simulated trainer on the engine, obeying commands the way a trainer does."""
+
+    def __init__(self, engine: Engine, seed=3, checkpoint_every=20):
+        self.engine, self.sim, self.offset, self.ts = engine, SimulatedPPO(seed=seed), 0, 1.7e9
+        self.checkpoint_every = checkpoint_every
+        self.outputs: list = []
+        self.stopped = False
+
+    def feed(self, event) -> list:
+        outs = self.engine.handle(ev.encode(event), 0, self.offset)
+        self.offset += 1
+        self.outputs += outs
+        return outs
+
+    def run(self, steps: int, obey=True) -> "Run":
+        for _ in range(steps * 4):
+            if self.sim.current_step >= steps or self.stopped:
+                break
+            self.ts += 10
+            m = self.sim.step()
+            outs = self.feed(ev.metrics_event("r", self.sim.current_step, m, src=TRAINER, ts=self.ts))
+            outs += self.feed(ev.metrics_event("r", self.sim.current_step, self.sim.node_metrics(), src=NODE, ts=self.ts))
+            if self.checkpoint_every and self.sim.current_step % self.checkpoint_every == 0:
+                self.feed(ev.checkpoint_event("r", self.sim.current_step, self.sim.save_checkpoint(), ts=self.ts))
+            for command in (o.value for o in outs if o.kind == "command"):
+                if not obey:
+                    continue
+                if command["action"] == "rollback":
+                    self.sim.restore(command["target"]["step"])
+                    self.feed(ev.lifecycle_event("r", "rolled_back", step=self.sim.current_step, ts=self.ts))
+                elif command["action"] == "stop":
+                    self.stopped = True
+        return self
+
+    def of(self, kind):
+        return [o.value for o in self.outputs if o.kind == kind]
+
+
+def test_rollback_skips_the_batches_that_led_into_the_failure():
+    r = Run(Engine(ruleset(skip_batches="auto")))
+    r.sim.inject("nan_loss", at_step=70)
+    r.run(100)
+    command = r.of("command")[0]
+    assert command["action"] == "rollback" and command["target"]["step"] == 60
+    assert command["skip_batches"] == 72 - 60  # from the checkpoint to the third critical step
+    r2 = Run(Engine(ruleset(skip_batches=300)))
+    r2.sim.inject("nan_loss", at_step=70)
+    assert r2.run(100).of("command")[0]["skip_batches"] == 300
+
+
+def test_a_checkpoint_saved_while_a_critical_alert_was_open_is_not_a_target():
+    r = Run(Engine(ruleset(consecutive_critical=5)), checkpoint_every=0)
+    r.sim.inject("nan_loss", at_step=43)
+    r.run(40)
+    r.feed(ev.checkpoint_event("r", 40, r.sim.save_checkpoint(), ts=r.ts))   # healthy
+    r.run(44)                                                                # the NaNs begin at 43
+    r.feed(ev.checkpoint_event("r", 44, r.sim.save_checkpoint(), ts=r.ts))   # saved while NaN alerts are open
+    r.run(50)
+    command = r.of("command")[0]
+    assert command["target"]["step"] == 40
+
+
+def test_rollbacks_can_be_asked_to_land_well_before_the_onset():
+    r = Run(Engine(ruleset(rollback_min_steps_before_onset=25)))
+    r.sim.inject("rollout_stall", at_step=70)
+    assert r.run(100).of("command")[0]["target"]["step"] == 40
+
+
+def test_a_fault_that_persists_after_rollback_ends_in_a_stop_with_a_diagnosis_report(tmp_path):
+    r = Run(Engine(ruleset()))
+    r.sim.inject("kl_explosion", at_step=70, recur=True)  # the bad data comes back after every restore
+    r.run(200)
+    commands = r.of("command")
+    assert [c["action"] for c in commands] == ["rollback", "stop"]
+    assert r.stopped
+    reports = r.of("report")
+    assert [rep["action"] for rep in reports] == ["rollback", "stop"]
+    stop_report = reports[-1]
+    assert commands[-1]["report"] == stop_report["id"]
+    assert "came back" in stop_report["checkpoint"]["why"] and stop_report["checkpoint"]["chosen"] is None
+    assert stop_report["alerts"] and stop_report["alerts"][0]["evidence"]["detector"] == "rolling_z"
+    window = stop_report["windows"]["actor/kl_loss"]
+    assert len(window["values"]) >= 5 and window["values"][-1] > 0.8
+    assert stop_report["resource_snapshot"]["h"]["metrics"]["gpu/utilization_pct[0]"] > 0
+    ev.decode(orjson.dumps(stop_report))  # a valid report/1 event
+
+    sink = ReportSink(tmp_path)
+    sink.deliver(reports)
+    text = (tmp_path / "r" / f"{stop_report['id']}.txt").read_text()
+    assert "decision: STOP" in text and "came back" in text and "actor/kl_loss" in text
+    assert orjson.loads((tmp_path / "r" / f"{stop_report['id']}.json").read_bytes())["id"] == stop_report["id"]
+
+
+def test_the_rollback_limit_per_hour_stops_the_run():
+    r = Run(Engine(ruleset(max_rollbacks_per_hour=2, recurrence_steps=0)))
+    r.sim.inject("nan_loss", at_step=50)
+    r.sim.inject("nan_loss", at_step=100, recur=True)  # survives the first restore, and every later one
+    r.run(220)
+    actions = [c["action"] for c in r.of("command")]
+    assert actions == ["rollback", "rollback", "stop"]
+    assert "max_rollbacks_per_hour=2" in r.of("report")[-1]["checkpoint"]["why"]
+
+
+def test_open_alerts_resolve_when_the_trainer_rolls_back():
+    r = Run(Engine(ruleset()))
+    r.sim.inject("nan_loss", at_step=70)
+    r.run(90)
+    alerts = r.of("alert")
+    firing = {a["id"] for a in alerts if a["status"] == "firing"}
+    resolved = {a["id"] for a in alerts if a["status"] == "resolved"}
+    assert firing and firing <= resolved
