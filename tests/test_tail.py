@@ -1,0 +1,80 @@
+"""trainguard tail: alerts, commands and acks from the topics, one line each, live."""
+
+from __future__ import annotations
+
+import io
+import os
+import selectors
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.integration import produce
+from trainguard.schemas import events as ev
+from trainguard.tail import tail
+
+pytestmark = pytest.mark.integration
+
+
+def _alert(run_id: str, step: int, rule: str = "non_finite") -> dict:
+    ts = 1.7e9 + step
+    return {"schema": ev.ALERT, "id": f"{run_id}-{rule}-{step}", "run_id": run_id, "rule": rule, "severity": "P0",
+            "status": "firing", "metric": "actor/pg_loss", "value": "NaN", "step": step, "ts": ts,
+            "onset": {"step": step, "ts": ts}, "evidence": {"detector": "non_finite", "value": "NaN"},
+            "diagnosis": "A loss is NaN", "suggestion": "Roll back"}
+
+
+def test_tail_subprocess_prints_an_alert_from_the_beginning(kafka):
+    produce(kafka, kafka.topics.alerts, "tail-1", [ev.encode(_alert("tail-1", 7))])
+    prefix = kafka.topics.events.rsplit(".", 1)[0]
+    env = {**os.environ, "TRAINGUARD_BOOTSTRAP": kafka.bootstrap, "TRAINGUARD_TOPIC_PREFIX": prefix}
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "tail", "--from", "beginning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        seen = b""
+        deadline = time.monotonic() + 60
+        while b"run=tail-1" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            if sel.select(timeout=0.5):
+                seen += os.read(proc.stdout.fileno(), 65536)
+        line = next((ln for ln in seen.decode().splitlines() if "run=tail-1" in ln), None)
+        assert line is not None, f"no alert line; stdout {seen!r}, exit {proc.poll()}"
+        assert "P0 FIRING" in line and "non_finite" in line and "step=7" in line and "actor/pg_loss=NaN" in line
+        assert "\033[" not in line, "no colour codes when stdout is not a terminal"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    assert b"waiting for alerts on " + kafka.bootstrap.encode() in proc.stderr.read()
+
+
+def test_tail_follows_one_run_and_shows_commands_and_acks(kafka):
+    produce(kafka, kafka.topics.alerts, "other", [ev.encode(_alert("other", 3))])
+    produce(kafka, kafka.topics.alerts, "mine", [ev.encode(_alert("mine", 4))])
+    command = {"schema": ev.COMMAND, "id": "c1", "run_id": "mine", "action": "stop", "target": None,
+               "reason": ["mine-non_finite-4"], "issued": 1.7e9, "expires": 1.7e9 + 300, "detail": "3 critical steps"}
+    produce(kafka, kafka.topics.control, "mine", [ev.encode(command)])
+    produce(kafka, kafka.topics.acks, "mine", [ev.encode(ev.ack_event("c1", "mine", "applied", "stopped"))])
+    out, err, stop = io.StringIO(), io.StringIO(), threading.Event()
+    result = {}
+    t = threading.Thread(target=lambda: result.update(rc=tail(kafka, start="beginning", run="mine", stop=stop,
+                                                                stdout=out, stderr=err)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(w in out.getvalue() for w in ("run=mine", "COMMAND", "ACK")):
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        t.join(15)
+    text = out.getvalue()
+    assert result.get("rc") == 0
+    assert "COMMAND STOP" in text and "ACK applied" in text and "run=mine step=4" in text
+    assert "run=other" not in text
