@@ -78,3 +78,26 @@ def test_tail_follows_one_run_and_shows_commands_and_acks(kafka):
     assert result.get("rc") == 0
     assert "COMMAND STOP" in text and "ACK applied" in text and "run=mine step=4" in text
     assert "run=other" not in text
+
+
+def test_sinks_subcommand_delivers_to_the_configured_jsonl(kafka, tmp_path):
+    produce(kafka, kafka.topics.alerts, "sink-1", [ev.encode(_alert("sink-1", 9))])
+    target = tmp_path / "alerts.jsonl"
+    prefix = kafka.topics.events.rsplit(".", 1)[0]
+    env = {**os.environ, "TRAINGUARD_BOOTSTRAP": kafka.bootstrap, "TRAINGUARD_TOPIC_PREFIX": prefix,
+           "TRAINGUARD_ALERTS_JSONL": str(target)}
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "sinks", "--from", "beginning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if target.exists() and "sink-1" in target.read_text():
+                break
+            time.sleep(0.2)
+        assert target.exists() and '"run_id":"sink-1"' in target.read_text().replace(" ", ""), \
+            f"exit {proc.poll()}"
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    assert proc.returncode == 0, proc.stdout.read().decode()[-2000:]
+    assert b"run=sink-1" in proc.stdout.read(), "the console sink printed it too"
