@@ -1,0 +1,290 @@
+"""What every trainer integration shares: publish, receive commands, apply them at a step
+boundary, acknowledge, and never raise into the training loop.
+
+An integration subclasses :class:`GuardBase` and implements the framework-specific parts
+(``_rollback``, ``_checkpoint_now``, ``_skip``, ``_stop``); everything about the control
+protocol lives here:
+
+* commands are taken only at step boundaries (:meth:`GuardBase.step_boundary`);
+* each command is acknowledged once: ``applied`` with what was done, ``failed`` with the
+  error, ``rejected`` when the integration cannot do it;
+* after a rollback the trainer reports ``rolled_back`` with the restored step, so the
+  stream worker re-arms its circuit breaker and resets its baselines;
+* ``pause`` waits, polling commands, until ``resume``, ``stop``, the command's expiry or
+  ``max_pause_s`` (never forever);
+* any trainguard failure is logged and counted, never raised.
+
+No torch / transformers import here: the trainer side stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from trainguard.kafka import KafkaSettings
+from trainguard.producers.control import ControlListener
+from trainguard.producers.trainer import TrainerLogger
+
+log = logging.getLogger("trainguard.integrations")
+
+ACTIONS = ("rollback", "pause", "resume", "stop", "skip_data", "checkpoint_now")
+
+
+class Unsupported(Exception):
+    """The integration cannot carry out this command (acknowledged as ``rejected``)."""
+
+
+@dataclass
+class Decision:
+    """What the loop must do after a step boundary.
+
+    ``rolled_back``: model (and optimizer) state now equal the checkpoint of
+    ``resume_step``; the next step to run is ``resume_step + 1``.
+    ``skip_batches``: batches the loop should draw and discard before training again.
+    ``stop``: leave the training loop now. ``checkpoint_now``: a checkpoint was asked for
+    (and, for integrations that save themselves, saved). ``commands``: (id, action, ack
+    status) of every command handled at this boundary.
+    """
+
+    step: int | None = None
+    stop: bool = False
+    rolled_back: bool = False
+    resume_step: int | None = None
+    checkpoint_path: str | None = None
+    skip_batches: int = 0
+    checkpoint_now: bool = False
+    paused_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+    commands: list[tuple[str, str, str]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def acted(self) -> bool:
+        return bool(self.commands)
+
+
+def finite(value) -> bool:
+    try:
+        return math.isfinite(float(value.item() if hasattr(value, "item") else value))
+    except (TypeError, ValueError, OverflowError):
+        return True  # not a number: not ours to judge
+
+
+class GuardBase:
+    """Publisher + control listener + the command protocol, for one run.
+
+    ``listen=False`` publishes only (no commands are taken). ``ready_timeout_s`` waits that
+    long at start for the listener to be reading its partition (0: do not wait).
+    ``publisher``/``logger``/``listener`` may be passed in (tests, sharing a producer).
+    """
+
+    def __init__(self, run_id: str, settings: KafkaSettings | None = None, *, listen: bool = True,
+                 max_pause_s: float = 600.0, poll_interval_s: float = 0.2, ready_timeout_s: float = 0.0,
+                 logger: TrainerLogger | None = None, listener: ControlListener | None = None,
+                 host: str | None = None, rank: int | None = 0, keys=None, lookback_s: float = 60.0):
+        self.run_id = run_id
+        self.settings = settings or KafkaSettings.from_env()
+        self.max_pause_s = float(max_pause_s)
+        self.poll_interval_s = float(poll_interval_s)
+        self.failures = 0          # trainguard problems swallowed so that training goes on
+        self.rollbacks = 0
+        self.stopped = False
+        self.history: list[dict] = []   # every command handled: id, action, status, detail, step
+        self._closed = False
+        self.logger = logger or TrainerLogger(run_id, self.settings, host=host, rank=rank)
+        self.listener: ControlListener | None = None
+        if listener is not None:
+            self.listener = listener
+        elif listen:
+            try:
+                self.listener = ControlListener(run_id, self.settings, keys=keys, lookback_s=lookback_s,
+                                                publisher=self.logger.publisher).start()
+            except Exception as exc:  # never stop a run because the control side cannot start
+                self._failed("control listener did not start", exc)
+        if self.listener is not None and ready_timeout_s > 0:
+            self.listener.wait_ready(ready_timeout_s)
+
+    # -- publishing (never raises) --------------------------------------------------------
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.failures += 1
+        log.warning("trainguard: %s (training continues): %s: %s", what, type(exc).__name__, exc)
+
+    def log(self, metrics: dict, step: int, *, tags: dict | None = None) -> bool:
+        """Publish one step's metrics (numbers, numpy/torch scalars; others are skipped)."""
+        try:
+            return self.logger.log(metrics, step, tags=tags)
+        except Exception as exc:
+            self._failed("log() failed", exc)
+            return False
+
+    def checkpoint_saved(self, step: int, path: str) -> bool:
+        try:
+            return self.logger.checkpoint_saved(step, path)
+        except Exception as exc:
+            self._failed("checkpoint_saved() failed", exc)
+            return False
+
+    def lifecycle(self, what: str, step: int | None = None, detail: dict | None = None) -> bool:
+        try:
+            return self.logger.lifecycle(what, step=step, detail=detail)
+        except Exception as exc:
+            self._failed(f"lifecycle({what}) failed", exc)
+            return False
+
+    # -- commands -------------------------------------------------------------------------
+
+    def _poll(self) -> list[dict]:
+        if self.listener is None:
+            return []
+        try:
+            return self.listener.poll_all()
+        except Exception as exc:
+            self._failed("polling commands failed", exc)
+            return []
+
+    def _ack(self, command: dict, status: str, detail: str, step: int | None, decision: Decision) -> None:
+        decision.commands.append((command.get("id", "?"), command.get("action", "?"), status))
+        self.history.append({"id": command.get("id"), "action": command.get("action"), "status": status,
+                             "detail": detail, "step": step})
+        if status == "failed":
+            decision.errors.append(f"{command.get('action')}: {detail}")
+        try:
+            if self.listener is not None:
+                self.listener.ack(command, status, detail[:2000], step=step)
+        except Exception as exc:
+            self._failed("ack failed", exc)
+
+    def step_boundary(self, step: int) -> Decision:
+        """Apply every command that is ready; the loop does what the returned Decision says."""
+        decision = Decision(step=step)
+        try:
+            pending = self._poll()
+            while pending:
+                command = pending.pop(0)
+                if decision.stop:
+                    self._ack(command, "rejected", "the run is stopping", step, decision)
+                    continue
+                self._apply(command, step, decision)
+                if command.get("action") == "pause" and decision.commands[-1][2] == "applied":
+                    self._paused(command, step, decision)
+        except Exception as exc:  # a bug of ours must not end the run
+            self._failed("step_boundary failed", exc)
+        return decision
+
+    def _apply(self, command: dict, step: int, decision: Decision) -> None:
+        action = command.get("action")
+        try:
+            if action == "rollback":
+                detail = self._do_rollback(command, step, decision)
+            elif action == "stop":
+                decision.stop = True
+                self.stopped = True
+                detail = self._stop(command, step, decision) or f"stopping at step {step}"
+                self.lifecycle("stopped", step=step, detail={"command_id": command["id"]})
+            elif action == "pause":
+                detail = f"paused at step {step}"
+            elif action == "resume":
+                detail = "not paused; nothing to resume"
+            elif action == "checkpoint_now":
+                decision.checkpoint_now = True
+                detail = self._checkpoint_now(command, step, decision) or f"checkpoint requested at step {step}"
+            elif action == "skip_data":
+                n = int(command.get("skip_batches") or 1)
+                detail = self._skip(n, command, step, decision) or f"skipping {n} batch(es)"
+            else:
+                raise Unsupported(f"unknown action {action!r}")
+        except Unsupported as exc:
+            self._ack(command, "rejected", str(exc), step, decision)
+            return
+        except Exception as exc:
+            self._ack(command, "failed", f"{type(exc).__name__}: {exc}", step, decision)
+            return
+        self._ack(command, "applied", detail, step, decision)
+
+    def _do_rollback(self, command: dict, step: int, decision: Decision) -> str:
+        target = command.get("target") or {}
+        if target.get("path") is None or target.get("step") is None:
+            raise Unsupported("rollback without a target checkpoint")
+        detail = self._rollback(command, int(target["step"]), str(target["path"]), step, decision)
+        decision.rolled_back = True
+        decision.resume_step = int(target["step"])
+        decision.checkpoint_path = str(target["path"])
+        n = int(command.get("skip_batches") or 0)
+        if n:
+            self._skip(n, command, step, decision)
+        self.rollbacks += 1
+        self._report_rolled_back(command, int(target["step"]), decision)
+        detail = detail or f"restored {target['path']} (step {target['step']})"
+        return detail + (f"; skipping {n} batches" if n else "")
+
+    def _report_rolled_back(self, command: dict, restored_step: int, decision: Decision) -> None:
+        """The protocol: tell the worker the run is at ``restored_step`` again."""
+        self.lifecycle("rolled_back", step=restored_step,
+                       detail={"command_id": command["id"], "from_step": decision.step})
+
+    def _paused(self, pause: dict, step: int, decision: Decision) -> None:
+        """Wait for resume / stop / expiry, applying other commands as they come."""
+        started = time.monotonic()
+        until = min(float(pause.get("expires") or 0) - time.time(), self.max_pause_s)
+        self.lifecycle("paused", step=step, detail={"command_id": pause["id"]})
+        why = "expired"
+        while time.monotonic() - started < until:
+            for command in self._poll():
+                if decision.stop:
+                    self._ack(command, "rejected", "the run is stopping", step, decision)
+                elif command.get("action") == "resume":
+                    self._ack(command, "applied", f"resumed at step {step}", step, decision)
+                    why = "resume"
+                elif command.get("action") == "pause":
+                    self._ack(command, "applied", "already paused", step, decision)
+                else:
+                    self._apply(command, step, decision)
+            if why == "resume" or decision.stop:
+                break
+            time.sleep(self.poll_interval_s)
+        decision.paused_s = time.monotonic() - started
+        if not decision.stop:
+            self.lifecycle("resumed", step=step, detail={"command_id": pause["id"], "why": why,
+                                                         "paused_s": round(decision.paused_s, 3)})
+
+    # -- what an integration implements -----------------------------------------------------
+
+    def _rollback(self, command: dict, target_step: int, path: str, step: int, decision: Decision) -> str | None:
+        raise Unsupported("this integration cannot roll back")
+
+    def _stop(self, command: dict, step: int, decision: Decision) -> str | None:
+        return None
+
+    def _checkpoint_now(self, command: dict, step: int, decision: Decision) -> str | None:
+        return None
+
+    def _skip(self, n: int, command: dict, step: int, decision: Decision) -> str | None:
+        decision.skip_batches += n
+        return None
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def close(self, what: str | None = None, step: int | None = None, timeout: float = 10.0) -> dict:
+        """Report ``what`` (finished / stopped) if given, flush, stop listening. Never raises."""
+        if self._closed:
+            return {}
+        self._closed = True
+        if what and not (self.stopped and what == "stopped"):  # "stopped" was reported when applied
+            self.lifecycle(what, step=step)
+        stats = {}
+        try:
+            if self.listener is not None:
+                self.listener.close(timeout=min(timeout, 5.0))
+        except Exception as exc:
+            self._failed("closing the listener failed", exc)
+        try:
+            stats = self.logger.close(timeout)
+        except Exception as exc:
+            self._failed("closing the publisher failed", exc)
+        stats["failures"] = self.failures
+        stats["rollbacks"] = self.rollbacks
+        return stats
