@@ -1,0 +1,82 @@
+"""The worker's own Prometheus exporter: a real worker process, scraped over HTTP."""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration import WorkerProcess, produce
+from trainguard.producers.trainer import TrainerLogger
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict:
+    """``{(name, frozenset(labels)): value}`` of one scrape; {} while the server is not up."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_worker_exports_run_metrics_events_alerts_and_dead_letters(kafka, tmp_path):
+    port = _free_port()
+    worker = WorkerProcess(kafka, tmp_path, extra_env={"TRAINGUARD_PROMETHEUS_PORT": str(port)}).start()
+    logger = TrainerLogger("exp-1", kafka, host="h")
+    try:
+        worker.wait_ready()
+        steps = [{"actor/kl_loss": 0.01 + 0.001 * s, "critic/vf_loss": 0.5, "actor/pg_loss": -0.01,
+                  "my/custom": 1.0} for s in range(1, 6)]
+        steps.append({"actor/kl_loss": 0.02, "critic/vf_loss": math.nan, "actor/pg_loss": -0.01, "my/custom": 1.0})
+        for step, metrics in enumerate(steps, 1):
+            logger.log(metrics, step)
+        logger.publisher.flush(10)
+        produce(kafka, kafka.topics.events, "exp-1", [b"\x00not json"])
+
+        firing = ("trainguard_alerts_total", frozenset({"rule": "non_finite", "severity": "P0",
+                                                        "status": "firing"}.items()))
+        deadline = time.monotonic() + 60
+        samples = {}
+        while time.monotonic() < deadline:
+            samples = _scrape(port)
+            if samples.get(firing) == 1.0 and samples.get(("trainguard_events_processed_total", frozenset())) == 7:
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"exporter never showed the alert and 7 events: "
+                                 f"{ {k: v for k, v in samples.items() if 'trainguard' in k[0]} }\n"
+                                 f"--- worker log ---\n{worker.log()[-3000:]}")
+
+        def run_metric(name):
+            return samples[("trainguard_run_metric", frozenset({"run": "exp-1", "metric": name}.items()))]
+
+        assert run_metric("actor/kl_loss") == pytest.approx(0.02)      # the latest value of the run
+        assert math.isnan(run_metric("critic/vf_loss"))                 # NaN is exported: it is the signal
+        assert not any(k[0] == "trainguard_run_metric" and ("metric", "my/custom") in k[1] for k in samples), \
+            "only allow-listed metrics are exported"
+        assert samples[("trainguard_events_processed_total", frozenset())] == 7   # 6 steps and the garbage
+        assert samples[("trainguard_samples_processed_total", frozenset())] == 24  # 6 x 4 metrics
+        assert samples[("trainguard_dlq_total", frozenset({"reason": "not_json"}.items()))] == 1
+        assert samples[("trainguard_alerts_firing", frozenset({"rule": "non_finite", "severity": "P0"}.items()))] == 1
+        assert samples[("trainguard_detector_anomalous",
+                        frozenset({"run": "exp-1", "rule": "non_finite"}.items()))] == 1
+        lag = samples[("trainguard_pipeline_lag_seconds", frozenset())]
+        assert 0 <= lag < 60
+        assert samples[("trainguard_run_last_seen_timestamp_seconds", frozenset({"run": "exp-1"}.items()))] > 1.7e9
+    finally:
+        logger.close(quiet=True)
+        worker.kill()
