@@ -206,7 +206,7 @@ class Progress:
         self.label = label
         self.interval_s = interval_s
         self.started = time.monotonic()
-        self._last = 0.0
+        self._last = self.started if interval_s > 0 else 0.0  # no reading of the first step's rate
         self._shown = False
 
     def __call__(self, reader: StepReader) -> None:
@@ -344,17 +344,13 @@ def main(args, stdout: TextIO | None = None, stderr: TextIO | None = None) -> in
                         run_id=getattr(args, "run_id", None), checkpoints=extra,
                         on_step=progress, on_output=on_output)
     except ReadError as exc:
-        if progress is not None:
-            progress.clear()
-        print(f"trainguard replay: cannot read {exc}", file=stderr)
+        print(f"{_clear(progress)}trainguard replay: cannot read {exc}", file=stderr)
         return 2
     except RulesError as exc:
-        if progress is not None:
-            progress.clear()
-        print(f"trainguard replay: bad rules file: {exc}", file=stderr)
+        print(f"{_clear(progress)}trainguard replay: bad rules file: {exc}", file=stderr)
         return 2
-    if progress is not None:
-        progress.clear()
+    finally:
+        _clear(progress)  # also on Ctrl-C
     out = stderr if as_json else stdout
     if not as_json and not result.alerts:
         out.write("(no alerts)\n")
@@ -363,6 +359,12 @@ def main(args, stdout: TextIO | None = None, stderr: TextIO | None = None) -> in
     out.write("\n".join(summary_lines(result)) + "\n")
     out.flush()
     return 0
+
+
+def _clear(progress: Progress | None) -> str:
+    if progress is not None:
+        progress.clear()
+    return ""
 
 
 def _isatty(stream) -> bool:
