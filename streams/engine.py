@@ -29,7 +29,8 @@ from trainguard.schemas import events as ev
 from trainguard.schemas.signing import SigningKey, sign
 from trainguard.streams import policy
 from trainguard.streams.baseline import BaselineBlock
-from trainguard.streams.rules import RuleSet
+from trainguard.streams.detectors import CrossRank, detector_from_state
+from trainguard.streams.rules import ENGINE_KINDS, Rule, RuleSet
 
 log = logging.getLogger("trainguard.engine")
 
@@ -39,24 +40,37 @@ MAX_RECENT_ALERTS = 32
 
 
 class SourceState:
-    """Baselines and open alert episodes of one producer (a trainer rank or a node)."""
+    """Baselines, rule detectors and open alert episodes of one producer (a trainer rank, a node).
 
-    __slots__ = ("kind", "block", "rule_rows", "streaks", "firing", "gate_hi", "gate_lo")
+    Slots are ``(rule index, row)`` pairs; they are stored by rule and metric *name*, so a
+    worker restarted with an edited rules file keeps what still applies.
+    """
+
+    __slots__ = ("kind", "block", "rule_rows", "det_rows", "gate_hi", "gate_lo", "streaks", "firing",
+                 "detectors", "buckets")
 
     def __init__(self, kind: str, block: BaselineBlock | None = None):
         self.kind = kind
         self.block = block or BaselineBlock()
-        self.rule_rows: list[list[int]] = []       # per row: indices of rules that watch it
-        self.gate_hi = np.zeros(0)                 # per row: lowest 'above' of its threshold-only rules
-        self.gate_lo = np.zeros(0)                 # per row: highest 'below' of its threshold-only rules
-        self.streaks: dict[tuple[int, int], int] = {}      # (rule, row) -> consecutive samples holding
-        self.firing: dict[tuple[int, int], dict] = {}      # (rule, row) -> the open alert
+        self.rule_rows: list[list[int]] = []   # per row: baseline rules that watch it
+        self.det_rows: dict[int, list[int]] = {}  # row -> rules with their own detector
+        self.gate_hi = np.zeros(0)             # per row: lowest 'above' of its threshold-only rules
+        self.gate_lo = np.zeros(0)             # per row: highest 'below' of its threshold-only rules
+        self.streaks: dict[tuple[int, int], list] = {}   # slot -> [samples holding, since ts]
+        self.firing: dict[tuple[int, int], dict] = {}    # slot -> the open alert
+        self.detectors: dict[tuple[int, int], Any] = {}  # slot -> the rule's detector for that metric
+        self.buckets: dict[tuple[int, int], list] = {}   # slot -> [interval, sum, count] (resample_s)
 
     def bind(self, rules: RuleSet) -> None:
         """Work out which rules watch each row added since the last call."""
         names = self.block.names
         for row in range(len(self.rule_rows), len(names)):
-            self.rule_rows.append(rules.rules_for(names[row], self.kind))
+            watching = rules.rules_for(names[row], self.kind)
+            self.rule_rows.append([i for i in watching if rules.rules[i].detector is None])
+            series = [i for i in watching if rules.rules[i].detector is not None
+                      and rules.rules[i].kind not in ENGINE_KINDS]
+            if series:
+                self.det_rows[row] = series
         hi = np.full(len(names), np.inf)
         lo = np.full(len(names), -np.inf)
         for row, idxs in enumerate(self.rule_rows):
@@ -69,42 +83,66 @@ class SourceState:
                         lo[row] = max(lo[row], r.below)
         self.gate_hi, self.gate_lo = hi, lo
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, rules: RuleSet) -> bytes:
+        names, rnames = self.block.names, [r.name for r in rules.rules]
         return orjson.dumps({
             "kind": self.kind, "block": self.block.to_state(),
-            "streaks": [[r, w, n] for (r, w), n in self.streaks.items()],
-            "firing": [[r, w, a] for (r, w), a in self.firing.items()],
+            "streaks": [[rnames[r], names[w], v] for (r, w), v in self.streaks.items()],
+            "firing": [[rnames[r], names[w], a] for (r, w), a in self.firing.items()],
+            "detectors": [[rnames[r], names[w], d.to_state()] for (r, w), d in self.detectors.items()],
+            "buckets": [[rnames[r], names[w], b] for (r, w), b in self.buckets.items()],
         })
 
     @classmethod
     def from_bytes(cls, raw: bytes, rules: RuleSet) -> "SourceState":
         d = orjson.loads(raw)
         state = cls(d["kind"], BaselineBlock.from_state(d["block"]))
-        state.streaks = {(r, w): n for r, w, n in d["streaks"]}
-        state.firing = {(r, w): a for r, w, a in d["firing"]}
         state.bind(rules)
+        rule_index = {r.name: i for i, r in enumerate(rules.rules)}
+        rows = state.block.index
+
+        def slots(items):
+            for rname, metric, value in items:
+                if rname in rule_index and metric in rows:
+                    yield (rule_index[rname], rows[metric]), value
+
+        state.streaks = dict(slots(d["streaks"]))
+        state.firing = dict(slots(d["firing"]))
+        state.detectors = {slot: detector_from_state(v) for slot, v in slots(d["detectors"])}
+        state.buckets = dict(slots(d["buckets"]))
         return state
 
 
 @dataclass
 class RunState:
     offset: int = -1
+    partition: int = 0
     breaker: policy.BreakerState = field(default_factory=policy.BreakerState)
     checkpoints: list = field(default_factory=list)     # {step, path, ts, healthy}
     nodes: dict = field(default_factory=dict)           # host -> {ts, step, metrics}
     sources: list = field(default_factory=list)         # source ids seen
     open_critical: dict = field(default_factory=dict)   # alert id -> rule, while firing
     recent_alerts: list = field(default_factory=list)   # the last critical alerts, for reports
+    active: dict = field(default_factory=dict)          # rule -> {open, last_ts, alert}: for incidents
+    incidents: dict = field(default_factory=dict)       # incident name -> its open alert
+    last_seen: dict = field(default_factory=dict)       # source kind -> [received at, step, source]
+    stale: dict = field(default_factory=dict)           # rule|kind -> its open alert
+    ranks: dict = field(default_factory=dict)           # rank -> source, for trainer ranks
+    cross: dict = field(default_factory=dict)           # rule|metric -> CrossRank
+    cross_firing: dict = field(default_factory=dict)    # rule|metric|rank -> its open alert
+    finished: bool = False
 
     def to_bytes(self) -> bytes:
         d = self.__dict__.copy()
         d["breaker"] = self.breaker.to_state()
+        d["cross"] = {k: v.to_state() for k, v in self.cross.items()}
         return orjson.dumps(d)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "RunState":
         d = orjson.loads(raw)
         d["breaker"] = policy.BreakerState.from_state(d["breaker"])
+        d["cross"] = {k: detector_from_state(v) for k, v in d.get("cross", {}).items()}
         return cls(**d)
 
 
@@ -131,6 +169,7 @@ class Engine:
         self.samples = 0
         self.skipped_replays = 0
         self._params_cache: dict[str, tuple[int, float, bool]] = {}
+        self.clock = time.time  # when an event was received; replays and evaluations set their own
         # Callables given every decoded event that is applied (not replays), before detection:
         # e.g. the worker's Prometheus exporter. Empty by default; keep them cheap.
         self.on_event: list = []
@@ -161,7 +200,7 @@ class Engine:
         state = self.store.get(key)
         if state is None or type(state) is bytes:
             return state
-        return state.to_bytes()
+        return state.to_bytes(self.rules) if type(state) is SourceState else state.to_bytes()
 
     def _baseline_params(self, metric: str) -> tuple[int, float, bool]:
         p = self._params_cache.get(metric)
@@ -193,6 +232,7 @@ class Engine:
             return []
         if offset >= 0:
             run.offset = offset
+        run.partition = partition
         self.dirty[run_key] = partition
         self.processed += 1
         if self.on_event:
@@ -201,38 +241,104 @@ class Engine:
                     callback(event)
                 except Exception:  # an observer's failure must not cost the event its detection
                     log.exception("trainguard: on_event callback failed")
+        outputs: list[Output] = []
+        if "source" in event:
+            self._seen(run, run_id, event, outputs)
         kind = event["schema"]
         if kind == ev.METRICS:
-            return self._metrics(event, run, run_id, partition)
-        if kind == ev.CHECKPOINT:
+            self._metrics(event, run, run_id, partition, outputs)
+        elif kind == ev.CHECKPOINT:
             # Only a checkpoint saved while no critical alert was open is a rollback target.
             run.checkpoints.append({"step": event["step"], "path": event["path"], "ts": event["ts"],
                                     "healthy": not run.open_critical})
             del run.checkpoints[:-MAX_CHECKPOINTS]
-            return []
-        if event["event"] == "rolled_back":
-            return self._rolled_back(event, run, run_id, partition)
-        return []
+        elif event["event"] == "rolled_back":
+            self._rolled_back(event, run, run_id, partition, outputs)
+        elif event["event"] in ("finished", "stopped"):
+            run.finished = True
+        elif event["event"] == "started":
+            run.finished = False
+        return outputs
 
-    def _rolled_back(self, event: dict, run: RunState, run_id: str, partition: int) -> list[Output]:
+    # -- alert bookkeeping shared by every kind of rule ------------------------------------------
+
+    def _fire(self, run: RunState, alert: dict, rule) -> Output:
+        active = run.active.setdefault(alert["rule"], {"open": 0, "last_ts": 0.0, "alert": None})
+        active["open"] += 1
+        active["last_ts"] = alert["ts"]
+        active["alert"] = {k: alert[k] for k in ("id", "metric", "value", "step", "layer")}
+        for incident in self.rules.incidents:
+            opened = run.incidents.get(incident.name)
+            if incident.inhibit and opened and alert["rule"] in incident.rules:
+                alert["inhibited_by"] = opened["id"]  # the incident already pages for it
+        if rule.critical:
+            run.open_critical[alert["id"]] = alert["rule"]
+            run.recent_alerts.append(alert)
+            del run.recent_alerts[:-MAX_RECENT_ALERTS]
+        return Output("alert", alert["run_id"], alert)
+
+    def _resolve(self, run: RunState, alert: dict, event: dict, **extra) -> Output:
+        active = run.active.get(alert["rule"])
+        if active and active["open"] > 0:
+            active["open"] -= 1
+        run.open_critical.pop(alert["id"], None)
+        resolved = {**alert, "status": "resolved", "step": event.get("step", alert.get("step")),
+                    "ts": event["ts"], "node_snapshot": None, **extra}
+        return Output("alert", alert["run_id"], resolved)
+
+    def _judge(self, state: SourceState, slot, rule: Rule, holds: bool, event: dict, run: RunState,
+               run_id: str, sid: str, metric: str, value: float, evidence, holding: set, outputs: list,
+               critical: list) -> None:
+        """One sample of one rule on one metric: streaks, durations, opening an episode."""
+        if not holds:
+            return
+        holding.add(slot)
+        ts = event["ts"]
+        streak = state.streaks.get(slot)
+        if streak is None:
+            streak = state.streaks[slot] = [0, ts]
+        streak[0] += 1
+        if streak[0] < rule.for_samples or (rule.for_seconds and ts - streak[1] < rule.for_seconds):
+            return
+        alert = state.firing.get(slot)
+        if alert is None:
+            alert = self._alert(event, run, run_id, sid, rule, metric, value, evidence(), run.breaker.attempt)
+            state.firing[slot] = alert
+            outputs.append(self._fire(run, alert, rule))
+        if rule.critical:
+            critical.append((alert["id"], rule.name, f"{rule.summary} ({metric}={value:.4g})"))
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _seen(self, run: RunState, run_id: str, event: dict, outputs: list) -> None:
+        """A source spoke: remember when, and close a staleness alert if it was silent."""
+        src = event["source"]
+        kind = src["kind"]
+        run.last_seen[kind] = [self.clock(), event.get("step"), src]
+        if src.get("rank") is not None and kind in self.rules.policy["step_sources"]:
+            run.ranks.setdefault(str(src["rank"]), src)
+        for key in [k for k in run.stale if k.endswith("|" + kind)]:
+            outputs.append(self._resolve(run, run.stale.pop(key), {"ts": event["ts"], "step": event.get("step")},
+                                         resolution=f"{kind} is publishing again"))
+
+    def _rolled_back(self, event: dict, run: RunState, run_id: str, partition: int, outputs: list) -> None:
         policy.on_rolled_back(run.breaker, event.get("step"))
-        outputs = []
         for sid in run.sources:  # the restored model is not what the windows saw
             key = f"{run_id}|{sid}".encode()
             src = self._source(key, "") if key in self.store else None
             if src is not None and src.kind in self.rules.policy["step_sources"]:
                 for alert in src.firing.values():
-                    outputs.append(Output("alert", run_id, {
-                        **alert, "status": "resolved", "ts": event["ts"], "step": event.get("step", alert["step"]),
-                        "node_snapshot": None, "resolution": "the trainer rolled back"}))
+                    outputs.append(self._resolve(run, alert, event, resolution="the trainer rolled back"))
                 src.block.reset()
                 src.streaks.clear()
                 src.firing.clear()
+                src.detectors.clear()
+                src.buckets.clear()
                 self.dirty[key] = partition
         run.open_critical.clear()
-        return outputs
+        run.cross.clear()
 
-    def _metrics(self, event: dict, run: RunState, run_id: str, partition: int) -> list[Output]:
+    def _metrics(self, event: dict, run: RunState, run_id: str, partition: int, outputs: list) -> None:
         src = event["source"]
         sid = ev.source_id(src)
         key = f"{run_id}|{sid}".encode()
@@ -257,61 +363,66 @@ class Engine:
             if len(run.nodes) > MAX_SNAPSHOT_HOSTS:
                 run.nodes.pop(min(run.nodes, key=lambda h: run.nodes[h]["ts"]))
 
-        # Only rows that some rule could fire on need Python-level work.
+        rules = self.rules.rules
+        holding: set[tuple[int, int]] = set()
+        critical: list[tuple[str, str, str]] = []
+
+        # Baseline rules: only rows that some rule could fire on need Python-level work.
         with np.errstate(invalid="ignore"):
             candidate = anomalous | ~finite | (x > state.gate_hi[rows]) | (x < state.gate_lo[rows])
         if state.firing:  # open episodes are re-judged every sample, anomalous or not
             candidate |= np.isin(rows, [row for _, row in state.firing])
-        hits = np.flatnonzero(candidate)
-        outputs: list[Output] = []
-        critical_ids: list[str] = []
-        critical_rules: list[str] = []
-        critical_text = ""
-        holding: set[tuple[int, int]] = set()
-        attempt = run.breaker.attempt
-        for j in hits.tolist():
+        for j in np.flatnonzero(candidate).tolist():
             row = int(rows[j])
             value = float(x[j])
             for ri in state.rule_rows[row]:
-                rule = self.rules.rules[ri]
                 slot = (ri, row)
                 # The baseline must flag a sample to open an episode; the thresholds alone keep
                 # it open (a sustained fault soon enters the window and stops looking unusual).
-                if not rule.holds(value, bool(anomalous[j]) or slot in state.firing):
+                holds = rules[ri].holds(value, bool(anomalous[j]) or slot in state.firing)
+                self._judge(state, slot, rules[ri], holds, event, run, run_id, sid, names[j], value,
+                            lambda j=j, row=row, value=value: self._evidence(
+                                value, bool(finite[j]), mean[j], std[j], lower[j], upper[j], block, row),
+                            holding, outputs, critical)
+
+        # Rules with their own detector learn from every sample of their metrics.
+        if state.det_rows:
+            row_list = rows.tolist()
+            for j, row in enumerate(row_list):
+                watching = state.det_rows.get(row)
+                if watching is None:
                     continue
-                holding.add(slot)
-                n = state.streaks.get(slot, 0) + 1
-                state.streaks[slot] = n
-                if n < rule.for_samples:
-                    continue
-                alert = state.firing.get(slot)
-                if alert is None:
-                    evidence = self._evidence(value, bool(finite[j]), mean[j], std[j], lower[j], upper[j],
-                                              block, row)
-                    alert = self._alert(event, run, run_id, sid, rule, names[j], value, evidence, attempt)
-                    state.firing[slot] = alert
-                    outputs.append(Output("alert", run_id, alert))
-                    if rule.critical:
-                        run.open_critical[alert["id"]] = rule.name
-                        run.recent_alerts.append(alert)
-                        del run.recent_alerts[:-MAX_RECENT_ALERTS]
-                if rule.critical:
-                    critical_ids.append(alert["id"])
-                    critical_rules.append(rule.name)
-                    critical_text = critical_text or f"{rule.summary} ({names[j]}={value:.4g})"
+                value = float(x[j])
+                for ri in watching:
+                    rule, slot = rules[ri], (ri, row)
+                    verdict = self._detect(state, slot, rule, value, event["ts"])
+                    if verdict is None:  # no new judgement (between resampling intervals)
+                        if slot in state.firing:
+                            holding.add(slot)
+                        continue
+                    det = state.detectors[slot]
+                    self._judge(state, slot, rule, rule.holds(value, verdict), event, run, run_id, sid, names[j],
+                                value, lambda det=det, rule=rule: {**det.evidence(), "detector": rule.kind},
+                                holding, outputs, critical)
+
         # Episodes that no longer hold are resolved; streaks that broke start again.
         present = set(rows.tolist())
         for slot in [s for s in state.streaks if s not in holding and s[1] in present]:
             del state.streaks[slot]
         for slot in [s for s in state.firing if s not in holding and s[1] in present]:
             opened = state.firing.pop(slot)
-            run.open_critical.pop(opened["id"], None)
-            outputs.append(Output("alert", run_id, self._resolved(opened, event)))
+            value = float(metrics.get(opened["metric"], math.nan))
+            outputs.append(self._resolve(run, opened, event, value=_json_value(value)))
+
+        if src["kind"] in self.rules.policy["step_sources"] and src.get("rank") is not None:
+            self._cross_rank(run, run_id, event, outputs)
+        self._incidents(run, run_id, event, outputs, critical)
 
         if src["kind"] in self.rules.policy["step_sources"]:
             decision = policy.on_step(run.breaker, self.rules.policy, run_id=run_id, step=event["step"],
-                                      ts=event["ts"], critical=bool(critical_ids), alert_ids=critical_ids,
-                                      rules=critical_rules, checkpoints=run.checkpoints, diagnosis=critical_text)
+                                      ts=event["ts"], critical=bool(critical),
+                                      alert_ids=[c[0] for c in critical], rules=[c[1] for c in critical],
+                                      checkpoints=run.checkpoints, diagnosis=critical[0][2] if critical else "")
             if decision is not None:
                 report = self._report(run, run_id, decision, event)
                 command = {**decision.command, "report": report["id"]}
@@ -319,6 +430,120 @@ class Engine:
                     command = sign(command, self.signing_key)
                 outputs.append(Output("report", run_id, report))
                 outputs.append(Output("command", run_id, command))
+
+    def _detect(self, state: SourceState, slot, rule: Rule, value: float, ts: float) -> bool | None:
+        """Feed a rule's own detector; None when it made no new judgement."""
+        det = state.detectors.get(slot)
+        if det is None:
+            det = state.detectors[slot] = rule.make_detector()
+        if value != value or value in (math.inf, -math.inf):
+            return False  # detectors never learn from non-finite values
+        if not rule.resample_s:
+            return det.update(value, ts)
+        interval = int(ts // rule.resample_s)
+        bucket = state.buckets.get(slot)
+        if bucket is None:
+            state.buckets[slot] = [interval, value, 1]
+            return None
+        if interval == bucket[0]:
+            bucket[1] += value
+            bucket[2] += 1
+            return None
+        mean_value = bucket[1] / bucket[2]
+        state.buckets[slot] = [interval, value, 1]
+        return det.update(mean_value, (bucket[0] + 1) * rule.resample_s)
+
+    def _cross_rank(self, run: RunState, run_id: str, event: dict, outputs: list) -> None:
+        """Stragglers: one rank far from its peers at the same step."""
+        rank, step = str(event["source"]["rank"]), event["step"]
+        for ri, rule in enumerate(self.rules.rules):
+            if rule.kind != "cross_rank":
+                continue
+            for metric, value in event["metrics"].items():
+                if not rule.metrics.match(metric) or not math.isfinite(value):
+                    continue
+                key = f"{rule.name}|{metric}"
+                cr = run.cross.get(key)
+                if cr is None:
+                    params = {k: v for k, v in rule.detector.items() if k != "kind"}
+                    cr = run.cross[key] = CrossRank(**params)
+                cr.add(step, rank, value)
+                done = [s for s in cr.pending if len(cr.pending[s]) >= len(run.ranks) or s < step - 2]
+                for s in done:
+                    flagged = {str(r): (v, med, z) for r, v, med, z in cr.complete(s)}
+                    for r in run.ranks:
+                        fkey = f"{key}|{r}"
+                        opened = run.cross_firing.get(fkey)
+                        if r in flagged and opened is None:
+                            v, med, z = flagged[r]
+                            src = run.ranks[r]
+                            alert = self._alert({**event, "step": s, "source": src}, run, run_id,
+                                                ev.source_id(src), rule, metric, v,
+                                                {**cr.evidence(), "detector": "cross_rank", "median": med,
+                                                 "robust_z": z, "rank": r}, run.breaker.attempt)
+                            run.cross_firing[fkey] = alert
+                            outputs.append(self._fire(run, alert, rule))
+                        elif opened is not None and r not in flagged:
+                            outputs.append(self._resolve(run, run.cross_firing.pop(fkey), {"ts": event["ts"], "step": s}))
+
+    def _incidents(self, run: RunState, run_id: str, event: dict, outputs: list, critical: list) -> None:
+        """Alerts of several rules that belong together become one incident with a root cause."""
+        ts = event["ts"]
+        for incident in self.rules.incidents:
+            members = [run.active.get(r) for r in incident.rules]
+            together = all(m is not None and (m["open"] > 0 or ts - m["last_ts"] <= incident.within_s)
+                           for m in members)
+            opened = run.incidents.get(incident.name)
+            if together and opened is None:
+                alert = {
+                    "schema": ev.ALERT,
+                    "id": policy.stable_id(run_id, incident.name, event["step"], run.breaker.attempt),
+                    "run_id": run_id, "rule": incident.name, "severity": incident.severity,
+                    "status": "firing", "critical": incident.critical, "kind": "incident",
+                    "summary": incident.summary, "metric": "incident", "value": len(members),
+                    "layer": members[0]["alert"]["layer"],
+                    "layers": sorted({m["alert"]["layer"] for m in members}),
+                    "source": event["source"], "step": event["step"], "ts": ts,
+                    "onset": {"step": min(m["alert"]["step"] for m in members), "ts": min(m["last_ts"] for m in members)},
+                    "evidence": {"detector": "incident", "members": [{"rule": r, **m["alert"]}
+                                                                     for r, m in zip(incident.rules, members)]},
+                    "diagnosis": incident.diagnosis, "suggestion": incident.suggestion,
+                    "node_snapshot": dict(run.nodes),
+                }
+                run.incidents[incident.name] = alert
+                outputs.append(self._fire(run, alert, incident))
+            elif opened is not None and not together:
+                outputs.append(self._resolve(run, run.incidents.pop(incident.name), event))
+            if incident.critical and run.incidents.get(incident.name):
+                critical.append((run.incidents[incident.name]["id"], incident.name, incident.summary))
+
+    def tick(self, now: float | None = None) -> list[Output]:
+        """Timer work: sources gone silent (a hung trainer, a dead node). Call every few seconds."""
+        now = self.clock() if now is None else now
+        stale_rules = [r for r in self.rules.rules if r.kind == "stale"]
+        if not stale_rules:
+            return []
+        outputs: list[Output] = []
+        for key in [k for k in list(self.store.keys()) if b"|" not in k]:
+            run = self._run(key)
+            if run.finished:
+                continue
+            run_id = key.decode()
+            for rule in stale_rules:
+                timeout = float(rule.detector.get("timeout_s", 300))
+                for kind, (seen_at, step, src) in run.last_seen.items():
+                    if rule.sources and kind not in rule.sources:
+                        continue
+                    silent = now - seen_at
+                    skey = f"{rule.name}|{kind}"
+                    if silent > timeout and skey not in run.stale:
+                        event = {"step": step or 0, "ts": now, "source": src}
+                        alert = self._alert(event, run, run_id, ev.source_id(src), rule, "heartbeat", silent,
+                                            {"detector": "stale", "silent_s": silent, "timeout_s": timeout,
+                                             "last_step": step}, run.breaker.attempt)
+                        run.stale[skey] = alert
+                        outputs.append(self._fire(run, alert, rule))
+                        self.dirty[key] = run.partition
         return outputs
 
     def _window(self, run_id: str, alert: dict) -> dict | None:

@@ -20,8 +20,21 @@ from trainguard.streams import policy as policy_mod
 
 SEVERITIES = ("P0", "P1", "P2", "P3")
 LAYERS = ("data", "compute", "resource")
-_RULE_KEYS = {"name", "metric", "anomalous", "above", "below", "non_finite", "for", "severity", "critical",
-              "summary", "diagnosis", "suggestion", "sources"}
+_RULE_KEYS = {"name", "metric", "anomalous", "above", "below", "non_finite", "for", "for_seconds", "severity",
+              "critical", "summary", "diagnosis", "suggestion", "sources", "detector", "resample_s"}
+_INCIDENT_KEYS = {"name", "all", "within_s", "severity", "critical", "summary", "diagnosis", "suggestion", "inhibit"}
+
+
+def _detector_kinds() -> dict:
+    from trainguard.streams import detectors as d
+
+    return {"rolling": d.RollingZ, "mad": d.RobustMAD, "ewma": d.EWMA, "cusum": d.CUSUM,
+            "page_hinkley": d.PageHinkley, "mann_kendall": d.MannKendall, "leak": d.Leak,
+            "shift": d.DistributionShift, "collapse": d.Collapse}
+
+
+# Kinds the engine runs itself, across sources rather than along one series.
+ENGINE_KINDS = {"stale": ("timeout_s",), "cross_rank": ("min_peers", "ratio", "z", "direction", "rel_floor")}
 _POLICY_DEFAULTS = policy_mod.DEFAULTS
 
 
@@ -64,7 +77,19 @@ class Rule:
     diagnosis: str = ""
     suggestion: str = ""
     sources: tuple[str, ...] = ()
+    detector: dict | None = None       # {"kind": ..., params}: the rule's own detector per metric
+    for_seconds: float | None = None
+    resample_s: float | None = None    # feed the detector per-interval means (long horizons)
     line: int = 0
+
+    @property
+    def kind(self) -> str:
+        return self.detector["kind"] if self.detector else "baseline"
+
+    def make_detector(self):
+        """A fresh detector for one metric (series detectors only)."""
+        params = {k: v for k, v in self.detector.items() if k != "kind"}
+        return _detector_kinds()[self.detector["kind"]](**params)
 
     def holds(self, value: float, anomalous: bool) -> bool:
         """Whether one sample satisfies the rule (before the ``for`` duration)."""
@@ -79,7 +104,22 @@ class Rule:
     @property
     def threshold_only(self) -> bool:
         """A pure threshold: it can fire without the baseline flagging the sample."""
-        return not self.anomalous and (self.above is not None or self.below is not None)
+        return self.detector is None and not self.anomalous and (self.above is not None or self.below is not None)
+
+
+@dataclass
+class Incident:
+    """Alerts of several rules that belong together: one diagnosis, one root cause."""
+    name: str
+    rules: tuple[str, ...]
+    within_s: float
+    severity: str
+    critical: bool = False
+    summary: str = ""
+    diagnosis: str = ""
+    suggestion: str = ""
+    inhibit: bool = False   # members are marked inhibited while it is open (default for P0)
+    line: int = 0
 
 
 @dataclass
@@ -97,6 +137,7 @@ class RuleSet:
     layers: list[tuple[str, Patterns]]
     policy: dict = field(default_factory=lambda: dict(_POLICY_DEFAULTS))
     path: str = "<rules>"
+    incidents: list[Incident] = field(default_factory=list)
 
     def baseline_for(self, metric: str) -> Baseline:
         for b in self.baselines:
@@ -175,18 +216,76 @@ def _rule(path: str, m: dict, seen: set) -> Rule:
     for flag in ("anomalous", "non_finite", "critical"):
         if flag in m and not isinstance(m[flag], bool):
             raise _err(path, line, f"rule {name!r}: '{flag}' must be true or false, got {m[flag]!r}")
+    detector = m.get("detector")
+    if detector is not None:
+        detector = _detector_spec(path, line, name, detector)
     rule = Rule(
         name=name, metrics=_patterns(path, line, m["metric"], f"rule {name!r}"), severity=severity,
-        anomalous=m.get("anomalous", False), above=_number(path, line, m, "above"),
+        anomalous=m.get("anomalous", detector is not None), above=_number(path, line, m, "above"),
         below=_number(path, line, m, "below"), non_finite=m.get("non_finite", False),
         for_samples=_number(path, line, m, "for", 1, integer=True, minimum=1),
+        for_seconds=_number(path, line, m, "for_seconds", minimum=0),
+        resample_s=_number(path, line, m, "resample_s", minimum=1),
         critical=m.get("critical", False), summary=str(m.get("summary", name)),
         diagnosis=str(m.get("diagnosis", "")), suggestion=str(m.get("suggestion", "")),
-        sources=tuple(m.get("sources", ())), line=line)
+        sources=tuple(m.get("sources", ())), detector=detector, line=line)
+    if rule.resample_s and detector is None:
+        raise _err(path, line, f"rule {name!r}: resample_s needs a detector to feed")
     if not (rule.anomalous or rule.non_finite or rule.above is not None or rule.below is not None):
         raise _err(path, line, f"rule {name!r} has no condition: give at least one of "
-                               f"anomalous, above, below, non_finite")
+                               f"anomalous, above, below, non_finite, detector")
     return rule
+
+
+def _detector_spec(path: str, line: int, name: str, spec) -> dict:
+    if isinstance(spec, str):
+        spec = {"kind": spec}
+    if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str):
+        raise _err(path, line, f"rule {name!r}: 'detector' must be a kind or a mapping with 'kind'")
+    spec = {k: v for k, v in spec.items() if k != "__line__"}
+    kind = spec["kind"]
+    params = {k: v for k, v in spec.items() if k != "kind"}
+    kinds = _detector_kinds()
+    if kind in ENGINE_KINDS:
+        unknown = set(params) - set(ENGINE_KINDS[kind])
+        if unknown:
+            raise _err(path, line, f"rule {name!r}: detector {kind} takes {', '.join(ENGINE_KINDS[kind])}; "
+                                   f"got {', '.join(sorted(unknown))}")
+        return spec
+    if kind not in kinds:
+        raise _err(path, line, f"rule {name!r}: unknown detector kind {kind!r}; "
+                               f"use one of {', '.join(sorted([*kinds, *ENGINE_KINDS]))}")
+    try:
+        kinds[kind](**params)
+    except (TypeError, ValueError) as exc:
+        raise _err(path, line, f"rule {name!r}: detector {kind}: {exc}") from None
+    return spec
+
+
+def _incident(path: str, m: dict, rule_names: set, seen: set) -> Incident:
+    line = m.get("__line__", 0)
+    unknown = set(m) - _INCIDENT_KEYS - {"__line__"}
+    if unknown:
+        raise _err(path, line, f"unknown key(s) {', '.join(sorted(unknown))} in an incident; "
+                               f"allowed: {', '.join(sorted(_INCIDENT_KEYS))}")
+    name = m.get("name")
+    if not isinstance(name, str) or not name or name in seen or name in rule_names:
+        raise _err(path, line, f"every incident needs a unique 'name' (not a rule's); got {name!r}")
+    seen.add(name)
+    members = m.get("all")
+    if not isinstance(members, list) or len(members) < 2:
+        raise _err(path, line, f"incident {name!r}: 'all' must list at least two rule names")
+    missing = [r for r in members if r not in rule_names]
+    if missing:
+        raise _err(path, line, f"incident {name!r}: no rule named {', '.join(map(repr, missing))}")
+    severity = m.get("severity", "P1")
+    if severity not in SEVERITIES:
+        raise _err(path, line, f"incident {name!r}: severity must be one of {', '.join(SEVERITIES)}")
+    return Incident(name=name, rules=tuple(members), within_s=float(_number(path, line, m, "within_s", 300, minimum=0)),
+                    severity=severity, critical=bool(m.get("critical", False)),
+                    summary=str(m.get("summary", name)), diagnosis=str(m.get("diagnosis", "")),
+                    suggestion=str(m.get("suggestion", "")), inhibit=bool(m.get("inhibit", severity == "P0")),
+                    line=line)
 
 
 def parse(text: str, path: str = "<rules>") -> RuleSet:
@@ -246,7 +345,13 @@ def parse(text: str, path: str = "<rules>") -> RuleSet:
         if not isinstance(m, dict):
             raise _err(path, 0, f"each rule must be a mapping, got {m!r}")
         rules.append(_rule(path, m, seen))
-    return RuleSet(rules, baselines, layers, policy, path)
+    names = {r.name for r in rules}
+    incidents, seen_incidents = [], set()
+    for m in doc.get("incidents", []) or []:
+        if not isinstance(m, dict):
+            raise _err(path, 0, f"each incident must be a mapping, got {m!r}")
+        incidents.append(_incident(path, m, names, seen_incidents))
+    return RuleSet(rules, baselines, layers, policy, path, incidents)
 
 
 def load(path: str | Path | None = None) -> RuleSet:
