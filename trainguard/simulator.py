@@ -148,6 +148,12 @@ class SimulatedPPO:
         return 0.0 if f is None or f.onset_ts is None else self.ts - f.onset_ts
 
     @property
+    def kl_level(self) -> float:
+        """The run's noise-free KL to the reference now (with a kl_drift fault's creep)."""
+        drift = 0.06 * self._since("kl_drift") * self.step_seconds / 3600.0 if self._active("kl_drift") else 0.0
+        return self.model.kl + drift
+
+    @property
     def straggler(self) -> int | None:
         """The rank that a straggler_rank fault slows down (never rank 0)."""
         return 1 + self.seed % (self.ranks - 1) if self.ranks > 1 else None
