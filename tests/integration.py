@@ -19,8 +19,10 @@ from trainguard.schemas import events as ev
 class WorkerProcess:
     """``trainguard worker`` in its own process group, on the test's topics."""
 
-    def __init__(self, settings: KafkaSettings, log_dir: Path, app_id: str | None = None, extra_env=None):
+    def __init__(self, settings: KafkaSettings, log_dir: Path, app_id: str | None = None, extra_env=None,
+                 rules_path: str | Path | None = None):
         self.settings = settings
+        self.rules_path = rules_path
         self.app_id = app_id or f"tg-{uuid.uuid4().hex[:8]}"
         self.log_path = log_dir / f"worker-{self.app_id}-{int(time.time() * 1000)}.log"
         self.extra_env = extra_env or {}
@@ -30,8 +32,9 @@ class WorkerProcess:
         prefix = self.settings.topics.events.rsplit(".", 1)[0]
         env = {**os.environ, "TRAINGUARD_BOOTSTRAP": self.settings.bootstrap, "TRAINGUARD_TOPIC_PREFIX": prefix,
                "TRAINGUARD_PARTITIONS": str(self.settings.partitions), **self.extra_env}
+        rules = ["--rules", str(self.rules_path)] if self.rules_path else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.cli", "worker", "--app-id", self.app_id, "--loglevel", "info"],
+            [sys.executable, "-m", "trainguard.cli", "worker", "--app-id", self.app_id, "--loglevel", "info", *rules],
             stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return self
 
