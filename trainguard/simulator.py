@@ -194,7 +194,7 @@ class SimulatedPPO:
         # Healthy dynamics: KL settles near 0.02 and creeps up slowly, entropy decays gently,
         # reward rises and saturates, responses lengthen.
         kl_target = 0.02 + 0.005 * step / 1000
-        m.kl = max(1e-4, m.kl + (kl_target - m.kl) * 0.015 + g(0, 0.00002))
+        m.kl = max(1e-4, m.kl + (kl_target - m.kl) * 0.03 + g(0, 0.00002))
         m.entropy += (0.4 - m.entropy) * 0.001
         m.score += (0.65 - m.score) * 0.004
         m.length += (420 - m.length) * 0.003

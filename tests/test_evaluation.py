@@ -1,0 +1,249 @@
+"""The fault-injection evaluation: the simulator's fault signatures, benign events, and run.py's contract."""
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainguard.simulator import FAULT_INFO, FAULT_KINDS, FAULTS, SimulatedPPO
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "evaluation"))
+
+import faults as scenarios  # noqa: E402
+
+ONSET = 120
+
+
+def trace(kind=None, steps=200, seed=4, ranks=1, onset=ONSET, **kw):
+    """Steps of (trainer metrics or None, node metrics, rank metrics, ts)."""
+    sim = SimulatedPPO(seed=seed, ranks=ranks, **kw)
+    if kind:
+        sim.inject(kind, at_step=onset)
+    out = []
+    for _ in range(steps):
+        m = sim.step()
+        out.append((m, sim.node_metrics(), dict(sim.rank_metrics()), sim.ts))
+    return sim, out
+
+
+def series(rows, name, node=False):
+    return [(r[1] if node else r[0])[name] for r in rows if r[0] is not None or node]
+
+
+def before_after(kind, name, node=False, after=(5, 40), **kw):
+    _, rows = trace(kind, **kw)
+    values = series(rows, name, node)
+    pre = values[ONSET - 40:ONSET - 1]
+    post = values[ONSET - 1 + after[0]:ONSET - 1 + after[1]]
+    return statistics.median(pre), statistics.median(post), values
+
+
+def test_there_are_at_least_16_fault_kinds_and_the_seed_faults_are_kept():
+    assert len(FAULT_KINDS) >= 16 and FAULTS == ("kl_explosion", "empty_responses", "rollout_stall", "nan_loss")
+    assert set(FAULTS) <= set(FAULT_KINDS)
+    with pytest.raises(ValueError):
+        SimulatedPPO().inject("meteor_strike", 3)
+
+
+def test_every_fault_kind_has_a_scenario_and_expected_rules():
+    assert set(scenarios.EXPECTED_RULES) == set(FAULT_INFO) == set(scenarios.SHAPE)
+    assert all(scenarios.EXPECTED_RULES.values())
+    kinds = {s.fault for s in scenarios.fault_scenarios(5)}
+    assert kinds == set(FAULT_KINDS)
+    assert all(s.onset > 100 for s in scenarios.fault_scenarios(5))
+
+
+@pytest.mark.parametrize("kind,name,node,check", [
+    ("kl_spike", "actor/kl_loss", False, lambda pre, post, v: min(v[ONSET - 1:ONSET + 39]) > 0.1 and pre < 0.03),
+    ("reward_collapse", "critic/score/mean", False, lambda pre, post, v: post < 0.3 * pre),
+    ("reward_std_high", "critic/score/std", False, lambda pre, post, v: min(v[ONSET + 2:ONSET + 60]) > 0.8),
+    ("reward_variance_jump", "critic/score/std", False, lambda pre, post, v: 2.6 < v[ONSET - 1] / pre < 3.4),
+    ("cpu_bottleneck", "system/cpu_pct", True, lambda pre, post, v: min(v[ONSET - 1:ONSET + 30]) > 92 and pre < 50),
+    ("data_loading_bottleneck", "rollout/latency_ms", False, lambda pre, post, v: post > 2 * pre and post < 5000),
+    ("data_loading_bottleneck", "gpu/utilization_pct[0]", True, lambda pre, post, v: post < 0.6 * pre),
+    ("data_loading_bottleneck", "actor/forward_latency_ms", False, lambda pre, post, v: post < 0.8 * pre),
+    ("dataflow_collapse", "buffer/size", False, lambda pre, post, v: post < 0.5 * pre),
+    ("dataflow_collapse", "reward_model/oom_count", False, lambda pre, post, v: pre == 0 and min(v[ONSET - 1:]) >= 1),
+    ("dataflow_collapse", "rollout/worker_crashes", False, lambda pre, post, v: pre == 0 and v[ONSET - 1] >= 1),
+    ("throughput_drop", "perf/throughput", False, lambda pre, post, v: 0.4 < post / pre < 0.6),
+    ("throughput_drop", "gpu/utilization_pct[3]", True, lambda pre, post, v: abs(post - pre) < 5),
+    ("entropy_collapse", "actor/entropy", False, lambda pre, post, v: post < 0.3 * pre),
+    ("grad_norm_explosion", "actor/grad_norm", False, lambda pre, post, v: v[ONSET - 1] > 5 * pre and post > 20 * pre),
+    ("loss_spike", "critic/vf_loss", False, lambda pre, post, v: v[ONSET - 1] > 10 * pre and v[ONSET + 29] < 2 * pre),
+    ("response_length_collapse", "response_length/mean", False, lambda pre, post, v: post < 0.3 * pre),
+    ("clip_ratio_high", "response_length/clip_ratio", False, lambda pre, post, v: pre < 0.03 and post > 0.85),
+    ("kl_explosion", "actor/kl_loss", False, lambda pre, post, v: post > 0.8),
+    ("empty_responses", "rollout/empty_response_ratio", False, lambda pre, post, v: post > 0.25 and pre < 0.02),
+    ("rollout_stall", "rollout/latency_ms", False, lambda pre, post, v: post > 10000),
+])
+def test_a_fault_shows_its_signature(kind, name, node, check):
+    pre, post, values = before_after(kind, name, node)
+    assert check(pre, post, values), (kind, name, pre, post, values[ONSET - 3:ONSET + 5])
+
+
+def test_nan_loss_is_non_finite():
+    _, rows = trace("nan_loss", steps=ONSET + 2)
+    assert math.isnan(rows[ONSET - 1][0]["actor/pg_loss"]) and math.isinf(rows[ONSET - 1][0]["actor/grad_norm"])
+    assert math.isfinite(rows[ONSET - 2][0]["actor/pg_loss"])
+
+
+def test_kl_drifts_from_about_0_02_to_0_08_in_an_hour_and_passes_0_1_later():
+    sim = SimulatedPPO(seed=2)
+    sim.inject("kl_drift", at_step=ONSET)
+    levels = {}
+    for _ in range(ONSET + 600):
+        sim.step()
+        levels[sim.current_step] = (sim.kl_level, sim.ts)
+    start, t0 = levels[ONSET]
+    hour = min(s for s, (_, t) in levels.items() if t - t0 >= 3600)
+    assert 0.015 < start < 0.025
+    assert 0.07 < levels[hour][0] < 0.09
+    assert levels[ONSET + 599][0] > 0.1
+    # slowly: no step moves the level by more than a few thousandths
+    assert max(abs(levels[s + 1][0] - levels[s][0]) for s in range(ONSET, ONSET + 598)) < 0.001
+
+
+def test_gpu_memory_leak_grows_more_than_10_mb_per_minute_until_near_total():
+    sim, rows = trace("gpu_memory_leak", steps=ONSET + 360)
+    for gpu in (0, 7):
+        pts = [(r[3], r[1][f"gpu/memory_used_gb[{gpu}]"]) for r in rows[ONSET:]]
+        ts, mem = zip(*pts)
+        slope = statistics.linear_regression(ts, mem).slope * 1024 * 60  # MB per minute
+        assert 10 < slope < 200, slope
+        assert max(r[1][f"gpu/memory_used_gb[{gpu}]"] for r in rows[ONSET - 40:ONSET - 1]) < 61.5
+    # it keeps growing until the card is nearly full, never past it
+    sim2, rows2 = trace("gpu_memory_leak", steps=ONSET + 2000, step_seconds=30)
+    last = rows2[-1][1]["gpu/memory_used_gb[0]"]
+    assert 78 < last <= 80
+
+
+def test_cpu_bottleneck_swings_gpu_memory_by_more_than_5_percent():
+    _, rows = trace("cpu_bottleneck")
+    mem = [r[1]["gpu/memory_used_gb[0]"] for r in rows[ONSET:ONSET + 30]]
+    healthy = [r[1]["gpu/memory_used_gb[0]"] for r in rows[ONSET - 40:ONSET - 1]]
+    assert (max(mem) - min(mem)) / 61 > 0.05
+    assert (max(healthy) - min(healthy)) / 61 < 0.02
+
+
+def test_the_hung_trainer_stops_emitting_while_the_node_keeps_reporting():
+    sim, rows = trace("trainer_hung", steps=ONSET + 30)
+    assert all(r[0] is not None for r in rows[:ONSET - 1])
+    assert all(r[0] is None for r in rows[ONSET - 1:])
+    assert sim.current_step == ONSET - 1 and sim.hung
+    ts = [r[3] for r in rows]
+    assert all(b > a for a, b in zip(ts, ts[1:]))  # time keeps passing
+    node = rows[-1][1]
+    assert node["gpu/utilization_pct[0]"] == 100.0 and node["gpu/power_w[0]"] < 250  # spinning in a collective
+
+
+def test_a_straggler_rank_is_twice_as_slow_as_its_peers():
+    sim, rows = trace("straggler_rank", ranks=8)
+    slow = sim.straggler
+    assert slow and slow != 0
+    for _, _, ranks, _ in rows[ONSET:ONSET + 20]:
+        others = statistics.median(v["timing_s/step"] for r, v in ranks.items() if r != slow)
+        assert 1.8 < ranks[slow]["timing_s/step"] / others < 2.4
+        assert ranks[slow]["perf/throughput"] < 0.6 * statistics.median(v["perf/throughput"] for v in ranks.values())
+    for _, _, ranks, _ in rows[ONSET - 30:ONSET - 1]:
+        assert set(ranks) == set(range(1, 8))
+        assert max(v["timing_s/step"] for v in ranks.values()) / min(v["timing_s/step"] for v in ranks.values()) < 1.4
+    with pytest.raises(ValueError):
+        SimulatedPPO().inject("straggler_rank", 5)
+
+
+def test_healthy_runs_stay_within_realistic_bounds_with_benign_events():
+    sim = SimulatedPPO(seed=11, ranks=4)
+    rows = []
+    pauses = []
+    for _ in range(1200):
+        m = sim.step()
+        node = sim.node_metrics()
+        rows.append((sim.current_step, m, node))
+        if sim.current_step % 50 == 0:
+            sim.save_checkpoint()
+            pauses.append(sim.current_step + 1)
+    after_warmup = [r for r in rows if r[0] > 30]
+    for step, m, node in after_warmup:
+        assert 0.001 < m["actor/kl_loss"] < 0.05
+        assert 0.3 < m["actor/entropy"] < 0.75
+        assert 0 <= m["rollout/empty_response_ratio"] < 0.05
+        assert 1000 < m["rollout/latency_ms"] < 3000
+        assert m["actor/grad_norm"] < 1.0 and 0.2 < m["critic/score/std"] < 0.5
+        assert m["reward_model/oom_count"] == 0 and m["rollout/worker_crashes"] == 0
+        assert 3500 < m["buffer/size"] < 4700
+        assert all(0 <= node[f"gpu/utilization_pct[{i}]"] <= 100 for i in range(8))
+        assert all(60 < node[f"gpu/memory_used_gb[{i}]"] < 62 for i in range(8))
+        assert 0 <= node["system/cpu_pct"] <= 100
+    # warm-up: KL near 0, learning rate ramping up
+    assert rows[0][1]["actor/kl_loss"] < 0.005 and rows[0][1]["actor/lr"] < rows[29][1]["actor/lr"]
+    # learning-rate schedule: a step down every 400 steps, grad norm shifts mildly
+    lr = {s: m["actor/lr"] for s, m, _ in rows}
+    assert lr[401] == pytest.approx(0.7 * lr[399]) and lr[801] == pytest.approx(0.49 * lr[399])
+    g_before = statistics.median(m["actor/grad_norm"] for s, m, _ in rows if 300 < s < 400)
+    g_after = statistics.median(m["actor/grad_norm"] for s, m, _ in rows if 400 <= s < 500)
+    assert 0.85 < g_after / g_before < 0.99
+    # checkpoint pauses: one long step with idle GPUs, then back to normal
+    by_step = {s: (m, node) for s, m, node in rows}
+    for p in [p for p in pauses[:-1] if p % 200 >= 3]:  # (an evaluation may overlap one)
+        m, node = by_step[p]
+        assert 30 < m["timing_s/step"] < 70 and node["gpu/utilization_pct[0]"] < 35
+        assert by_step[p + 1][0]["timing_s/step"] < 16
+    # evaluation pauses: GPU utilisation drops for a few steps, rollout latency does not move
+    for s in (200, 201, 202):
+        m, node = by_step[s]
+        assert node["gpu/utilization_pct[0]"] < 65 and 1000 < m["rollout/latency_ms"] < 3000
+    # heavy-ish tails: a few 3-sigma outliers in a long run, none absurd
+    lat = [m["rollout/latency_ms"] for _, m, _ in after_warmup]
+    far = [x for x in lat if abs(x - 1800) > 3 * 120]
+    assert 1 <= len(far) <= 0.02 * len(lat) and max(abs(x - 1800) for x in lat) <= 4.2 * 120
+    # the clock advances about 10 s per ordinary step
+    assert 9 < statistics.median(m["timing_s/step"] for _, m, _ in after_warmup) < 11
+
+
+def test_a_fault_does_not_come_back_after_a_restore_unless_it_recurs():
+    for recur, expect_after in ((False, False), (True, True)):
+        sim = SimulatedPPO(seed=5)
+        sim.inject("grad_norm_explosion", at_step=60, recur=recur)
+        for _ in range(50):
+            sim.step()
+        sim.save_checkpoint()
+        for _ in range(20):
+            m = sim.step()
+        assert m["actor/grad_norm"] > 10
+        sim.restore(50)
+        assert sim.current_step == 50
+        values = [sim.step()["actor/grad_norm"] for _ in range(30)]
+        assert (max(values[10:]) > 2) is expect_after
+
+
+def test_the_hung_trainer_resumes_after_a_restore():
+    sim = SimulatedPPO(seed=5)
+    sim.inject("trainer_hung", at_step=30)
+    for _ in range(20):
+        sim.step()
+    sim.save_checkpoint()
+    while sim.step() is not None:
+        pass
+    sim.restore(20)
+    assert all(sim.step() is not None for _ in range(30))
+
+
+def test_run_quick_prints_the_summary_json_last():
+    proc = subprocess.run([sys.executable, str(ROOT / "evaluation" / "run.py"), "--quick", "--no-nab"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert set(summary) == {"min_recall", "false_alerts_per_10k_steps", "median_delay_steps_sudden",
+                            "drift_caught_before_kl", "nab"}
+    assert set(summary["nab"]) == {"standard", "reward_low_FP", "reward_low_FN"}
+    assert 0 <= summary["min_recall"] <= 1 and summary["false_alerts_per_10k_steps"] >= 0
+    assert any(line.startswith("kl_explosion ") for line in lines)
+    # the seed's four faults are caught by the seed's rules
+    table = {line.split("|")[0].strip(): line.split("|")[2].strip() for line in lines if "|" in line}
+    assert all(table[k] == "1.00" for k in FAULTS)
