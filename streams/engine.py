@@ -46,7 +46,7 @@ class SourceState:
     worker restarted with an edited rules file keeps what still applies.
     """
 
-    __slots__ = ("kind", "block", "rule_rows", "det_rows", "gate_hi", "gate_lo", "streaks", "firing",
+    __slots__ = ("kind", "block", "rule_rows", "det_rows", "gate_hi", "gate_lo", "always", "streaks", "firing",
                  "detectors", "buckets")
 
     def __init__(self, kind: str, block: BaselineBlock | None = None):
@@ -56,6 +56,7 @@ class SourceState:
         self.det_rows: dict[int, list[int]] = {}  # row -> rules with their own detector
         self.gate_hi = np.zeros(0)             # per row: lowest 'above' of its threshold-only rules
         self.gate_lo = np.zeros(0)             # per row: highest 'below' of its threshold-only rules
+        self.always = np.zeros(0, bool)        # per row: judged every sample (relative conditions)
         self.streaks: dict[tuple[int, int], list] = {}   # slot -> [samples holding, since ts]
         self.firing: dict[tuple[int, int], dict] = {}    # slot -> the open alert
         self.detectors: dict[tuple[int, int], Any] = {}  # slot -> the rule's detector for that metric
@@ -73,15 +74,18 @@ class SourceState:
                 self.det_rows[row] = series
         hi = np.full(len(names), np.inf)
         lo = np.full(len(names), -np.inf)
+        always = np.zeros(len(names), bool)
         for row, idxs in enumerate(self.rule_rows):
             for i in idxs:
                 r = rules.rules[i]
+                if r.relative and not r.anomalous:
+                    always[row] = True
                 if r.threshold_only:
                     if r.above is not None:
                         hi[row] = min(hi[row], r.above)
                     if r.below is not None:
                         lo[row] = max(lo[row], r.below)
-        self.gate_hi, self.gate_lo = hi, lo
+        self.gate_hi, self.gate_lo, self.always = hi, lo, always
 
     def to_bytes(self, rules: RuleSet) -> bytes:
         names, rnames = self.block.names, [r.name for r in rules.rules]
@@ -262,7 +266,12 @@ class Engine:
 
     # -- alert bookkeeping shared by every kind of rule ------------------------------------------
 
-    def _fire(self, run: RunState, alert: dict, rule) -> Output:
+    @staticmethod
+    def _add(outputs: list, output: Output | None) -> None:
+        if output is not None:
+            outputs.append(output)
+
+    def _fire(self, run: RunState, alert: dict, rule) -> Output | None:
         active = run.active.setdefault(alert["rule"], {"open": 0, "last_ts": 0.0, "alert": None})
         active["open"] += 1
         active["last_ts"] = alert["ts"]
@@ -275,13 +284,18 @@ class Engine:
             run.open_critical[alert["id"]] = alert["rule"]
             run.recent_alerts.append(alert)
             del run.recent_alerts[:-MAX_RECENT_ALERTS]
+        if not getattr(rule, "emit", True):
+            alert["signal"] = True  # kept for incidents, never published on its own
+            return None
         return Output("alert", alert["run_id"], alert)
 
-    def _resolve(self, run: RunState, alert: dict, event: dict, **extra) -> Output:
+    def _resolve(self, run: RunState, alert: dict, event: dict, **extra) -> Output | None:
         active = run.active.get(alert["rule"])
         if active and active["open"] > 0:
             active["open"] -= 1
         run.open_critical.pop(alert["id"], None)
+        if alert.get("signal"):
+            return None
         resolved = {**alert, "status": "resolved", "step": event.get("step", alert.get("step")),
                     "ts": event["ts"], "node_snapshot": None, **extra}
         return Output("alert", alert["run_id"], resolved)
@@ -304,7 +318,7 @@ class Engine:
         if alert is None:
             alert = self._alert(event, run, run_id, sid, rule, metric, value, evidence(), run.breaker.attempt)
             state.firing[slot] = alert
-            outputs.append(self._fire(run, alert, rule))
+            self._add(outputs, self._fire(run, alert, rule))
         if rule.critical:
             critical.append((alert["id"], rule.name, f"{rule.summary} ({metric}={value:.4g})"))
 
@@ -318,7 +332,7 @@ class Engine:
         if src.get("rank") is not None and kind in self.rules.policy["step_sources"]:
             run.ranks.setdefault(str(src["rank"]), src)
         for key in [k for k in run.stale if k.endswith("|" + kind)]:
-            outputs.append(self._resolve(run, run.stale.pop(key), {"ts": event["ts"], "step": event.get("step")},
+            self._add(outputs, self._resolve(run, run.stale.pop(key), {"ts": event["ts"], "step": event.get("step")},
                                          resolution=f"{kind} is publishing again"))
 
     def _rolled_back(self, event: dict, run: RunState, run_id: str, partition: int, outputs: list) -> None:
@@ -328,7 +342,7 @@ class Engine:
             src = self._source(key, "") if key in self.store else None
             if src is not None and src.kind in self.rules.policy["step_sources"]:
                 for alert in src.firing.values():
-                    outputs.append(self._resolve(run, alert, event, resolution="the trainer rolled back"))
+                    self._add(outputs, self._resolve(run, alert, event, resolution="the trainer rolled back"))
                 src.block.reset()
                 src.streaks.clear()
                 src.firing.clear()
@@ -369,7 +383,8 @@ class Engine:
 
         # Baseline rules: only rows that some rule could fire on need Python-level work.
         with np.errstate(invalid="ignore"):
-            candidate = anomalous | ~finite | (x > state.gate_hi[rows]) | (x < state.gate_lo[rows])
+            candidate = (anomalous | ~finite | (x > state.gate_hi[rows]) | (x < state.gate_lo[rows])
+                         | state.always[rows])
         if state.firing:  # open episodes are re-judged every sample, anomalous or not
             candidate |= np.isin(rows, [row for _, row in state.firing])
         for j in np.flatnonzero(candidate).tolist():
@@ -379,7 +394,8 @@ class Engine:
                 slot = (ri, row)
                 # The baseline must flag a sample to open an episode; the thresholds alone keep
                 # it open (a sustained fault soon enters the window and stops looking unusual).
-                holds = rules[ri].holds(value, bool(anomalous[j]) or slot in state.firing)
+                holds = rules[ri].holds(value, bool(anomalous[j]) or slot in state.firing,
+                                        mean[j] if ready[j] else math.nan, std[j])
                 self._judge(state, slot, rules[ri], holds, event, run, run_id, sid, names[j], value,
                             lambda j=j, row=row, value=value: self._evidence(
                                 value, bool(finite[j]), mean[j], std[j], lower[j], upper[j], block, row),
@@ -412,7 +428,7 @@ class Engine:
         for slot in [s for s in state.firing if s not in holding and s[1] in present]:
             opened = state.firing.pop(slot)
             value = float(metrics.get(opened["metric"], math.nan))
-            outputs.append(self._resolve(run, opened, event, value=_json_value(value)))
+            self._add(outputs, self._resolve(run, opened, event, value=_json_value(value)))
 
         if src["kind"] in self.rules.policy["step_sources"] and src.get("rank") is not None:
             self._cross_rank(run, run_id, event, outputs)
@@ -482,9 +498,9 @@ class Engine:
                                                 {**cr.evidence(), "detector": "cross_rank", "median": med,
                                                  "robust_z": z, "rank": r}, run.breaker.attempt)
                             run.cross_firing[fkey] = alert
-                            outputs.append(self._fire(run, alert, rule))
+                            self._add(outputs, self._fire(run, alert, rule))
                         elif opened is not None and r not in flagged:
-                            outputs.append(self._resolve(run, run.cross_firing.pop(fkey), {"ts": event["ts"], "step": s}))
+                            self._add(outputs, self._resolve(run, run.cross_firing.pop(fkey), {"ts": event["ts"], "step": s}))
 
     def _incidents(self, run: RunState, run_id: str, event: dict, outputs: list, critical: list) -> None:
         """Alerts of several rules that belong together become one incident with a root cause."""
@@ -511,9 +527,9 @@ class Engine:
                     "node_snapshot": dict(run.nodes),
                 }
                 run.incidents[incident.name] = alert
-                outputs.append(self._fire(run, alert, incident))
+                self._add(outputs, self._fire(run, alert, incident))
             elif opened is not None and not together:
-                outputs.append(self._resolve(run, run.incidents.pop(incident.name), event))
+                self._add(outputs, self._resolve(run, run.incidents.pop(incident.name), event))
             if incident.critical and run.incidents.get(incident.name):
                 critical.append((run.incidents[incident.name]["id"], incident.name, incident.summary))
 
@@ -542,7 +558,7 @@ class Engine:
                                             {"detector": "stale", "silent_s": silent, "timeout_s": timeout,
                                              "last_step": step}, run.breaker.attempt)
                         run.stale[skey] = alert
-                        outputs.append(self._fire(run, alert, rule))
+                        self._add(outputs, self._fire(run, alert, rule))
                         self.dirty[key] = run.partition
         return outputs
 

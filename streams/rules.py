@@ -21,7 +21,8 @@ from trainguard.streams import policy as policy_mod
 SEVERITIES = ("P0", "P1", "P2", "P3")
 LAYERS = ("data", "compute", "resource")
 _RULE_KEYS = {"name", "metric", "anomalous", "above", "below", "non_finite", "for", "for_seconds", "severity",
-              "critical", "summary", "diagnosis", "suggestion", "sources", "detector", "resample_s"}
+              "critical", "summary", "diagnosis", "suggestion", "sources", "detector", "resample_s",
+              "above_ratio", "below_ratio", "cv_above", "emit"}
 _INCIDENT_KEYS = {"name", "all", "within_s", "severity", "critical", "summary", "diagnosis", "suggestion", "inhibit"}
 
 
@@ -80,6 +81,10 @@ class Rule:
     detector: dict | None = None       # {"kind": ..., params}: the rule's own detector per metric
     for_seconds: float | None = None
     resample_s: float | None = None    # feed the detector per-interval means (long horizons)
+    above_ratio: float | None = None   # value > ratio x the baseline's window mean
+    below_ratio: float | None = None   # value < ratio x the baseline's window mean
+    cv_above: float | None = None      # the window's std / |mean| above this: "fluctuating"
+    emit: bool = True                  # False: a signal that only feeds incidents, never pages alone
     line: int = 0
 
     @property
@@ -91,20 +96,33 @@ class Rule:
         params = {k: v for k, v in self.detector.items() if k != "kind"}
         return _detector_kinds()[self.detector["kind"]](**params)
 
-    def holds(self, value: float, anomalous: bool) -> bool:
-        """Whether one sample satisfies the rule (before the ``for`` duration)."""
+    def holds(self, value: float, anomalous: bool, mean: float = math.nan, std: float = math.nan) -> bool:
+        """Whether one sample satisfies the rule (before the ``for`` duration). ``mean`` and
+        ``std`` are the baseline window's, for the relative conditions."""
         if value != value or value in (math.inf, -math.inf):
             return self.non_finite
         if self.anomalous and not anomalous:
             return False
+        if self.relative:
+            if self.above_ratio is not None and not value > self.above_ratio * mean:
+                return False
+            if self.below_ratio is not None and not value < self.below_ratio * mean:
+                return False
+            if self.cv_above is not None and not std > self.cv_above * abs(mean):
+                return False
         if self.above is None and self.below is None:
-            return self.anomalous  # a pure non_finite rule says nothing about finite values
+            return self.anomalous or self.relative  # a pure non_finite rule says nothing of finite values
         return (self.above is not None and value > self.above) or (self.below is not None and value < self.below)
+
+    @property
+    def relative(self) -> bool:
+        return self.above_ratio is not None or self.below_ratio is not None or self.cv_above is not None
 
     @property
     def threshold_only(self) -> bool:
         """A pure threshold: it can fire without the baseline flagging the sample."""
-        return self.detector is None and not self.anomalous and (self.above is not None or self.below is not None)
+        return (self.detector is None and not self.anomalous and not self.relative
+                and (self.above is not None or self.below is not None))
 
 
 @dataclass
@@ -228,12 +246,18 @@ def _rule(path: str, m: dict, seen: set) -> Rule:
         resample_s=_number(path, line, m, "resample_s", minimum=1),
         critical=m.get("critical", False), summary=str(m.get("summary", name)),
         diagnosis=str(m.get("diagnosis", "")), suggestion=str(m.get("suggestion", "")),
-        sources=tuple(m.get("sources", ())), detector=detector, line=line)
+        sources=tuple(m.get("sources", ())), detector=detector,
+        above_ratio=_number(path, line, m, "above_ratio", minimum=0),
+        below_ratio=_number(path, line, m, "below_ratio", minimum=0),
+        cv_above=_number(path, line, m, "cv_above", minimum=0), emit=bool(m.get("emit", True)), line=line)
+    if rule.relative and detector is not None:
+        raise _err(path, line, f"rule {name!r}: above_ratio, below_ratio and cv_above compare with the "
+                               f"baseline window; they do not combine with a detector")
     if rule.resample_s and detector is None:
         raise _err(path, line, f"rule {name!r}: resample_s needs a detector to feed")
-    if not (rule.anomalous or rule.non_finite or rule.above is not None or rule.below is not None):
-        raise _err(path, line, f"rule {name!r} has no condition: give at least one of "
-                               f"anomalous, above, below, non_finite, detector")
+    if not (rule.anomalous or rule.non_finite or rule.relative or rule.above is not None or rule.below is not None):
+        raise _err(path, line, f"rule {name!r} has no condition: give at least one of anomalous, above, "
+                               f"below, above_ratio, below_ratio, cv_above, non_finite, detector")
     return rule
 
 
