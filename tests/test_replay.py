@@ -69,9 +69,15 @@ def test_json_output_is_one_object_per_alert_and_nothing_else():
     assert proc.stdout.endswith("\n") and all(line for line in proc.stdout.splitlines())
     assert all(set(o) == {"step", "rule", "severity", "metric", "value", "status"} for o in objects)
     firing = [(o["step"], o["rule"], o["metric"]) for o in objects if o["status"] == "firing"]
-    assert firing == [(_first_kl_above(0.8), "kl_explosion", "actor/kl_loss"),
-                      (198, "non_finite", "actor/grad_norm"), (205, "non_finite", "actor/grad_norm")]
-    assert [o["value"] for o in objects if o["step"] in (198, 205)] == ["NaN", "NaN"]
+    assert min(step for step, _, _ in firing) >= 150, "nothing fires in the healthy steps 1..149"
+    assert [f for f in firing if f[1] == "kl_explosion"] == [(_first_kl_above(0.8), "kl_explosion", "actor/kl_loss")]
+    assert [f for f in firing if f[1] == "non_finite"] == [(198, "non_finite", "actor/grad_norm"),
+                                                           (205, "non_finite", "actor/grad_norm")]
+    first_kl = min(step for step, _, metric in firing if metric == "actor/kl_loss")
+    assert 150 <= first_kl <= _first_kl_above(0.8), "some KL rule sees the blow-up that begins at 150"
+    assert [o["value"] for o in objects if o["rule"] == "non_finite" and o["status"] == "firing"] == ["NaN", "NaN"]
+    # Reward collapse begins at 180: no rule about the score may fire before it.
+    assert all(step >= 180 for step, _, metric in firing if metric == "critic/score/mean")
     assert "replayed" in proc.stderr and "would roll back" in proc.stderr  # the summary went to stderr
 
 
@@ -93,7 +99,9 @@ def test_tensorboard_file_with_a_nan_and_a_spike(tmp_path):
     result = replay(path)
     assert result.format == "tensorboard" and result.steps == 60 and result.skipped == 0
     firing = [(a["step"], a["rule"], a["metric"]) for a in result.alerts if a["status"] == "firing"]
-    assert firing == [(25, "non_finite", "actor/grad_norm"), (40, "kl_explosion", "actor/kl_loss")]
+    assert firing[:2] == [(25, "non_finite", "actor/grad_norm"), (40, "kl_explosion", "actor/kl_loss")]
+    assert all(step >= 40 and metric == "actor/kl_loss" for step, _, metric in firing[2:]), \
+        "after the NaN, only the KL spike's rules fire"
     # TensorBoard files record no checkpoints: three critical steps in a row mean "stop".
     assert result.checkpoints == []
     assert [c["action"] for c in result.commands] == ["stop"] and result.command_steps == [42]
