@@ -1,0 +1,250 @@
+"""Hugging Face ``transformers.Trainer``, guarded through a ``TrainerCallback``.
+
+::
+
+    from trainguard.producers.integrations.hf import TrainguardCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[TrainguardCallback("sft-run-3")])
+    trainer.train()
+
+What it does, on the world's process zero only (other ranks do nothing):
+
+* ``on_log``: publishes the logs at ``state.global_step``, named the way the Trainer's
+  own W&B/TensorBoard integrations name them (``loss`` -> ``train/loss``, ``grad_norm`` ->
+  ``train/grad_norm``, ``eval_loss`` -> ``eval/loss``), so the default rules' ``*loss*`` and
+  ``*grad_norm*`` traps apply. Note that the Trainer drops NaN/Inf losses from the
+  logged mean by default (``logging_nan_inf_filter``); ``grad_norm`` still shows them.
+* ``on_save``: reports ``{output_dir}/checkpoint-{global_step}``.
+* ``on_step_end``: applies ready commands.
+
+What a callback can and cannot do (it gets ``model``, ``optimizer``, ``lr_scheduler`` and
+``train_dataloader`` in its kwargs, not the Trainer):
+
+* ``stop`` -> ``control.should_training_stop = True``: the Trainer leaves its loop after
+  this step, saves nothing more unless asked, and calls ``on_train_end``.
+* ``rollback`` -> loads the checkpoint's model weights into ``model``
+  (``model.safetensors``, a sharded index, or ``pytorch_model.bin``), the optimizer state
+  from ``optimizer.pt`` and the scheduler from ``scheduler.pt`` when they are there. It
+  works for a single process (CPU/GPU, DDP's replicated weights on rank 0 only: see
+  below); DeepSpeed / FSDP sharded states need the Trainer's own ``resume_from_checkpoint``.
+  ``state.global_step`` is *not* rewound: the Trainer's logging bookkeeping divides by
+  steps since the last log, and the data iterator cannot be rewound from a callback. So
+  the run keeps counting, the batches between the checkpoint and the incident are not
+  replayed, the LR schedule is the checkpoint's (it lags the step counter by the steps
+  rolled back), and the run ends at ``max_steps`` with fewer effective updates.
+* skipping data (``skip_batches`` of a rollback, or ``skip_data``): a callback cannot
+  advance the Trainer's data iterator, so the next N batches are drawn and their forward
+  and backward run, but their gradients are discarded in ``on_pre_optimizer_step``
+  (set to ``None``, so neither the weights nor the optimizer's moments move; with fp16's
+  grad scaler they are zeroed instead, which still moves the moments).
+* ``checkpoint_now`` -> ``control.should_save = True`` (saved at this step).
+* ``pause`` waits inside ``on_step_end`` until ``resume`` / ``stop`` / expiry.
+* Multi-process runs: only process zero listens and acts, so a rollback there would put
+  the ranks out of step; use ``stop`` (every rank must stop: broadcast it yourself) or run
+  the guarded job with one process per model replica group.
+
+The ``rolled_back`` report is sent at the start of the next step, after the Trainer has
+logged the step in which the rollback happened (that step's loss was computed before
+the restore), so the worker re-arms on healthy numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from transformers import TrainerCallback
+
+from trainguard.kafka import KafkaSettings
+from trainguard.producers.integrations._core import Decision, GuardBase
+
+__all__ = ["TrainguardCallback", "rewrite_logs", "load_model_weights"]
+
+
+def rewrite_logs(logs: dict) -> dict:
+    """The Trainer integrations' naming: eval_x -> eval/x, test_x -> test/x, x -> train/x."""
+    out = {}
+    for k, v in logs.items():
+        if k.startswith("eval_"):
+            out["eval/" + k[5:]] = v
+        elif k.startswith("test_"):
+            out["test/" + k[5:]] = v
+        else:
+            out["train/" + k] = v
+    return out
+
+
+def load_model_weights(model, path: str) -> str:
+    """Load a Trainer checkpoint's weights into ``model`` in place; which file was read. Raises."""
+    import torch
+
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    legacy = os.path.join(path, "pytorch_model.bin")
+    legacy_index = os.path.join(path, "pytorch_model.bin.index.json")
+    if os.path.exists(index) or os.path.exists(legacy_index):
+        from transformers.modeling_utils import load_sharded_checkpoint
+
+        load_sharded_checkpoint(model, path, strict=True)
+        return "sharded"
+    if os.path.exists(single):
+        from safetensors.torch import load_file
+
+        device = next(model.parameters()).device
+        state = load_file(single, device=str(device))
+        source = single
+    elif os.path.exists(legacy):
+        state = torch.load(legacy, map_location="cpu", weights_only=True)
+        source = legacy
+    else:
+        raise FileNotFoundError(f"no model weights in {path}")
+    result = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{source} does not match the model: missing {missing[:5]}, "
+                         f"unexpected {result.unexpected_keys[:5]}")
+    if tied and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return source
+
+
+class _HFGuard(GuardBase):
+    def __init__(self, callback: "TrainguardCallback", *args, **kwargs):
+        self.callback = callback
+        super().__init__(*args, **kwargs)
+
+    def _rollback(self, command, target_step, path, step, decision):
+        import torch
+
+        ctx = self.callback._ctx
+        model, optimizer, scheduler = ctx.get("model"), ctx.get("optimizer"), ctx.get("lr_scheduler")
+        if model is None:
+            raise RuntimeError("the Trainer passed no model to the callback")
+        loaded = [os.path.basename(load_model_weights(model, path))]
+        opt_file, sched_file = os.path.join(path, "optimizer.pt"), os.path.join(path, "scheduler.pt")
+        if optimizer is not None and os.path.exists(opt_file):
+            device = next(model.parameters()).device
+            optimizer.load_state_dict(torch.load(opt_file, map_location=device, weights_only=True))
+            loaded.append("optimizer.pt")
+        if scheduler is not None and os.path.exists(sched_file):
+            scheduler.load_state_dict(torch.load(sched_file, weights_only=True))
+            loaded.append("scheduler.pt")
+        decision.extra["loaded"] = loaded
+        return (f"restored {', '.join(loaded)} from {path} (step {target_step}) at global step {step}; "
+                f"the step counter keeps counting")
+
+    def _report_rolled_back(self, command, restored_step, decision):
+        self.callback._pending_rolled_back = (command, restored_step, decision.step)
+
+    def _stop(self, command, step, decision):
+        return f"should_training_stop set at global step {step}"
+
+    def _checkpoint_now(self, command, step, decision):
+        return f"should_save set at global step {step}"
+
+    def _skip(self, n, command, step, decision):
+        decision.skip_batches += n
+        self.callback._skip_left += n
+        return f"discarding the gradients of the next {n} batch(es)"
+
+
+class TrainguardCallback(TrainerCallback):
+    """Publish a Trainer's logs and checkpoints; apply trainguard's commands at step ends.
+
+    ``run_id``: the run's id in trainguard. Other keyword arguments go to the shared
+    guard (``listen``, ``max_pause_s``, ``ready_timeout_s``, ``host``, ``keys`` ...).
+    """
+
+    def __init__(self, run_id: str, settings: KafkaSettings | None = None, **guard_kwargs):
+        self.run_id = run_id
+        self.settings = settings
+        self.guard_kwargs = guard_kwargs
+        self.guard: _HFGuard | None = None
+        self.decisions: list[Decision] = []   # boundaries where something was applied
+        self.skipped_batches = 0
+        self._skip_left = 0
+        self._ctx: dict = {}
+        self._pending_rolled_back = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero or self.guard is not None:
+            return
+        try:
+            self.guard = _HFGuard(self, self.run_id, self.settings, **self.guard_kwargs)
+            self.guard.lifecycle("started", step=state.global_step)
+        except Exception as exc:  # trainguard unavailable: train anyway
+            import logging
+
+            logging.getLogger("trainguard.integrations").warning("trainguard: callback disabled: %s", exc)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.guard is None:
+            return
+        self._flush_rolled_back()
+        self.guard.close("stopped" if self.guard.stopped else "finished", step=state.global_step)
+
+    # -- publishing -----------------------------------------------------------------------
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.guard is not None and logs:
+            self.guard.log(rewrite_logs(logs), state.global_step)
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.guard is None:
+            return
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if os.path.isdir(path):
+            self.guard.checkpoint_saved(state.global_step, os.path.abspath(path))
+
+    # -- commands -------------------------------------------------------------------------
+
+    def _flush_rolled_back(self):
+        if self._pending_rolled_back is not None and self.guard is not None:
+            command, restored, from_step = self._pending_rolled_back
+            self._pending_rolled_back = None
+            self.guard.lifecycle("rolled_back", step=restored,
+                                 detail={"command_id": command["id"], "from_step": from_step})
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._flush_rolled_back()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.guard is None:
+            return
+        self._ctx = kwargs
+        try:
+            decision = self.guard.step_boundary(state.global_step)
+        finally:
+            self._ctx = {}
+        if decision.acted:
+            self.decisions.append(decision)
+        if decision.stop:
+            control.should_training_stop = True
+        if decision.checkpoint_now:
+            control.should_save = True
+        return control
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self._skip_left <= 0 or model is None:
+            return
+        self._skip_left -= 1
+        self.skipped_batches += 1
+        zero = bool(getattr(args, "fp16", False))  # the fp16 grad scaler wants gradients to inspect
+        for p in model.parameters():
+            if p.grad is not None:
+                if zero:
+                    p.grad.zero_()
+                else:
+                    p.grad = None
+
+    def wait_ready(self, timeout: float = 10.0) -> bool:
+        """True once the listener reads its partition (after ``on_train_begin``)."""
+        deadline = time.monotonic() + timeout
+        while self.guard is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return bool(self.guard and self.guard.listener and self.guard.listener.wait_ready(
+            max(0.0, deadline - time.monotonic())))
