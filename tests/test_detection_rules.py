@@ -181,7 +181,7 @@ def test_throughput_halving_and_entropy_collapse():
 def test_rule_detectors_survive_a_restart():
     """Detector state (trend windows, resampling buckets) goes through the changelog bytes."""
     f, rng = Feed(), random.Random(7)
-    for step in range(1, 60):
+    for step in range(1, 40):
         f.now += 10
         f.send(step, {"actor/kl_loss": 0.02 + 0.06 * step / 360 + rng.gauss(0, 0.003)})
     assert not f.firing("kl_drift")
@@ -189,7 +189,7 @@ def test_rule_detectors_survive_a_restart():
     g = Feed(restored)
     g.now, g.offset = f.now, f.offset
     before = len(f.outputs)
-    for step in range(60, 400):
+    for step in range(40, 400):
         for feed in (f, g):
             feed.now += 10
         kl = 0.02 + 0.06 * step / 360 + rng.gauss(0, 0.003)
