@@ -200,6 +200,15 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                 except Exception:  # the exporter must never stop detection
                     log.exception("trainguard: exporter update failed")
 
+    @app.timer(5.0)
+    async def watch_silence() -> None:
+        """Sources that went silent (a hung trainer, a dead node) are found by the clock, not by
+        the next event, which may never come."""
+        outputs = engine.tick()
+        if outputs:
+            await publish(outputs)
+            flush_state()
+
     @app.timer(10.0)
     async def status() -> None:
         log.info("trainguard: %d events, %d samples processed, %d replays skipped",
