@@ -95,3 +95,32 @@ def test_a_restarted_worker_resumes_with_its_windows_intact(kafka, tmp_path):
     finally:
         logger.close(quiet=True)
         first.kill()
+
+
+HUNG_RULES = """
+version: 1
+rules:
+  - name: trainer_hung
+    metric: "*"
+    detector: {kind: stale, timeout_s: 3}
+    sources: [trainer]
+    severity: P1
+    summary: Trainer hung
+"""
+
+
+def test_the_worker_finds_a_hung_trainer_on_its_own_clock(kafka, tmp_path):
+    rules = tmp_path / "hung.yaml"
+    rules.write_text(HUNG_RULES)
+    worker = WorkerProcess(kafka, tmp_path, rules_path=rules).start().wait_ready()
+    try:
+        logger = TrainerLogger("hung-1", kafka, host="h")
+        for step in range(1, 4):
+            logger.log({"actor/pg_loss": -0.01}, step)
+        logger.close(quiet=True)  # then silence: no further event will ever arrive
+        alerts = TopicReader(kafka, kafka.topics.alerts)
+        alert = alerts.wait_for(lambda a: a["rule"] == "trainer_hung", timeout=30, what="the hung alert",
+                                worker=worker)
+        assert alert["run_id"] == "hung-1" and alert["evidence"]["last_step"] == 3
+    finally:
+        worker.kill()
