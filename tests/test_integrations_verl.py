@@ -1,0 +1,185 @@
+"""The verl adapter against stand-ins for verl's ``Tracking`` and ``RayPPOTrainer``.
+
+verl itself cannot be installed here (it needs Ray, vLLM/SGLang and GPUs), so the two
+classes below mirror the parts of verl's source the adapter relies on:
+``Tracking.log`` loops over the dict ``self.logger`` calling ``log(data=..., step=...)``;
+``RayPPOTrainer.fit`` builds its own ``Tracking``, logs once per step at
+``self.global_steps`` then adds one, and ``_save_checkpoint`` writes
+``default_local_dir/global_step_N/{actor,critic}`` through the worker groups'
+``save_checkpoint``, which ``load_checkpoint(path, del_local_after_load=...)`` reads back.
+The worker groups here keep a real numpy "policy" on disk. The metrics are verl's real
+keys with numpy and torch scalar values.
+
+With a real broker and a real worker (default rules): a NaN ``actor/kl_loss`` at the fault
+trips the breaker; the adapter rolls the stand-in trainer back to the newest checkpoint
+before the onset, and the run finishes its steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from tests.integration import TopicReader, WorkerProcess, produce
+from trainguard.schemas import events as ev
+
+pytestmark = pytest.mark.integration
+
+
+class Tracking:
+    """verl.utils.tracking.Tracking, reduced to what fit() uses."""
+
+    def __init__(self, project_name, experiment_name, default_backend="console", config=None):
+        self.logger = {"console": SimpleNamespace(log=lambda data, step: None)}
+
+    def log(self, data, step, backend=None):
+        for default_backend, logger_instance in self.logger.items():
+            if backend is None or default_backend in backend:
+                logger_instance.log(data=data, step=step)
+
+
+class WorkerGroup:
+    """A stand-in actor/critic worker group holding a policy vector, checkpointed to disk."""
+
+    def __init__(self):
+        self.weights = np.zeros(4)
+        self.loads: list[str] = []
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        os.makedirs(local_path, exist_ok=True)
+        np.save(os.path.join(local_path, "model.npy"), self.weights)
+
+    def load_checkpoint(self, local_path, del_local_after_load=False):
+        self.weights = np.load(os.path.join(local_path, "model.npy"))
+        self.loads.append(local_path)
+
+
+class FakeRayPPOTrainer:
+    """The control flow of verl's RayPPOTrainer.fit(), with a fault in the data at ``fault_at``."""
+
+    def __init__(self, ckpt_dir, total_training_steps=60, save_freq=5, fault_at=30, fault_len=3, step_s=0.05):
+        self.config = SimpleNamespace(trainer=SimpleNamespace(default_local_dir=str(ckpt_dir), save_freq=save_freq,
+                                                              project_name="p", experiment_name="e",
+                                                              logger=["console"]))
+        self.total_training_steps = total_training_steps
+        self.actor_rollout_wg, self.critic_wg = WorkerGroup(), WorkerGroup()
+        self.use_critic = True
+        self.fault = range(fault_at, fault_at + fault_len)
+        self.step_s = step_s
+        self.batches_seen = 0
+        self.logged: list[tuple[int, dict]] = []
+
+    def _save_checkpoint(self):
+        folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        self.actor_rollout_wg.save_checkpoint(os.path.join(folder, "actor"), None, self.global_steps)
+        if self.use_critic:
+            self.critic_wg.save_checkpoint(os.path.join(folder, "critic"), None, self.global_steps)
+
+    def fit(self):
+        logger = Tracking(project_name="p", experiment_name="e", default_backend=["console"])
+        self.global_steps = 0
+        self.global_steps += 1
+        for _epoch in range(10):
+            for batch in range(10_000):
+                self.batches_seen += 1
+                is_last_step = self.global_steps >= self.total_training_steps
+                poisoned = self.batches_seen in self.fault
+                actor = self.actor_rollout_wg
+                actor.weights = actor.weights + (1e6 if poisoned else 0.01)  # a poisoned update blows the policy up
+                self.critic_wg.weights = self.critic_wg.weights + 0.01
+                drift = float(np.abs(actor.weights).max())
+                kl = np.float32(np.nan) if drift > 1e3 else np.float32(0.01 + 0.001 * np.sin(self.global_steps))
+                if self.config.trainer.save_freq > 0 and (
+                        is_last_step or self.global_steps % self.config.trainer.save_freq == 0):
+                    self._save_checkpoint()
+                metrics = {"actor/kl_loss": kl, "actor/pg_loss": torch.tensor(-0.02), "actor/entropy": np.float64(1.2),
+                           "actor/grad_norm": torch.tensor(0.5 + 0.01 * (batch % 3)),
+                           "critic/score/mean": np.float64(0.4 + 0.002 * self.global_steps),
+                           "response_length/mean": 312.0, "timing_s/gen": 0.8 + 0.01 * (batch % 5),
+                           "training/global_step": self.global_steps, "training/epoch": _epoch}
+                self.logged.append((self.global_steps, metrics))
+                logger.log(data=metrics, step=self.global_steps)
+                self.global_steps += 1
+                time.sleep(self.step_s)
+                if is_last_step:
+                    return
+
+
+def test_verl_backend_publishes_verl_metrics_and_rolls_the_trainer_back(kafka, tmp_path):
+    from trainguard.producers.integrations.verl import attach
+
+    worker = WorkerProcess(kafka, tmp_path).start()
+    run_id = f"verl-{uuid.uuid4().hex[:6]}"
+    trainer = FakeRayPPOTrainer(tmp_path / "ckpt", total_training_steps=60, fault_at=30)
+    try:
+        worker.wait_ready()
+        backend = attach(trainer, run_id, kafka, tracking_cls=Tracking, ready_timeout_s=10)
+        try:
+            trainer.fit()
+        finally:
+            backend.detach()
+        assert Tracking.__init__.__name__ == "__init__"  # detach restored verl's class
+
+        # The worker's rollback reached the trainer: actor and critic loaded from the newest
+        # checkpoint before the onset (step 25; the fault is at step 30), global_steps rewound.
+        assert backend.rollbacks == 1, backend.history
+        target = os.path.abspath(tmp_path / "ckpt" / "global_step_25")
+        assert trainer.actor_rollout_wg.loads == [os.path.join(target, "actor")]
+        assert trainer.critic_wg.loads == [os.path.join(target, "critic")]
+        steps = [s for s, _ in trainer.logged]
+        restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+        assert steps[restart] == 26 and 32 <= steps[restart - 1] <= 45, steps
+        assert steps[-1] == 60 and not np.isnan(trainer.logged[-1][1]["actor/kl_loss"])
+        assert np.abs(trainer.actor_rollout_wg.weights).max() < 1.0  # healthy policy at the end
+
+        events = TopicReader(kafka, kafka.topics.events)
+        events.wait_for(lambda e: e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE and e["event"] == "finished",
+                        timeout=15, what="finished")
+        ours = [e for e in events.seen if e["run_id"] == run_id]
+        events.close()
+        metrics = [e for e in ours if e["schema"] == ev.METRICS]
+        first = metrics[0]["metrics"]
+        # verl's keys as they are; numpy and torch scalars arrive as floats.
+        assert first["actor/pg_loss"] == pytest.approx(-0.02) and first["actor/grad_norm"] == pytest.approx(0.5)
+        assert {"actor/kl_loss", "critic/score/mean", "actor/entropy", "timing_s/gen"} <= set(first)
+        assert any(np.isnan(e["metrics"]["actor/kl_loss"]) for e in metrics)
+        ckpts = [e["step"] for e in ours if e["schema"] == ev.CHECKPOINT]
+        assert ckpts[:6] == [5, 10, 15, 20, 25, 30]
+        assert any(e["schema"] == ev.LIFECYCLE and e["event"] == "rolled_back" and e["step"] == 25 for e in ours)
+
+        acks = TopicReader(kafka, kafka.topics.acks)
+        ack = acks.wait_for(lambda e: e["run_id"] == run_id, timeout=10, what="the ack")
+        acks.close()
+        assert ack["status"] == "applied" and "global_step_25" in ack["detail"]
+    finally:
+        worker.kill()
+
+
+def test_verl_stop_raises_out_of_fit_and_is_acked(kafka):
+    from trainguard.producers.integrations.verl import StopTraining, VerlBackend
+
+    run_id = f"verl-stop-{uuid.uuid4().hex[:6]}"
+    trainer = FakeRayPPOTrainer("/nonexistent", total_training_steps=400, save_freq=0, fault_at=10_000, step_s=0.02)
+    backend = VerlBackend(run_id, kafka, trainer=trainer, ready_timeout_s=10)
+    tracking = Tracking("p", "e")
+    tracking.logger["trainguard"] = backend   # the documented manual wiring
+    now = time.time()
+    stop = {"schema": ev.COMMAND, "id": uuid.uuid4().hex[:16], "run_id": run_id, "action": "stop", "target": None,
+            "reason": [], "issued": now, "expires": now + 60, "detail": "test"}
+    with pytest.raises(StopTraining):
+        for step in range(1, 400):
+            tracking.log(data={"actor/kl_loss": np.float32(0.01)}, step=step)
+            if step == 5:
+                produce(kafka, kafka.topics.control, run_id, [ev.encode(stop)])
+            time.sleep(0.02)
+    assert 5 <= step < 200
+    acks = TopicReader(kafka, kafka.topics.acks)
+    ack = acks.wait_for(lambda e: e["run_id"] == run_id, timeout=10, what="the stop ack")
+    acks.close()
+    assert ack["status"] == "applied" and ack["command_id"] == stop["id"]
