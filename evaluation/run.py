@@ -76,6 +76,9 @@ def drive(sc: Scenario, rules=None) -> dict:
         sim.inject(sc.fault, at_step=sc.onset)
     engine = Engine(rules)
     tick = getattr(engine, "tick", None)
+    clock = [sim.ts]
+    if hasattr(engine, "clock"):  # "received at" is simulated time here, not the wall clock
+        engine.clock = lambda: clock[0]
     run, host = sc.name, sim.host
     trainer = ev.source("trainer", host, 0)
     node = ev.source("node", host)
@@ -97,11 +100,14 @@ def drive(sc: Scenario, rules=None) -> dict:
     while True:
         m = sim.step()
         now, step = sim.ts, sim.current_step
+        clock[0] = now
         if tick is not None:  # the clock of the worker: a tick every simulated second
             last = step - 1 if m is not None else step
             while next_tick <= now:
+                clock[0] = float(next_tick)
                 _firing(tick(float(next_tick)), next_tick, last, fired)
                 next_tick += 1
+            clock[0] = now
         if m is not None:
             steps_published += 1
             if sc.fault == "kl_drift":

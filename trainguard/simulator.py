@@ -51,7 +51,7 @@ FAULT_INFO = {
     "reward_std_high": "critic/score/std climbs 0.36 -> ~0.92 within 3 steps and stays above 0.8",
     "reward_variance_jump": "critic/score/std jumps 3x at once (0.36 -> ~1.08), mean unchanged",
     "gpu_memory_leak": "gpu/memory_used_gb on every GPU grows 80-115 MB/min steadily until ~79 of 80 GB",
-    "cpu_bottleneck": "system/cpu_pct ~97% sustained, GPU memory swings +-4.5 GB (>5%), GPU util ~60%, steps 1.4x",
+    "cpu_bottleneck": "system/cpu_pct ~97% sustained, GPU memory swings 2.5-6.5 GB either way (CV ~8%), GPU util ~60%, steps 1.4x",
     "data_loading_bottleneck": "rollout latency 1.8 -> 4.2 s, GPU util 88 -> 42%, actor forward 120 -> 80 ms, disk wait up",
     "dataflow_collapse": "reward_model/oom_count 1-3 per step, rollout/worker_crashes, buffer/size down 55-90%",
     "throughput_drop": "perf/throughput halves, timing_s/step doubles, GPU utilisation stays ~88%",
@@ -266,7 +266,7 @@ class SimulatedPPO:
             score_std = 3 * 0.36 * (1 + g(0, 0.05))
         if self._active("cpu_bottleneck"):
             cpu = min(100.0, 97.5 + g(0, 1.2))
-            mem_swing = self.rng.uniform(-4.5, 4.5)
+            mem_swing = self.rng.uniform(2.5, 6.5) * (1 if self.rng.random() < 0.5 else -1)
             gpu_util = max(0.0, g(60, 10))
             slow *= 1.4
         if self._active("data_loading_bottleneck"):
