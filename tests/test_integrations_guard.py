@@ -1,0 +1,158 @@
+"""The plain-PyTorch Guard's command protocol without a broker: a scripted listener feeds
+commands, a recording logger keeps what would be published. Covers rollback of real
+model+optimizer state, failed and rejected commands, pause until resume or expiry,
+checkpoint_now, stop, and that trainguard failures never raise into the loop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from trainguard.producers.integrations.torch_loop import Guard
+
+
+class ScriptedListener:
+    def __init__(self):
+        self.queue: list[list[dict]] = []   # one list per poll_all() call
+        self.acks: list[tuple[str, str, str]] = []
+
+    def poll_all(self):
+        return self.queue.pop(0) if self.queue else []
+
+    def ack(self, command, status, detail="", step=None):
+        self.acks.append((command["id"], status, detail))
+
+    def wait_ready(self, timeout=0):
+        return True
+
+    def close(self, timeout=0):
+        pass
+
+
+class RecordingLogger:
+    def __init__(self):
+        self.events: list[tuple] = []
+
+    def log(self, metrics, step, tags=None):
+        self.events.append(("metrics", step, dict(metrics)))
+        return True
+
+    def checkpoint_saved(self, step, path):
+        self.events.append(("checkpoint", step, path))
+        return True
+
+    def lifecycle(self, what, step=None, detail=None):
+        self.events.append(("lifecycle", what, step))
+        return True
+
+    def close(self, timeout=0):
+        return {}
+
+
+def cmd(action, id=None, target=None, expires_in=60.0, **extra):
+    now = time.time()
+    return {"id": id or action, "run_id": "r", "action": action, "target": target, "reason": [],
+            "issued": now, "expires": now + expires_in, **extra}
+
+
+@pytest.fixture
+def setup(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    listener, logger = ScriptedListener(), RecordingLogger()
+    guard = Guard("r", model, opt, tmp_path, checkpoint_every=5, logger=logger, listener=listener,
+                  poll_interval_s=0.01)
+    return guard, model, opt, listener, logger
+
+
+def train_step(model, opt):
+    loss = model(torch.ones(8, 4)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def test_rollback_restores_model_and_optimizer_and_reports(setup, tmp_path):
+    guard, model, opt, listener, logger = setup
+    for step in range(1, 6):
+        guard.log({"train/loss": train_step(model, opt)}, step)
+        guard.maybe_checkpoint(step)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    momentum = opt.state_dict()["state"][0]["momentum_buffer"].clone()
+    for _ in range(3):
+        train_step(model, opt)
+    assert not torch.equal(model.weight, saved["weight"])
+    listener.queue = [[cmd("rollback", target={"step": 5, "path": str(tmp_path / "checkpoint-5.pt")},
+                           skip_batches=4)]]
+    d = guard.step_boundary(8)
+    assert d.rolled_back and d.resume_step == 5 and d.skip_batches == 4 and not d.stop
+    assert torch.equal(model.weight, saved["weight"]) and torch.equal(model.bias, saved["bias"])
+    assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], momentum)
+    assert listener.acks[0][1] == "applied" and "skipping 4 batches" in listener.acks[0][2]
+    assert ("lifecycle", "rolled_back", 5) in logger.events
+    assert ("checkpoint", 5, str(tmp_path / "checkpoint-5.pt")) in logger.events
+
+
+def test_failures_are_acked_never_raised(setup, tmp_path):
+    guard, model, opt, listener, logger = setup
+    listener.queue = [[cmd("rollback", id="a", target={"step": 3, "path": str(tmp_path / "missing.pt")}),
+                       cmd("rollback", id="b", target=None), cmd("resume", id="c")]]
+    d = guard.step_boundary(4)
+    assert not d.rolled_back and d.errors
+    assert [(i, s) for i, s, _ in listener.acks] == [("a", "failed"), ("b", "rejected"), ("c", "applied")]
+    assert not any(e[:2] == ("lifecycle", "rolled_back") for e in logger.events)
+    # A broken listener or publisher does not stop the loop either.
+    listener.poll_all = lambda: 1 / 0
+    assert not guard.step_boundary(5).acted and guard.failures == 1
+    guard.checkpoint_dir = tmp_path / "file-not-dir.pt"
+    (tmp_path / "file-not-dir.pt").write_text("x")
+    assert guard.save_checkpoint(10) is None and guard.failures == 2
+
+
+def test_no_checkpoint_after_a_non_finite_step(setup, tmp_path):
+    guard, model, opt, listener, logger = setup
+    guard.log({"train/loss": float("nan")}, 5)
+    assert guard.maybe_checkpoint(5) is None
+    guard.log({"train/loss": torch.tensor(0.3)}, 10)
+    assert guard.maybe_checkpoint(10) == str(tmp_path / "checkpoint-10.pt")
+
+
+def test_pause_waits_for_resume_and_applies_commands_meanwhile(setup):
+    guard, model, opt, listener, logger = setup
+    listener.queue = [[cmd("pause", id="p")], [], [cmd("checkpoint_now", id="k")], [], [cmd("resume", id="r")]]
+    d = guard.step_boundary(7)
+    assert [(i, s) for i, s, _ in listener.acks] == [("p", "applied"), ("k", "applied"), ("r", "applied")]
+    assert d.checkpoint_now and d.extra["saved"].endswith("checkpoint-7.pt") and not d.stop
+    whats = [e[1] for e in logger.events if e[0] == "lifecycle"]
+    assert whats[-2:] == ["paused", "resumed"]
+
+
+def test_pause_ends_at_expiry_and_stop_ends_a_pause(setup):
+    guard, model, opt, listener, logger = setup
+    listener.queue = [[cmd("pause", id="p", expires_in=0.3)]]
+    started = time.monotonic()
+    d = guard.step_boundary(3)
+    assert 0.25 < time.monotonic() - started < 3 and not d.stop
+    guard.max_pause_s = 0.2  # and never longer than max_pause_s, whatever the command says
+    listener.queue = [[cmd("pause", id="p2", expires_in=3600)]]
+    started = time.monotonic()
+    guard.step_boundary(4)
+    assert time.monotonic() - started < 2
+    listener.queue = [[cmd("pause", id="p3")], [cmd("stop", id="s"), cmd("resume", id="r")]]
+    d = guard.step_boundary(5)
+    assert d.stop and listener.acks[-2:][0][:2] == ("s", "applied") and listener.acks[-1][:2] == ("r", "rejected")
+    assert ("lifecycle", "stopped", 5) in logger.events
+
+
+def test_importing_the_integrations_package_does_not_import_torch():
+    code = ("import sys, trainguard.producers, trainguard.producers.integrations as m; "
+            "from trainguard.producers.integrations import Decision, GuardBase; "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
