@@ -213,8 +213,10 @@ def _check_metrics(event: dict) -> None:
     converted = None
     for name, v in metrics.items():
         t = type(v)
-        if t is float or t is int:
+        if (t is float or t is int) and 0 < len(name) <= MAX_NAME_LEN:
             continue
+        if not name or len(name) > MAX_NAME_LEN:
+            raise _fail("metrics", f"metric names must be 1..{MAX_NAME_LEN} characters, got {name[:40]!r}")
         if t is str or v is None:
             if v in _NON_FINITE_IN:
                 if converted is None:
@@ -222,10 +224,8 @@ def _check_metrics(event: dict) -> None:
                 converted[name] = _NON_FINITE_IN[v]
                 continue
             raise _fail(f"metrics.{name}", f"must be a number, 'NaN', 'Infinity' or '-Infinity'; got {v!r}")
-        raise _fail(f"metrics.{name}", f"must be a number, got {t.__name__}")
-    for name in metrics:
-        if not name or len(name) > MAX_NAME_LEN:
-            raise _fail("metrics", f"metric names must be 1..{MAX_NAME_LEN} characters, got {name[:40]!r}")
+        if t is not float and t is not int:
+            raise _fail(f"metrics.{name}", f"must be a number, got {t.__name__}")
     if converted:
         metrics.update(converted)
 

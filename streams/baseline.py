@@ -30,7 +30,7 @@ import orjson
 
 class BaselineBlock:
     __slots__ = ("names", "index", "window", "k", "clip", "buf", "count", "s1", "s2", "shift",
-                 "_last_key", "_last_rows")
+                 "_last_key", "_last_rows", "all_rows", "_flat_base", "_half", "_any_clip")
 
     def __init__(self) -> None:
         self.names: list[str] = []
@@ -45,6 +45,15 @@ class BaselineBlock:
         self.shift = np.full(0, np.nan)
         self._last_key: tuple | None = None
         self._last_rows: np.ndarray | None = None
+        self._derive()
+
+    def _derive(self) -> None:
+        """Arrays that only change when rows are added: the fast path reads them as they are."""
+        m = len(self.names)
+        self.all_rows = np.arange(m, dtype=np.int64)  # ``rows()`` returns this very object for a full event
+        self._flat_base = self.all_rows * (self.buf.shape[1] if self.buf.ndim == 2 else 0)
+        self._half = self.window // 2
+        self._any_clip = bool(self.clip.any())
 
     def __len__(self) -> int:
         return len(self.names)
@@ -60,7 +69,10 @@ class BaselineBlock:
         new = [n for n in key if n not in index]
         if new:
             self._grow(new, params)
-        rows = np.fromiter((index[n] for n in key), np.int64, len(key))
+        if len(key) == len(self.names) and all(index[n] == i for i, n in enumerate(key)):
+            rows = self.all_rows
+        else:
+            rows = np.fromiter((index[n] for n in key), np.int64, len(key))
         self._last_key, self._last_rows = key, rows
         return rows
 
@@ -81,6 +93,7 @@ class BaselineBlock:
         self.s1 = np.concatenate([self.s1, np.zeros(add)])
         self.s2 = np.concatenate([self.s2, np.zeros(add)])
         self.shift = np.concatenate([self.shift, np.full(add, np.nan)])
+        self._derive()
 
     # -- samples ----------------------------------------------------------------------
 
@@ -92,6 +105,8 @@ class BaselineBlock:
         ``rows``; for non-finite samples the statistics are those of the untouched window.
         """
         finite = np.isfinite(x)
+        if rows is self.all_rows and finite.all() and self.count.all():
+            return self._update_all(x, finite)
         if not finite.all():
             rows_f, x_f = rows[finite], x[finite]
         else:
@@ -134,6 +149,40 @@ class BaselineBlock:
             anomalous = ready & finite & ((x < lower) | (x > upper))
         return anomalous, finite, mean, std, lower, upper, ready
 
+    def _update_all(self, x: np.ndarray, finite: np.ndarray):
+        """The common case, the same as ``update``: every metric of the block, all finite, all
+        seen before. Whole-array operations, no fancy indexing of rows: the hot path."""
+        window, count, s1, s2 = self.window, self.count, self.s1, self.s2
+        pos = count % window
+        flat = self._flat_base + pos
+        buf = self.buf.reshape(-1)
+        old = buf[flat]
+        old *= count >= window
+        xs = x - self.shift
+        s1 += xs - old
+        s2 += xs * xs - old * old
+        buf[flat] = xs
+        count += 1
+        if (pos == window - 1).any():  # once per window: exact sums, no drift
+            cycle = np.flatnonzero(pos == window - 1)
+            b = self.buf[cycle]
+            s1[cycle] = b.sum(axis=1)
+            s2[cycle] = (b * b).sum(axis=1)
+        n = np.minimum(count, window)
+        mean_s = s1 / n
+        var = s2 / n - mean_s * mean_s
+        np.maximum(var, 0.0, out=var)
+        std = np.sqrt(var)
+        mean = mean_s + self.shift
+        half = self.k * std
+        lower = mean - half
+        if self._any_clip:
+            np.maximum(lower, 0.0, out=lower, where=self.clip)
+        upper = mean + half
+        ready = n >= self._half
+        anomalous = ((x < lower) | (x > upper)) & ready
+        return anomalous, finite, mean, std, lower, upper, ready
+
     def reset(self) -> None:
         """Forget every window (after a rollback the run is no longer what the windows saw)."""
         self.buf[:] = 0.0
@@ -174,6 +223,7 @@ class BaselineBlock:
         block.buf = np.frombuffer(base64.b64decode(d["buf"]), float).copy().reshape(m, width)
         block.s1 = block.buf.sum(axis=1)
         block.s2 = (block.buf * block.buf).sum(axis=1)
+        block._derive()
         return block
 
     def dumps(self) -> bytes:

@@ -174,6 +174,7 @@ class Engine:
         self.skipped_replays = 0
         self._params_cache: dict[str, tuple[int, float, bool]] = {}
         self.clock = time.time  # when an event was received; replays and evaluations set their own
+        self._cross_rules = [r for r in rules.rules if r.kind == "cross_rank"]
         # Callables given every decoded event that is applied (not replays), before detection:
         # e.g. the worker's Prometheus exporter. Empty by default; keep them cheap.
         self.on_event: list = []
@@ -422,17 +423,19 @@ class Engine:
                                 holding, outputs, critical)
 
         # Episodes that no longer hold are resolved; streaks that broke start again.
-        present = set(rows.tolist())
-        for slot in [s for s in state.streaks if s not in holding and s[1] in present]:
-            del state.streaks[slot]
-        for slot in [s for s in state.firing if s not in holding and s[1] in present]:
-            opened = state.firing.pop(slot)
-            value = float(metrics.get(opened["metric"], math.nan))
-            self._add(outputs, self._resolve(run, opened, event, value=_json_value(value)))
+        if state.streaks:
+            present = set(rows.tolist())
+            for slot in [s for s in state.streaks if s not in holding and s[1] in present]:
+                del state.streaks[slot]
+            for slot in [s for s in state.firing if s not in holding and s[1] in present]:
+                opened = state.firing.pop(slot)
+                value = float(metrics.get(opened["metric"], math.nan))
+                self._add(outputs, self._resolve(run, opened, event, value=_json_value(value)))
 
-        if src["kind"] in self.rules.policy["step_sources"] and src.get("rank") is not None:
+        if self._cross_rules and src.get("rank") is not None and src["kind"] in self.rules.policy["step_sources"]:
             self._cross_rank(run, run_id, event, outputs)
-        self._incidents(run, run_id, event, outputs, critical)
+        if self.rules.incidents and (run.active or run.incidents):
+            self._incidents(run, run_id, event, outputs, critical)
 
         if src["kind"] in self.rules.policy["step_sources"]:
             decision = policy.on_step(run.breaker, self.rules.policy, run_id=run_id, step=event["step"],
@@ -472,9 +475,7 @@ class Engine:
     def _cross_rank(self, run: RunState, run_id: str, event: dict, outputs: list) -> None:
         """Stragglers: one rank far from its peers at the same step."""
         rank, step = str(event["source"]["rank"]), event["step"]
-        for ri, rule in enumerate(self.rules.rules):
-            if rule.kind != "cross_rank":
-                continue
+        for rule in self._cross_rules:
             for metric, value in event["metrics"].items():
                 if not rule.metrics.match(metric) or not math.isfinite(value):
                     continue
