@@ -70,7 +70,7 @@ class ConsoleSink(Sink):
             bounds = f" window [{_value(ev['lower'])}, {_value(ev['upper'])}]"
         line = (f"{_clock(alert.get('ts'))} {head} {self._c(_BOLD, alert['rule'])} run={alert['run_id']} "
                 f"step={alert.get('step')} {alert.get('metric', '')}={_value(alert.get('value'))}{bounds}"
-                f" {self._c(_DIM, alert.get('diagnosis', ''))}")
+                f" {self._c(_DIM, alert.get('resolution') or alert.get('diagnosis', ''))}")
         if self.detail:
             line += "\n    " + orjson.dumps(alert, option=orjson.OPT_INDENT_2).decode().replace("\n", "\n    ")
         return line

@@ -123,6 +123,10 @@ def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str |
     jsonl_path = jsonl_path or env.get("TRAINGUARD_ALERTS_JSONL")
     if jsonl_path:
         sinks.append(JsonlSink(jsonl_path))
+    if env.get("TRAINGUARD_REPORTS_DIR"):
+        from trainguard.sinks.reports import ReportSink
+
+        sinks.append(ReportSink(env["TRAINGUARD_REPORTS_DIR"]))
 
     templates = Templates(env.get("TRAINGUARD_TEMPLATES_DIR") or None)
     outbox_dir = env.get("TRAINGUARD_OUTBOX_DIR")

@@ -292,6 +292,8 @@ class WebhookSink(Sink):
                     continue
                 if self.severities and event.get("severity") not in self.severities:
                     continue
+                if event.get("inhibited_by"):  # an open P0 incident already pages for this one
+                    continue
                 added |= self.outbox.add(event)
             if added:
                 self.outbox.save()

@@ -159,6 +159,7 @@ def main(args) -> int:
     from trainguard.broker import BrokerError, EmbeddedBroker
     from trainguard.sinks.console import ConsoleSink
     from trainguard.sinks.jsonl import JsonlSink
+    from trainguard.sinks.reports import ReportSink
 
     started = time.time()
     out_dir = Path(args.jsonl).parent
@@ -181,7 +182,8 @@ def main(args) -> int:
         print(f"demo: broker at {settings.bootstrap}; run {run_id}; fault {args.fault} at step {args.fault_step}",
               flush=True)
         worker = _start_worker(settings.bootstrap, out_dir / "demo-worker.log")
-        watcher = Watcher(settings, run_id, [ConsoleSink(), JsonlSink(args.jsonl)])
+        reports = ReportSink(out_dir / "reports")
+        watcher = Watcher(settings, run_id, [ConsoleSink(), JsonlSink(args.jsonl), reports])
         watcher.start()
         watcher.ready.wait(15)
         result = run_trainer(settings, run_id, fault=args.fault, fault_step=args.fault_step, steps=args.steps,
@@ -208,7 +210,8 @@ def main(args) -> int:
                "steps_after_rollback": result["steps_after_rollback"], "seconds": round(time.time() - started, 1)}
     print(f"\ndemo summary: {summary['alerts']} alerts, commands {summary['commands']}, acks {summary['acks']}, "
           f"{result['rollbacks']} rollback(s), {summary['steps_after_rollback']} healthy steps after the rollback, "
-          f"{summary['seconds']} s. Alerts, commands and acks are in {args.jsonl}.")
+          f"{summary['seconds']} s. Alerts, commands and acks are in {args.jsonl}; diagnosis reports in "
+          f"{out_dir / 'reports' / run_id}.")
     print(orjson.dumps(summary).decode(), flush=True)
     ok = watcher.alerts > 0 and "rollback" in watcher.commands and watcher.acks.get("applied", 0) > 0 \
         and result["steps_after_rollback"] > 20
