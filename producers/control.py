@@ -154,7 +154,8 @@ class ControlListener:
             self._reject(command, f"expired at {command['expires']:.3f}")
             return None
         if not self._remember_id("id:" + command["id"]):
-            log.info("trainguard: duplicate delivery of command %s ignored", command["id"])
+            # A second delivery (or a captured command sent again): never applied twice.
+            self._reject(command, "replayed: this command was already received (applied at most once)")
             return None
         nonce = command.get("nonce")
         if nonce and not self._remember_id("nonce:" + nonce):

@@ -1,0 +1,141 @@
+"""The trainer side: never blocks, never raises, one event per step; commands checked
+before the loop sees them and acknowledged (integration, real broker)."""
+
+import math
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import orjson
+import pytest
+
+from trainguard.broker import free_port
+from trainguard.kafka import KafkaSettings, partition_for
+from trainguard.producers.control import ControlListener
+from trainguard.producers.publisher import Publisher
+from trainguard.producers.trainer import TrainerLogger
+from trainguard.schemas import events as ev
+from trainguard.schemas.signing import SigningKey, sign
+from tests.integration import TopicReader
+
+KEY = SigningKey("ops", b"a-long-shared-secret")
+
+
+def test_the_trainer_side_imports_without_the_worker_dependencies():
+    """A training environment installs confluent-kafka and orjson only."""
+    code = ("import sys\n"
+            "for m in ('numpy', 'scipy', 'faust', 'yaml', 'aiokafka', 'psutil', 'pynvml'): sys.modules[m] = None\n"
+            "import trainguard.producers.trainer, trainguard.producers.control, trainguard.schemas\n"
+            "import trainguard.producers.integrations\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.integration
+def test_one_event_per_step_and_the_seed_api_groups_values(kafka):
+    logger = TrainerLogger("prod-1", kafka, host="h")
+    logger.log({"actor/kl_loss": 0.01, "critic/score/mean": 0.4, "note": "not a metric"}, step=1)
+    logger.log_metric("rollout/latency_ms", 812.0, tags={"phase": "rollout"}, step=2)
+    logger.log_metric("actor/pg_loss", math.nan, step=2)
+    logger.log_metric("actor/kl_loss", 0.02, step=3)  # a new step sends step 2 as one event
+    logger.checkpoint_saved(3, "/ckpt/3")
+    stats = logger.close()
+    assert stats["dropped"] == 0 and stats["skipped_values"] == 1
+    reader = TopicReader(kafka, kafka.topics.events)
+    ckpt = reader.wait_for(lambda e: e["schema"] == ev.CHECKPOINT, what="the checkpoint event")
+    assert ckpt["path"] == "/ckpt/3"
+    steps = [e for e in reader.seen if e["schema"] == ev.METRICS]
+    assert [e["step"] for e in steps] == [1, 2, 3]
+    assert set(steps[1]["metrics"]) == {"rollout/latency_ms", "actor/pg_loss"}
+    assert math.isnan(steps[1]["metrics"]["actor/pg_loss"]) and steps[1]["tags"] == {"phase": "rollout"}
+    msg_partitions = {partition_for("prod-1", kafka.partitions)}
+    assert len(msg_partitions) == 1
+
+
+def test_log_never_blocks_or_raises_when_the_broker_is_down():
+    down = KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}")
+    logger = TrainerLogger("down-1", down, publisher=Publisher(down, queue_max=100))
+    metrics = {f"actor/m{i}": float(i) for i in range(50)}
+    started = time.perf_counter()
+    results = [logger.log(metrics, step) for step in range(1000)]
+    elapsed = time.perf_counter() - started
+    assert results.count(False) == 900 and logger.publisher.dropped == 900  # the bounded queue held 100
+    assert elapsed < 5.0  # generous: it never waited on a broker that is not there
+    stats = logger.close(timeout=0.5, quiet=True)
+    assert stats["undelivered_at_close"] == 100
+
+
+def _command(run_id, action="stop", expires_in=300.0, **extra):
+    now = time.time()
+    return {"schema": "command/1", "id": uuid.uuid4().hex[:12], "run_id": run_id, "action": action,
+            "target": None, "reason": [], "issued": min(now, now + expires_in - 300), "expires": now + expires_in,
+            **extra}
+
+
+def _publish(settings, run_id, commands):
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": settings.bootstrap})
+    for c in commands:
+        p.produce(settings.topics.control, c if isinstance(c, bytes) else orjson.dumps(c), run_id,
+                  partition=partition_for(run_id, settings.partitions))
+    assert p.flush(10) == 0
+
+
+@pytest.mark.integration
+def test_forged_unsigned_expired_and_replayed_commands_are_rejected_and_acked_with_the_reason(kafka):
+    run_id = "sec-1"
+    with ControlListener(run_id, kafka, keys={"ops": KEY}) as listener:
+        assert listener.wait_ready(10)
+        good = sign(_command(run_id, "rollback", target={"step": 20, "path": "/ckpt/20"}), KEY)
+        forged = {**sign(_command(run_id), KEY)}
+        forged["action"] = "rollback"                                 # changed after signing
+        wrong_key = sign(_command(run_id), SigningKey("ops", b"guessed"))
+        unsigned = _command(run_id)
+        expired = sign(_command(run_id, expires_in=-10), KEY)
+        altered_id = {**good, "id": "another-id"}                     # a captured command under a new id
+        other_run = sign(_command("someone-else"), KEY)
+        _publish(kafka, run_id, [good, good, forged, wrong_key, unsigned, expired, altered_id, other_run,
+                                 b"not json at all"])
+        applied = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and listener.received < 8:
+            listener.dispatch(lambda c: applied.append(c["id"]) or "done")
+            time.sleep(0.05)
+        listener.dispatch(lambda c: applied.append(c["id"]) or "done")
+    assert applied == [good["id"]], "delivered twice, applied once; nothing else applied"
+    acks = TopicReader(kafka, kafka.topics.acks)
+    acks.wait_for(lambda a: a["command_id"] == altered_id["id"], what="the ack of the altered copy")
+    acks.wait_for(lambda a: a["command_id"] == good["id"] and a["status"] == "applied", what="the applied ack")
+    by_id = {}
+    for a in acks.seen:
+        by_id.setdefault(a["command_id"], []).append(a)
+    # Delivered twice: applied once, and the second delivery refused as a replay.
+    assert sorted(a["status"] for a in by_id[good["id"]]) == ["applied", "rejected"]
+    assert "replayed" in next(a for a in by_id[good["id"]] if a["status"] == "rejected")["detail"]
+    assert "bad signature" in by_id[forged["id"]][0]["detail"]
+    assert "bad signature" in by_id[wrong_key["id"]][0]["detail"]
+    assert by_id[unsigned["id"]][0]["detail"] == "unsigned command"
+    assert "expired" in by_id[expired["id"]][0]["detail"]
+    assert "bad signature" in by_id[altered_id["id"]][0]["detail"]
+    assert all(a["status"] == "rejected" for cid, acks_ in by_id.items() if cid != good["id"] for a in acks_)
+    assert other_run["id"] not in by_id, "another run's command is not ours to answer"
+
+
+@pytest.mark.integration
+def test_a_command_that_expires_before_a_step_boundary_is_rejected(kafka):
+    clock = [time.time()]
+    with ControlListener("slow-1", kafka, keys={}, clock=lambda: clock[0]) as listener:
+        assert listener.wait_ready(10)
+        command = _command("slow-1", expires_in=5)
+        _publish(kafka, "slow-1", [command])
+        deadline = time.monotonic() + 10
+        while listener.received < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        clock[0] += 60  # the loop was busy in a long step
+        assert listener.poll() is None
+    acks = TopicReader(kafka, kafka.topics.acks)
+    ack = acks.wait_for(lambda a: a["command_id"] == command["id"], what="the rejection")
+    assert ack["status"] == "rejected" and "step boundary" in ack["detail"]
