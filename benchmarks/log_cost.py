@@ -1,0 +1,97 @@
+"""Figure 4: what ``TrainerLogger.log()`` costs the training loop, broker up and broker down.
+
+Each call logs one 50-metric step; every call is timed with ``perf_counter_ns``. With the
+broker down (bootstrap on a closed port) the run is long enough to fill librdkafka's queue
+(``queue.buffering.max.messages``), so the calls after that take the drop path; their own
+percentiles are reported too. The reference is librdkafka's own ``produce()`` of the same
+step already encoded: what any Kafka trainer-side client pays at least.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from trainguard.broker import free_port
+from trainguard.kafka import KafkaSettings, Topics
+from trainguard.producers.publisher import Publisher
+from trainguard.producers.trainer import TrainerLogger
+from workload import Steps, fresh_settings
+
+
+def _timed(logger: TrainerLogger, steps: Steps, calls: int) -> tuple[np.ndarray, np.ndarray]:
+    ns = np.empty(calls, np.int64)
+    ok = np.empty(calls, bool)
+    clock = time.perf_counter_ns
+    log = logger.log
+    for i in range(calls):
+        metrics = steps.trainer(i)
+        t = clock()
+        ok[i] = log(metrics, i)
+        ns[i] = clock() - t
+    return ns / 1000.0, ok
+
+
+def _raw_produce(settings, steps: Steps, calls: int) -> np.ndarray:
+    """The floor: librdkafka's ``produce()`` of an already encoded 50-metric step (same
+    producer settings as the trainer's :class:`Publisher`)."""
+    from trainguard.schemas import events as ev
+
+    pub = Publisher(settings)
+    producer, topic = pub._producer, settings.topics.events
+    src = ev.source("trainer", "bench", 0)
+    values = [ev.encode(ev.metrics_event("bench-raw", i, steps.trainer(i), src=src)) for i in range(calls)]
+    ns = np.empty(calls, np.int64)
+    clock = time.perf_counter_ns
+    for i, v in enumerate(values):
+        t = clock()
+        producer.produce(topic, v, b"bench-raw")
+        ns[i] = clock() - t
+        producer.poll(0)
+    pub.flush(10)
+    return ns / 1000.0
+
+
+def _stats(us: np.ndarray) -> dict:
+    if not len(us):
+        return {"p50": float("nan"), "p99": float("nan"), "calls": 0}
+    return {"p50": float(np.percentile(us, 50)), "p99": float(np.percentile(us, 99)),
+            "max": float(us.max()), "calls": int(len(us))}
+
+
+def run(bootstrap: str, steps: Steps, quick: bool = False) -> dict:
+    calls_up = 20_000
+    # The default queue holds 100k events; in --quick a 10k queue fills sooner (same code path).
+    queue_max = 10_000 if quick else 100_000
+    calls_down = 20_000 if quick else 120_000
+
+    settings = fresh_settings(bootstrap, 4, "log")
+    up = TrainerLogger("bench-log-up", settings, host="bench")
+    _timed(up, steps, 500)  # warm-up: connection, metadata
+    us_up, ok_up = _timed(up, steps, calls_up)
+    up.close(10, quiet=True)
+
+    down_settings = KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}", partitions=4,
+                                  topics=Topics.with_prefix("benchlogdown"))
+    logging.getLogger("trainguard.producer").setLevel(logging.ERROR)  # "broker down" once, not per retry
+    down = TrainerLogger("bench-log-down", down_settings, host="bench",
+                         publisher=Publisher(down_settings, queue_max=queue_max))
+    us_down, ok_down = _timed(down, steps, calls_down)
+    dropped = int((~ok_down).sum())
+    down.close(0.1, quiet=True)
+
+    raw_s = _stats(_raw_produce(settings, steps, calls_up))
+    up_s, down_s = _stats(us_up), _stats(us_down)
+    return {
+        "log_p50_us_broker_up": up_s["p50"], "log_p99_us_broker_up": up_s["p99"],
+        "log_p50_us_broker_down": down_s["p50"], "log_p99_us_broker_down": down_s["p99"],
+        "raw_produce_p50_us": raw_s["p50"], "raw_produce_p99_us": raw_s["p99"],
+        "log_calls_broker_up": up_s["calls"], "log_calls_broker_down": down_s["calls"],
+        "log_not_queued_broker_up": int((~ok_up).sum()),
+        "log_dropped_broker_down": dropped,
+        "log_p99_us_queued_broker_down": _stats(us_down[ok_down])["p99"],
+        "log_p99_us_drop_path": _stats(us_down[~ok_down])["p99"],
+        "log_queue_max_broker_down": queue_max,
+    }

@@ -1,0 +1,262 @@
+"""``make bench``: every performance figure measured side by side with its reference, in one run.
+
+    .venv/bin/python benchmarks/run.py            # the full run (about 5 minutes on 2 cores)
+    .venv/bin/python benchmarks/run.py --quick    # smaller sizes (about 90 s)
+    .venv/bin/python benchmarks/run.py --only detector,log
+
+Prints one table (our number, the reference measured in the same run, the ratio, the target)
+and, as its last line, one JSON object with every figure. Progress goes to stderr, child
+logs to out/bench/. Everything started (the embedded broker, workers, consumers) is stopped
+at the end, on Ctrl-C and on SIGTERM. See docs/performance.md for the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import workload  # noqa: E402
+from workload import CLEANUP, ROOT, Steps, encoded_events, fresh_settings, prefill, progress  # noqa: E402
+
+FIGURES = ("detector", "log", "memory", "throughput", "latency", "scaling")
+KEYS = ("detector_speedup", "worker_samples_per_s", "worker_events_ratio_vs_bare_faust",
+        "worker_events_ratio_vs_aiokafka", "alert_latency_p99_ms", "command_latency_p99_ms",
+        "log_p99_us_broker_up", "log_p99_us_broker_down", "bytes_per_series", "two_worker_speedup")
+
+
+def _median_runs(fn, repeats: int) -> dict:
+    runs = [fn(i) for i in range(repeats)]
+    out = {k: statistics.median(r[k] for r in runs) for k in ("events_per_s", "samples_per_s", "events", "seconds")}
+    out["runs_events_per_s"] = [round(r["events_per_s"]) for r in runs]
+    out["split"] = runs[-1]["split"]
+    return out
+
+
+def throughput(bootstrap: str, steps: Steps, quick: bool, log_dir: Path) -> dict:
+    from throughput import consume
+
+    n = 20_000 if quick else 100_000
+    repeats = 1 if quick else 3
+    cap_bare, cap_worker = (5.0, 8.0) if quick else (12.0, 20.0)
+    events = encoded_events(steps, n, 16)
+    settings = fresh_settings(bootstrap, 4, "tp")
+    progress(f"throughput: pre-filling {n} events (4 partitions)")
+    secs = prefill(settings, events)
+    progress(f"  {n / secs:.0f} events/s produced; aiokafka x{repeats}")
+    raw = _median_runs(lambda i: consume("aiokafka", settings, n, log_dir), repeats)
+    progress(f"  aiokafka {raw['events_per_s']:.0f} events/s; bare Faust x{repeats}")
+    bare = _median_runs(lambda i: consume("bare", settings, n, log_dir, measure_s=cap_bare), repeats)
+    progress(f"  bare Faust {bare['events_per_s']:.0f} events/s; trainguard worker x{repeats}")
+    worker = _median_runs(lambda i: consume("trainguard", settings, n, log_dir, measure_s=cap_worker), repeats)
+    progress(f"  worker {worker['events_per_s']:.0f} events/s")
+    return {
+        "worker_events_per_s": worker["events_per_s"], "worker_samples_per_s": worker["samples_per_s"],
+        "bare_faust_events_per_s": bare["events_per_s"], "bare_faust_samples_per_s": bare["samples_per_s"],
+        "aiokafka_events_per_s": raw["events_per_s"], "aiokafka_samples_per_s": raw["samples_per_s"],
+        "worker_events_ratio_vs_bare_faust": worker["events_per_s"] / bare["events_per_s"],
+        "worker_events_ratio_vs_aiokafka": worker["events_per_s"] / raw["events_per_s"],
+        "worker_runs_events_per_s": worker["runs_events_per_s"], "bare_runs_events_per_s": bare["runs_events_per_s"],
+        "aiokafka_runs_events_per_s": raw["runs_events_per_s"],
+        "worker_events_measured": worker["events"], "bare_events_measured": bare["events"],
+        "samples_per_event": n and worker["samples_per_s"] / worker["events_per_s"],
+    }
+
+
+def scaling(bootstrap: str, steps: Steps, quick: bool, log_dir: Path) -> dict:
+    from throughput import consume
+
+    n = 30_000 if quick else 100_000
+    cap = 8.0 if quick else 15.0
+    repeats = 1 if quick else 2
+    events = encoded_events(steps, n, 32, prefix="scale")
+    settings = fresh_settings(bootstrap, 8, "sc")
+    progress(f"scaling: pre-filling {n} events (8 partitions, 32 runs)")
+    prefill(settings, events)
+    one, two = [], []
+    for i in range(repeats):  # interleaved, so that both see the same background load
+        progress(f"  one worker (run {i + 1}/{repeats})")
+        one.append(consume("trainguard", settings, n, log_dir, members=1, measure_s=cap))
+        progress(f"  two workers, one group (run {i + 1}/{repeats})")
+        two.append(consume("trainguard", settings, n, log_dir, members=2, measure_s=cap))
+    e1 = statistics.median(r["events_per_s"] for r in one)
+    e2 = statistics.median(r["events_per_s"] for r in two)
+    return {"one_worker_events_per_s": e1, "two_workers_events_per_s": e2, "two_worker_speedup": e2 / e1,
+            "two_workers_split": two[-1]["split"], "two_workers_members_used": min(r["members_used"] for r in two)}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(v, unit: str = "") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    if abs(v) >= 1e5:
+        s = f"{v / 1e3:,.0f}k"
+    elif abs(v) >= 100:
+        s = f"{v:,.0f}"
+    elif abs(v) >= 10:
+        s = f"{v:.1f}"
+    else:
+        s = f"{v:.2f}"
+    return s + unit
+
+
+def rows(r: dict) -> list[tuple]:
+    """(figure, ours, reference name, reference, ratio, target text, pass)."""
+    out = []
+    g = r.get
+    if "detector_speedup" in r:
+        out.append(("detector cost / sample (BaselineBlock, 50-metric event)",
+                    _fmt(g("baseline_block_us_per_sample"), " us"), "seed AdaptiveThreshold",
+                    _fmt(g("seed_us_per_sample"), " us"), f"{g('detector_speedup'):.0f}x faster",
+                    ">= 50x", g("detector_speedup") >= 50))
+        out.append(("detector cost / sample (RollingZ, scalar)", _fmt(g("rolling_z_us_per_sample"), " us"),
+                    "seed AdaptiveThreshold", _fmt(g("seed_us_per_sample"), " us"),
+                    f"{g('rolling_z_speedup'):.0f}x faster", "-", None))
+    if "worker_samples_per_s" in r:
+        out.append(("worker metric samples/s (4 partitions)", _fmt(g("worker_samples_per_s")),
+                    "bare Faust agent", _fmt(g("bare_faust_samples_per_s")),
+                    f"{g('worker_samples_per_s') / g('bare_faust_samples_per_s'):.2f}", ">= 250k/s",
+                    g("worker_samples_per_s") >= 250_000))
+        out.append(("worker events/s", _fmt(g("worker_events_per_s")), "bare Faust agent",
+                    _fmt(g("bare_faust_events_per_s")), f"{g('worker_events_ratio_vs_bare_faust'):.2f}",
+                    ">= 0.80", g("worker_events_ratio_vs_bare_faust") >= 0.8))
+        out.append(("worker events/s", _fmt(g("worker_events_per_s")), "aiokafka + orjson loop",
+                    _fmt(g("aiokafka_events_per_s")), f"{g('worker_events_ratio_vs_aiokafka'):.3f}", "-", None))
+    if "alert_latency_p99_ms" in r:
+        tr = g("transport_latency_p99_ms")
+        out.append((f"produce -> alert p99 (p50 {_fmt(g('alert_latency_p50_ms'))}) at "
+                    f"{_fmt(g('latency_load_events_per_s'))} ev/s", _fmt(g("alert_latency_p99_ms"), " ms"),
+                    "broker round trip p99", _fmt(tr, " ms"),
+                    f"{g('alert_latency_p99_ms') / tr:.0f}x" if tr else "n/a", "<= 200 ms",
+                    g("alert_latency_p99_ms") <= 200))
+        out.append((f"breaker -> trainer p99 (p50 {_fmt(g('command_latency_p50_ms'))}, "
+                    f"{g('commands_measured')} runs)", _fmt(g("command_latency_p99_ms"), " ms"),
+                    "broker round trip p99", _fmt(tr, " ms"),
+                    f"{g('command_latency_p99_ms') / tr:.0f}x" if tr else "n/a", "<= 500 ms",
+                    g("command_latency_p99_ms") <= 500))
+    if "log_p99_us_broker_up" in r:
+        raw = g("raw_produce_p99_us")
+        out.append((f"log() p99, 50 metrics, broker up (p50 {_fmt(g('log_p50_us_broker_up'))})",
+                    _fmt(g("log_p99_us_broker_up"), " us"), "librdkafka produce() p99", _fmt(raw, " us"),
+                    f"{g('log_p99_us_broker_up') / raw:.1f}", "<= 20 us", g("log_p99_us_broker_up") <= 20))
+        out.append((f"log() p99, broker down, queue full after {g('log_queue_max_broker_down')} "
+                    f"(p50 {_fmt(g('log_p50_us_broker_down'))})",
+                    _fmt(g("log_p99_us_broker_down"), " us"), "log() p99 broker up",
+                    _fmt(g("log_p99_us_broker_up"), " us"),
+                    f"{g('log_p99_us_broker_down') / g('log_p99_us_broker_up'):.2f}", "<= 20 us",
+                    g("log_p99_us_broker_down") <= 20))
+    if "bytes_per_series" in r:
+        out.append((f"memory / series ({g('series'):,} series)", _fmt(g("bytes_per_series"), " B"),
+                    "seed AdaptiveThreshold", _fmt(g("seed_bytes_per_series"), " B"),
+                    f"{g('bytes_per_series') / g('seed_bytes_per_series'):.2f}", "<= 2048 B",
+                    g("bytes_per_series") <= 2048))
+    if "two_worker_speedup" in r:
+        out.append(("two workers, one group (8 partitions), events/s", _fmt(g("two_workers_events_per_s")),
+                    "one worker", _fmt(g("one_worker_events_per_s")), f"{g('two_worker_speedup'):.2f}x",
+                    ">= 1.7x", g("two_worker_speedup") >= 1.7))
+    return out
+
+
+def table(r: dict) -> str:
+    header = ("figure", "ours", "reference (same run)", "ref value", "ratio", "target", "")
+    body = [(a, b, c, d, e, f, "-" if ok is None else ("pass" if ok else "MISS")) for a, b, c, d, e, f, ok in rows(r)]
+    widths = [max(len(str(x[i])) for x in [header, *body]) for i in range(len(header))]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(b) for b in body)])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, one run each (about 90 s)")
+    ap.add_argument("--only", default="", help=f"comma-separated figures: {','.join(FIGURES)}")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="load for the latency figure in events/s (default: half the measured worker rate)")
+    args = ap.parse_args(argv)
+    only = [f for f in args.only.split(",") if f] or list(FIGURES)
+    unknown = set(only) - set(FIGURES)
+    if unknown:
+        ap.error(f"unknown figures: {', '.join(sorted(unknown))}")
+    workload.install_signal_handlers()
+    log_dir = ROOT / "out" / "bench"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    started = time.time()
+    status = 0
+    broker = None
+
+    def figure(name: str, fn) -> None:
+        nonlocal status
+        if name not in only:
+            return
+        try:
+            results.update(fn())
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # one broken figure must not cost the others
+            progress(f"{name}: FAILED: {type(exc).__name__}: {exc}")
+            results.setdefault("failed", []).append(name)
+            status = 1
+
+    def detector():
+        import detector_cost
+
+        progress("detector cost per sample")
+        return detector_cost.run(args.quick)
+
+    def log():
+        import log_cost
+
+        progress("trainer log() cost, broker up and down")
+        return log_cost.run(broker.bootstrap, steps, args.quick)
+
+    def mem():
+        import memory
+
+        progress("memory per series")
+        return memory.run(steps, args.quick)
+
+    def lat():
+        import latency
+
+        rate = args.rate or 0.5 * results.get("worker_events_per_s", 0) or 200.0
+        progress("end-to-end latency")
+        return latency.run(broker.bootstrap, steps, rate, log_dir, args.quick)
+
+    try:
+        steps = Steps()
+        figure("detector", detector)
+        if {"log", "throughput", "latency", "scaling"} & set(only):
+            broker = workload.start_broker(4, log_dir)
+        figure("log", log)
+        figure("memory", mem)
+        figure("throughput", lambda: throughput(broker.bootstrap, steps, args.quick, log_dir))
+        figure("latency", lat)
+        figure("scaling", lambda: scaling(broker.bootstrap, steps, args.quick, log_dir))
+    except KeyboardInterrupt:
+        progress("interrupted: stopping everything started")
+        status = 130
+    finally:
+        CLEANUP.run()
+    results["bench_seconds"] = round(time.time() - started, 1)
+    results["quick"] = args.quick
+    results["cpus"] = os.cpu_count()
+    results["python"] = platform.python_version()
+    progress(f"done in {results['bench_seconds']:.0f}s")
+    print(table(results))
+    print(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in results.items()},
+                     sort_keys=False), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
