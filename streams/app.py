@@ -24,6 +24,8 @@ from trainguard.streams.engine import Engine
 
 log = logging.getLogger("trainguard.worker")
 
+FLUSH_MARKER = b"|flush"  # a state-table key no run or source can have (they never start with "|")
+
 
 class BytesTable(faust.Table):
     """A table whose keys and values are bytes as they are: the engine encodes its own state
@@ -176,11 +178,22 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                 log.warning("trainguard: dead letter: %s", out.value["reason"])
                 await dlq_topic.send(key=key or None, value=value)
 
-    def flush_state() -> None:
+    async def flush_state() -> None:
+        """Write each entry the batch changed to the changelog once, before the batch is acked."""
+        if not engine.dirty:
+            return
+        partitions = set()
         for key, partition in engine.dirty.items():
             state_table.send_changelog(partition, key, engine.serialize(key),
                                        key_serializer="raw", value_serializer="raw")
+            partitions.add(partition)
         engine.dirty.clear()
+        # Some brokers (the embedded Tansu among them) report a partition's end offset from
+        # its last record batch's base, so recovery would stop short of a multi-record batch.
+        # Flush the state, then end each partition's log with a one-record marker batch.
+        await app.producer.flush()
+        for partition in partitions:
+            state_table.send_changelog(partition, FLUSH_MARKER, b"", key_serializer="raw", value_serializer="raw")
 
     @app.agent(events_topic)
     async def detect(stream):
@@ -193,7 +206,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                 outputs.extend(handle(m.value, m.partition, m.offset, m.topic))
             if outputs:
                 await publish(outputs)
-            flush_state()
+            await flush_state()
             if exporter is not None:
                 try:
                     feed.flush(exporter, len(batch), engine.samples - samples_before, outputs)
@@ -207,7 +220,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         outputs = engine.tick()
         if outputs:
             await publish(outputs)
-            flush_state()
+            await flush_state()
 
     @app.timer(10.0)
     async def status() -> None:

@@ -189,6 +189,7 @@ class Engine:
         elif type(state) is bytes:  # restored from the changelog: decode once, on first use
             state = RunState.from_bytes(state)
             self.store[key] = state
+            log.info("trainguard: restored run %s at offset %d", key.decode(errors="replace"), state.offset)
         return state
 
     def _source(self, key: bytes, kind: str) -> SourceState:
@@ -199,6 +200,8 @@ class Engine:
         elif type(state) is bytes:
             state = SourceState.from_bytes(state, self.rules)
             self.store[key] = state
+            log.info("trainguard: restored %s with %d metrics, %d samples in the longest window",
+                     key.decode(errors="replace"), len(state.block), int(state.block.count.max(initial=0)))
         return state
 
     def serialize(self, key: bytes) -> bytes | None:
