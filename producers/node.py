@@ -444,8 +444,7 @@ def _status_line(agent: NodeAgent, metrics: dict) -> str:
             f"events queued {s['sent']}, pending {s['pending']}, lost {lost}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``trainguard node [--run-id ID] [--interval S] [--once]``."""
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainguard node",
                                      description="Publish this machine's GPU and host metrics for a run.")
     parser.add_argument("--run-id", default=os.environ.get("TRAINGUARD_RUN_ID"),
@@ -454,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--once", action="store_true", help="take and publish one sample, print it, exit")
     parser.add_argument("--host", help="host name to report (default: this machine's)")
     parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or 127.0.0.1:9092)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``trainguard node [--run-id ID] [--interval S] [--once]``."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.run_id:
         parser.error("give --run-id or set TRAINGUARD_RUN_ID")

@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["node"]:  # the node agent parses its own flags
+        from trainguard.producers.node import main as node_main
+
+        return node_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
