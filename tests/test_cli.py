@@ -1,0 +1,89 @@
+"""The commands people type: the embedded broker and the demo, end to end (integration)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import orjson
+import psutil
+import pytest
+
+from trainguard.broker import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def _trainguard(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "trainguard.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+
+
+def test_broker_prints_its_address_creates_topics_and_stops_on_ctrl_c():
+    from confluent_kafka.admin import AdminClient
+
+    port = free_port()
+    proc = _trainguard("broker", "--port", str(port), "--partitions", "2")
+    try:
+        line = proc.stdout.readline()
+        assert f"127.0.0.1:{port}" in line, line
+        topics = AdminClient({"bootstrap.servers": f"127.0.0.1:{port}"}).list_topics(timeout=10).topics
+        assert len(topics["trainguard.events"].partitions) == 2
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=15)
+        assert proc.returncode == 0 and "stopped" in out
+        with socket.socket() as s:  # nothing left listening
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_taken_port_gives_the_cause_and_the_way_out():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _trainguard("broker", "--port", str(port))
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert f"port {port}" in out and "already in use" in out and "--port" in out
+
+
+def test_the_demo_runs_end_to_end_and_ends_with_its_summary(tmp_path):
+    started = time.monotonic()
+    proc = _trainguard("demo", "--jsonl", str(tmp_path / "alerts.jsonl"), cwd=tmp_path)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    summary = orjson.loads(out.strip().splitlines()[-1])
+    assert summary["alerts"] >= 1 and summary["commands"] == ["rollback"]
+    assert summary["acks"].get("applied") == 1 and summary["steps_after_rollback"] > 20
+    assert "COMMAND ROLLBACK" in out and "ACK applied" in out and "rolled back to step" in out
+    reports = list((tmp_path / "reports").rglob("*.txt"))
+    assert reports and "decision: ROLLBACK" in reports[0].read_text()
+    assert time.monotonic() - started < 180
+
+
+def test_ctrl_c_during_the_demo_leaves_no_process_behind(tmp_path):
+    proc = _trainguard("demo", "--jsonl", str(tmp_path / "alerts.jsonl"), cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        seen = ""
+        while "step   20" not in seen and time.monotonic() < deadline:
+            seen += proc.stdout.readline()
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 2, "the demo's broker and worker are running"
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+        proc.communicate(timeout=30)
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert alive == [], f"left behind: {alive}"
+        assert proc.returncode == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
