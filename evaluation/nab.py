@@ -14,15 +14,18 @@ the published scoreboard and ends with one JSON line:
 <shared> is ``../shared`` beside the checkout, or ``$TRAINGUARD_SHARED``.
 
 The scorer (see docs/detectors.md):
-  1. robust z-scores (rolling median/MAD, ``RobustMAD``) of the value and of its first
-     difference, over a medium and a long window;
-  2. each z is calibrated against its own past: the ratio of |z| to the largest |z| seen
-     over a look-back that grows with the stream (max(500, 0.3·t) samples) — "is this
-     the most surprising thing in a long while?" — mapped to r / (r + 1), which never
-     saturates;
-  3. the score is the maximum over the calibrated detectors;
+  1. six raw surprises per sample: robust z-scores (rolling median/MAD, ``RobustMAD``)
+     of the value and of its first difference over 256 and 1024 samples; the relative
+     entropy of the last 100 values' histogram (8 bins over the running min..max)
+     against the 1000 values before them; the robust z (256 samples) of the change
+     since the same time one day earlier (lag from the first 20 timestamps);
+  2. each is calibrated against its own past: the ratio r of the surprise to the
+     largest one seen over a look-back that grows with the stream (max(500, 0.3·t)
+     samples) — "is this the most surprising thing in a long while?" — mapped to
+     r / (r + 1), which never saturates;
+  3. the score is the maximum over the calibrated surprises (0 for the first 100);
   4. repeated alarms are damped: a score that does not beat the maximum of the last
-     200 scores is halved, because NAB rewards only the earliest detection in a window
+     100 scores is halved, because NAB rewards only the earliest detection in a window
      and charges every false-positive row.
 """
 
@@ -38,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from datetime import datetime
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -62,6 +66,9 @@ PUBLISHED = [  # name in results/final_results.json -> label on the scoreboard
 ]
 PROFILES = (("standard", "standard"), ("reward_low_FP_rate", "reward_low_FP"),
             ("reward_low_FN_rate", "reward_low_FN"))
+
+
+_EPOCH = datetime(1970, 1, 1)
 
 
 def shared_dir() -> Path:
@@ -97,23 +104,78 @@ class _RunningMax:
         return m
 
 
-class NabScorer:
-    """Streaming anomaly score in [0, 1] for one series: ``update(x) -> score``.
+class _RelativeEntropy:
+    """KL divergence of the recent value histogram from a longer reference histogram.
 
-    Robust z-scores of the value and of its change over several windows, each
-    calibrated against its own past maximum, combined by max, with repeated alarms
-    damped. Cost: a few RobustMAD updates (O(log² W)) and O(1) bookkeeping per sample.
+    After Wang et al. (the "relative entropy" NAB detector), without its look-ahead: the
+    bins split the running [min, max] seen so far into ``bins`` equal parts; the current
+    window holds the last ``window`` bin ids, the reference the ``reference`` ids before
+    them. O(bins) per sample.
+    """
+
+    __slots__ = ("window", "reference", "bins", "lo", "hi", "cur", "ref", "cur_n", "ref_n")
+
+    def __init__(self, window: int = 100, reference: int = 1000, bins: int = 8):
+        self.window, self.reference, self.bins = window, reference, bins
+        self.lo = self.hi = None
+        self.cur, self.ref = deque(), deque()
+        self.cur_n, self.ref_n = [0] * bins, [0] * bins
+
+    def update(self, x: float) -> float:
+        if self.lo is None:
+            self.lo = self.hi = x
+        self.lo, self.hi = min(self.lo, x), max(self.hi, x)
+        rng, B = self.hi - self.lo, self.bins
+        b = min(int((x - self.lo) / rng * B), B - 1) if rng > 0 else 0
+        self.cur.append(b)
+        self.cur_n[b] += 1
+        if len(self.cur) > self.window:
+            o = self.cur.popleft()
+            self.cur_n[o] -= 1
+            self.ref.append(o)
+            self.ref_n[o] += 1
+            if len(self.ref) > self.reference:
+                self.ref_n[self.ref.popleft()] -= 1
+        nr = len(self.ref)
+        if nr < self.window:
+            return 0.0
+        nc, kl = len(self.cur), 0.0
+        denom = nr + 0.5 * B
+        for c, r in zip(self.cur_n, self.ref_n):
+            if c:
+                pc = c / nc
+                kl += pc * math.log(pc * denom / (r + 0.5))
+        return kl
+
+
+class NabScorer:
+    """Streaming anomaly score in [0, 1] for one series: ``update(x, t) -> score``.
+
+    Six raw surprises: robust z of the value and of its change (windows 256, 1024), the
+    relative entropy of the last 100 values' histogram against the 1000 before, and the
+    robust z (window 256) of the change since the same time yesterday. Each is
+    calibrated against its own past maximum, they are combined by max, and repeated
+    alarms are damped. Cost: five RobustMAD updates (O(log² W)) and O(1) bookkeeping
+    per sample.
     """
 
     def __init__(self, windows=(256, 1024), diff_windows=(256, 1024), min_samples=16,
-                 warmup=100, lookback=500, lookback_frac=0.3, damp_rows=200, damp=0.5,
-                 z_cap=1e9):
+                 warmup=100, lookback=500, lookback_frac=0.3, damp_rows=100, damp=0.5,
+                 z_cap=1e9, entropy=(100, 1000, 8), season_s=86400.0, season_window=256,
+                 step_samples=20):
         self.value = [RobustMAD(window=w, k=5.0, min_samples=min(w, min_samples))
                       for w in windows]
         self.diff = [RobustMAD(window=w, k=5.0, min_samples=min(w, min_samples))
                      for w in diff_windows]
-        self.maxes = [_RunningMax(lookback, lookback_frac)
-                      for _ in range(len(self.value) + len(self.diff))]
+        self.entropy = _RelativeEntropy(*entropy) if entropy else None
+        self.season_s, self.step_samples = season_s, step_samples
+        self.season = RobustMAD(window=season_window, k=5.0,
+                                min_samples=min(season_window, min_samples))
+        self.lag = 0  # samples per season, fixed from the first ``step_samples`` stamps
+        self.stamps: list[float] = []
+        self.past: deque = deque()
+        n_scores = len(self.value) + len(self.diff) + 1 + (1 if self.entropy else 0)
+        self.maxes = [_RunningMax(lookback, lookback_frac) for _ in range(n_scores)]
         self.recent = _RunningMax(damp_rows, 0.0)
         self.warmup, self.damp, self.z_cap = warmup, damp, z_cap
         self.prev: float | None = None
@@ -123,7 +185,29 @@ class NabScorer:
     def _z(det: RobustMAD) -> float:
         return abs(det.last[4]) if det.last is not None else 0.0
 
-    def update(self, x: float) -> float:
+    def _season_z(self, x: float, t: float | None) -> float:
+        """Robust z of x minus the value one season (a day) earlier; 0 until known."""
+        if not self.lag:
+            if t is None or len(self.stamps) >= self.step_samples:
+                return 0.0
+            self.stamps.append(t)
+            if len(self.stamps) < self.step_samples:
+                return 0.0
+            steps = sorted(b - a for a, b in zip(self.stamps, self.stamps[1:]))
+            step = steps[len(steps) // 2]
+            lag = int(round(self.season_s / step)) if step > 0 else 0
+            if lag < 2:
+                return 0.0
+            self.lag = lag
+            self.past = deque(maxlen=lag)
+        z = 0.0
+        if len(self.past) == self.lag:
+            self.season.update(x - self.past[0])
+            z = self._z(self.season)
+        self.past.append(x)
+        return z
+
+    def update(self, x: float, t: float | None = None) -> float:
         if not math.isfinite(x):
             return 0.0
         zs = []
@@ -138,6 +222,9 @@ class NabScorer:
         else:
             zs.extend(0.0 for _ in self.diff)
         self.prev = x
+        if self.entropy is not None:
+            zs.append(self.entropy.update(x))
+        zs.append(self._season_z(x, t))
         score = 0.0
         for z, rm in zip(zs, self.maxes):
             z = min(z, self.z_cap)
@@ -164,12 +251,21 @@ def read_series(path: Path) -> tuple[list[str], list[float]]:
     return ts, vs
 
 
+def _seconds(stamp: str) -> float | None:
+    try:
+        dt = datetime.fromisoformat(stamp.strip())
+        return (dt.replace(tzinfo=None) - _EPOCH).total_seconds()
+    except ValueError:
+        return None
+
+
 def run_file(args: tuple[str, str, str]) -> tuple[str, int, float]:
     data_dir, out_dir, rel = args
     ts, vs = read_series(Path(data_dir) / rel)
     t0 = time.perf_counter()
+    secs = [_seconds(t) for t in ts]
     det = NabScorer()
-    scores = [det.update(v) for v in vs]  # one value at a time, in order
+    scores = [det.update(v, t) for v, t in zip(vs, secs)]  # one value at a time, in order
     elapsed = time.perf_counter() - t0
     out = Path(out_dir) / rel
     out.parent.mkdir(parents=True, exist_ok=True)
