@@ -11,8 +11,8 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	# The trainer-integration tests train real (tiny) models: the CPU build of torch, pinned.
-	$(BIN)/python -m pip install --quiet torch==2.13.0 transformers==4.57.6 accelerate==1.15.0
+	# Integration tests train real (tiny) models and write real TensorBoard files: CPU torch, pinned.
+	$(BIN)/python -m pip install --quiet torch==2.13.0 transformers==4.57.6 accelerate==1.15.0 tensorboard==2.21.0
 	@touch $(STAMP)
 
 setup: $(STAMP)
