@@ -153,3 +153,30 @@ def detector_from_state(d: dict) -> Stateful:
     except KeyError:
         raise ValueError(f"unknown detector kind {d.get('kind')!r}") from None
     return cls.from_state(d)
+
+
+class SlidingMoments:
+    """Mean and sum of squared deviations (``m2``) over the sliding window ``buf`` (a deque
+    with ``maxlen=window``): O(1) per sample, recomputed exactly once per window so rounding
+    never accumulates. Used by detectors that keep ``buf``, ``mean``, ``m2`` and ``since``."""
+
+    def _push(self, x: float) -> None:
+        buf = self.buf
+        if len(buf) == self.window:
+            old = buf[0]
+            buf.append(x)
+            n = len(buf)
+            mean_new = self.mean + (x - old) / n
+            self.m2 += (x - old) * (x - mean_new + old - self.mean)
+            self.mean = mean_new
+        else:
+            buf.append(x)
+            d = x - self.mean
+            self.mean += d / len(buf)
+            self.m2 += d * (x - self.mean)
+        self.since += 1
+        if self.since >= self.window:
+            n = len(buf)
+            self.mean = math.fsum(buf) / n
+            self.m2 = math.fsum((v - self.mean) ** 2 for v in buf)
+            self.since = 0

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from .base import Detector, is_finite, saturating
+from .base import Detector, SlidingMoments, is_finite, saturating
 
 __all__ = ["Collapse"]
 
 
-class Collapse(Detector):
+class Collapse(SlidingMoments, Detector):
     """Flags a reward collapse: the current window's mean has fallen and its spread shrunk.
 
     The reference mean and std come from the first ``reference`` finite samples (kept,
@@ -70,27 +70,6 @@ class Collapse(Detector):
         """Take the current window as the new healthy reference."""
         n = len(self.buf)
         self.rn, self.rmean, self.rm2 = n, self.mean, self.m2
-
-    def _push(self, x: float) -> None:
-        buf = self.buf
-        if len(buf) == self.window:
-            old = buf[0]
-            buf.append(x)
-            n = len(buf)
-            mean_new = self.mean + (x - old) / n
-            self.m2 += (x - old) * (x - mean_new + old - self.mean)
-            self.mean = mean_new
-        else:
-            buf.append(x)
-            d = x - self.mean
-            self.mean += d / len(buf)
-            self.m2 += d * (x - self.mean)
-        self.since += 1
-        if self.since >= self.window:
-            n = len(buf)
-            self.mean = math.fsum(buf) / n
-            self.m2 = math.fsum((v - self.mean) ** 2 for v in buf)
-            self.since = 0
 
     def update(self, x: float, t: float | None = None) -> bool:
         if not is_finite(x):

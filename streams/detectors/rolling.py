@@ -5,14 +5,13 @@ from __future__ import annotations
 import math
 from collections import deque
 
-import numpy as np
 
-from .base import Detector, is_finite, saturating
+from .base import Detector, SlidingMoments, is_finite, saturating
 
 __all__ = ["RollingZ"]
 
 
-class RollingZ(Detector):
+class RollingZ(SlidingMoments, Detector):
     """Window mean ± k·std (population std), judged with the current value inside the window.
 
     Same verdicts as the seed's ``AdaptiveThreshold``: the value is appended to the window
@@ -58,28 +57,6 @@ class RollingZ(Detector):
     @property
     def ready(self) -> bool:
         return len(self.buf) >= self.window // 2
-
-    def _push(self, x: float) -> None:
-        buf = self.buf
-        if len(buf) == self.window:
-            old = buf[0]
-            buf.append(x)
-            n = len(buf)
-            mean_new = self.mean + (x - old) / n
-            self.m2 += (x - old) * (x - mean_new + old - self.mean)
-            self.mean = mean_new
-        else:
-            buf.append(x)
-            n = len(buf)
-            delta = x - self.mean
-            self.mean += delta / n
-            self.m2 += delta * (x - self.mean)
-        self.since += 1
-        if self.since >= self.window:
-            arr = np.fromiter(buf, dtype=float, count=len(buf))
-            self.mean = float(np.mean(arr))
-            self.m2 = float(np.sum((arr - self.mean) ** 2))
-            self.since = 0
 
     def update(self, x: float, t: float | None = None) -> bool:
         if not is_finite(x):
