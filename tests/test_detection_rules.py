@@ -1,9 +1,7 @@
 """The default rules against the failures the seeds name, with the engine offline."""
 
-import math
 import random
 
-import pytest
 
 from trainguard.schemas import events as ev
 from trainguard.streams import rules as rules_mod

@@ -1,9 +1,7 @@
 """The circuit breaker's decisions: safe checkpoints, skipped batches, limits, reports."""
 
-import time
 
 import orjson
-import pytest
 
 from trainguard.schemas import events as ev
 from trainguard.sinks.reports import ReportSink

@@ -2,7 +2,6 @@
 before the loop sees them and acknowledged (integration, real broker)."""
 
 import math
-import os
 import subprocess
 import sys
 import time
