@@ -16,7 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
-from workload import Child, progress
+from workload import Child
 
 SCRIPT = str(Path(__file__).resolve().parent / "consumer_main.py")
 
