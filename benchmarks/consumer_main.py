@@ -32,7 +32,7 @@ def say(line: str) -> None:
 
 
 class Meter:
-    __slots__ = ("first", "last", "events", "samples", "shown")
+    __slots__ = ("events", "first", "last", "samples", "shown")
 
     def __init__(self) -> None:
         self.first = None
@@ -61,7 +61,6 @@ def app_settings(bootstrap: str, prefix: str, partitions: int):
 
 def run_trainguard(settings, app_id: str) -> None:
     import faust
-
     from trainguard.streams.app import create_app
 
     app = create_app(settings, app_id=app_id)

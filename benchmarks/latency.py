@@ -30,11 +30,18 @@ import uuid
 from pathlib import Path
 
 import orjson
-
 from trainguard.producers.control import ControlListener
 from trainguard.producers.publisher import Publisher
 from trainguard.schemas import events as ev
-from workload import TRAINER_SRC, Child, Steps, encoded_events, fresh_settings, percentile, progress
+from workload import (
+    TRAINER_SRC,
+    Child,
+    Steps,
+    encoded_events,
+    fresh_settings,
+    percentile,
+    progress,
+)
 
 
 class LoadProducer(threading.Thread):

@@ -13,12 +13,12 @@ import logging
 import time
 
 import numpy as np
-
-from trainguard.broker import free_port
-from trainguard.kafka import KafkaSettings, Topics
 from trainguard.producers.publisher import Publisher
 from trainguard.producers.trainer import TrainerLogger
 from workload import Steps, fresh_settings
+
+from trainguard.broker import free_port
+from trainguard.kafka import KafkaSettings, Topics
 
 
 def _timed(logger: TrainerLogger, steps: Steps, calls: int) -> tuple[np.ndarray, np.ndarray]:
@@ -58,7 +58,7 @@ def _stats(us: np.ndarray) -> dict:
     if not len(us):
         return {"p50": float("nan"), "p99": float("nan"), "calls": 0}
     return {"p50": float(np.percentile(us, 50)), "p99": float(np.percentile(us, 99)),
-            "max": float(us.max()), "calls": int(len(us))}
+            "max": float(us.max()), "calls": len(us)}
 
 
 def run(bootstrap: str, steps: Steps, quick: bool = False) -> dict:

@@ -25,7 +25,6 @@ import time
 import tracemalloc
 
 import numpy as np
-
 from detector_cost import AdaptiveThreshold
 from trainguard.schemas import events as ev
 from trainguard.streams import rules as rules_mod

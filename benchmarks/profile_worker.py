@@ -23,9 +23,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import orjson  # noqa: E402
-
-from workload import CLEANUP, ROOT, Child, Steps, encoded_events, fresh_settings, prefill, progress, start_broker  # noqa: E402
+import orjson
+from workload import (
+    CLEANUP,
+    ROOT,
+    Child,
+    Steps,
+    encoded_events,
+    fresh_settings,
+    prefill,
+    progress,
+    start_broker,
+)
 
 
 def offline(steps: Steps, n: int = 8000) -> list[tuple[str, float]]:

@@ -24,8 +24,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import workload  # noqa: E402
-from workload import CLEANUP, ROOT, Steps, encoded_events, fresh_settings, prefill, progress  # noqa: E402
+import workload
+from workload import (
+    CLEANUP,
+    ROOT,
+    Steps,
+    encoded_events,
+    fresh_settings,
+    prefill,
+    progress,
+)
 
 FIGURES = ("detector", "log", "memory", "throughput", "latency", "scaling")
 KEYS = ("detector_speedup", "worker_samples_per_s", "worker_events_ratio_vs_bare_faust",
@@ -171,7 +179,7 @@ def table(r: dict) -> str:
     header = ("figure", "ours", "reference (same run)", "ref value", "ratio", "target", "")
     body = [(a, b, c, d, e, f, "-" if ok is None else ("pass" if ok else "MISS")) for a, b, c, d, e, f, ok in rows(r)]
     widths = [max(len(str(x[i])) for x in [header, *body]) for i in range(len(header))]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(b) for b in body)])
 
 
