@@ -16,6 +16,7 @@ import time
 
 import faust
 import orjson
+from faust.transport.drivers import aiokafka as aiokafka_driver
 
 from trainguard.kafka import KafkaSettings, partition_for
 from trainguard.schemas.signing import load_keys
@@ -24,7 +25,33 @@ from trainguard.streams.engine import Engine
 
 log = logging.getLogger("trainguard.worker")
 
+FETCH_MAX_WAIT_MS = int(os.environ.get("TRAINGUARD_FETCH_MAX_WAIT_MS", "20"))
 FLUSH_MARKER = b"|flush"  # a state-table key no run or source can have (they never start with "|")
+
+
+class QuickFetchThread(aiokafka_driver.AIOKafkaConsumerThread):
+    """Faust's consumer with a short fetch wait: Faust fixes it at 1.5 s, and a broker that
+    does not answer a waiting fetch as soon as data arrives (the embedded one) would hold
+    every alert back that long."""
+
+    def _create_worker_consumer(self, transport):
+        consumer = super()._create_worker_consumer(transport)
+        consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS  # read by the fetcher aiokafka builds on start
+        return consumer
+
+
+class QuickFetchConsumer(aiokafka_driver.Consumer):
+    def _new_consumer_thread(self):
+        return QuickFetchThread(self, loop=self.loop, beacon=self.beacon)
+
+
+class QuickFetchTransport(aiokafka_driver.Transport):
+    Consumer = QuickFetchConsumer
+
+
+class WorkerApp(faust.App):
+    def _new_transport(self):
+        return QuickFetchTransport(self.conf.broker_consumer, self)
 
 
 class BytesTable(faust.Table):
@@ -117,7 +144,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     if rebalance_timeout_s is None:
         rebalance_timeout_s = float(os.environ.get("TRAINGUARD_REBALANCE_TIMEOUT_S", "3"))
 
-    app = faust.App(
+    app = WorkerApp(
         app_id,
         broker=[f"kafka://{b}" for b in settings.bootstrap.split(",")],
         broker_credentials=_credentials(settings),
