@@ -217,14 +217,29 @@ class BaselineBlock:
         block.k = np.array(d["k"], float)
         block.clip = np.array(d["clip"], bool)
         block.count = np.array(d["count"], np.int64)
-        block.shift = np.frombuffer(base64.b64decode(d["shift"]), float).copy()
+        shift, buf = d["shift"], d["buf"]
+        if isinstance(shift, str):  # the JSON form: base64
+            shift = np.frombuffer(base64.b64decode(shift), float)
+            buf = np.frombuffer(base64.b64decode(buf), float)
+        block.shift = np.array(shift, float)
         m = len(block.names)
         width = int(block.window.max()) if m else 0
-        block.buf = np.frombuffer(base64.b64decode(d["buf"]), float).copy().reshape(m, width)
+        block.buf = np.array(buf, float).reshape(m, width)
         block.s1 = block.buf.sum(axis=1)
         block.s2 = (block.buf * block.buf).sum(axis=1)
         block._derive()
         return block
 
-    def dumps(self) -> bytes:
-        return orjson.dumps(self.to_state())
+    def header(self) -> dict:
+        """The small part of the state; the arrays travel as raw bytes (``arrays``)."""
+        return {"names": self.names, "window": self.window.tolist(), "k": self.k.tolist(),
+                "clip": self.clip.tolist(), "count": self.count.tolist()}
+
+    def arrays(self) -> bytes:
+        return self.shift.tobytes() + self.buf.tobytes()
+
+    @classmethod
+    def from_parts(cls, header: dict, raw: memoryview) -> "BaselineBlock":
+        m = len(header["names"])
+        shift = np.frombuffer(raw[: 8 * m], float)
+        return cls.from_state({**header, "shift": shift, "buf": np.frombuffer(raw[8 * m:], float)})

@@ -37,6 +37,7 @@ log = logging.getLogger("trainguard.engine")
 MAX_CHECKPOINTS = 64
 MAX_SNAPSHOT_HOSTS = 16
 MAX_RECENT_ALERTS = 32
+_STATE_MAGIC = b"TGS1"  # source state: magic, header length, JSON header, raw float64 arrays
 
 
 class SourceState:
@@ -88,19 +89,24 @@ class SourceState:
         self.gate_hi, self.gate_lo, self.always = hi, lo, always
 
     def to_bytes(self, rules: RuleSet) -> bytes:
+        """A JSON header, then the baseline's arrays as raw bytes (no base64, no number parsing)."""
         names, rnames = self.block.names, [r.name for r in rules.rules]
-        return orjson.dumps({
-            "kind": self.kind, "block": self.block.to_state(),
+        header = orjson.dumps({
+            "kind": self.kind, "block": self.block.header(),
             "streaks": [[rnames[r], names[w], v] for (r, w), v in self.streaks.items()],
             "firing": [[rnames[r], names[w], a] for (r, w), a in self.firing.items()],
             "detectors": [[rnames[r], names[w], d.to_state()] for (r, w), d in self.detectors.items()],
             "buckets": [[rnames[r], names[w], b] for (r, w), b in self.buckets.items()],
         })
+        return _STATE_MAGIC + len(header).to_bytes(4, "little") + header + self.block.arrays()
 
     @classmethod
     def from_bytes(cls, raw: bytes, rules: RuleSet) -> "SourceState":
-        d = orjson.loads(raw)
-        state = cls(d["kind"], BaselineBlock.from_state(d["block"]))
+        if not raw.startswith(_STATE_MAGIC):
+            raise ValueError("not a trainguard source state")
+        size = int.from_bytes(raw[4:8], "little")
+        d = orjson.loads(raw[8:8 + size])
+        state = cls(d["kind"], BaselineBlock.from_parts(d["block"], memoryview(raw)[8 + size:]))
         state.bind(rules)
         rule_index = {r.name: i for i, r in enumerate(rules.rules)}
         rows = state.block.index
@@ -175,6 +181,7 @@ class Engine:
         self._params_cache: dict[str, tuple[int, float, bool]] = {}
         self.clock = time.time  # when an event was received; replays and evaluations set their own
         self._cross_rules = [r for r in rules.rules if r.kind == "cross_rank"]
+        self._cross_pairs: dict[tuple, list] = {}
         # Callables given every decoded event that is applied (not replays), before detection:
         # e.g. the worker's Prometheus exporter. Empty by default; keep them cheap.
         self.on_event: list = []
@@ -376,8 +383,8 @@ class Engine:
         anomalous, finite, mean, std, lower, upper, ready = block.update(rows, x)
 
         if src["kind"] == "node":
-            run.nodes[src.get("host") or sid] = {"ts": event["ts"], "step": event["step"],
-                                                 "metrics": {n: _json_value(v) for n, v in metrics.items()}}
+            # The decoded dict as it is (NaN becomes null in JSON): no per-metric work per node event.
+            run.nodes[src.get("host") or sid] = {"ts": event["ts"], "step": event["step"], "metrics": metrics}
             if len(run.nodes) > MAX_SNAPSHOT_HOSTS:
                 run.nodes.pop(min(run.nodes, key=lambda h: run.nodes[h]["ts"]))
 
@@ -478,10 +485,16 @@ class Engine:
     def _cross_rank(self, run: RunState, run_id: str, event: dict, outputs: list) -> None:
         """Stragglers: one rank far from its peers at the same step."""
         rank, step = str(event["source"]["rank"]), event["step"]
-        for rule in self._cross_rules:
-            for metric, value in event["metrics"].items():
-                if not rule.metrics.match(metric) or not math.isfinite(value):
-                    continue
+        names = tuple(event["metrics"])
+        pairs = self._cross_pairs.get(names)
+        if pairs is None:  # which (rule, metric) pairs an event of this shape feeds, worked out once
+            if len(self._cross_pairs) > 1024:
+                self._cross_pairs.clear()
+            pairs = self._cross_pairs[names] = [(rule, metric) for rule in self._cross_rules
+                                                for metric in names if rule.metrics.match(metric)]
+        for rule, metric in pairs:
+            value = event["metrics"][metric]
+            if math.isfinite(value):
                 key = f"{rule.name}|{metric}"
                 cr = run.cross.get(key)
                 if cr is None:
@@ -504,7 +517,8 @@ class Engine:
                             run.cross_firing[fkey] = alert
                             self._add(outputs, self._fire(run, alert, rule))
                         elif opened is not None and r not in flagged:
-                            self._add(outputs, self._resolve(run, run.cross_firing.pop(fkey), {"ts": event["ts"], "step": s}))
+                            self._add(outputs, self._resolve(run, run.cross_firing.pop(fkey),
+                                                             {"ts": event["ts"], "step": s}))
 
     def _incidents(self, run: RunState, run_id: str, event: dict, outputs: list, critical: list) -> None:
         """Alerts of several rules that belong together become one incident with a root cause."""

@@ -48,11 +48,18 @@ def saturating(z: float, k: float) -> float:
     return z / (z + k) if k > 0 else (1.0 if z > 0 else 0.0)
 
 
+def _plain(items: list) -> bool:
+    """Finite floats only (what windows hold): JSON as they are, no per-item encoding."""
+    return all(type(x) is float for x in items) and math.isfinite(math.fsum(items))
+
+
 def _encode(v: Any) -> Any:
     if isinstance(v, deque):
-        return {"__deque__": [_encode(x) for x in v], "maxlen": v.maxlen}
+        items = list(v)
+        return {"__deque__": items if _plain(items) else [_encode(x) for x in items], "maxlen": v.maxlen}
     if isinstance(v, SortedList):
-        return {"__sorted__": [_encode(x) for x in v]}
+        items = list(v)
+        return {"__sorted__": items if _plain(items) else [_encode(x) for x in items]}
     if isinstance(v, Stateful):
         return v.to_state()
     if isinstance(v, dict):
@@ -73,9 +80,11 @@ def _encode(v: Any) -> Any:
 def _decode(v: Any) -> Any:
     if isinstance(v, dict):
         if "__deque__" in v:
-            return deque((_decode(x) for x in v["__deque__"]), maxlen=v["maxlen"])
+            items = v["__deque__"]
+            return deque(items if _plain(items) else (_decode(x) for x in items), maxlen=v["maxlen"])
         if "__sorted__" in v:
-            return SortedList(_decode(x) for x in v["__sorted__"])
+            items = v["__sorted__"]
+            return SortedList(items if _plain(items) else (_decode(x) for x in items))
         if "__float__" in v:
             return float(v["__float__"])
         if "kind" in v and "params" in v and "state" in v:
