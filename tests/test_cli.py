@@ -27,8 +27,9 @@ def test_broker_prints_its_address_creates_topics_and_stops_on_ctrl_c():
     port = free_port()
     proc = _trainguard("broker", "--port", str(port), "--partitions", "2")
     try:
-        line = proc.stdout.readline()
-        assert f"127.0.0.1:{port}" in line, line
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert f"127.0.0.1:{port}" in lines[0], lines
+        assert lines[1].strip() == f"export TRAINGUARD_BOOTSTRAP=127.0.0.1:{port}", lines
         topics = AdminClient({"bootstrap.servers": f"127.0.0.1:{port}"}).list_topics(timeout=10).topics
         assert len(topics["trainguard.events"].partitions) == 2
         os.killpg(proc.pid, signal.SIGINT)

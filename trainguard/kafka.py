@@ -98,7 +98,7 @@ def create_topics(settings: KafkaSettings, timeout: float = 15.0) -> list[str]:
     """Create the project's topics with the expected partition count; return those created."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    admin = AdminClient(settings.confluent())
+    admin = AdminClient(settings.confluent(log_level=2))  # errors reach us as exceptions
     existing = set(admin.list_topics(timeout=timeout).topics)
     wanted = [t for t in settings.topics.all() if t not in existing]
     if not wanted:
