@@ -27,6 +27,7 @@ class Publisher:
         self.delivery_failed = 0   # accepted locally, then not delivered (broker unreachable ...)
         self._last_error: str | None = None
         self._lock = threading.Lock()
+        self._queue_max = queue_max
         config = self.settings.confluent(**{
             "queue.buffering.max.messages": queue_max,
             "linger.ms": linger_ms,
@@ -54,6 +55,9 @@ class Publisher:
 
     def publish(self, topic: str, key: str, value: bytes, partition: int | None = None) -> bool:
         """Queue one message; False (and counted) when it could not be queued."""
+        if len(self._producer) >= self._queue_max:  # full: drop without paying for an exception
+            self.dropped += 1
+            return False
         try:
             if partition is None:
                 self._producer.produce(topic, value, key, on_delivery=self._on_delivery)
@@ -67,10 +71,11 @@ class Publisher:
             self.dropped += 1
             self._on_error(exc)
         finally:
-            try:
-                self._producer.poll(0)  # serve delivery callbacks without waiting
-            except Exception:
-                pass
+            if self.sent % 16 == 0:  # serve delivery callbacks now and then, never waiting
+                try:
+                    self._producer.poll(0)
+                except Exception:
+                    pass
         return False
 
     def pending(self) -> int:

@@ -59,12 +59,15 @@ class TrainerLogger:
     def log(self, metrics: dict, step: int, *, tags: dict[str, str] | None = None, ts: float | None = None) -> bool:
         """Publish one step's metrics as one event. Never raises; False if it was not queued."""
         try:
-            values = {}
-            for name, v in metrics.items():
-                try:
-                    values[name] = _as_float(v)
-                except (TypeError, ValueError):
-                    self.skipped_values += 1  # strings, lists, None ...: not metrics
+            if all(type(v) is float for v in metrics.values()):
+                values = dict(metrics)  # the common case: nothing to convert
+            else:
+                values = {}
+                for name, v in metrics.items():
+                    try:
+                        values[name] = _as_float(v)
+                    except (TypeError, ValueError):
+                        self.skipped_values += 1  # strings, lists, None ...: not metrics
             lost = self.publisher.dropped + self.publisher.delivery_failed
             if lost:
                 values["trainguard/dropped_events"] = float(lost)

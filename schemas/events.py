@@ -64,11 +64,9 @@ def _wire_value(v: float) -> float | str:
 def encode(event: dict[str, Any]) -> bytes:
     """Encode an event built by this module; non-finite metric values become strings."""
     metrics = event.get("metrics")
-    if metrics is not None and event.get("schema") == METRICS:
-        for v in metrics.values():
-            if v != v or v in (math.inf, -math.inf):
-                event = {**event, "metrics": {k: _wire_value(x) for k, x in metrics.items()}}
-                break
+    if metrics is not None and event.get("schema") == METRICS and not math.isfinite(sum(metrics.values())):
+        # NaN/Inf somewhere (or a sum that overflows): only then rewrite the values.
+        event = {**event, "metrics": {k: _wire_value(x) for k, x in metrics.items()}}
     value = event.get("value")
     if isinstance(value, float) and not math.isfinite(value):
         event = {**event, "value": _wire_value(value)}
