@@ -131,7 +131,8 @@ class _ExporterFeed:
 
 def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None = None, app_id: str = "trainguard",
                batch_max: int = 1000, batch_within_s: float = 0.02, rebalance_timeout_s: float | None = None,
-               prometheus_port: int | None = None, prometheus_addr: str | None = None):
+               prometheus_port: int | None = None, prometheus_addr: str | None = None,
+               state_flush_s: float = 0.5):
     """Build the app: topics, the state table and the agent, visible in one place.
 
     With ``prometheus_port`` (or ``TRAINGUARD_PROMETHEUS_PORT``) the worker exports its own
@@ -205,40 +206,61 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                 log.warning("trainguard: dead letter: %s", out.value["reason"])
                 await dlq_topic.send(key=key or None, value=value)
 
+    # State is written to the changelog at most every `state_flush_s`, not after every batch:
+    # under a steady trickle of events, batches are small and the same entries would be
+    # rewritten many times a second. Events stay unacknowledged (so their offsets are not
+    # committed) until the state that includes them has been flushed.
+    unflushed: list = []
+    last_flush = [time.monotonic()]
+    detect_stream: list = []
+
     async def flush_state() -> None:
-        """Write each entry the batch changed to the changelog once, before the batch is acked."""
-        if not engine.dirty:
-            return
+        """Write each entry changed since the last flush once, then ack the events behind it."""
+        events, unflushed[:] = list(unflushed), []
         partitions = set()
-        for key, partition in engine.dirty.items():
+        for key, partition in engine.dirty.items():  # serialised now: exactly the events above
             state_table.send_changelog(partition, key, engine.serialize(key),
                                        key_serializer="raw", value_serializer="raw")
             partitions.add(partition)
         engine.dirty.clear()
-        # Some brokers (the embedded Tansu among them) report a partition's end offset from
-        # its last record batch's base, so recovery would stop short of a multi-record batch.
-        # Flush the state, then end each partition's log with a one-record marker batch.
-        await app.producer.flush()
-        for partition in partitions:
-            state_table.send_changelog(partition, FLUSH_MARKER, b"", key_serializer="raw", value_serializer="raw")
+        last_flush[0] = time.monotonic()
+        if partitions:
+            # Some brokers (the embedded Tansu among them) report a partition's end offset from
+            # its last record batch's base, so recovery would stop short of a multi-record
+            # batch: flush the state, then end each partition's log with a one-record marker.
+            await app.producer.flush()
+            for partition in partitions:
+                state_table.send_changelog(partition, FLUSH_MARKER, b"", key_serializer="raw",
+                                           value_serializer="raw")
+        for event in events:
+            await detect_stream[0].ack(event)
 
     @app.agent(events_topic)
     async def detect(stream):
+        detect_stream[:] = [stream]
         async for batch in stream.take_events(batch_max, within=batch_within_s):
             outputs = []
             handle = engine.handle
             samples_before = engine.samples
             for event in batch:
+                event.message.incref()  # held until the state that includes it is flushed
                 m = event.message
                 outputs.extend(handle(m.value, m.partition, m.offset, m.topic))
+            unflushed.extend(batch)
             if outputs:
                 await publish(outputs)
-            await flush_state()
+            if time.monotonic() - last_flush[0] >= state_flush_s or len(unflushed) >= 20 * batch_max:
+                await flush_state()
             if exporter is not None:
                 try:
                     feed.flush(exporter, len(batch), engine.samples - samples_before, outputs)
                 except Exception:  # the exporter must never stop detection
                     log.exception("trainguard: exporter update failed")
+
+    @app.timer(0.5)
+    async def flush_when_idle() -> None:
+        if unflushed and time.monotonic() - last_flush[0] >= state_flush_s:
+            await flush_state()
 
     @app.timer(5.0)
     async def watch_silence() -> None:
