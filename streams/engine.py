@@ -48,7 +48,7 @@ class SourceState:
     """
 
     __slots__ = ("kind", "block", "rule_rows", "det_rows", "gate_hi", "gate_lo", "always", "streaks", "firing",
-                 "detectors", "buckets")
+                 "detectors", "buckets", "_det_cache")
 
     def __init__(self, kind: str, block: BaselineBlock | None = None):
         self.kind = kind
@@ -62,6 +62,7 @@ class SourceState:
         self.firing: dict[tuple[int, int], dict] = {}    # slot -> the open alert
         self.detectors: dict[tuple[int, int], Any] = {}  # slot -> the rule's detector for that metric
         self.buckets: dict[tuple[int, int], list] = {}   # slot -> [interval, sum, count] (resample_s)
+        self._det_cache: tuple | None = None
 
     def bind(self, rules: RuleSet) -> None:
         """Work out which rules watch each row added since the last call."""
@@ -87,6 +88,17 @@ class SourceState:
                     if r.below is not None:
                         lo[row] = max(lo[row], r.below)
         self.gate_hi, self.gate_lo, self.always = hi, lo, always
+        self._det_cache = None
+
+    def det_positions(self, rows: np.ndarray) -> list[tuple[int, int, list[int]]]:
+        """(position in the event, row, rules with a detector) for an event's rows; the block
+        hands out the same rows object for events of the same shape, so this is cached."""
+        cached = self._det_cache
+        if cached is not None and cached[0] is rows:
+            return cached[1]
+        positions = [(j, row, self.det_rows[row]) for j, row in enumerate(rows.tolist()) if row in self.det_rows]
+        self._det_cache = (rows, positions)
+        return positions
 
     def to_bytes(self, rules: RuleSet) -> bytes:
         """A JSON header, then the baseline's arrays as raw bytes (no base64, no number parsing)."""
@@ -414,11 +426,7 @@ class Engine:
 
         # Rules with their own detector learn from every sample of their metrics.
         if state.det_rows:
-            row_list = rows.tolist()
-            for j, row in enumerate(row_list):
-                watching = state.det_rows.get(row)
-                if watching is None:
-                    continue
+            for j, row, watching in state.det_positions(rows):
                 value = float(x[j])
                 for ri in watching:
                     rule, slot = rules[ri], (ri, row)
