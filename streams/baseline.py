@@ -25,7 +25,6 @@ import base64
 from typing import Callable
 
 import numpy as np
-import orjson
 
 
 class BaselineBlock:

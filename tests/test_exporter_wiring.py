@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import socket
 import time
 import urllib.request
 
@@ -12,14 +11,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration import WorkerProcess, produce
 from trainguard.producers.trainer import TrainerLogger
+from trainguard.broker import free_port
 
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(port: int) -> dict:
@@ -34,7 +30,7 @@ def _scrape(port: int) -> dict:
 
 
 def test_worker_exports_run_metrics_events_alerts_and_dead_letters(kafka, tmp_path):
-    port = _free_port()
+    port = free_port()
     worker = WorkerProcess(kafka, tmp_path, extra_env={"TRAINGUARD_PROMETHEUS_PORT": str(port)}).start()
     logger = TrainerLogger("exp-1", kafka, host="h")
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -16,14 +15,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from trainguard.sinks.alertmanager import AlertmanagerSink
+from trainguard.broker import free_port
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _until(fetch, timeout: float = 60.0, what: str = "condition"):
@@ -77,7 +73,7 @@ def alertmanager(tmp_path):
     if ALERTMANAGER is None:
         pytest.skip("the `prometheus-alertmanager` binary is not installed (run `bash scripts/setup-system.sh`)")
     hook = Notifications()
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "alertmanager.yml"
     config.write_text(
         "route:\n  receiver: hook\n  group_by: ['alertname', 'run']\n"
@@ -167,7 +163,7 @@ def test_firing_then_resolved_through_a_real_alertmanager(alertmanager):
 
 
 def test_alerts_wait_in_the_outbox_while_alertmanager_is_down(tmp_path):
-    port = _free_port()
+    port = free_port()
     sink = AlertmanagerSink(f"http://127.0.0.1:{port}", backoff_s=0.05, max_backoff_s=0.2)
     try:
         sink.deliver([_alert("r")])

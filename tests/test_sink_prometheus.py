@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -16,6 +15,7 @@ import pytest
 
 from trainguard.sinks import prometheus as prom
 from trainguard.sinks.prometheus import REGISTRY, Exporter, dlq_reason
+from trainguard.broker import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 
@@ -148,10 +148,6 @@ def test_batch_throughput_and_lag(exporter):
 # --------------------------------------------------------------------------- real Prometheus
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get_json(url: str) -> dict:
@@ -164,7 +160,7 @@ def prometheus_server(tmp_path, exporter):
     if PROMETHEUS is None:
         pytest.skip("the `prometheus` binary is not installed (run `bash scripts/setup-system.sh`)")
     exporter_port = exporter.start_http(0)
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"

@@ -6,7 +6,6 @@ import base64
 import hashlib
 import hmac
 import json
-import socket
 import threading
 import time
 import urllib.parse
@@ -15,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from trainguard.broker import free_port
 from trainguard.sinks.webhooks import (DingTalkSink, GenericWebhookSink, SlackSink, Templates, WeComSink,
                                        alert_fields, dingtalk_sign, render)
 
@@ -29,10 +29,6 @@ def _alert(i: int = 0, status: str = "firing", **extra) -> dict:
             "suggestion": "Reduce reward_batch_size from 64 to 32", **extra}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(predicate, timeout: float = 30.0, what: str = "condition"):
@@ -118,7 +114,7 @@ FAST = dict(backoff_s=0.05, max_backoff_s=0.4, timeout_s=5)
 
 
 def test_every_alert_arrives_exactly_once_through_refused_connections_and_500s(servers, caplog):
-    port = _free_port()  # nothing listens yet: connection refused
+    port = free_port()  # nothing listens yet: connection refused
     sink = GenericWebhookSink(f"http://127.0.0.1:{port}/hook", **FAST)
     servers.sinks.append(sink)
     alerts = [_alert(i) for i in range(20)]
@@ -151,7 +147,7 @@ def test_refused_for_good_and_overflow_are_visible(servers):
     [gone] = sink.undelivered()
     assert gone["alert"]["id"] == first["id"] and "refused" in gone["reason"] and "HTTP 400" in gone["last_error"]
 
-    down = GenericWebhookSink(f"http://127.0.0.1:{_free_port()}/hook", max_items=3, **FAST)
+    down = GenericWebhookSink(f"http://127.0.0.1:{free_port()}/hook", max_items=3, **FAST)
     servers.sinks.append(down)
     alerts = [_alert(i) for i in range(5)]
     down.deliver(alerts)
@@ -162,7 +158,7 @@ def test_refused_for_good_and_overflow_are_visible(servers):
 
 
 def test_old_alerts_expire_into_undelivered(servers):
-    sink = GenericWebhookSink(f"http://127.0.0.1:{_free_port()}/hook", max_age_s=0.3, **FAST)
+    sink = GenericWebhookSink(f"http://127.0.0.1:{free_port()}/hook", max_age_s=0.3, **FAST)
     servers.sinks.append(sink)
     sink.deliver([_alert(0)])
     _wait(lambda: sink.undelivered_count == 1, what="expiry")
@@ -172,7 +168,7 @@ def test_old_alerts_expire_into_undelivered(servers):
 
 def test_file_backed_outbox_survives_a_restart(servers, tmp_path):
     path = tmp_path / "outbox.json"
-    port = _free_port()
+    port = free_port()
     first = GenericWebhookSink(f"http://127.0.0.1:{port}/hook", outbox_path=path, **FAST)
     delivered_before = _alert(99)
     alerts = [_alert(i) for i in range(3)]
