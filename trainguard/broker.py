@@ -46,6 +46,22 @@ def find_binary() -> str:
         "TRAINGUARD_BOOTSTRAP at a running Kafka cluster instead.")
 
 
+def stop_process(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
+    """Stop a child started with ``start_new_session=True`` and everything in its process
+    group: SIGTERM, then SIGKILL if it has not exited within ``timeout``."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(5)
+
+
 def port_is_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -127,14 +143,7 @@ class EmbeddedBroker:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc, timeout=5)
 
     def __enter__(self) -> "EmbeddedBroker":
         return self.start() if self.proc is None else self

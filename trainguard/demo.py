@@ -83,20 +83,6 @@ def _start_worker(bootstrap: str, log_path: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _stop_process(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(5)
-
-
 def run_trainer(settings: KafkaSettings, run_id: str, *, fault: str, fault_step: int, steps: int,
                 step_seconds: float, say=print, deadline_s: float = 120.0) -> dict:
     """The simulated trainer: log, checkpoint, obey commands at step boundaries."""
@@ -156,7 +142,7 @@ def run_trainer(settings: KafkaSettings, run_id: str, *, fault: str, fault_step:
 
 
 def main(args) -> int:
-    from trainguard.broker import BrokerError, EmbeddedBroker
+    from trainguard.broker import BrokerError, EmbeddedBroker, stop_process
     from trainguard.sinks.console import ConsoleSink
     from trainguard.sinks.jsonl import JsonlSink
     from trainguard.sinks.reports import ReportSink
@@ -202,7 +188,7 @@ def main(args) -> int:
         if watcher is not None:
             watcher.stop.set()
             watcher.join(5)
-        _stop_process(worker)
+        stop_process(worker)
         if broker is not None:
             broker.stop()
 
