@@ -2,8 +2,9 @@
 
 One agent reads ``trainguard.events`` in batches and hands each event to the
 :class:`~trainguard.streams.engine.Engine`; the engine's state lives in the store of a
-changelog-backed Faust table, so a restarted worker (or the one that takes over a
-partition) recovers every baseline and breaker. Changed entries are written to the
+changelog-backed Faust table, and the per-minute aggregates of the long-horizon rules in a
+tumbling windowed table, so a restarted worker (or the one that takes over a partition)
+recovers every baseline, breaker and open window. Changed entries are written to the
 changelog once per batch, before the batch's offsets are acknowledged, so the changelog
 is never behind the committed offsets.
 """
@@ -60,6 +61,17 @@ class BytesTable(faust.Table):
 
     def _serializer_from_type(self, typ):
         return "raw"
+
+
+class WindowedBytesTable(BytesTable):
+    """The per-interval aggregates (:mod:`~trainguard.streams.minutes`): a tumbling windowed
+    table whose changelog keys are ``<source key>@<window start>``, turned back into Faust's
+    ``(key, (start, end))`` windowed keys on recovery."""
+
+    decode_key = staticmethod(lambda raw: raw)  # set to MinuteWindows.decode_key once the engine exists
+
+    def _to_key(self, k):
+        return self.decode_key(k)
 
 
 def _credentials(settings: KafkaSettings):
@@ -166,8 +178,14 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     dlq_topic = app.topic(settings.topics.dlq, key_serializer="raw", value_serializer="raw")
     state_table = app.tables.add(BytesTable(app, name="state", partitions=settings.partitions,
                                             beacon=app.tables.beacon, help="engine state per run and source"))
+    window_table = app.tables.add(WindowedBytesTable(app, name="windows", partitions=settings.partitions,
+                                                     beacon=app.tables.beacon,
+                                                     help="per-minute aggregates for the long-horizon rules"))
+    # Expiry by event time is the engine's (tombstones); `expires` only sets the changelog's retention.
+    app.trainguard_windows = window_table.tumbling(ruleset.window_s, expires=2 * ruleset.window_keep_s)
 
-    engine = Engine(ruleset, state_table.data, signing_key=signing_key)
+    engine = Engine(ruleset, state_table.data, windows=window_table.data, signing_key=signing_key)
+    window_table.decode_key = engine.windows.decode_key
     app.trainguard_engine = engine  # for tests and the status line
 
     if prometheus_port is None and os.environ.get("TRAINGUARD_PROMETHEUS_PORT"):
@@ -217,21 +235,26 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     async def flush_state() -> None:
         """Write each entry changed since the last flush once, then ack the events behind it."""
         events, unflushed[:] = list(unflushed), []
-        partitions = set()
+        written: set = set()  # (table, partition)
         for key, partition in engine.dirty.items():  # serialised now: exactly the events above
             state_table.send_changelog(partition, key, engine.serialize(key),
                                        key_serializer="raw", value_serializer="raw")
-            partitions.add(partition)
+            written.add((state_table, partition))
         engine.dirty.clear()
+        windows = engine.windows
+        for key, partition in windows.dirty.items():  # a deleted window goes as a tombstone
+            window_table.send_changelog(partition, windows.encode_key(key), windows.serialize(key),
+                                        key_serializer="raw", value_serializer="raw")
+            written.add((window_table, partition))
+        windows.dirty.clear()
         last_flush[0] = time.monotonic()
-        if partitions:
+        if written:
             # Some brokers (the embedded Tansu among them) report a partition's end offset from
             # its last record batch's base, so recovery would stop short of a multi-record
             # batch: flush the state, then end each partition's log with a one-record marker.
             await app.producer.flush()
-            for partition in partitions:
-                state_table.send_changelog(partition, FLUSH_MARKER, b"", key_serializer="raw",
-                                           value_serializer="raw")
+            for table, partition in written:
+                table.send_changelog(partition, FLUSH_MARKER, b"", key_serializer="raw", value_serializer="raw")
         for event in events:
             await detect_stream[0].ack(event)
 

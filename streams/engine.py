@@ -30,6 +30,7 @@ from trainguard.schemas.signing import SigningKey, sign
 from trainguard.streams import policy
 from trainguard.streams.baseline import BaselineBlock
 from trainguard.streams.detectors import CrossRank, detector_from_state
+from trainguard.streams.minutes import MinuteWindows
 from trainguard.streams.rules import ENGINE_KINDS, Rule, RuleSet
 
 log = logging.getLogger("trainguard.engine")
@@ -48,7 +49,7 @@ class SourceState:
     """
 
     __slots__ = ("kind", "block", "rule_rows", "det_rows", "gate_hi", "gate_lo", "always", "streaks", "firing",
-                 "detectors", "buckets", "_det_cache")
+                 "detectors", "minute", "windows", "_det_cache")
 
     def __init__(self, kind: str, block: BaselineBlock | None = None):
         self.kind = kind
@@ -61,7 +62,8 @@ class SourceState:
         self.streaks: dict[tuple[int, int], list] = {}   # slot -> [samples holding, since ts]
         self.firing: dict[tuple[int, int], dict] = {}    # slot -> the open alert
         self.detectors: dict[tuple[int, int], Any] = {}  # slot -> the rule's detector for that metric
-        self.buckets: dict[tuple[int, int], list] = {}   # slot -> [interval, sum, count] (resample_s)
+        self.minute: float | None = None                 # start of the open per-minute window (resample_s)
+        self.windows: list[float] = []                   # starts of the closed windows still held
         self._det_cache: tuple | None = None
 
     def bind(self, rules: RuleSet) -> None:
@@ -108,7 +110,7 @@ class SourceState:
             "streaks": [[rnames[r], names[w], v] for (r, w), v in self.streaks.items()],
             "firing": [[rnames[r], names[w], a] for (r, w), a in self.firing.items()],
             "detectors": [[rnames[r], names[w], d.to_state()] for (r, w), d in self.detectors.items()],
-            "buckets": [[rnames[r], names[w], b] for (r, w), b in self.buckets.items()],
+            "minute": self.minute, "windows": self.windows,
         })
         return _STATE_MAGIC + len(header).to_bytes(4, "little") + header + self.block.arrays()
 
@@ -131,7 +133,8 @@ class SourceState:
         state.streaks = dict(slots(d["streaks"]))
         state.firing = dict(slots(d["firing"]))
         state.detectors = {slot: detector_from_state(v) for slot, v in slots(d["detectors"])}
-        state.buckets = dict(slots(d["buckets"]))
+        state.minute = d.get("minute")
+        state.windows = d.get("windows", [])
         return state
 
 
@@ -176,15 +179,20 @@ class Output:
     value: dict
 
 
+_UNSET = object()
+
+
 def _json_value(v: float) -> float | str:
     return v if math.isfinite(v) else ("NaN" if v != v else ("Infinity" if v > 0 else "-Infinity"))
 
 
 class Engine:
     def __init__(self, rules: RuleSet, store: MutableMapping[bytes, Any] | None = None, *,
-                 signing_key: SigningKey | None = None):
+                 windows: MutableMapping[Any, Any] | None = None, signing_key: SigningKey | None = None):
         self.rules = rules
         self.store: MutableMapping[bytes, Any] = {} if store is None else store
+        # Per-interval aggregates of the resampled metrics (a windowed table in the worker).
+        self.windows = MinuteWindows(rules.window_s, windows, keep_s=rules.window_keep_s)
         self.signing_key = signing_key
         self.dirty: dict[bytes, int] = {}
         self.processed = 0
@@ -370,7 +378,9 @@ class Engine:
                 src.streaks.clear()
                 src.firing.clear()
                 src.detectors.clear()
-                src.buckets.clear()
+                for start in [*src.windows, *([] if src.minute is None else [src.minute])]:
+                    self.windows.delete(key, start, partition)
+                src.windows, src.minute = [], None
                 self.dirty[key] = partition
         run.open_critical.clear()
         run.cross.clear()
@@ -424,21 +434,33 @@ class Engine:
                                 value, bool(finite[j]), mean[j], std[j], lower[j], upper[j], block, row),
                             holding, outputs, critical)
 
-        # Rules with their own detector learn from every sample of their metrics.
+        # Rules with their own detector learn from every sample of their metrics; resampled
+        # ones from the per-interval means in the windowed table, when an interval closes.
         if state.det_rows:
+            ts = event["ts"]
+            closed = _UNSET  # the window this event closed (None: none), worked out on first need
             for j, row, watching in state.det_positions(rows):
                 value = float(x[j])
+                name = names[j]
+                added = False
                 for ri in watching:
                     rule, slot = rules[ri], (ri, row)
-                    verdict = self._detect(state, slot, rule, value, event["ts"])
+                    if rule.resample_s:
+                        if closed is _UNSET:
+                            closed = self._roll_window(state, key, ts, partition)
+                        if not added and math.isfinite(value):
+                            self.windows.add(key, state.minute, partition, name, value)
+                            added = True
+                        verdict = self._resampled(state, key, slot, rule, name, closed)
+                    else:
+                        verdict = self._detect(state, slot, rule, value, ts)
                     if verdict is None:  # no new judgement (between resampling intervals)
                         if slot in state.firing:
                             holding.add(slot)
                         continue
-                    det = state.detectors[slot]
-                    self._judge(state, slot, rule, rule.holds(value, verdict), event, run, run_id, sid, names[j],
-                                value, lambda det=det, rule=rule: {**det.evidence(), "detector": rule.kind},
-                                holding, outputs, critical)
+                    self._judge(state, slot, rule, rule.holds(value, verdict), event, run, run_id, sid, name,
+                                value, lambda slot=slot, rule=rule, name=name: self._detector_evidence(
+                                    state, key, slot, rule, name), holding, outputs, critical)
 
         # Episodes that no longer hold are resolved; streaks that broke start again.
         if state.streaks:
@@ -468,27 +490,60 @@ class Engine:
                 outputs.append(Output("report", run_id, report))
                 outputs.append(Output("command", run_id, command))
 
-    def _detect(self, state: SourceState, slot, rule: Rule, value: float, ts: float) -> bool | None:
-        """Feed a rule's own detector; None when it made no new judgement."""
+    def _detect(self, state: SourceState, slot, rule: Rule, value: float, ts: float) -> bool:
+        """Feed a rule's own detector one sample."""
         det = state.detectors.get(slot)
         if det is None:
             det = state.detectors[slot] = rule.make_detector()
         if value != value or value in (math.inf, -math.inf):
             return False  # detectors never learn from non-finite values
-        if not rule.resample_s:
-            return det.update(value, ts)
-        interval = int(ts // rule.resample_s)
-        bucket = state.buckets.get(slot)
-        if bucket is None:
-            state.buckets[slot] = [interval, value, 1]
+        return det.update(value, ts)
+
+    def _roll_window(self, state: SourceState, key: bytes, ts: float, partition: int) -> float | None:
+        """Move the source's open window to the one holding ``ts``; the start of the window
+        that closed, if one did. Late samples count in the open window; windows older than
+        the longest horizon are deleted (event time, so replays age the same way)."""
+        start = self.windows.start(ts)
+        if state.minute is None:
+            state.minute = start
             return None
-        if interval == bucket[0]:
-            bucket[1] += value
-            bucket[2] += 1
+        if start <= state.minute:
             return None
-        mean_value = bucket[1] / bucket[2]
-        state.buckets[slot] = [interval, value, 1]
-        return det.update(mean_value, (bucket[0] + 1) * rule.resample_s)
+        closed = state.minute
+        state.windows.append(closed)
+        state.minute = start
+        while state.windows and state.windows[0] <= closed - self.windows.keep_s:
+            self.windows.delete(key, state.windows.pop(0), partition)
+        return closed
+
+    def _resampled(self, state: SourceState, key: bytes, slot, rule: Rule, name: str,
+                   closed: float | None) -> bool | None:
+        """Judge a resampled rule on the interval that just closed; None when none did (or it
+        held no sample). A detector created now (a rule added or retuned since the windows
+        were filled) first learns the history the windowed table still holds."""
+        det = state.detectors.get(slot)
+        if det is None:
+            det = state.detectors[slot] = rule.make_detector()
+            for start in state.windows:
+                if start != closed:
+                    self._feed_interval(det, key, rule, name, start)
+        if closed is None:
+            return None
+        return self._feed_interval(det, key, rule, name, closed)
+
+    def _feed_interval(self, det, key: bytes, rule: Rule, name: str, last_start: float) -> bool | None:
+        end = last_start + self.windows.size
+        if end % rule.resample_s:  # an interval of several windows ends only at its boundary
+            return None
+        mean = self.windows.mean(key, last_start, rule.resample_s, name)
+        return None if mean is None else det.update(mean, end)
+
+    def _detector_evidence(self, state: SourceState, key: bytes, slot, rule: Rule, name: str) -> dict:
+        evidence = {**state.detectors[slot].evidence(), "detector": rule.kind}
+        if rule.resample_s:  # the per-interval history the verdict was drawn from
+            evidence["per_window"] = {"window_s": self.windows.size,
+                                      "means": self.windows.series(key, state.windows, name)}
+        return evidence
 
     def _cross_rank(self, run: RunState, run_id: str, event: dict, outputs: list) -> None:
         """Stragglers: one rank far from its peers at the same step."""

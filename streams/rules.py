@@ -169,6 +169,21 @@ class RuleSet:
                 return layer
         return "data"
 
+    @property
+    def window_s(self) -> int:
+        """The tumbling window of the per-interval aggregates: one that every ``resample_s``
+        is a whole number of (60 with the default rules)."""
+        sizes = [int(r.resample_s) for r in self.rules if r.resample_s]
+        return math.gcd(*sizes) if sizes else 60
+
+    @property
+    def window_keep_s(self) -> float:
+        """How long closed windows are kept: the longest resampled detector's horizon, at
+        least an hour (what an alert shows and what a retuned rule starts from)."""
+        horizons = [int(r.detector.get("window", 1)) * r.resample_s + r.resample_s
+                    for r in self.rules if r.resample_s]
+        return float(max([3600, *horizons]))
+
     def rules_for(self, metric: str, source_kind: str) -> list[int]:
         return [i for i, r in enumerate(self.rules)
                 if r.metrics.match(metric) and (not r.sources or source_kind in r.sources)]
@@ -243,7 +258,7 @@ def _rule(path: str, m: dict, seen: set) -> Rule:
         below=_number(path, line, m, "below"), non_finite=m.get("non_finite", False),
         for_samples=_number(path, line, m, "for", 1, integer=True, minimum=1),
         for_seconds=_number(path, line, m, "for_seconds", minimum=0),
-        resample_s=_number(path, line, m, "resample_s", minimum=1),
+        resample_s=_number(path, line, m, "resample_s", integer=True, minimum=1),
         critical=m.get("critical", False), summary=str(m.get("summary", name)),
         diagnosis=str(m.get("diagnosis", "")), suggestion=str(m.get("suggestion", "")),
         sources=tuple(m.get("sources", ())), detector=detector,

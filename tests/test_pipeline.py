@@ -144,17 +144,19 @@ def _drift_and_leak_events(run_id: str, steps: range) -> list[bytes]:
 
 def test_drift_and_leak_fire_on_schedule_across_a_worker_restart(kafka, tmp_path):
     """The long-horizon detectors (per-minute means, trend and slope windows) come back from
-    the changelog: alerts fire at the same steps as in an uninterrupted run."""
+    the changelog: alerts fire at the same steps, with the same evidence, as in an
+    uninterrupted run. The worker is killed while a minute window is half filled."""
     from trainguard.streams import rules as rules_mod
     from trainguard.streams.engine import Engine
 
     events = _drift_and_leak_events("long-1", range(1, 200))
     reference = Engine(rules_mod.load(None))
-    expected = {}
+    expected, evidence = {}, {}
     for offset, raw in enumerate(events):
         for out in reference.handle(raw, 0, offset):
             if out.kind == "alert" and out.value["status"] == "firing":
                 expected.setdefault(out.value["rule"], out.value["step"])
+                evidence.setdefault(out.value["rule"], out.value["evidence"])
     assert {"kl_drift", "gpu_memory_leak"} <= set(expected)
     cut = 2 * 40  # the first worker sees 40 steps, before either detector can fire
     assert min(expected["kl_drift"], expected["gpu_memory_leak"]) > 40
@@ -176,5 +178,9 @@ def test_drift_and_leak_fire_on_schedule_across_a_worker_restart(kafka, tmp_path
             alert = alerts.wait_for(lambda a, r=rule: a["rule"] == r and a["status"] == "firing",
                                     what=f"the {rule} alert", worker=second)
             assert alert["step"] == expected[rule], f"{rule} fired at {alert['step']}, expected {expected[rule]}"
+            # The per-minute means it shows span the restart: the windowed table came back whole.
+            means = alert["evidence"]["per_window"]["means"]
+            assert means[0][0] < 1.7e9 + 10 * 40 < means[-1][0]
+            assert alert["evidence"] == evidence[rule]
     finally:
         second.kill()
