@@ -60,6 +60,7 @@ def run(steps: Steps, quick: bool = False) -> dict:
     for step in range(1, per_source):
         offset = feed(engine, step, grown, offset)
     engine.dirty.clear()
+    engine.windows.dirty.clear()
     gc.collect()
     growth = tracemalloc.get_traced_memory()[0] - base - first_sight
     tracemalloc.stop()
@@ -69,6 +70,7 @@ def run(steps: Steps, quick: bool = False) -> dict:
     growth_per_series = growth / (grown * metrics)
     changelog = sum(len(engine.serialize(f"mem-{s:05d}|{ev.source_id(TRAINER_SRC)}".encode()))
                     + len(engine.serialize(f"mem-{s:05d}".encode())) for s in range(grown))
+    changelog += sum(len(engine.windows.serialize(k)) for k in engine.windows.store)  # the windowed table
 
     # The reference: one seed detector per series, windows full (distinct floats, as in training).
     ref_series = 10_000

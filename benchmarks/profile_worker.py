@@ -79,7 +79,7 @@ def label(frame: str) -> str:
     return f"{name} ({where.split(':')[0].split('/')[-1]})" if where else name
 
 
-def live(steps: Steps, seconds: float, log_dir: Path) -> None:
+def live(steps: Steps, seconds: float, log_dir: Path, mode: str = "trainguard") -> None:
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
         print("py-spy not installed: live profile skipped (pip install py-spy)")
@@ -89,7 +89,7 @@ def live(steps: Steps, seconds: float, log_dir: Path) -> None:
     events = encoded_events(steps, 60_000, 16)
     prefill(settings, events)
     prefix = settings.topics.events.rsplit(".", 1)[0]
-    child = Child([str(Path(__file__).with_name("consumer_main.py")), "trainguard", broker.bootstrap, prefix, "4",
+    child = Child([str(Path(__file__).with_name("consumer_main.py")), mode, broker.bootstrap, prefix, "4",
                    f"prof-{int(time.time())}"], log_dir / "profile-worker.log")
     deadline = time.monotonic() + 60
     while not any(line.startswith("F") for line in child.lines):
@@ -100,7 +100,7 @@ def live(steps: Steps, seconds: float, log_dir: Path) -> None:
     progress(f"py-spy on the worker for {seconds:.0f}s")
     before = [line for line in child.lines if line.startswith("P")][-1:] or ["P 0 0 0"]
     subprocess.run([spy, "record", "--pid", str(child.proc.pid), "-d", str(int(seconds)), "-r", "250",
-                    "--format", "raw", "-o", str(raw), "--nonblocking"], capture_output=True, check=True)
+                    "--format", "raw", "-o", str(raw), "--nonblocking", "--gil"], capture_output=True, check=True)
     after = [line for line in child.lines if line.startswith("P")][-1]
     child.kill()
     _, t0, e0, _ = before[-1].split()
@@ -117,7 +117,7 @@ def live(steps: Steps, seconds: float, log_dir: Path) -> None:
             incl[f] += n
         self_[frames[-1]] += n
     per_event = 1e6 / rate
-    print(f"\nlive worker: {rate:.0f} events/s while profiled = {per_event:.0f} us per event "
+    print(f"\nlive {mode} worker: {rate:.0f} events/s while profiled = {per_event:.0f} us per event "
           f"({total} samples)\n")
     print("inclusive share  us/event  frame")
     for f, n in incl.most_common(40):
@@ -131,6 +131,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--offline-only", action="store_true")
+    ap.add_argument("--mode", choices=("trainguard", "bare"), default="trainguard",
+                    help="profile the real worker or the bare Faust agent (the reference)")
     args = ap.parse_args()
     log_dir = ROOT / "out" / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +142,7 @@ def main() -> int:
         print(f"  {us:8.1f}  {name}")
     if not args.offline_only:
         try:
-            live(steps, args.seconds, log_dir)
+            live(steps, args.seconds, log_dir, args.mode)
         finally:
             CLEANUP.run()
     return 0

@@ -29,7 +29,8 @@ import numpy as np
 
 class BaselineBlock:
     __slots__ = ("names", "index", "window", "k", "clip", "buf", "count", "s1", "s2", "shift",
-                 "_last_key", "_last_rows", "all_rows", "_flat_base", "_half", "_any_clip")
+                 "_last_key", "_last_rows", "all_rows", "_flat_base", "_half", "_any_clip", "_full", "_last_pos",
+                 "_all_ready")
 
     def __init__(self) -> None:
         self.names: list[str] = []
@@ -53,6 +54,9 @@ class BaselineBlock:
         self._flat_base = self.all_rows * (self.buf.shape[1] if self.buf.ndim == 2 else 0)
         self._half = self.window // 2
         self._any_clip = bool(self.clip.any())
+        self._last_pos = self.window - 1
+        self._all_ready = np.ones(m, bool)
+        self._full = False  # every window full: the fast path skips the warm-up arithmetic
 
     def __len__(self) -> int:
         return len(self.names)
@@ -104,7 +108,7 @@ class BaselineBlock:
         ``rows``; for non-finite samples the statistics are those of the untouched window.
         """
         finite = np.isfinite(x)
-        if rows is self.all_rows and finite.all() and self.count.all():
+        if rows is self.all_rows and finite.all() and (self._full or self.count.all()):
             return self._update_all(x, finite)
         if not finite.all():
             rows_f, x_f = rows[finite], x[finite]
@@ -152,22 +156,30 @@ class BaselineBlock:
         """The common case, the same as ``update``: every metric of the block, all finite, all
         seen before. Whole-array operations, no fancy indexing of rows: the hot path."""
         window, count, s1, s2 = self.window, self.count, self.s1, self.s2
+        full = self._full
         pos = count % window
         flat = self._flat_base + pos
         buf = self.buf.reshape(-1)
         old = buf[flat]
-        old *= count >= window
+        if not full:
+            old *= count >= window
         xs = x - self.shift
         s1 += xs - old
         s2 += xs * xs - old * old
         buf[flat] = xs
         count += 1
-        if (pos == window - 1).any():  # once per window: exact sums, no drift
-            cycle = np.flatnonzero(pos == window - 1)
+        cycle = pos == self._last_pos
+        if cycle.any():  # once per window: exact sums, no drift
+            cycle = np.flatnonzero(cycle)
             b = self.buf[cycle]
             s1[cycle] = b.sum(axis=1)
             s2[cycle] = (b * b).sum(axis=1)
-        n = np.minimum(count, window)
+        if full:
+            n, ready = window, self._all_ready
+        else:
+            n = np.minimum(count, window)
+            ready = n >= self._half
+            self._full = bool((count >= window).all())
         mean_s = s1 / n
         var = s2 / n - mean_s * mean_s
         np.maximum(var, 0.0, out=var)
@@ -178,8 +190,9 @@ class BaselineBlock:
         if self._any_clip:
             np.maximum(lower, 0.0, out=lower, where=self.clip)
         upper = mean + half
-        ready = n >= self._half
-        anomalous = ((x < lower) | (x > upper)) & ready
+        anomalous = (x < lower) | (x > upper)
+        if not full:
+            anomalous &= ready
         return anomalous, finite, mean, std, lower, upper, ready
 
     def reset(self) -> None:
@@ -189,6 +202,7 @@ class BaselineBlock:
         self.s1[:] = 0.0
         self.s2[:] = 0.0
         self.shift[:] = np.nan
+        self._full = False
 
     # -- state ------------------------------------------------------------------------------
 

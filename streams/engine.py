@@ -49,13 +49,14 @@ class SourceState:
     """
 
     __slots__ = ("kind", "block", "rule_rows", "det_rows", "gate_hi", "gate_lo", "always", "streaks", "firing",
-                 "detectors", "minute", "windows", "_det_cache")
+                 "detectors", "minute", "windows", "res_rows", "_det_cache")
 
     def __init__(self, kind: str, block: BaselineBlock | None = None):
         self.kind = kind
         self.block = block or BaselineBlock()
         self.rule_rows: list[list[int]] = []   # per row: baseline rules that watch it
-        self.det_rows: dict[int, list[int]] = {}  # row -> rules with their own detector
+        self.det_rows: dict[int, list[int]] = {}  # row -> rules with their own detector, per sample
+        self.res_rows: dict[int, list[int]] = {}  # row -> rules with their own detector, per interval
         self.gate_hi = np.zeros(0)             # per row: lowest 'above' of its threshold-only rules
         self.gate_lo = np.zeros(0)             # per row: highest 'below' of its threshold-only rules
         self.always = np.zeros(0, bool)        # per row: judged every sample (relative conditions)
@@ -74,8 +75,10 @@ class SourceState:
             self.rule_rows.append([i for i in watching if rules.rules[i].detector is None])
             series = [i for i in watching if rules.rules[i].detector is not None
                       and rules.rules[i].kind not in ENGINE_KINDS]
-            if series:
-                self.det_rows[row] = series
+            if [i for i in series if not rules.rules[i].resample_s]:
+                self.det_rows[row] = [i for i in series if not rules.rules[i].resample_s]
+            if [i for i in series if rules.rules[i].resample_s]:
+                self.res_rows[row] = [i for i in series if rules.rules[i].resample_s]
         hi = np.full(len(names), np.inf)
         lo = np.full(len(names), -np.inf)
         always = np.zeros(len(names), bool)
@@ -92,15 +95,22 @@ class SourceState:
         self.gate_hi, self.gate_lo, self.always = hi, lo, always
         self._det_cache = None
 
-    def det_positions(self, rows: np.ndarray) -> list[tuple[int, int, list[int]]]:
-        """(position in the event, row, rules with a detector) for an event's rows; the block
-        hands out the same rows object for events of the same shape, so this is cached."""
+    def det_positions(self, rows: np.ndarray) -> tuple:
+        """For an event's rows: ``(position in the event, row, rules)`` of the per-sample
+        detectors, the same for the per-interval ones, and those positions and metric names
+        as one array and tuple (for the window aggregates). The block hands out the same rows
+        object for events of the same shape, so this is cached."""
         cached = self._det_cache
         if cached is not None and cached[0] is rows:
             return cached[1]
-        positions = [(j, row, self.det_rows[row]) for j, row in enumerate(rows.tolist()) if row in self.det_rows]
-        self._det_cache = (rows, positions)
-        return positions
+        listed = list(enumerate(rows.tolist()))
+        plain = [(j, row, self.det_rows[row]) for j, row in listed if row in self.det_rows]
+        per_interval = [(j, row, self.res_rows[row]) for j, row in listed if row in self.res_rows]
+        names = self.block.names
+        found = (plain, per_interval, np.array([j for j, _, _ in per_interval], dtype=np.intp),
+                 tuple(names[row] for _, row, _ in per_interval))
+        self._det_cache = (rows, found)
+        return found
 
     def to_bytes(self, rules: RuleSet) -> bytes:
         """A JSON header, then the baseline's arrays as raw bytes (no base64, no number parsing)."""
@@ -179,9 +189,6 @@ class Output:
     value: dict
 
 
-_UNSET = object()
-
-
 def _json_value(v: float) -> float | str:
     return v if math.isfinite(v) else ("NaN" if v != v else ("Infinity" if v > 0 else "-Infinity"))
 
@@ -201,6 +208,10 @@ class Engine:
         self._params_cache: dict[str, tuple[int, float, bool]] = {}
         self.clock = time.time  # when an event was received; replays and evaluations set their own
         self._cross_rules = [r for r in rules.rules if r.kind == "cross_rank"]
+        # A straggler needs peers: below this many ranks no cross-rank rule can judge.
+        self._cross_min_ranks = min((max(2, int(r.detector.get("min_peers", 4))) for r in self._cross_rules),
+                                    default=0)
+        self._fired = False  # an alert fired while handling the current event
         self._cross_pairs: dict[tuple, list] = {}
         # Callables given every decoded event that is applied (not replays), before detection:
         # e.g. the worker's Prometheus exporter. Empty by default; keep them cheap.
@@ -277,6 +288,7 @@ class Engine:
                 except Exception:  # an observer's failure must not cost the event its detection
                     log.exception("trainguard: on_event callback failed")
         outputs: list[Output] = []
+        self._fired = False
         if "source" in event:
             self._seen(run, run_id, event, outputs)
         kind = event["schema"]
@@ -303,6 +315,7 @@ class Engine:
             outputs.append(output)
 
     def _fire(self, run: RunState, alert: dict, rule) -> Output | None:
+        self._fired = True
         active = run.active.setdefault(alert["rule"], {"open": 0, "last_ts": 0.0, "alert": None})
         active["open"] += 1
         active["last_ts"] = alert["ts"]
@@ -415,11 +428,14 @@ class Engine:
         critical: list[tuple[str, str, str]] = []
 
         # Baseline rules: only rows that some rule could fire on need Python-level work.
-        with np.errstate(invalid="ignore"):
-            candidate = (anomalous | ~finite | (x > state.gate_hi[rows]) | (x < state.gate_lo[rows])
-                         | state.always[rows])
+        # (Comparisons with NaN are False, without a warning.)
+        candidate = (anomalous | ~finite | (x > state.gate_hi[rows]) | (x < state.gate_lo[rows])
+                     | state.always[rows])
         if state.firing:  # open episodes are re-judged every sample, anomalous or not
-            candidate |= np.isin(rows, [row for _, row in state.firing])
+            if rows is block.all_rows:  # positions are rows
+                candidate[[row for _, row in state.firing]] = True
+            else:
+                candidate |= np.isin(rows, [row for _, row in state.firing])
         for j in np.flatnonzero(candidate).tolist():
             row = int(rows[j])
             value = float(x[j])
@@ -434,33 +450,41 @@ class Engine:
                                 value, bool(finite[j]), mean[j], std[j], lower[j], upper[j], block, row),
                             holding, outputs, critical)
 
-        # Rules with their own detector learn from every sample of their metrics; resampled
-        # ones from the per-interval means in the windowed table, when an interval closes.
-        if state.det_rows:
+        # Rules with their own detector learn from every sample of their metrics...
+        if state.det_rows or state.res_rows:
             ts = event["ts"]
-            closed = _UNSET  # the window this event closed (None: none), worked out on first need
-            for j, row, watching in state.det_positions(rows):
+            plain, per_interval, res_j, res_names = state.det_positions(rows)
+            for j, row, watching in plain:
                 value = float(x[j])
-                name = names[j]
-                added = False
                 for ri in watching:
                     rule, slot = rules[ri], (ri, row)
-                    if rule.resample_s:
-                        if closed is _UNSET:
-                            closed = self._roll_window(state, key, ts, partition)
-                        if not added and math.isfinite(value):
-                            self.windows.add(key, state.minute, partition, name, value)
-                            added = True
-                        verdict = self._resampled(state, key, slot, rule, name, closed)
-                    else:
-                        verdict = self._detect(state, slot, rule, value, ts)
-                    if verdict is None:  # no new judgement (between resampling intervals)
-                        if slot in state.firing:
-                            holding.add(slot)
-                        continue
-                    self._judge(state, slot, rule, rule.holds(value, verdict), event, run, run_id, sid, name,
-                                value, lambda slot=slot, rule=rule, name=name: self._detector_evidence(
+                    self._judge(state, slot, rule, rule.holds(value, self._detect(state, slot, rule, value, ts)),
+                                event, run, run_id, sid, names[j], value,
+                                lambda slot=slot, rule=rule, name=names[j]: self._detector_evidence(
                                     state, key, slot, rule, name), holding, outputs, critical)
+            # ... the resampled ones from the per-interval figures in the windowed table: each
+            # event adds to the open window (whole arrays), an interval is judged when it closes.
+            if per_interval:
+                closed = self._roll_window(state, key, ts, partition)
+                self.windows.add(key, state.minute, partition, res_names, x[res_j])
+                if closed is None:  # no new judgement: open episodes and streaks carry on
+                    for slot in (*state.firing, *state.streaks):
+                        if slot[1] in state.res_rows and rules[slot[0]].resample_s:
+                            holding.add(slot)
+                else:
+                    for j, row, watching in per_interval:
+                        value = float(x[j])
+                        for ri in watching:
+                            rule, slot = rules[ri], (ri, row)
+                            verdict = self._resampled(state, key, slot, rule, names[j], closed)
+                            if verdict is None:  # the interval held no sample of it
+                                if slot in state.firing or slot in state.streaks:
+                                    holding.add(slot)
+                                continue
+                            self._judge(state, slot, rule, rule.holds(value, verdict), event, run, run_id, sid,
+                                        names[j], value, lambda slot=slot, rule=rule, name=names[j]:
+                                        self._detector_evidence(state, key, slot, rule, name),
+                                        holding, outputs, critical)
 
         # Episodes that no longer hold are resolved; streaks that broke start again.
         if state.streaks:
@@ -472,9 +496,11 @@ class Engine:
                 value = float(metrics.get(opened["metric"], math.nan))
                 self._add(outputs, self._resolve(run, opened, event, value=_json_value(value)))
 
-        if self._cross_rules and src.get("rank") is not None and src["kind"] in self.rules.policy["step_sources"]:
+        if (self._cross_rules and src.get("rank") is not None and len(run.ranks) >= self._cross_min_ranks
+                and src["kind"] in self.rules.policy["step_sources"]):
             self._cross_rank(run, run_id, event, outputs)
-        if self.rules.incidents and (run.active or run.incidents):
+        # An incident can only open when one of its members fires, and only an open one can end.
+        if self.rules.incidents and (self._fired or run.incidents):
             self._incidents(run, run_id, event, outputs, critical)
 
         if src["kind"] in self.rules.policy["step_sources"]:
@@ -510,6 +536,7 @@ class Engine:
         if start <= state.minute:
             return None
         closed = state.minute
+        self.windows.close(key, closed, start)
         state.windows.append(closed)
         state.minute = start
         while state.windows and state.windows[0] <= closed - self.windows.keep_s:

@@ -17,10 +17,13 @@ expire).
     >>> start = w.start(125.0)
     >>> start, w.window_range(start)
     (120.0, (120.0, 179.9))
-    >>> for value in (1.0, 3.0):
-    ...     w.add(b"run|node:h", start, 0, "gpu/0/memory_used_gb", value)
-    >>> w.mean(b"run|node:h", start, 60, "gpu/0/memory_used_gb")
+    >>> names = ("gpu/memory_used_gb[0]", "gpu/memory_used_gb[1]")
+    >>> for values in ([1.0, 40.0], [3.0, float("nan")]):
+    ...     w.add(b"run|node:h", start, 0, names, np.array(values))
+    >>> w.mean(b"run|node:h", start, 60, "gpu/memory_used_gb[0]")
     2.0
+    >>> w.get(b"run|node:h", start)["gpu/memory_used_gb[1]"]  # NaN never enters: [sum, count, min, max]
+    [40.0, 1.0, 40.0, 40.0]
     >>> w.decode_key(w.encode_key((b"run|node:h", (120.0, 179.9))))
     (b'run|node:h', (120.0, 179.9))
 """
@@ -30,9 +33,73 @@ from __future__ import annotations
 import math
 from typing import Any, MutableMapping
 
+import numpy as np
 import orjson
 
 WindowKey = tuple  # (source key: bytes, (start, end))
+
+
+class OpenWindow:
+    """The window still filling: ``[sum, count, min, max]`` rows of one array, a column per
+    metric, so an event's samples go in with a few whole-array operations. Closed windows
+    (and the changelog) hold the same figures as a ``{metric: [sum, count, min, max]}`` dict."""
+
+    __slots__ = ("names", "index", "agg", "_cols")
+
+    def __init__(self, entries: dict | None = None):
+        self.names: list[str] = []
+        self.index: dict[str, int] = {}
+        self.agg = np.zeros((4, 0))
+        self._cols: dict[tuple, np.ndarray] = {}
+        if entries:
+            self.columns(tuple(entries))
+            for name, entry in entries.items():
+                self.agg[:, self.index[name]] = entry
+
+    def columns(self, names: tuple) -> tuple:
+        """The columns of ``names`` as an index (a slice when contiguous, the usual case: cheaper
+        than fancy indexing) and as an array; cached per event shape. New names get columns."""
+        cols = self._cols.get(names)
+        if cols is None:
+            new = [n for n in names if n not in self.index]
+            if new:
+                for n in new:
+                    self.index[n] = len(self.names)
+                    self.names.append(n)
+                grow = np.zeros((4, len(new)))
+                grow[2], grow[3] = np.inf, -np.inf
+                self.agg = np.concatenate([self.agg, grow], axis=1)
+            array = np.array([self.index[n] for n in names], dtype=np.intp)
+            contiguous = len(array) and (np.diff(array) == 1).all()
+            cols = self._cols[names] = (slice(array[0], array[-1] + 1) if contiguous else array, array)
+        return cols
+
+    def add(self, names: tuple, values: np.ndarray) -> None:
+        cols, array = self.columns(names)
+        if not math.isfinite(values.sum()):  # rare: leave the NaN and Inf out
+            ok = np.isfinite(values)
+            cols, values = array[ok], values[ok]
+        agg = self.agg
+        if type(cols) is slice:  # views: updated in place
+            agg[0, cols] += values
+            agg[1, cols] += 1.0
+            low, high = agg[2, cols], agg[3, cols]
+            np.minimum(low, values, out=low)
+            np.maximum(high, values, out=high)
+        else:
+            agg[0, cols] += values
+            agg[1, cols] += 1.0
+            agg[2, cols] = np.minimum(agg[2, cols], values)
+            agg[3, cols] = np.maximum(agg[3, cols], values)
+
+    def clear(self) -> None:
+        agg = self.agg
+        agg[:2] = 0.0
+        agg[2], agg[3] = np.inf, -np.inf
+
+    def to_dict(self) -> dict:
+        figures = self.agg.T.tolist()
+        return {name: figures[i] for i, name in enumerate(self.names) if figures[i][1]}
 
 
 class MinuteWindows:
@@ -53,31 +120,39 @@ class MinuteWindows:
         return (start, start + self.size - 0.1)  # faust.types.windows.WindowRange_from_start
 
     def get(self, skey: bytes, start: float) -> dict | None:
+        """A window's ``{metric: [sum, count, min, max]}``."""
         key = (skey, self.window_range(start))
         agg = self.store.get(key)
         if type(agg) is bytes:  # restored from the changelog: decode once, on first use
             agg = orjson.loads(agg)
             self.store[key] = agg
+        elif type(agg) is OpenWindow:
+            return agg.to_dict()
         return agg
 
-    def add(self, skey: bytes, start: float, partition: int, name: str, value: float) -> None:
+    def add(self, skey: bytes, start: float, partition: int, names: tuple, values: np.ndarray) -> None:
+        """One event's samples of ``names`` into the window starting at ``start`` (non-finite
+        values are left out)."""
         key = (skey, self.window_range(start))
         agg = self.store.get(key)
-        if agg is None:
-            agg = self.store[key] = {}
-        elif type(agg) is bytes:
-            agg = self.store[key] = orjson.loads(agg)
-        entry = agg.get(name)
-        if entry is None:
-            agg[name] = [value, 1, value, value]
-        else:
-            entry[0] += value
-            entry[1] += 1
-            if value < entry[2]:
-                entry[2] = value
-            if value > entry[3]:
-                entry[3] = value
+        if type(agg) is not OpenWindow:
+            if type(agg) is bytes:
+                agg = orjson.loads(agg)
+            agg = self.store[key] = OpenWindow(agg)
+        agg.add(names, values)
         self.dirty[key] = partition
+
+    def close(self, skey: bytes, start: float, following: float) -> None:
+        """The window will not change any more: keep it as the plain figures, and open the
+        ``following`` one with the same columns (no per-window set-up on the hot path)."""
+        key = (skey, self.window_range(start))
+        agg = self.store.get(key)
+        if type(agg) is OpenWindow:
+            self.store[key] = agg.to_dict()
+            next_key = (skey, self.window_range(following))
+            if next_key not in self.store:
+                agg.clear()
+                self.store[next_key] = agg
 
     def delete(self, skey: bytes, start: float, partition: int) -> None:
         key = (skey, self.window_range(start))
@@ -128,4 +203,4 @@ class MinuteWindows:
         agg = self.store.get(key)
         if agg is None or type(agg) is bytes:
             return agg
-        return orjson.dumps(agg)
+        return orjson.dumps(agg.to_dict() if type(agg) is OpenWindow else agg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 
@@ -171,8 +172,10 @@ class MannKendall(Detector):
         }
 
 
+@functools.lru_cache(maxsize=64)
 def _z_of_p(p: float) -> float:
-    """Two-sided normal quantile: z such that erfc(z/√2) = p (bisection, cached use)."""
+    """Two-sided normal quantile: z such that erfc(z/√2) = p (bisection; cached, since a
+    detector asks for its own alpha at every sample)."""
     lo, hi = 0.0, 40.0
     for _ in range(60):
         mid = (lo + hi) / 2
