@@ -17,42 +17,21 @@ import time
 
 import faust
 import orjson
-from faust.transport.drivers import aiokafka as aiokafka_driver
 
 from trainguard.kafka import KafkaSettings, partition_for
 from trainguard.schemas.signing import load_keys
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
+from trainguard.streams.transport import WorkerTransport
 
 log = logging.getLogger("trainguard.worker")
 
-FETCH_MAX_WAIT_MS = int(os.environ.get("TRAINGUARD_FETCH_MAX_WAIT_MS", "20"))
 FLUSH_MARKER = b"|flush"  # a state-table key no run or source can have (they never start with "|")
-
-
-class QuickFetchThread(aiokafka_driver.AIOKafkaConsumerThread):
-    """Faust's consumer with a short fetch wait: Faust fixes it at 1.5 s, and a broker that
-    does not answer a waiting fetch as soon as data arrives (the embedded one) would hold
-    every alert back that long."""
-
-    def _create_worker_consumer(self, transport):
-        consumer = super()._create_worker_consumer(transport)
-        consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS  # read by the fetcher aiokafka builds on start
-        return consumer
-
-
-class QuickFetchConsumer(aiokafka_driver.Consumer):
-    def _new_consumer_thread(self):
-        return QuickFetchThread(self, loop=self.loop, beacon=self.beacon)
-
-
-class QuickFetchTransport(aiokafka_driver.Transport):
-    Consumer = QuickFetchConsumer
 
 
 class WorkerApp(faust.App):
     def _new_transport(self):
-        return QuickFetchTransport(self.conf.broker_consumer, self)
+        return WorkerTransport(self.conf.broker_consumer, self)
 
 
 class BytesTable(faust.Table):
@@ -72,6 +51,12 @@ class WindowedBytesTable(BytesTable):
 
     def _to_key(self, k):
         return self.decode_key(k)
+
+
+def bulk_lane_enabled() -> bool:
+    """The events topic's bulk lane (``streams/transport.py``); ``TRAINGUARD_BULK_LANE=0`` turns
+    it off (Faust's own agent path, to compare or to rule it out)."""
+    return os.environ.get("TRAINGUARD_BULK_LANE", "1").lower() not in ("0", "false", "no", "off")
 
 
 def _credentials(settings: KafkaSettings):
@@ -228,13 +213,13 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     # under a steady trickle of events, batches are small and the same entries would be
     # rewritten many times a second. Events stay unacknowledged (so their offsets are not
     # committed) until the state that includes them has been flushed.
-    unflushed: list = []
+    unflushed: list = []  # (the stream, its event) from the agent; (None, message) from the bulk lane
     last_flush = [time.monotonic()]
-    detect_stream: list = []
+    message_out = app.sensors.on_message_out
 
     async def flush_state() -> None:
         """Write each entry changed since the last flush once, then ack the events behind it."""
-        events, unflushed[:] = list(unflushed), []
+        held, unflushed[:] = list(unflushed), []
         written: set = set()  # (table, partition)
         for key, partition in engine.dirty.items():  # serialised now: exactly the events above
             state_table.send_changelog(partition, key, engine.serialize(key),
@@ -255,30 +240,47 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
             await app.producer.flush()
             for table, partition in written:
                 table.send_changelog(partition, FLUSH_MARKER, b"", key_serializer="raw", value_serializer="raw")
-        for event in events:
-            await detect_stream[0].ack(event)
+        consumer = app.consumer
+        for stream, item in held:
+            if stream is None:  # the bulk lane: acknowledged as a stream would
+                if item.ack(consumer):
+                    message_out(item.tp, item.offset, item)
+            else:
+                await stream.ack(item)
+
+    async def detect_batch(messages: list, held: list) -> None:
+        """Detection for messages of the events topic, in order; ``held`` are what to ack
+        once the state that includes them is flushed."""
+        outputs = []
+        handle = engine.handle
+        samples_before = engine.samples
+        for m in messages:
+            outputs.extend(handle(m.value, m.partition, m.offset, m.topic))
+        if outputs:
+            await publish(outputs)
+        unflushed.extend(held)
+        if time.monotonic() - last_flush[0] >= state_flush_s or len(unflushed) >= 20 * batch_max:
+            await flush_state()
+        if exporter is not None:
+            try:
+                feed.flush(exporter, len(messages), engine.samples - samples_before, outputs)
+            except Exception:  # the exporter must never stop detection
+                log.exception("trainguard: exporter update failed")
+
+    async def bulk_lane(messages: list) -> None:
+        await detect_batch(messages, [(None, m) for m in messages])
+
+    if bulk_lane_enabled():
+        app.trainguard_bulk_lane = (events_topic.get_topic_name(), bulk_lane)
 
     @app.agent(events_topic)
     async def detect(stream):
-        detect_stream[:] = [stream]
+        """Subscribes the events topic; with the bulk lane on (the default) its messages go
+        to ``bulk_lane`` and never reach this stream."""
         async for batch in stream.take_events(batch_max, within=batch_within_s):
-            outputs = []
-            handle = engine.handle
-            samples_before = engine.samples
             for event in batch:
                 event.message.incref()  # held until the state that includes it is flushed
-                m = event.message
-                outputs.extend(handle(m.value, m.partition, m.offset, m.topic))
-            unflushed.extend(batch)
-            if outputs:
-                await publish(outputs)
-            if time.monotonic() - last_flush[0] >= state_flush_s or len(unflushed) >= 20 * batch_max:
-                await flush_state()
-            if exporter is not None:
-                try:
-                    feed.flush(exporter, len(batch), engine.samples - samples_before, outputs)
-                except Exception:  # the exporter must never stop detection
-                    log.exception("trainguard: exporter update failed")
+            await detect_batch([event.message for event in batch], [(stream, event) for event in batch])
 
     @app.timer(0.5)
     async def flush_when_idle() -> None:
