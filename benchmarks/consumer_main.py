@@ -3,6 +3,7 @@
     python benchmarks/consumer_main.py MODE BOOTSTRAP PREFIX PARTITIONS APP_ID
 
 MODE is ``trainguard`` (the real worker: ``create_app`` run by ``faust.Worker``),
+``trainguard-agent`` (the same worker with its bulk lane off: events through Faust's agent),
 ``bare`` (a Faust agent with the same App settings that only decodes), or ``aiokafka``
 (a plain aiokafka consumer and orjson decode: the physical limit of a Python consumer).
 
@@ -169,6 +170,9 @@ def main(argv: list[str]) -> int:
     mode, bootstrap, prefix, partitions, app_id = argv[:5]
     settings = app_settings(bootstrap, prefix, int(partitions))
     if mode == "trainguard":
+        run_trainguard(settings, app_id)
+    elif mode == "trainguard-agent":  # the worker without its bulk lane: Faust's per-message path
+        os.environ["TRAINGUARD_BULK_LANE"] = "0"
         run_trainguard(settings, app_id)
     elif mode == "bare":
         run_bare(settings, app_id)

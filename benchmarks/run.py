@@ -65,7 +65,9 @@ def throughput(bootstrap: str, steps: Steps, quick: bool, log_dir: Path) -> dict
     bare = _median_runs(lambda i: consume("bare", settings, n, log_dir, measure_s=cap_bare), repeats)
     progress(f"  bare Faust {bare['events_per_s']:.0f} events/s; trainguard worker x{repeats}")
     worker = _median_runs(lambda i: consume("trainguard", settings, n, log_dir, measure_s=cap_worker), repeats)
-    progress(f"  worker {worker['events_per_s']:.0f} events/s")
+    progress(f"  worker {worker['events_per_s']:.0f} events/s; worker without its bulk lane x{repeats}")
+    agent = _median_runs(lambda i: consume("trainguard-agent", settings, n, log_dir, measure_s=cap_worker), repeats)
+    progress(f"  worker through Faust's agent path {agent['events_per_s']:.0f} events/s")
     return {
         "worker_events_per_s": worker["events_per_s"], "worker_samples_per_s": worker["samples_per_s"],
         "bare_faust_events_per_s": bare["events_per_s"], "bare_faust_samples_per_s": bare["samples_per_s"],
@@ -74,6 +76,8 @@ def throughput(bootstrap: str, steps: Steps, quick: bool, log_dir: Path) -> dict
         "worker_events_ratio_vs_aiokafka": worker["events_per_s"] / raw["events_per_s"],
         "worker_runs_events_per_s": worker["runs_events_per_s"], "bare_runs_events_per_s": bare["runs_events_per_s"],
         "aiokafka_runs_events_per_s": raw["runs_events_per_s"],
+        "worker_agent_path_events_per_s": agent["events_per_s"],
+        "worker_agent_path_ratio_vs_bare_faust": agent["events_per_s"] / bare["events_per_s"],
         "worker_events_measured": worker["events"], "bare_events_measured": bare["events"],
         "samples_per_event": n and worker["samples_per_s"] / worker["events_per_s"],
     }
@@ -140,6 +144,11 @@ def rows(r: dict) -> list[tuple]:
                     ">= 0.80", g("worker_events_ratio_vs_bare_faust") >= 0.8))
         out.append(("worker events/s", _fmt(g("worker_events_per_s")), "aiokafka + orjson loop",
                     _fmt(g("aiokafka_events_per_s")), f"{g('worker_events_ratio_vs_aiokafka'):.3f}", "-", None))
+        if g("worker_agent_path_events_per_s"):
+            out.append(("worker events/s, bulk lane off (Faust's agent path)",
+                        _fmt(g("worker_agent_path_events_per_s")), "bare Faust agent",
+                        _fmt(g("bare_faust_events_per_s")), f"{g('worker_agent_path_ratio_vs_bare_faust'):.2f}",
+                        "-", None))
     if "alert_latency_p99_ms" in r:
         tr = g("transport_latency_p99_ms")
         out.append((f"produce -> alert p99 (p50 {_fmt(g('alert_latency_p50_ms'))}) at "

@@ -22,7 +22,7 @@ from trainguard.kafka import KafkaSettings, partition_for
 from trainguard.schemas.signing import load_keys
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
-from trainguard.streams.transport import WorkerTransport
+from trainguard.streams.transport import BULK_LANE_SUPPORTED, WorkerTransport
 
 log = logging.getLogger("trainguard.worker")
 
@@ -56,7 +56,14 @@ class WindowedBytesTable(BytesTable):
 def bulk_lane_enabled() -> bool:
     """The events topic's bulk lane (``streams/transport.py``); ``TRAINGUARD_BULK_LANE=0`` turns
     it off (Faust's own agent path, to compare or to rule it out)."""
-    return os.environ.get("TRAINGUARD_BULK_LANE", "1").lower() not in ("0", "false", "no", "off")
+    if os.environ.get("TRAINGUARD_BULK_LANE", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if not BULK_LANE_SUPPORTED:
+        log.warning("trainguard: faust-streaming %s is not the release the bulk lane follows (0.15): "
+                    "events go through Faust's agent path (slower; install faust-streaming 0.15)",
+                    faust.__version__)
+        return False
+    return True
 
 
 def _credentials(settings: KafkaSettings):
@@ -298,8 +305,9 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
 
     @app.timer(10.0)
     async def status() -> None:
-        log.info("trainguard: %d events, %d samples processed, %d replays skipped",
-                 engine.processed, engine.samples, engine.skipped_replays)
+        log.info("trainguard: %d events, %d samples processed, %d replays skipped (%s)",
+                 engine.processed, engine.samples, engine.skipped_replays,
+                 "bulk lane" if getattr(app, "trainguard_bulk_lane", None) else "agent path")
 
     return app
 

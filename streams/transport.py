@@ -27,9 +27,13 @@ import asyncio
 import os
 from typing import Awaitable, Callable
 
+import faust
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as aiokafka_driver
 
+# The bulk lane follows the consumer internals of this release line; elsewhere the worker
+# uses Faust's agent path (and says so).
+BULK_LANE_SUPPORTED = faust.__version__.startswith("0.15.")
 FETCH_MAX_WAIT_MS = int(os.environ.get("TRAINGUARD_FETCH_MAX_WAIT_MS", "20"))
 
 BulkHandler = Callable[[list], Awaitable[None]]

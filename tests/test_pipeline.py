@@ -184,3 +184,41 @@ def test_drift_and_leak_fire_on_schedule_across_a_worker_restart(kafka, tmp_path
             assert alert["evidence"] == evidence[rule]
     finally:
         second.kill()
+
+
+@pytest.mark.parametrize("lane", ["1", "0"], ids=["bulk-lane", "agent-path"])
+def test_offsets_are_committed_once_the_state_behind_them_is_flushed(kafka, tmp_path, lane):
+    """Both ways events reach detection (the bulk lane, and Faust's agent with it off) ack
+    every event, so the group's committed offsets reach the end of the topic: a restarted
+    worker reads nothing twice."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from trainguard.kafka import partition_for
+
+    worker = WorkerProcess(kafka, tmp_path, extra_env={"TRAINGUARD_BULK_LANE": lane}).start().wait_ready()
+    try:
+        for run in range(4):  # several runs: several partitions
+            events = [ev.encode(ev.metrics_event(f"commit-{run}", s, {"actor/pg_loss": 0.1 + 0.001 * s},
+                                                 src=ev.source("trainer", "h", 0), ts=1.7e9 + s))
+                      for s in range(1, 26)]
+            produce(kafka, kafka.topics.events, f"commit-{run}", events)
+        group = Consumer(kafka.confluent(**{"group.id": worker.app_id, "enable.auto.commit": False}))
+        partitions = [TopicPartition(kafka.topics.events, p) for p in range(kafka.partitions)]
+        ends = {p: 0 for p in range(kafka.partitions)}  # a fresh topic: offsets from 0
+        for run in range(4):
+            ends[partition_for(f"commit-{run}", kafka.partitions)] += 25
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            committed = {tp.partition: tp.offset for tp in group.committed(partitions, timeout=10)}
+            if all(committed[p] == end for p, end in ends.items() if end > 0):
+                break
+            time.sleep(0.5)
+        group.close()
+        assert all(committed[p] == end for p, end in ends.items() if end > 0), (committed, ends)
+        expected = "bulk lane" if lane == "1" else "agent path"
+        deadline = time.monotonic() + 15
+        while f"({expected})" not in worker.log() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert f"100 events, 100 samples processed, 0 replays skipped ({expected})" in worker.log()
+    finally:
+        worker.kill()
