@@ -8,7 +8,9 @@ In the worker the store is the data of a Faust table wrapped with ``.tumbling(si
 the open window and the last hour back; offline (replay, evaluation) it is a dict.
 
 Keys are Faust's windowed keys, ``(key, (start, start + size - 0.1))``, so the table also
-reads through Faust's window API. Windows are expired by **event time** here, with a
+reads through Faust's window API. The open window is an :class:`OpenWindow` (arrays, one
+numpy pass per event); a closed one is kept as its changelog bytes (JSON), the compact form,
+since an hour of them is held per source and they are read once a minute. Windows are expired by **event time** here, with a
 tombstone per window: Faust's own expiry uses the wall clock (replayed history would be
 dropped on arrival) and deletes from the local store only (a recovered window would never
 expire).
@@ -111,6 +113,7 @@ class MinuteWindows:
         self.store: MutableMapping[Any, Any] = {} if store is None else store
         self.keep_s = float(keep_s)
         self.dirty: dict[WindowKey, int] = {}
+        self._decoded: tuple = (None, None)  # the closed window decoded last
 
     def start(self, ts: float) -> float:
         """The start of the window holding ``ts`` (Faust's ``TumblingWindow.current(ts)[0]``)."""
@@ -123,10 +126,11 @@ class MinuteWindows:
         """A window's ``{metric: [sum, count, min, max]}``."""
         key = (skey, self.window_range(start))
         agg = self.store.get(key)
-        if type(agg) is bytes:  # restored from the changelog: decode once, on first use
-            agg = orjson.loads(agg)
-            self.store[key] = agg
-        elif type(agg) is OpenWindow:
+        if type(agg) is bytes:  # a closed window: kept as its changelog bytes, the compact form
+            if self._decoded[0] != key:  # the rules judging one closed window read it in turn
+                self._decoded = (key, orjson.loads(agg))
+            return self._decoded[1]
+        if type(agg) is OpenWindow:
             return agg.to_dict()
         return agg
 
@@ -148,7 +152,7 @@ class MinuteWindows:
         key = (skey, self.window_range(start))
         agg = self.store.get(key)
         if type(agg) is OpenWindow:
-            self.store[key] = agg.to_dict()
+            self.store[key] = orjson.dumps(agg.to_dict())
             next_key = (skey, self.window_range(following))
             if next_key not in self.store:
                 agg.clear()
@@ -156,6 +160,8 @@ class MinuteWindows:
 
     def delete(self, skey: bytes, start: float, partition: int) -> None:
         key = (skey, self.window_range(start))
+        if self._decoded[0] == key:
+            self._decoded = (None, None)
         if self.store.pop(key, None) is not None:
             self.dirty[key] = partition
 

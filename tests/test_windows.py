@@ -4,6 +4,7 @@ time, history for rules added later, restarts."""
 import math
 
 import faust
+import orjson
 import pytest
 from faust.windows import TumblingWindow
 
@@ -60,8 +61,8 @@ def test_the_worker_table_reads_the_engine_entries_through_fausts_window_api():
     table.decode_key = engine.windows.decode_key
     leaking(engine, 3)
     skey = b"r|" + ev.source_id(NODE).encode()
-    last_minute = wrapper.relative_to(T0 + 60 * 2 + 5)[skey].value()
-    assert last_minute["gpu/memory_used_gb"][1] == 6  # six samples, 10 s apart
+    closed_minute = wrapper.relative_to(T0 + 60 * 2 + 5)[skey].value()  # a closed window's changelog bytes
+    assert orjson.loads(closed_minute)["gpu/memory_used_gb"][1] == 6  # six samples, 10 s apart
     changelog_key = engine.windows.encode_key((skey, TumblingWindow(60).current(T0)))
     assert table._to_key(changelog_key) == (skey, TumblingWindow(60).current(T0))  # as recovery rebuilds it
 
