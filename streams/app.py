@@ -11,6 +11,7 @@ is never behind the committed offsets.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -224,8 +225,15 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     last_flush = [time.monotonic()]
     message_out = app.sensors.on_message_out
 
-    async def flush_state() -> None:
-        """Write each entry changed since the last flush once, then ack the events behind it."""
+    flushing: list = [None]  # the task finishing the latest flush
+
+    def flush_state() -> None:
+        """Write each entry changed since the last flush once; a task then waits for the
+        broker, ends the logs with markers and acks the events behind it, so detection never
+        waits on the changelog's round trip. One flush at a time: while one finishes, changes
+        keep accumulating for the next."""
+        if flushing[0] is not None and not flushing[0].done():
+            return
         held, unflushed[:] = list(unflushed), []
         written: set = set()  # (table, partition)
         for key, partition in engine.dirty.items():  # serialised now: exactly the events above
@@ -240,6 +248,10 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
             written.add((window_table, partition))
         windows.dirty.clear()
         last_flush[0] = time.monotonic()
+        flushing[0] = asyncio.ensure_future(finish_flush(held, written))
+        flushing[0].add_done_callback(finished_flush)
+
+    async def finish_flush(held: list, written: set) -> None:
         if written:
             # Some brokers (the embedded Tansu among them) report a partition's end offset from
             # its last record batch's base, so recovery would stop short of a multi-record
@@ -255,6 +267,10 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
             else:
                 await stream.ack(item)
 
+    def finished_flush(task) -> None:
+        if not task.cancelled() and task.exception() is not None:  # its events stay unacked: read again
+            log.error("trainguard: writing state to the changelog failed: %r", task.exception())
+
     async def detect_batch(messages: list, held: list) -> None:
         """Detection for messages of the events topic, in order; ``held`` are what to ack
         once the state that includes them is flushed."""
@@ -267,7 +283,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
             await publish(outputs)
         unflushed.extend(held)
         if time.monotonic() - last_flush[0] >= state_flush_s or len(unflushed) >= 20 * batch_max:
-            await flush_state()
+            flush_state()
         if exporter is not None:
             try:
                 feed.flush(exporter, len(messages), engine.samples - samples_before, outputs)
@@ -292,7 +308,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     @app.timer(0.5)
     async def flush_when_idle() -> None:
         if unflushed and time.monotonic() - last_flush[0] >= state_flush_s:
-            await flush_state()
+            flush_state()
 
     @app.timer(5.0)
     async def watch_silence() -> None:
@@ -301,7 +317,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         outputs = engine.tick()
         if outputs:
             await publish(outputs)
-            await flush_state()
+            flush_state()
 
     @app.timer(10.0)
     async def status() -> None:
