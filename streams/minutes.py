@@ -152,7 +152,8 @@ class MinuteWindows:
         key = (skey, self.window_range(start))
         agg = self.store.get(key)
         if type(agg) is OpenWindow:
-            self.store[key] = orjson.dumps(agg.to_dict())
+            # A copy of exactly its size: orjson hands out 4 KB buffers, held here for an hour.
+            self.store[key] = bytes(memoryview(orjson.dumps(agg.to_dict())))
             next_key = (skey, self.window_range(following))
             if next_key not in self.store:
                 agg.clear()

@@ -178,11 +178,11 @@ class RuleSet:
 
     @property
     def window_keep_s(self) -> float:
-        """How long closed windows are kept: the longest resampled detector's horizon, at
-        least an hour (what an alert shows and what a retuned rule starts from)."""
+        """How long closed windows are kept: the longest resampled detector's horizon (what
+        an alert shows and what a rule added later starts from; 21 minutes by default)."""
         horizons = [int(r.detector.get("window", 1)) * r.resample_s + r.resample_s
                     for r in self.rules if r.resample_s]
-        return float(max([3600, *horizons]))
+        return float(max(horizons, default=0))
 
     def rules_for(self, metric: str, source_kind: str) -> list[int]:
         return [i for i, r in enumerate(self.rules)

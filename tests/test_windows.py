@@ -70,13 +70,13 @@ def test_the_worker_table_reads_the_engine_entries_through_fausts_window_api():
 def test_windows_expire_by_event_time_with_tombstones():
     engine = Engine(rules_mod.parse(FAST_LEAK, "leak.yaml"))
     windows = engine.windows
-    assert windows.keep_s == 3600
-    leaking(engine, 61)
+    assert windows.keep_s == 21 * 60  # the leak rule's 20 per-minute means and the one being judged
+    leaking(engine, 25)
     windows.dirty.clear()
-    leaking(engine, 30, start_minute=61, offset=10_000)
+    leaking(engine, 30, start_minute=25, offset=10_000)
     held = sorted(start for (_, (start, _)) in windows.store)
-    assert len(held) == 61  # the last hour and the open minute, whatever the wall clock says
-    assert held[-1] - held[0] == 3600
+    assert len(held) == 22  # the horizon and the open minute, whatever the wall clock says
+    assert held[-1] - held[0] == 21 * 60
     deleted = [k for k in windows.dirty if windows.serialize(k) is None]
     assert len(deleted) == 30  # each expired window leaves a tombstone for the changelog
 
@@ -92,7 +92,7 @@ def test_a_rule_added_later_starts_from_the_history_the_windows_hold():
     assert [a["rule"] for a in fired] == ["leak_slow"]
     assert fired[0]["step"] < 30 * 6 + 6  # at the first minute that closes after the restart
     assert fired[0]["evidence"]["window"] == 20  # a full window at once
-    assert len(fired[0]["evidence"]["per_window"]["means"]) == 30
+    assert len(fired[0]["evidence"]["per_window"]["means"]) == 21  # the horizon the windows are kept for
 
     fresh = Engine(rules_mod.parse(SLOW_LEAK, "leak.yaml"))  # no history: needs ten minutes first
     assert leaking(fresh, 9) == []
