@@ -49,7 +49,7 @@ class SourceState:
     """
 
     __slots__ = ("kind", "block", "rule_rows", "det_rows", "gate_hi", "gate_lo", "always", "streaks", "firing",
-                 "detectors", "minute", "windows", "res_rows", "_det_cache")
+                 "detectors", "minute", "windows", "res_rows", "gate_cv", "any_cv", "_det_cache")
 
     def __init__(self, kind: str, block: BaselineBlock | None = None):
         self.kind = kind
@@ -60,6 +60,8 @@ class SourceState:
         self.gate_hi = np.zeros(0)             # per row: lowest 'above' of its threshold-only rules
         self.gate_lo = np.zeros(0)             # per row: highest 'below' of its threshold-only rules
         self.always = np.zeros(0, bool)        # per row: judged every sample (relative conditions)
+        self.gate_cv = np.zeros(0)             # per row: lowest cv_above of its relative-only rules
+        self.any_cv = False
         self.streaks: dict[tuple[int, int], list] = {}   # slot -> [samples holding, since ts]
         self.firing: dict[tuple[int, int], dict] = {}    # slot -> the open alert
         self.detectors: dict[tuple[int, int], Any] = {}  # slot -> the rule's detector for that metric
@@ -82,17 +84,22 @@ class SourceState:
         hi = np.full(len(names), np.inf)
         lo = np.full(len(names), -np.inf)
         always = np.zeros(len(names), bool)
+        cv = np.full(len(names), np.inf)
         for row, idxs in enumerate(self.rule_rows):
             for i in idxs:
                 r = rules.rules[i]
                 if r.relative and not r.anomalous:
-                    always[row] = True
+                    if r.cv_above is not None:  # cannot hold unless std > cv_above x |mean|
+                        cv[row] = min(cv[row], r.cv_above)
+                    else:
+                        always[row] = True
                 if r.threshold_only:
                     if r.above is not None:
                         hi[row] = min(hi[row], r.above)
                     if r.below is not None:
                         lo[row] = max(lo[row], r.below)
-        self.gate_hi, self.gate_lo, self.always = hi, lo, always
+        self.gate_hi, self.gate_lo, self.always, self.gate_cv = hi, lo, always, cv
+        self.any_cv = bool(np.isfinite(cv).any())
         self._det_cache = None
 
     def det_positions(self, rows: np.ndarray) -> tuple:
@@ -431,6 +438,8 @@ class Engine:
         # (Comparisons with NaN are False, without a warning.)
         candidate = (anomalous | ~finite | (x > state.gate_hi[rows]) | (x < state.gate_lo[rows])
                      | state.always[rows])
+        if state.any_cv:  # "fluctuating": only where the window's spread is already wide enough
+            candidate |= std > state.gate_cv[rows] * np.abs(mean)
         if state.firing:  # open episodes are re-judged every sample, anomalous or not
             if rows is block.all_rows:  # positions are rows
                 candidate[[row for _, row in state.firing]] = True

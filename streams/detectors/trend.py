@@ -29,12 +29,18 @@ def theil_sen(t, x, max_pairs: int = 200_000) -> float:
     while (n // step) * (n // step - 1) // 2 > max_pairs:
         step += 1
     t, x = t[::step], x[::step]
-    i, j = np.triu_indices(len(x), k=1)
+    i, j = _pairs(len(x))
     dt = t[j] - t[i]
     ok = dt != 0
     if not ok.any():
         return math.nan
     return float(np.median((x[j] - x[i])[ok] / dt[ok]))
+
+
+@functools.lru_cache(maxsize=16)
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Index pairs i < j of a window of n (the same few sizes over and over)."""
+    return np.triu_indices(n, k=1)
 
 
 class MannKendall(Detector):
@@ -121,7 +127,7 @@ class MannKendall(Detector):
 
     def slope(self) -> float:
         """Theil-Sen slope of the window, per unit of t (per sample without t)."""
-        return theil_sen(list(self.ts), list(self.xs))
+        return theil_sen(np.fromiter(self.ts, float, len(self.ts)), np.fromiter(self.xs, float, len(self.xs)))
 
     def update(self, x: float, t: float | None = None) -> bool:
         if not is_finite(x):
