@@ -102,6 +102,10 @@ def scaling(bootstrap: str, steps: Steps, quick: bool, log_dir: Path) -> dict:
     e1 = statistics.median(r["events_per_s"] for r in one)
     e2 = statistics.median(r["events_per_s"] for r in two)
     return {"one_worker_events_per_s": e1, "two_workers_events_per_s": e2, "two_worker_speedup": e2 / e1,
+            "one_worker_cpu_cores": statistics.median(r["cpu_cores"] for r in one),
+            "two_workers_cpu_cores": statistics.median(r["cpu_cores"] for r in two),
+            "one_worker_events_per_cpu_s": statistics.median(r["events_per_cpu_s"] for r in one),
+            "two_workers_events_per_cpu_s": statistics.median(r["events_per_cpu_s"] for r in two),
             "two_workers_split": two[-1]["split"], "two_workers_members_used": min(r["members_used"] for r in two)}
 
 
@@ -181,6 +185,13 @@ def rows(r: dict) -> list[tuple]:
         out.append(("two workers, one group (8 partitions), events/s", _fmt(g("two_workers_events_per_s")),
                     "one worker", _fmt(g("one_worker_events_per_s")), f"{g('two_worker_speedup'):.2f}x",
                     ">= 1.7x", g("two_worker_speedup") >= 1.7))
+        if g("two_workers_cpu_cores"):
+            out.append(("  two workers: CPU cores used (the broker and the rest share 2)",
+                        _fmt(g("two_workers_cpu_cores")), "one worker", _fmt(g("one_worker_cpu_cores")),
+                        f"{g('two_workers_cpu_cores') / g('one_worker_cpu_cores'):.2f}x", "-", None))
+            out.append(("  two workers: events per CPU-second", _fmt(g("two_workers_events_per_cpu_s")),
+                        "one worker", _fmt(g("one_worker_events_per_cpu_s")),
+                        f"{g('two_workers_events_per_cpu_s') / g('one_worker_events_per_cpu_s'):.2f}", "-", None))
     return out
 
 

@@ -6,11 +6,14 @@ the beginning under a fresh group id. The rate is ``N / (t_last - t_first)``: fr
 the first event is handed to the consumer's code to the moment the last one is done, so
 process start-up, the group join (about 4 s on the embedded broker) and the first fetch are
 not counted. For a group, t_first is the earliest first event of any member and t_last the
-latest last event of all of them.
+latest last event of all of them. The consumers' CPU time over the same span is reported too
+(cores used, events per CPU-second): it tells a design that stops scaling from a machine that
+ran out of cores.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -19,6 +22,16 @@ from pathlib import Path
 from workload import Child
 
 SCRIPT = str(Path(__file__).resolve().parent / "consumer_main.py")
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
 class Member:
@@ -57,6 +70,7 @@ def consume(mode: str, settings, n_expected: int, log_dir: Path, members: int = 
                                   log_dir / f"{app_id}-{i}.log", on_line=on_line))
         deadline = time.monotonic() + startup_s
         measuring = False
+        cpu_start = 0.0
         while True:
             changed.wait(0.5)
             changed.clear()
@@ -69,11 +83,13 @@ def consume(mode: str, settings, n_expected: int, log_dir: Path, members: int = 
             if not measuring and any(m.first is not None for m in state.values()):
                 measuring = True
                 deadline = time.monotonic() + measure_s
+                cpu_start = sum(cpu_seconds(c.proc.pid) for c in children)
             if time.monotonic() > deadline:
                 if not measuring:
                     raise RuntimeError(f"{mode}: no event handled within {startup_s:.0f}s; log:\n"
                                        f"{children[0].log()[-2000:]}")
                 break
+        cpu = sum(cpu_seconds(c.proc.pid) for c in children) - cpu_start
     finally:
         for c in children:
             c.kill()
@@ -87,4 +103,5 @@ def consume(mode: str, settings, n_expected: int, log_dir: Path, members: int = 
     secs = max(t1 - t0, 1e-9)
     return {"events": events, "samples": samples, "seconds": secs, "events_per_s": events / secs,
             "samples_per_s": samples / secs, "members_used": len(ms),
+            "cpu_cores": cpu / secs, "events_per_cpu_s": events / cpu if cpu > 0 else float("nan"),
             "split": [m.events for m in ms]}

@@ -163,6 +163,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
         producer_acks=-1,
+        table_standby_replicas=int(os.environ.get("TRAINGUARD_STANDBY_REPLICAS", "0")),
     )
     events_topic = app.topic(settings.topics.events, key_type=bytes, value_type=bytes,
                              key_serializer="raw", value_serializer="raw", partitions=settings.partitions)
