@@ -175,6 +175,10 @@ class ControlListener:
                         "group.id": f"trainguard-listener-{uuid.uuid4().hex[:8]}",  # never joined
                         "enable.auto.commit": False,
                         "enable.partition.eof": False,
+                        # A broker that does not answer a waiting fetch when data arrives (the
+                        # embedded one) would hold a command back for the whole wait (500 ms by
+                        # default); one partition polled every 50 ms costs the trainer nothing.
+                        "fetch.wait.max.ms": 50,
                         "log_level": 2,
                     }))
                     meta = consumer.list_topics(topic, timeout=5)
