@@ -12,6 +12,7 @@ is never behind the committed offsets.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ import faust
 import orjson
 
 from trainguard.kafka import KafkaSettings, partition_for
+from trainguard.producers.publisher import Publisher
 from trainguard.schemas.signing import load_keys
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
@@ -167,9 +169,6 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     )
     events_topic = app.topic(settings.topics.events, key_type=bytes, value_type=bytes,
                              key_serializer="raw", value_serializer="raw", partitions=settings.partitions)
-    alerts_topic = app.topic(settings.topics.alerts, key_serializer="raw", value_serializer="raw")
-    control_topic = app.topic(settings.topics.control, key_serializer="raw", value_serializer="raw")
-    dlq_topic = app.topic(settings.topics.dlq, key_serializer="raw", value_serializer="raw")
     state_table = app.tables.add(BytesTable(app, name="state", partitions=settings.partitions,
                                             beacon=app.tables.beacon, help="engine state per run and source"))
     window_table = app.tables.add(WindowedBytesTable(app, name="windows", partitions=settings.partitions,
@@ -204,19 +203,28 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     app.trainguard_exporter = exporter
     control_partitions = settings.partitions
 
+    # Alerts, commands and dead letters have a producer of their own (librdkafka, its own
+    # thread and connection): through Faust's they queued behind the changelog's large
+    # batches, and a command waited for a state write it has nothing to do with.
+    output_producer = Publisher(settings, linger_ms=1)
+    atexit.register(output_producer.flush, 5.0)
+
     async def publish(outputs) -> None:
+        topics = settings.topics
         for out in outputs:
             value = orjson.dumps(out.value)
-            key = out.key.encode()
             if out.kind in ("alert", "report"):  # diagnosis reports travel with the alerts
-                await alerts_topic.send(key=key, value=value)
+                sent = output_producer.publish(topics.alerts, out.key, value)
             elif out.kind == "command":
-                await control_topic.send(key=key, value=value,
-                                         partition=partition_for(out.key, control_partitions))
+                sent = output_producer.publish(topics.control, out.key, value,
+                                               partition=partition_for(out.key, control_partitions))
                 log.warning("trainguard: %s command %s for run %s", out.value["action"], out.value["id"], out.key)
             else:
                 log.warning("trainguard: dead letter: %s", out.value["reason"])
-                await dlq_topic.send(key=key or None, value=value)
+                sent = output_producer.publish(topics.dlq, out.key or None, value)
+            if not sent:
+                log.error("trainguard: could not queue a %s for run %s (the producer's queue is full or "
+                          "the broker refused it); see the Kafka client warnings above", out.kind, out.key)
 
     # State is written to the changelog at most every `state_flush_s`, not after every batch:
     # under a steady trickle of events, batches are small and the same entries would be
@@ -253,6 +261,11 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         flushing[0].add_done_callback(finished_flush)
 
     async def finish_flush(held: list, written: set) -> None:
+        # The alerts and commands of these events are delivered before the events are acked.
+        undelivered = await asyncio.get_running_loop().run_in_executor(None, output_producer.flush, 30.0)
+        if undelivered:
+            log.error("trainguard: %d alerts/commands not yet delivered after 30 s; the broker is "
+                      "unreachable or refusing them (they stay queued and are retried)", undelivered)
         if written:
             # Some brokers (the embedded Tansu among them) report a partition's end offset from
             # its last record batch's base, so recovery would stop short of a multi-record
