@@ -97,6 +97,68 @@ def test_a_restarted_worker_resumes_with_its_windows_intact(kafka, tmp_path):
         first.kill()
 
 
+def _events_done(worker) -> int:
+    """The latest count from the worker's status line (every 10 s)."""
+    import re
+
+    counts = re.findall(r"trainguard: (\d+) events, ", worker.log())
+    return int(counts[-1]) if counts else 0
+
+
+def test_a_worker_that_dies_hands_its_runs_to_its_peer_with_their_windows(kafka, tmp_path):
+    """Two workers in one group split the partitions; one is killed; the survivor takes its
+    partitions over, recovers their state from the changelog (no standby copy is kept), and
+    judges the next fault against the windows the dead worker built."""
+    from trainguard.kafka import partition_for
+
+    runs, n = [], 0
+    while len(runs) < kafka.partitions:  # one run per partition: both workers own some
+        run = f"failover-{n}"
+        if partition_for(run, kafka.partitions) not in {partition_for(r, kafka.partitions) for r in runs}:
+            runs.append(run)
+        n += 1
+    first = WorkerProcess(kafka, tmp_path).start()
+    second = WorkerProcess(kafka, tmp_path, app_id=first.app_id).start()
+    loggers, sims = [], []
+    try:
+        first.wait_ready()
+        second.wait_ready()
+        time.sleep(5)  # past the rebalance that splits the partitions between them
+        for i, run in enumerate(runs):
+            sim = SimulatedPPO(seed=20 + i)
+            sim.inject("kl_explosion", at_step=41)
+            sims.append(sim)
+            loggers.append(TrainerLogger(run, kafka, host="h"))
+        for _ in range(40):
+            for logger, sim in zip(loggers, sims):
+                logger.log(sim.step(), sim.current_step)
+        for logger in loggers:
+            logger.publisher.flush(10)
+        deadline = time.monotonic() + 60
+        while _events_done(first) + _events_done(second) < 40 * len(runs) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _events_done(first) > 0 and _events_done(second) > 0, "the group split the runs"
+        assert _events_done(first) + _events_done(second) == 40 * len(runs)
+        time.sleep(3)  # past a commit interval
+        second.kill()
+        for _ in range(6):  # the simulated KL passes 0.8 on the fifth faulty step
+            for logger, sim in zip(loggers, sims):
+                logger.log(sim.step(), sim.current_step)
+        for logger in loggers:
+            logger.publisher.flush(10)
+        alerts = TopicReader(kafka, kafka.topics.alerts)
+        for run in runs:
+            alert = alerts.wait_for(lambda a, r=run: a["rule"] == "kl_explosion" and a["run_id"] == r,
+                                    timeout=90, what=f"the KL alert of {run}", worker=first)
+            assert alert["step"] == 45, alert["step"]
+            assert alert["evidence"]["samples"] >= 30, "judged against the windows built before the failover"
+    finally:
+        for logger in loggers:
+            logger.close(quiet=True)
+        first.kill()
+        second.kill()
+
+
 HUNG_RULES = """
 version: 1
 rules:
