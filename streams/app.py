@@ -1,12 +1,14 @@
 """The Faust worker: the events topic in, alerts, commands and dead letters out.
 
-One agent reads ``trainguard.events`` in batches and hands each event to the
-:class:`~trainguard.streams.engine.Engine`; the engine's state lives in the store of a
+Each fetch of ``trainguard.events`` goes to the :class:`~trainguard.streams.engine.Engine`
+as one batch, through the consumer's bulk lane (``streams/transport.py``; Faust's agent
+path with ``TRAINGUARD_BULK_LANE=0``). The engine's state lives in the store of a
 changelog-backed Faust table, and the per-minute aggregates of the long-horizon rules in a
 tumbling windowed table, so a restarted worker (or the one that takes over a partition)
 recovers every baseline, breaker and open window. Changed entries are written to the
-changelog once per batch, before the batch's offsets are acknowledged, so the changelog
-is never behind the committed offsets.
+changelog at most every ``state_flush_s``, and events are acknowledged only once the state
+that includes them (and the alerts and commands they caused) has been delivered, so the
+changelog is never behind the committed offsets.
 """
 
 from __future__ import annotations
