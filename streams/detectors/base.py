@@ -50,7 +50,12 @@ def saturating(z: float, k: float) -> float:
 
 def _plain(items: list) -> bool:
     """Finite floats only (what windows hold): JSON as they are, no per-item encoding."""
-    return all(type(x) is float for x in items) and math.isfinite(math.fsum(items))
+    if not all(type(x) is float for x in items):
+        return False
+    try:
+        return math.isfinite(math.fsum(items))  # one C-speed pass in the usual case
+    except OverflowError:  # finite values whose sum is not (near float's maximum)
+        return all(math.isfinite(x) for x in items)
 
 
 def _encode(v: Any) -> Any:
