@@ -55,23 +55,19 @@ def run(quick: bool = False) -> dict:
     values = (10.0 + rng.standard_normal(n)).tolist()
     matrix = 10.0 + rng.standard_normal((events, metrics))
 
-    seed = AdaptiveThreshold(window_size=window, std_factor=k)
-    for v in values[:window]:
-        seed.update(v)
+    def warmed_loop(detector):
+        """A full window first, then the timed loop over every value."""
+        for v in values[:window]:
+            detector.update(v)
 
-    def seed_loop():
-        update = seed.update
-        for v in values:
-            update(v)
+        def loop():
+            update = detector.update
+            for v in values:
+                update(v)
+        return loop
 
-    rz = RollingZ(window=window, k=k)
-    for v in values[:window]:
-        rz.update(v)
-
-    def rz_loop():
-        update = rz.update
-        for v in values:
-            update(v)
+    seed_loop = warmed_loop(AdaptiveThreshold(window_size=window, std_factor=k))
+    rz_loop = warmed_loop(RollingZ(window=window, k=k))
 
     block = BaselineBlock()
     names = [f"m{i}" for i in range(metrics)]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -185,20 +184,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/torch_divergence")
     args = p.parse_args(argv)
 
-    from trainguard.kafka import KafkaSettings, create_topics
+    from trainguard.broker import kafka_or_embedded, stop_process
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     broker = worker = None
     try:
-        if args.bootstrap:
-            settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
-            create_topics(settings)
-        else:
-            from trainguard.broker import EmbeddedBroker
-
-            broker = EmbeddedBroker(port=0, log_path=out / "broker.log").start()
-            settings = broker.settings()
+        settings, broker = kafka_or_embedded(args.bootstrap, out / "broker.log")
         log_path = out / "worker.log"
         env = {**os.environ, "TRAINGUARD_BOOTSTRAP": settings.bootstrap}
         worker = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "worker", "--rules", str(RULES),
@@ -215,12 +207,7 @@ def main(argv=None) -> int:
         return 0 if summary["rollbacks"] and summary["finished"] and summary["final_loss"] < summary["pre_fault_loss"] \
             else 1
     finally:
-        if worker is not None and worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGTERM)
-            try:
-                worker.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
+        stop_process(worker)
         if broker is not None:
             broker.stop()
 

@@ -77,10 +77,12 @@ class SourceState:
             self.rule_rows.append([i for i in watching if rules.rules[i].detector is None])
             series = [i for i in watching if rules.rules[i].detector is not None
                       and rules.rules[i].kind not in ENGINE_KINDS]
-            if [i for i in series if not rules.rules[i].resample_s]:
-                self.det_rows[row] = [i for i in series if not rules.rules[i].resample_s]
-            if [i for i in series if rules.rules[i].resample_s]:
-                self.res_rows[row] = [i for i in series if rules.rules[i].resample_s]
+            per_sample = [i for i in series if not rules.rules[i].resample_s]
+            per_interval = [i for i in series if rules.rules[i].resample_s]
+            if per_sample:
+                self.det_rows[row] = per_sample
+            if per_interval:
+                self.res_rows[row] = per_interval
         hi = np.full(len(names), np.inf)
         lo = np.full(len(names), -np.inf)
         always = np.zeros(len(names), bool)
@@ -478,7 +480,7 @@ class Engine:
                 self.windows.add(key, state.minute, partition, res_names, x[res_j])
                 if closed is None:  # no new judgement: open episodes and streaks carry on
                     for slot in (*state.firing, *state.streaks):
-                        if slot[1] in state.res_rows and rules[slot[0]].resample_s:
+                        if rules[slot[0]].resample_s:
                             holding.add(slot)
                 else:
                     for j, row, watching in per_interval:
@@ -552,19 +554,17 @@ class Engine:
             self.windows.delete(key, state.windows.pop(0), partition)
         return closed
 
-    def _resampled(self, state: SourceState, key: bytes, slot, rule: Rule, name: str,
-                   closed: float | None) -> bool | None:
-        """Judge a resampled rule on the interval that just closed; None when none did (or it
-        held no sample). A detector created now (a rule added or retuned since the windows
-        were filled) first learns the history the windowed table still holds."""
+    def _resampled(self, state: SourceState, key: bytes, slot, rule: Rule, name: str, closed: float) -> bool | None:
+        """Judge a resampled rule on the window that just closed; None when that ends no
+        interval of the rule or held no sample of it. A detector created now (a rule added or
+        retuned since the windows were filled) first learns the history the windowed table
+        still holds."""
         det = state.detectors.get(slot)
         if det is None:
             det = state.detectors[slot] = rule.make_detector()
             for start in state.windows:
                 if start != closed:
                     self._feed_interval(det, key, rule, name, start)
-        if closed is None:
-            return None
         return self._feed_interval(det, key, rule, name, closed)
 
     def _feed_interval(self, det, key: bytes, rule: Rule, name: str, last_start: float) -> bool | None:

@@ -229,12 +229,16 @@ def _number(path, line, mapping, key, default=None, *, integer=False, minimum=No
     return v
 
 
+def _known_keys(path: str, line: int, m: dict, allowed, what: str) -> None:
+    unknown = set(m) - allowed - {"__line__"}
+    if unknown:
+        raise _err(path, line, f"unknown key(s) {', '.join(sorted(unknown))} in {what}; "
+                               f"allowed: {', '.join(sorted(allowed))}")
+
+
 def _rule(path: str, m: dict, seen: set) -> Rule:
     line = m.get("__line__", 0)
-    unknown = set(m) - _RULE_KEYS - {"__line__"}
-    if unknown:
-        raise _err(path, line, f"unknown key(s) {', '.join(sorted(unknown))} in a rule; "
-                               f"allowed: {', '.join(sorted(_RULE_KEYS))}")
+    _known_keys(path, line, m, _RULE_KEYS, "a rule")
     name = m.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]+", name or ""):
         raise _err(path, line, f"every rule needs a 'name' of letters, digits, _ . : -; got {name!r}")
@@ -303,10 +307,7 @@ def _detector_spec(path: str, line: int, name: str, spec) -> dict:
 
 def _incident(path: str, m: dict, rule_names: set, seen: set) -> Incident:
     line = m.get("__line__", 0)
-    unknown = set(m) - _INCIDENT_KEYS - {"__line__"}
-    if unknown:
-        raise _err(path, line, f"unknown key(s) {', '.join(sorted(unknown))} in an incident; "
-                               f"allowed: {', '.join(sorted(_INCIDENT_KEYS))}")
+    _known_keys(path, line, m, _INCIDENT_KEYS, "an incident")
     name = m.get("name")
     if not isinstance(name, str) or not name or name in seen or name in rule_names:
         raise _err(path, line, f"every incident needs a unique 'name' (not a rule's); got {name!r}")

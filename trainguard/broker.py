@@ -152,6 +152,17 @@ class EmbeddedBroker:
         self.stop()
 
 
+def kafka_or_embedded(bootstrap: str | None, log_path: str | Path) -> tuple[KafkaSettings, EmbeddedBroker | None]:
+    """Settings for a running Kafka at ``bootstrap`` (the project's topics created there) or,
+    without one, for a fresh embedded broker on a free port, returned too for the caller to stop."""
+    if bootstrap:
+        settings = KafkaSettings.from_env(bootstrap=bootstrap)
+        create_topics(settings)
+        return settings, None
+    broker = EmbeddedBroker(port=0, log_path=log_path).start()
+    return broker.settings(), broker
+
+
 def run_forever(host: str, port: int, partitions: int) -> int:
     """``trainguard broker``: run until Ctrl-C or SIGTERM."""
     broker = EmbeddedBroker(host, port, partitions)

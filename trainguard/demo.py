@@ -142,7 +142,7 @@ def run_trainer(settings: KafkaSettings, run_id: str, *, fault: str, fault_step:
 
 
 def main(args) -> int:
-    from trainguard.broker import BrokerError, EmbeddedBroker, stop_process
+    from trainguard.broker import BrokerError, kafka_or_embedded, stop_process
     from trainguard.sinks.console import ConsoleSink
     from trainguard.sinks.jsonl import JsonlSink
     from trainguard.sinks.reports import ReportSink
@@ -158,13 +158,7 @@ def main(args) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        if args.bootstrap:
-            settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
-            from trainguard.kafka import create_topics
-            create_topics(settings)
-        else:
-            broker = EmbeddedBroker(port=0, log_path=out_dir / "demo-broker.log").start()
-            settings = broker.settings()
+        settings, broker = kafka_or_embedded(args.bootstrap, out_dir / "demo-broker.log")
         print(f"demo: broker at {settings.bootstrap}; run {run_id}; fault {args.fault} at step {args.fault_step}",
               flush=True)
         worker = _start_worker(settings.bootstrap, out_dir / "demo-worker.log")
