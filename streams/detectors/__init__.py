@@ -12,11 +12,13 @@ from .collapse import Collapse
 from .duration import For
 from .ewma import EWMA
 from .leak import Leak
+from .level import Level
 from .mad import RobustMAD
 from .nonfinite import NonFinite
 from .ranks import CrossRank
 from .rolling import RollingZ
 from .shift import DistributionShift
+from .spike import Spike
 from .staleness import Staleness
 from .trend import MannKendall
 
@@ -35,6 +37,8 @@ __all__ = [
     "Leak",
     "DistributionShift",
     "Collapse",
+    "Spike",
+    "Level",
     "NonFinite",
     "Staleness",
     "CrossRank",

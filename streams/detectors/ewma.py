@@ -17,8 +17,12 @@ class EWMA(Detector):
     ``min_samples`` samples the chart only learns. ``freeze_on_alarm`` keeps an anomalous
     value out of the baseline so a burst cannot teach the chart that it is normal.
 
+    ``min_std`` is the smallest spread the chart assumes: a GRPO loss logged to four decimals
+    sits at 0.0 for long stretches, and against a spread of 1e-5 its first 0.0045 would be a
+    134-sigma "spike".
+
     Parameters: ``alpha``, ``k``, ``min_samples``, ``direction`` ("both", "up", "down"),
-    ``freeze_on_alarm``. Cost: O(1) per sample.
+    ``freeze_on_alarm``, ``min_std``. Cost: O(1) per sample.
 
     >>> det = EWMA(alpha=0.1, k=3.0, min_samples=5)
     >>> [det.update(v) for v in [5.0, 5.2, 4.9, 5.1, 5.0, 5.05]]
@@ -30,11 +34,11 @@ class EWMA(Detector):
     """
 
     name = "ewma"
-    _params = ("alpha", "k", "min_samples", "direction", "freeze_on_alarm")
+    _params = ("alpha", "k", "min_samples", "direction", "freeze_on_alarm", "min_std")
     _fields = ("mean", "var", "count", "last")
 
     def __init__(self, alpha: float = 0.05, k: float = 3.0, min_samples: int = 20,
-                 direction: str = "both", freeze_on_alarm: bool = False):
+                 direction: str = "both", freeze_on_alarm: bool = False, min_std: float = 0.0):
         if not 0 < alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
         if direction not in ("both", "up", "down"):
@@ -44,6 +48,7 @@ class EWMA(Detector):
         self.min_samples = int(min_samples)
         self.direction = direction
         self.freeze_on_alarm = bool(freeze_on_alarm)
+        self.min_std = float(min_std)
         self.mean = 0.0
         self.var = 0.0
         self.count = 0
@@ -60,7 +65,7 @@ class EWMA(Detector):
         x = float(x)
         anomalous = False
         if self.ready:
-            std = math.sqrt(self.var)
+            std = max(math.sqrt(self.var), self.min_std)
             d = x - self.mean
             z = d / std if std > 0 else (0.0 if d == 0 else math.copysign(math.inf, d))
             side = z if self.direction == "up" else -z if self.direction == "down" else abs(z)

@@ -1,0 +1,135 @@
+"""Level: where a signal sits now against where the run had it (collapses, explosions, decays)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from sortedcontainers import SortedList
+
+from .base import Detector, is_finite, saturating
+from .mad import median_of_sorted
+
+__all__ = ["Level"]
+
+MODES = ("early", "peak", "trailing")
+
+
+class Level(Detector):
+    """The median of the last ``recent`` points against a reference level, as a ratio.
+
+    Anomalous when ``recent median < below x reference`` or ``> above x reference``.
+    Medians on both sides, so one slow validation step or one noisy batch moves nothing.
+    The reference never contains the points it is compared with, and judging starts as soon
+    as ``min_reference`` points precede the recent window (a run logged every 10 steps that
+    collapses at its second record is judged at its third):
+
+    - ``early``: the run's own starting level, the median of its first ``reference`` points
+      (entropy collapse: "less than half of what the run started with").
+    - ``peak``: the highest level the run has held, the running maximum of the median of
+      ``reference`` consecutive points (a throughput decaying slowly to 60% is still caught;
+      a baseline that follows the signal down never sees it).
+    - ``trailing``: the median of the ``reference`` points just before the recent window.
+
+    The reference must be positive (ratios of signed or zero levels mean nothing) and at
+    least ``floor``.
+
+    Parameters: ``recent``, ``reference``, ``mode``, ``below``, ``above``, ``min_reference``,
+    ``floor``. Cost: O(log reference) per sample; ``early`` keeps ``reference`` points at most.
+
+    >>> det = Level(recent=2, reference=25, below=0.5, min_reference=1)
+    >>> [det.update(v) for v in [53.0, 2.6, 2.45]]
+    [False, False, True]
+    >>> round(det.evidence()["ratio"], 3)
+    0.048
+    """
+
+    name = "level"
+    _params = ("recent", "reference", "mode", "below", "above", "min_reference", "floor")
+    _fields = ("recent_buf", "ref_buf", "ref_sorted", "early", "peak", "count", "last")
+
+    def __init__(self, recent: int = 5, reference: int = 25, mode: str = "early", below: float | None = None,
+                 above: float | None = None, min_reference: int = 3, floor: float = 0.0):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}")
+        if below is None and above is None:
+            raise ValueError("give below (a ratio < 1), above (a ratio > 1) or both")
+        if below is not None and not 0 < below < 1:
+            raise ValueError("below must be a ratio between 0 and 1")
+        if above is not None and not above > 1:
+            raise ValueError("above must be a ratio > 1")
+        self.recent = max(1, int(recent))
+        self.reference = max(1, int(reference))
+        self.mode = mode
+        self.below = None if below is None else float(below)
+        self.above = None if above is None else float(above)
+        self.min_reference = max(1, min(int(min_reference), self.reference))
+        self.floor = float(floor)
+        self.recent_buf: deque = deque(maxlen=self.recent)
+        self.ref_buf: deque = deque(maxlen=self.reference)   # peak / trailing: the points before recent
+        self.ref_sorted = SortedList()
+        self.early: list = []                                 # early: the first `reference` points
+        self.peak = -math.inf
+        self.count = 0
+        self.last: list | None = None  # [value, level, reference, ratio, anomalous]
+        self.score = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self._ref_size() >= self.min_reference
+
+    def _ref_size(self) -> int:
+        return len(self.early) if self.mode == "early" else len(self.ref_buf)
+
+    def _reference(self) -> float:
+        if self.mode == "early":
+            return median_of_sorted(sorted(self.early))
+        med = median_of_sorted(self.ref_sorted)
+        if self.mode == "peak":
+            if len(self.ref_buf) == self.reference or self.peak == -math.inf:
+                self.peak = max(self.peak, med)
+            return self.peak
+        return med
+
+    def update(self, x: float, t: float | None = None) -> bool:
+        if not is_finite(x):
+            return False
+        x = float(x)
+        self.count += 1
+        if len(self.recent_buf) == self.recent:  # the oldest recent point becomes reference
+            self._to_reference(self.recent_buf[0])
+        self.recent_buf.append(x)
+        anomalous = False
+        self.score, self.last = 0.0, None
+        if self.ready:
+            ref = self._reference()
+            level = median_of_sorted(sorted(self.recent_buf))
+            if ref > 0 and ref >= self.floor:
+                ratio = level / ref
+                low = self.below is not None and ratio < self.below
+                high = self.above is not None and ratio > self.above
+                anomalous = low or high
+                dist = max((self.below / max(ratio, 1e-12)) if self.below else 0.0,
+                           (ratio / self.above) if self.above else 0.0)
+                self.score = saturating(max(dist, 0.0), 1.0)
+                self.last = [x, level, ref, ratio, anomalous]
+        return anomalous
+
+    def _to_reference(self, v: float) -> None:
+        if self.mode == "early":
+            if len(self.early) < self.reference:
+                self.early.append(v)
+            return
+        if len(self.ref_buf) == self.reference:
+            self.ref_sorted.remove(self.ref_buf[0])
+        self.ref_buf.append(v)
+        self.ref_sorted.add(v)
+
+    def evidence(self) -> dict:
+        if self.last is None:
+            return {"detector": self.name, "ready": self.ready, "reference_points": self._ref_size()}
+        value, level, ref, ratio, anomalous = self.last
+        return {"detector": self.name, "value": value, "level": level, "recent": len(self.recent_buf),
+                "reference": ref, "reference_kind": self.mode, "reference_points": self._ref_size(),
+                "ratio": ratio, "below": self.below, "above": self.above, "anomalous": anomalous,
+                "score": self.score}
