@@ -17,12 +17,14 @@ from pathlib import Path
 import yaml
 
 from trainguard.streams import policy as policy_mod
+from trainguard.streams.signals import COMPUTE, SIGNALS, signal_of
 
 SEVERITIES = ("P0", "P1", "P2", "P3")
 LAYERS = ("data", "compute", "resource")
-_RULE_KEYS = {"name", "metric", "anomalous", "above", "below", "non_finite", "for", "for_seconds", "severity",
-              "critical", "summary", "diagnosis", "suggestion", "sources", "detector", "resample_s",
-              "above_ratio", "below_ratio", "cv_above", "emit"}
+_RULE_KEYS = {"name", "metric", "signal", "anomalous", "above", "below", "equals", "non_finite", "for",
+              "for_seconds", "severity", "critical", "immediate", "summary", "diagnosis", "suggestion", "sources",
+              "detector", "resample_s", "above_ratio", "below_ratio", "cv_above", "given", "emit"}
+_CONDITION_KEYS = ("above", "below", "equals")
 _INCIDENT_KEYS = {"name", "all", "within_s", "severity", "critical", "summary", "diagnosis", "suggestion", "inhibit"}
 
 
@@ -31,7 +33,7 @@ def _detector_kinds() -> dict:
 
     return {"rolling": d.RollingZ, "mad": d.RobustMAD, "ewma": d.EWMA, "cusum": d.CUSUM,
             "page_hinkley": d.PageHinkley, "mann_kendall": d.MannKendall, "leak": d.Leak,
-            "shift": d.DistributionShift, "collapse": d.Collapse}
+            "shift": d.DistributionShift, "collapse": d.Collapse, "spike": d.Spike, "level": d.Level}
 
 
 # Kinds the engine runs itself, across sources rather than along one series.
@@ -47,6 +49,17 @@ def base_name(metric: str) -> str:
     """``gpu/utilization_pct[3]`` -> ``gpu/utilization_pct``: rules match per-device metrics by base name."""
     i = metric.find("[")
     return metric if i < 0 else metric[:i]
+
+
+def equal(value: float, target: float) -> bool:
+    """``equals:`` in a rule: the logged value is the target, up to float round-off."""
+    return abs(value - target) <= 1e-12 * max(1.0, abs(target))
+
+
+def _condition_holds(value: float, cond: dict) -> bool:
+    return ((cond.get("above") is None or value > cond["above"])
+            and (cond.get("below") is None or value < cond["below"])
+            and (cond.get("equals") is None or equal(value, cond["equals"])))
 
 
 class Patterns:
@@ -68,10 +81,14 @@ class Rule:
     name: str
     metrics: Patterns
     severity: str
+    signals: frozenset = frozenset()   # canonical signals (streams/signals.py) it watches
     anomalous: bool = False
     above: float | None = None
     below: float | None = None
+    equals: float | None = None
     non_finite: bool = False
+    immediate: bool = False            # the breaker acts on the first critical step, not the Nth
+    given: dict = field(default_factory=dict)  # signal -> {above|below|equals: x}: the rest of the step
     for_samples: int = 1
     critical: bool = False
     summary: str = ""
@@ -110,9 +127,25 @@ class Rule:
                 return False
             if self.cv_above is not None and not std > self.cv_above * abs(mean):
                 return False
-        if self.above is None and self.below is None:
+        if self.above is None and self.below is None and self.equals is None:
             return self.anomalous or self.relative  # a pure non_finite rule says nothing of finite values
-        return (self.above is not None and value > self.above) or (self.below is not None and value < self.below)
+        return ((self.above is not None and value > self.above) or (self.below is not None and value < self.below)
+                or (self.equals is not None and equal(value, self.equals)))
+
+    def given_holds(self, known: dict) -> bool:
+        """The ``given:`` conditions on the other signals of the step. A signal the source
+        never logged does not block (a framework that does not log it cannot be asked to)."""
+        for signal, cond in self.given.items():
+            value = known.get(signal)
+            if value is not None and not (value == value and _condition_holds(value, cond)):
+                return False
+        return True
+
+    def watches(self, metric: str) -> bool:
+        return self.metrics.match(metric) or (bool(self.signals) and signal_of(base_name(metric)) in self.signals)
+    @property
+    def has_threshold(self) -> bool:
+        return self.above is not None or self.below is not None or self.equals is not None
 
     @property
     def relative(self) -> bool:
@@ -122,7 +155,7 @@ class Rule:
     def threshold_only(self) -> bool:
         """A pure threshold: it can fire without the baseline flagging the sample."""
         return (self.detector is None and not self.anomalous and not self.relative
-                and (self.above is not None or self.below is not None))
+                and (self.above is not None or self.below is not None or self.equals is not None))
 
 
 @dataclass
@@ -146,6 +179,10 @@ class Baseline:
     window: int
     k: float
     clip_lower: bool = True
+    signals: frozenset = frozenset()
+
+    def watches(self, metric: str) -> bool:
+        return self.metrics.match(metric) or (bool(self.signals) and signal_of(base_name(metric)) in self.signals)
 
 
 @dataclass
@@ -159,11 +196,14 @@ class RuleSet:
 
     def baseline_for(self, metric: str) -> Baseline:
         for b in self.baselines:
-            if b.metrics.match(metric):
+            if b.watches(metric):
                 return b
         return Baseline(Patterns(["*"]), 50, 2.5)
 
     def layer_for(self, metric: str) -> str:
+        signal = signal_of(base_name(metric))
+        if signal is not None:
+            return "compute" if signal in COMPUTE else "data"
         for layer, patterns in self.layers:
             if patterns.match(metric):
                 return layer
@@ -186,7 +226,12 @@ class RuleSet:
 
     def rules_for(self, metric: str, source_kind: str) -> list[int]:
         return [i for i, r in enumerate(self.rules)
-                if r.metrics.match(metric) and (not r.sources or source_kind in r.sources)]
+                if r.watches(metric) and (not r.sources or source_kind in r.sources)]
+
+    @property
+    def given_signals(self) -> frozenset:
+        """Signals some rule's ``given:`` reads: the engine remembers their latest values."""
+        return frozenset(s for r in self.rules for s in r.given)
 
 
 # --------------------------------------------------------------------------- loading
@@ -209,7 +254,42 @@ def _err(path: str, line: int, problem: str) -> RulesError:
     return RulesError(f"{path}:{line}: {problem}")
 
 
+def _signals(path: str, line: int, value, what: str) -> frozenset:
+    if value is None:
+        return frozenset()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise _err(path, line, f"{what}: 'signal' must be a signal name or a list of them")
+    unknown = [v for v in value if v not in SIGNALS]
+    if unknown:
+        raise _err(path, line, f"{what}: unknown signal(s) {', '.join(map(repr, unknown))}; "
+                               f"known: {', '.join(sorted(SIGNALS))}")
+    return frozenset(value)
+
+
+def _given(path: str, line: int, name: str, value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _err(path, line, f"rule {name!r}: 'given' maps signals to conditions, "
+                               f"e.g. {{learning_rate: {{above: 0}}}}")
+    out = {}
+    for signal, cond in value.items():
+        if signal == "__line__":
+            continue
+        if signal not in SIGNALS:
+            raise _err(path, line, f"rule {name!r}: 'given' names unknown signal {signal!r}")
+        if not isinstance(cond, dict) or not (set(cond) - {"__line__"}) or set(cond) - {"__line__", *_CONDITION_KEYS}:
+            raise _err(path, line, f"rule {name!r}: 'given: {signal}' must be a mapping of "
+                                   f"{', '.join(_CONDITION_KEYS)} to numbers")
+        out[signal] = {k: float(_number(path, line, cond, k)) for k in _CONDITION_KEYS if k in cond}
+    return out
+
+
 def _patterns(path: str, line: int, value, what: str) -> Patterns:
+    if value is None:
+        return Patterns([])
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
@@ -245,21 +325,24 @@ def _rule(path: str, m: dict, seen: set) -> Rule:
     if name in seen:
         raise _err(path, line, f"rule name {name!r} is used twice")
     seen.add(name)
-    if "metric" not in m:
-        raise _err(path, line, f"rule {name!r} has no 'metric'")
+    if "metric" not in m and "signal" not in m:
+        raise _err(path, line, f"rule {name!r} has neither 'signal' nor 'metric'")
     severity = m.get("severity", "P2")
     if severity not in SEVERITIES:
         raise _err(path, line, f"rule {name!r}: severity must be one of {', '.join(SEVERITIES)}, got {severity!r}")
-    for flag in ("anomalous", "non_finite", "critical"):
+    for flag in ("anomalous", "non_finite", "critical", "immediate", "emit"):
         if flag in m and not isinstance(m[flag], bool):
             raise _err(path, line, f"rule {name!r}: '{flag}' must be true or false, got {m[flag]!r}")
     detector = m.get("detector")
     if detector is not None:
         detector = _detector_spec(path, line, name, detector)
     rule = Rule(
-        name=name, metrics=_patterns(path, line, m["metric"], f"rule {name!r}"), severity=severity,
+        name=name, metrics=_patterns(path, line, m.get("metric"), f"rule {name!r}"), severity=severity,
+        signals=_signals(path, line, m.get("signal"), f"rule {name!r}"),
         anomalous=m.get("anomalous", detector is not None), above=_number(path, line, m, "above"),
-        below=_number(path, line, m, "below"), non_finite=m.get("non_finite", False),
+        below=_number(path, line, m, "below"), equals=_number(path, line, m, "equals"),
+        non_finite=m.get("non_finite", False), immediate=m.get("immediate", False),
+        given=_given(path, line, name, m.get("given")),
         for_samples=_number(path, line, m, "for", 1, integer=True, minimum=1),
         for_seconds=_number(path, line, m, "for_seconds", minimum=0),
         resample_s=_number(path, line, m, "resample_s", integer=True, minimum=1),
@@ -274,9 +357,13 @@ def _rule(path: str, m: dict, seen: set) -> Rule:
                                f"baseline window; they do not combine with a detector")
     if rule.resample_s and detector is None:
         raise _err(path, line, f"rule {name!r}: resample_s needs a detector to feed")
-    if not (rule.anomalous or rule.non_finite or rule.relative or rule.above is not None or rule.below is not None):
+    if not (rule.anomalous or rule.non_finite or rule.relative or rule.above is not None or rule.below is not None
+            or rule.equals is not None):
         raise _err(path, line, f"rule {name!r} has no condition: give at least one of anomalous, above, "
-                               f"below, above_ratio, below_ratio, cv_above, non_finite, detector")
+                               f"below, equals, above_ratio, below_ratio, cv_above, non_finite, detector")
+    if rule.immediate and not rule.critical:
+        raise _err(path, line, f"rule {name!r}: 'immediate' makes the breaker act at once, which only "
+                               f"critical rules feed; add critical: true or drop immediate")
     return rule
 
 
@@ -343,12 +430,13 @@ def parse(text: str, path: str = "<rules>") -> RuleSet:
     baselines = []
     for b in doc.get("baselines", []) or []:
         line = b.get("__line__", 0) if isinstance(b, dict) else 0
-        if not isinstance(b, dict) or "metric" not in b:
-            raise _err(path, line, "each baseline needs 'metric', 'window' and 'k'")
+        if not isinstance(b, dict) or ("metric" not in b and "signal" not in b):
+            raise _err(path, line, "each baseline needs 'metric' or 'signal', 'window' and 'k'")
         window = _number(path, line, b, "window", 50, integer=True, minimum=2)
         k = _number(path, line, b, "k", 2.5, minimum=0)
         clip = b.get("clip_lower", True)
-        baselines.append(Baseline(_patterns(path, line, b["metric"], "baseline"), window, float(k), bool(clip)))
+        baselines.append(Baseline(_patterns(path, line, b.get("metric"), "baseline"), window, float(k), bool(clip),
+                                  _signals(path, line, b.get("signal"), "baseline")))
 
     layers = []
     raw_layers = doc.get("layers", {}) or {}
