@@ -31,7 +31,8 @@ from trainguard.streams import policy
 from trainguard.streams.baseline import BaselineBlock
 from trainguard.streams.detectors import CrossRank, detector_from_state
 from trainguard.streams.minutes import MinuteWindows
-from trainguard.streams.rules import ENGINE_KINDS, Rule, RuleSet
+from trainguard.streams.rules import ENGINE_KINDS, Rule, RuleSet, base_name
+from trainguard.streams.signals import signal_of
 
 log = logging.getLogger("trainguard.engine")
 
@@ -49,7 +50,8 @@ class SourceState:
     """
 
     __slots__ = ("kind", "block", "rule_rows", "det_rows", "gate_hi", "gate_lo", "always", "streaks", "firing",
-                 "detectors", "minute", "windows", "res_rows", "gate_cv", "any_cv", "_det_cache")
+                 "detectors", "minute", "windows", "res_rows", "gate_cv", "any_cv", "gate_eq", "eq_tol", "any_eq",
+                 "given_rows", "known", "_det_cache", "_given_cache")
 
     def __init__(self, kind: str, block: BaselineBlock | None = None):
         self.kind = kind
@@ -62,12 +64,18 @@ class SourceState:
         self.always = np.zeros(0, bool)        # per row: judged every sample (relative conditions)
         self.gate_cv = np.zeros(0)             # per row: lowest cv_above of its relative-only rules
         self.any_cv = False
+        self.gate_eq = np.zeros(0)             # per row: the 'equals' of its threshold-only rules (NaN: none)
+        self.eq_tol = np.zeros(0)
+        self.any_eq = False
+        self.given_rows: dict[int, str] = {}   # row -> signal, for signals some rule's 'given' reads
+        self.known: dict[str, float] = {}      # those signals' latest values from this source
         self.streaks: dict[tuple[int, int], list] = {}   # slot -> [samples holding, since ts]
         self.firing: dict[tuple[int, int], dict] = {}    # slot -> the open alert
         self.detectors: dict[tuple[int, int], Any] = {}  # slot -> the rule's detector for that metric
         self.minute: float | None = None                 # start of the open per-minute window (resample_s)
         self.windows: list[float] = []                   # starts of the closed windows still held
         self._det_cache: tuple | None = None
+        self._given_cache: tuple | None = None
 
     def bind(self, rules: RuleSet) -> None:
         """Work out which rules watch each row added since the last call."""
@@ -87,9 +95,17 @@ class SourceState:
         lo = np.full(len(names), -np.inf)
         always = np.zeros(len(names), bool)
         cv = np.full(len(names), np.inf)
+        eq = np.full(len(names), np.nan)
+        wanted = rules.given_signals
+        self.given_rows = {row: sig for row, sig in ((row, signal_of(base_name(n))) for row, n in enumerate(names))
+                           if sig in wanted} if wanted else {}
         for row, idxs in enumerate(self.rule_rows):
             for i in idxs:
                 r = rules.rules[i]
+                if r.threshold_only and r.equals is not None:
+                    if eq[row] == eq[row] and eq[row] != r.equals:
+                        always[row] = True  # two targets on one row: judge every sample
+                    eq[row] = r.equals
                 if r.relative and not r.anomalous:
                     if r.cv_above is not None:  # cannot hold unless std > cv_above x |mean|
                         cv[row] = min(cv[row], r.cv_above)
@@ -102,7 +118,20 @@ class SourceState:
                         lo[row] = max(lo[row], r.below)
         self.gate_hi, self.gate_lo, self.always, self.gate_cv = hi, lo, always, cv
         self.any_cv = bool(np.isfinite(cv).any())
+        self.gate_eq, self.eq_tol = eq, 1e-12 * np.maximum(1.0, np.abs(np.nan_to_num(eq)))
+        self.any_eq = bool(np.isfinite(eq).any())
         self._det_cache = None
+        self._given_cache = None
+
+    def remember(self, rows: np.ndarray, x: np.ndarray) -> None:
+        """Keep the latest values of the signals that rules' ``given:`` conditions read."""
+        cached = self._given_cache
+        if cached is None or cached[0] is not rows:
+            given = self.given_rows
+            cached = self._given_cache = (rows, [(j, given[row]) for j, row in enumerate(rows.tolist())
+                                                 if row in given])
+        for j, signal in cached[1]:
+            self.known[signal] = float(x[j])
 
     def det_positions(self, rows: np.ndarray) -> tuple:
         """For an event's rows: ``(position in the event, row, rules)`` of the per-sample
@@ -129,7 +158,7 @@ class SourceState:
             "streaks": [[rnames[r], names[w], v] for (r, w), v in self.streaks.items()],
             "firing": [[rnames[r], names[w], a] for (r, w), a in self.firing.items()],
             "detectors": [[rnames[r], names[w], d.to_state()] for (r, w), d in self.detectors.items()],
-            "minute": self.minute, "windows": self.windows,
+            "minute": self.minute, "windows": self.windows, "known": self.known,
         })
         return _STATE_MAGIC + len(header).to_bytes(4, "little") + header + self.block.arrays()
 
@@ -154,6 +183,7 @@ class SourceState:
         state.detectors = {slot: detector_from_state(v) for slot, v in slots(d["detectors"])}
         state.minute = d.get("minute")
         state.windows = d.get("windows", [])
+        state.known = {k: (math.nan if v is None else v) for k, v in d.get("known", {}).items()}
         return state
 
 
@@ -221,6 +251,8 @@ class Engine:
         self._cross_min_ranks = min((max(2, int(r.detector.get("min_peers", 4))) for r in self._cross_rules),
                                     default=0)
         self._fired = False  # an alert fired while handling the current event
+        self._opened: dict[str, dict] = {}  # rule -> the alert it opened in the current event
+        self._immediate = False  # a critical rule marked immediate holds in the current event
         self._cross_pairs: dict[tuple, list] = {}
         # Callables given every decoded event that is applied (not replays), before detection:
         # e.g. the worker's Prometheus exporter. Empty by default; keep them cheap.
@@ -298,6 +330,8 @@ class Engine:
                     log.exception("trainguard: on_event callback failed")
         outputs: list[Output] = []
         self._fired = False
+        self._opened = {}
+        self._immediate = False
         if "source" in event:
             self._seen(run, run_id, event, outputs)
         kind = event["schema"]
@@ -338,7 +372,7 @@ class Engine:
             run.recent_alerts.append(alert)
             del run.recent_alerts[:-MAX_RECENT_ALERTS]
         if not getattr(rule, "emit", True):
-            alert["signal"] = True  # kept for incidents, never published on its own
+            alert["incident_only"] = True  # kept for incidents, never published on its own
             return None
         return Output("alert", alert["run_id"], alert)
 
@@ -347,7 +381,7 @@ class Engine:
         if active and active["open"] > 0:
             active["open"] -= 1
         run.open_critical.pop(alert["id"], None)
-        if alert.get("signal"):
+        if alert.get("incident_only"):
             return None
         resolved = {**alert, "status": "resolved", "step": event.get("step", alert.get("step")),
                     "ts": event["ts"], "node_snapshot": None, **extra}
@@ -356,8 +390,11 @@ class Engine:
     def _judge(self, state: SourceState, slot, rule: Rule, holds: bool, event: dict, run: RunState,
                run_id: str, sid: str, metric: str, value: float, evidence, holding: set, outputs: list,
                critical: list) -> None:
-        """One sample of one rule on one metric: streaks, durations, opening an episode."""
-        if not holds:
+        """One sample of one rule on one metric: streaks, durations, opening an episode.
+
+        Metrics of one rule that open in the same step share one alert, which names them all
+        (a NaN step with five NaN losses pages once)."""
+        if not holds or (rule.given and not rule.given_holds(state.known)):
             return
         holding.add(slot)
         ts = event["ts"]
@@ -369,10 +406,18 @@ class Engine:
             return
         alert = state.firing.get(slot)
         if alert is None:
-            alert = self._alert(event, run, run_id, sid, rule, metric, value, evidence(), run.breaker.attempt)
+            alert = self._opened.get(rule.name)
+            if alert is None:
+                alert = self._alert(event, run, run_id, sid, rule, metric, value, evidence(), run.breaker.attempt)
+                self._opened[rule.name] = alert
+                self._add(outputs, self._fire(run, alert, rule))
+            else:  # the alert this step already opened for the rule names this metric too
+                alert["metrics"].append(metric)
+                alert["values"][metric] = _json_value(value)
             state.firing[slot] = alert
-            self._add(outputs, self._fire(run, alert, rule))
         if rule.critical:
+            if rule.immediate:
+                self._immediate = True
             critical.append((alert["id"], rule.name, f"{rule.summary} ({metric}={value:.4g})"))
 
     # -- events ---------------------------------------------------------------------------------
@@ -394,7 +439,7 @@ class Engine:
             key = f"{run_id}|{sid}".encode()
             src = self._source(key, "") if key in self.store else None
             if src is not None and src.kind in self.rules.policy["step_sources"]:
-                for alert in src.firing.values():
+                for alert in {a["id"]: a for a in src.firing.values()}.values():
                     self._add(outputs, self._resolve(run, alert, event, resolution="the trainer rolled back"))
                 src.block.reset()
                 src.streaks.clear()
@@ -425,6 +470,8 @@ class Engine:
         x = np.fromiter(metrics.values(), float, len(names))
         self.samples += len(names)
         anomalous, finite, mean, std, lower, upper, ready = block.update(rows, x)
+        if state.given_rows:
+            state.remember(rows, x)
 
         if src["kind"] == "node":
             # The decoded dict as it is (NaN becomes null in JSON): no per-metric work per node event.
@@ -442,6 +489,8 @@ class Engine:
                      | state.always[rows])
         if state.any_cv:  # "fluctuating": only where the window's spread is already wide enough
             candidate |= std > state.gate_cv[rows] * np.abs(mean)
+        if state.any_eq:  # "equals": e.g. a gradient norm of exactly 0
+            candidate |= np.abs(x - state.gate_eq[rows]) <= state.eq_tol[rows]
         if state.firing:  # open episodes are re-judged every sample, anomalous or not
             if rows is block.all_rows:  # positions are rows
                 candidate[[row for _, row in state.firing]] = True
@@ -469,7 +518,9 @@ class Engine:
                 value = float(x[j])
                 for ri in watching:
                     rule, slot = rules[ri], (ri, row)
-                    self._judge(state, slot, rule, rule.holds(value, self._detect(state, slot, rule, value, ts)),
+                    # As with the baselines: the detector opens an episode, a threshold keeps it open.
+                    flagged = self._detect(state, slot, rule, value, ts) or (rule.has_threshold and slot in state.firing)
+                    self._judge(state, slot, rule, rule.holds(value, flagged),
                                 event, run, run_id, sid, names[j], value,
                                 lambda slot=slot, rule=rule, name=names[j]: self._detector_evidence(
                                     state, key, slot, rule, name), holding, outputs, critical)
@@ -504,6 +555,8 @@ class Engine:
                 del state.streaks[slot]
             for slot in [s for s in state.firing if s not in holding and s[1] in present]:
                 opened = state.firing.pop(slot)
+                if any(a["id"] == opened["id"] for a in state.firing.values()):
+                    continue  # the alert still holds on another of its metrics
                 value = float(metrics.get(opened["metric"], math.nan))
                 self._add(outputs, self._resolve(run, opened, event, value=_json_value(value)))
 
@@ -516,7 +569,7 @@ class Engine:
 
         if src["kind"] in self.rules.policy["step_sources"]:
             decision = policy.on_step(run.breaker, self.rules.policy, run_id=run_id, step=event["step"],
-                                      ts=event["ts"], critical=bool(critical),
+                                      ts=event["ts"], critical=bool(critical), immediate=self._immediate,
                                       alert_ids=[c[0] for c in critical], rules=[c[1] for c in critical],
                                       checkpoints=run.checkpoints, diagnosis=critical[0][2] if critical else "")
             if decision is not None:
@@ -590,7 +643,7 @@ class Engine:
             if len(self._cross_pairs) > 1024:
                 self._cross_pairs.clear()
             pairs = self._cross_pairs[names] = [(rule, metric) for rule in self._cross_rules
-                                                for metric in names if rule.metrics.match(metric)]
+                                                for metric in names if rule.watches(metric)]
         for rule, metric in pairs:
             value = event["metrics"][metric]
             if math.isfinite(value):
@@ -747,6 +800,9 @@ class Engine:
             "summary": rule.summary,
             "metric": metric,
             "value": _json_value(value),
+            "signal": signal_of(base_name(metric)),
+            "metrics": [metric],
+            "values": {metric: _json_value(value)},
             "layer": event.get("layer") or self.rules.layer_for(metric),
             "source": event["source"],
             "step": step,

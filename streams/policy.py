@@ -89,8 +89,14 @@ def safe_checkpoint(checkpoints: list[dict], onset_step: int, onset_ts: float | 
 
 
 def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: float, critical: bool,
-            alert_ids: list[str], rules: list[str], checkpoints: list[dict], diagnosis: str) -> Decision | None:
-    """Feed one trainer step; return a decision (with an unsigned command) when the breaker trips."""
+            alert_ids: list[str], rules: list[str], checkpoints: list[dict], diagnosis: str,
+            immediate: bool = False) -> Decision | None:
+    """Feed one trainer step; return a decision (with an unsigned command) when the breaker trips.
+
+    ``immediate``: a critical rule that cannot wait holds (a NaN loss, which the next optimiser
+    step turns into NaN weights): with a safe checkpoint the breaker rolls back at once instead
+    of after ``consecutive_critical`` steps. Without one it counts as usual, so a run that
+    recovers from a one-step NaN by itself is not stopped for it."""
     if state.status == STOPPED:
         return None
     if state.status == AWAITING:
@@ -110,7 +116,9 @@ def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: fl
     state.alert_ids += [a for a in alert_ids if a not in state.alert_ids]
     state.rules += [r for r in rules if r not in state.rules]
     if state.streak < int(policy["consecutive_critical"]):
-        return None
+        if not immediate or safe_checkpoint(checkpoints, state.onset_step, state.onset_ts,
+                                            int(policy.get("rollback_min_steps_before_onset", 0)))[0] is None:
+            return None
     return _decide(state, policy, run_id=run_id, step=step, ts=ts, checkpoints=checkpoints, diagnosis=diagnosis)
 
 
@@ -138,7 +146,8 @@ def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints,
         "reason": state.alert_ids[-20:],
         "issued": ts,
         "expires": ts + float(policy["command_ttl_s"]),
-        "detail": f"{state.streak} consecutive critical steps from step {onset}: {diagnosis}. {why}.",
+        "detail": (f"{state.streak} consecutive critical steps from step {onset}" if state.streak > 1 else
+                   f"a critical step that cannot wait at step {onset}") + f": {diagnosis}. {why}.",
     }
     if target is not None:
         skip = policy.get("skip_batches", 0)
