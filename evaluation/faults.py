@@ -34,7 +34,7 @@ EXPECTED_RULES: dict[str, tuple[str, ...]] = {
     "dataflow_collapse": ("dataflow_collapse",),
     "throughput_drop": ("throughput_drop",),
     "entropy_collapse": ("entropy_collapse",),
-    "grad_norm_explosion": ("grad_norm_explosion",),
+    "grad_norm_explosion": ("grad_norm_explosion", "grad_norm_spike"),
     "loss_spike": ("loss_spike",),
     "response_length_collapse": ("response_length_collapse",),
     "clip_ratio_high": ("clip_ratio_high",),

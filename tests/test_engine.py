@@ -123,7 +123,7 @@ def test_each_seed_fault_alerts_and_rolls_back_to_a_checkpoint_before_the_onset(
     assert 70 <= first <= 76
     for a in alerts:
         assert a["node_snapshot"], "an alert carries the run's latest node snapshot"
-        assert a["evidence"]["detector"] in ("rolling_z", "non_finite")
+        assert a["evidence"]["detector"] in ("rolling_z", "non_finite", "spike")
 
 
 def test_a_healthy_run_raises_no_critical_alert_and_no_command():
