@@ -20,7 +20,13 @@ onset, per 10,000 such steps. Then ``evaluation/nab.py`` runs as a subprocess (u
 ``--no-nab``) and its scores are folded in. The last line printed is one JSON object:
 
     {"min_recall": x, "false_alerts_per_10k_steps": x, "median_delay_steps_sudden": x,
-     "drift_caught_before_kl": x, "nab": {"standard": x, "reward_low_FP": x, "reward_low_FN": x}}
+     "drift_caught_before_kl": x, "real_caught": n, "real_failures": n, "real_healthy_silent": n,
+     "real_healthy": n, "real_false_alarms": n, "real_added": {...},
+     "nab": {"standard": x, "reward_low_FP": x, "reward_low_FN": x}}
+
+The ``real_*`` fields come from ``evaluation/real.py``: runs other people trained (the public
+development set beside the checkout, and the traces added in ``evaluation/real-traces``),
+replayed through the same rules; the simulator was written with the rules, real runs judge them.
 
 Targets: recall >= 0.95 for every fault kind, <= 1 false alert per 10k healthy steps,
 median delay <= 3 steps for sudden faults, the slow KL drift caught before KL reaches 0.1.
@@ -42,6 +48,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import real  # noqa: E402
 from faults import (CHECKPOINT_EVERY, EXPECTED_RULES, HEALTHY_STEPS, SUDDEN, Scenario,  # noqa: E402
                     fault_scenarios, healthy_scenarios)
 
@@ -322,6 +329,11 @@ def main(argv=None) -> int:
           f"{time.monotonic() - started:.1f} s ({seeds} seeds per fault kind, rules: {args.rules or 'default'})")
     print()
     print_table(summary, extra)
+
+    real_results = real.evaluate(_RULES)
+    print()
+    real.print_results(real_results)
+    summary.update(real.summary(real_results))
 
     nab = None
     if not (args.no_nab or args.quick):

@@ -27,6 +27,8 @@ from trainguard.streams.detectors import (
     PageHinkley,
     RobustMAD,
     RollingZ,
+    Level,
+    Spike,
     Staleness,
     detector_from_state,
 )
@@ -49,6 +51,10 @@ def factories():
         "leak": lambda: Leak(window=30, slope_per_min=0.1, r2_min=0.8, capacity=100.0),
         "shift": lambda: DistributionShift(reference=20, window=20, every=5),
         "collapse": lambda: Collapse(reference=20, window=10),
+        "spike": lambda: Spike(window=20, ratio=3.0, min_samples=3),
+        "level_early": lambda: Level(recent=3, reference=10, below=0.5, above=2.0),
+        "level_peak": lambda: Level(recent=3, reference=5, mode="peak", below=0.6),
+        "level_trailing": lambda: Level(recent=2, reference=5, mode="trailing", above=2.0),
     }
 
 
@@ -527,3 +533,55 @@ def test_common_api(name):
     ev = det.evidence()
     orjson.dumps(ev)
     assert ev["detector"] and "value" in ev and "anomalous" in ev
+
+
+# -- Spike and Level: judgement from the first points of short, heavy-tailed runs ----------
+
+
+def test_spike_is_a_ratio_to_the_median_that_heavy_tails_do_not_move():
+    det = Spike(window=40, ratio=10.0, min_samples=3)
+    tail = [2.0, 1.9, 2.1, 8.0, 2.0, 9.5, 2.2, 2.0, 6.0, 1.8]   # a healthy PPO grad norm's tail
+    assert not any(det.update(v) for v in tail)
+    assert det.update(66.0) and det.evidence()["ratio"] == pytest.approx(33.0, rel=0.05)
+    assert not det.update(2.0), "one spike does not drag the median"
+
+
+def test_spike_judges_the_first_points_against_a_known_start_and_respects_the_floor():
+    kl = Spike(ratio=5.0, min_samples=3, start=0.0)
+    assert kl.update(10833.0), "a KL of 10,833 on the first logged step is not learned as normal"
+    small = Spike(ratio=5.0, min_samples=3, floor=0.05)
+    assert not any(small.update(v) for v in [1e-5, 3e-5, 2e-5, 4e-4])   # KL growing from zero
+    assert Spike(min_samples=1, direction="down", ratio=4.0).update(1.0) is False
+    with pytest.raises(ValueError):
+        Spike(ratio=1.0)
+
+
+def test_level_early_reference_never_contains_the_points_it_judges():
+    det = Level(recent=2, reference=25, below=0.5, min_reference=1)
+    assert [det.update(v) for v in [53.0, 2.6, 2.45]] == [False, False, True]
+    ev = det.evidence()
+    assert ev["reference"] == 53.0 and ev["reference_kind"] == "early" and ev["level"] == pytest.approx(2.525)
+
+
+def test_level_peak_catches_a_slow_decay_a_baseline_would_follow_down():
+    det = Level(recent=3, reference=10, mode="peak", below=0.65)
+    values = [100.0] * 20 + [100.0 - 0.4 * i for i in range(1, 101)]   # to 60% over 100 points
+    flags = [det.update(v) for v in values]
+    assert any(flags) and not any(flags[:80])
+    assert det.evidence()["reference"] == 100.0
+
+
+def test_level_medians_ignore_one_slow_validation_step():
+    det = Level(recent=3, reference=10, mode="trailing", above=1.6)
+    steps = [350.0] * 30
+    steps[15] = 1200.0   # validation and a checkpoint every N steps
+    assert not any(det.update(v) for v in steps)
+
+
+def test_level_needs_a_positive_reference():
+    det = Level(recent=1, reference=5, below=0.5, min_reference=1)
+    assert not any(det.update(v) for v in [-17.25, -10.5, 0.0, -18.75, -4.0])   # signed rewards
+    with pytest.raises(ValueError):
+        Level(below=1.5)
+    with pytest.raises(ValueError):
+        Level(mode="median", below=0.5)

@@ -206,7 +206,72 @@ def test_a_rule_added_in_yaml_fires_without_code():
     ("version: 1\nrules:\n  - name: a\n    metric: x\n    above: 1\n    severity: P9\n", "team.yaml:3: rule 'a': severity"),
     ("version: 1\nrules:\n  - name: a\n    metric: [x\n", "team.yaml:5: not valid YAML"),
     ("version: 2\nrules: []\n", "team.yaml:1: 'version' must be 1"),
+    ("version: 1\nrules:\n  - name: a\n    signal: klx\n    above: 1\n", "team.yaml:3: rule 'a': unknown signal\\(s\\) 'klx'"),
+    ("version: 1\nrules:\n  - name: a\n    above: 1\n", "team.yaml:3: rule 'a' has neither 'signal' nor 'metric'"),
+    ("version: 1\nrules:\n  - name: a\n    signal: kl\n    above: 1\n    given: {lr: {above: 0}}\n",
+     "team.yaml:3: rule 'a': 'given' names unknown signal 'lr'"),
+    ("version: 1\nrules:\n  - name: a\n    signal: kl\n    above: 1\n    given: {learning_rate: {over: 0}}\n",
+     "team.yaml:3: rule 'a': 'given: learning_rate' must be a mapping"),
+    ("version: 1\nrules:\n  - name: a\n    signal: kl\n    above: 1\n    immediate: true\n",
+     "team.yaml:3: rule 'a': 'immediate' makes the breaker act at once"),
 ])
 def test_a_rules_file_with_a_mistake_names_the_line(text, problem):
     with pytest.raises(rules_mod.RulesError, match=problem):
         rules_mod.parse(text, "team.yaml")
+
+
+SIGNAL_RULES = """
+version: 1
+rules:
+  - name: kl_floor
+    signal: kl
+    above: 0.5
+    severity: P2
+  - name: no_grad
+    signal: grad_norm
+    equals: 0
+    given: {learning_rate: {above: 0}}
+    severity: P2
+"""
+
+
+@pytest.mark.parametrize("kl_name", ["actor/kl_loss", "kl", "train/kl", "reward/kl_divergence", "KL"])
+def test_a_signal_rule_bites_on_every_frameworks_name(kl_name):
+    engine = Engine(rules_mod.parse(SIGNAL_RULES, "team.yaml"))
+    outs = engine.handle(ev.encode(ev.metrics_event("r", 1, {kl_name: 0.9, "eval/kl": 0.9}, src=TRAINER)), 0, 1)
+    alerts = [o.value for o in outs if o.kind == "alert"]
+    assert [(a["rule"], a["metrics"], a["signal"]) for a in alerts] == [("kl_floor", [kl_name], "kl")]
+
+
+def test_given_reads_the_other_signals_of_the_step_and_the_latest_known_value():
+    engine = Engine(rules_mod.parse(SIGNAL_RULES, "team.yaml"))
+    send = lambda step, m: [o.value for o in engine.handle(  # noqa: E731
+        ev.encode(ev.metrics_event("r", step, m, src=TRAINER)), 0, step) if o.kind == "alert"]
+    assert send(1, {"grad_norm": 0.0, "learning_rate": 0.0}) == [], "a zero learning rate excuses a zero gradient"
+    assert [a["rule"] for a in send(2, {"grad_norm": 0.0, "learning_rate": 1e-6})] == ["no_grad"]
+    send(3, {"grad_norm": 0.5})
+    assert [a["rule"] for a in send(4, {"grad_norm": 0.0})] == ["no_grad"], "the step without a rate uses the last one"
+    assert [a["status"] for a in send(5, {"grad_norm": 0.0, "learning_rate": 0.0})] == ["resolved"]
+
+
+def test_a_nan_rolls_back_at_once_when_a_safe_checkpoint_exists():
+    engine = Engine(rules_mod.default())
+    outs = []
+    for step in range(1, 31):
+        loss = float("nan") if step == 20 else 0.1
+        outs += engine.handle(ev.encode(ev.metrics_event("r", step, {"actor/pg_loss": loss}, src=TRAINER)), 0, 2 * step)
+        if step == 10:
+            engine.handle(ev.encode(ev.checkpoint_event("r", 10, "/ckpt/10")), 0, 2 * step + 1)
+    commands = [o.value for o in outs if o.kind == "command"]
+    assert [(c["action"], c["target"]["step"]) for c in commands] == [("rollback", 10)]
+    assert "cannot wait at step 20" in commands[0]["detail"]
+
+
+def test_a_one_step_nan_without_a_checkpoint_does_not_stop_the_run():
+    engine = Engine(rules_mod.default())
+    outs = []
+    for step in range(1, 6):
+        loss = float("nan") if step == 2 else 0.1
+        outs += engine.handle(ev.encode(ev.metrics_event("r", step, {"loss": loss}, src=TRAINER)), 0, step)
+    assert [o.value["rule"] for o in outs if o.kind == "alert" and o.value["status"] == "firing"] == ["non_finite"]
+    assert not [o for o in outs if o.kind == "command"]

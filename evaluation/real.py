@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Detection on runs other people trained: labelled real traces, replayed through the rules.
+
+    python evaluation/real.py [--rules FILE] [--set dev|added|all] [--verbose]
+
+Two sets of JSON-lines traces (one object per logged step, metric keys as the trainer
+logged them), each with a ``labels.json``:
+
+- ``dev``: the public development set beside the checkout (``<shared>/benchmarks/rl-traces``,
+  verl, TRL, ms-swift, DeepSpeed-Chat and unsloth runs), scored as its ``score.py`` scores
+  ``trainguard replay {path} --json``;
+- ``added``: traces found since and labelled by the same README rules
+  (``evaluation/real-traces``: mlx-lm, ms-swift, TRL, unsloth; sources in its README).
+
+Scoring (the sets' README): a failure trace is caught when an alert of any severity fires
+between its ``earliest_ok_step`` and ``latest_ok_step``; a healthy trace holds when no P0/P1
+alert fires; a false alarm is a P0/P1 alert on a healthy trace or before ``earliest_ok_step``
+on a failure trace (counted per trace). Traces marked ``scored: false`` are shown, not
+counted. One difference, stricter than ``score.py``: only *firing* alerts count, not the
+lines that say an alert resolved. Each trace is replayed in-process with
+:func:`trainguard.replay.replay`, the code behind ``trainguard replay``.
+
+The last line printed is one JSON object; ``evaluation/run.py`` folds ``summary()`` into
+``make eval``'s line as ``real_caught``, ``real_failures``, ``real_healthy_silent``,
+``real_healthy``, ``real_false_alarms`` (the dev set) and ``real_added`` (the other set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from nab import shared_dir  # noqa: E402
+
+from trainguard.replay import replay  # noqa: E402
+from trainguard.streams import rules as rules_mod  # noqa: E402
+
+LOUD = {"P0", "P1", None}
+ADDED = HERE / "real-traces"
+
+
+def trace_sets() -> dict[str, Path | None]:
+    dev = shared_dir() / "benchmarks" / "rl-traces"
+    return {"dev": dev if (dev / "labels.json").is_file() else None, "added": ADDED}
+
+
+def judge(label: dict, alerts: list[tuple[int, str | None]]) -> tuple[bool, int, str]:
+    """(ok, false alarms, note) for one trace, by the sets' README rules."""
+    loud = [(s, v) for s, v in alerts if v in LOUD]
+    if label["expect"] == "silent":
+        return not loud, len(loud), f"{len(loud)} loud alerts"
+    lo, hi = label.get("earliest_ok_step"), label.get("latest_ok_step")
+    if lo is None or hi is None:
+        return bool(alerts), 0, f"{len(alerts)} alerts (no window)"
+    hits = [s for s, _ in alerts if lo <= s <= hi]
+    early = [s for s, v in loud if s < lo]
+    first = min((s for s, _ in alerts), default=None)
+    return bool(hits), len(early), f"window {lo}..{hi}, first alert {first}, {len(early)} early"
+
+
+def score_set(directory: Path, rules) -> dict:
+    labels = json.loads((directory / "labels.json").read_text())["traces"]
+    rows, totals = [], Counter()
+    for label in labels:
+        result = replay(directory / "traces" / f"{label['file']}.jsonl", rules=rules, run_id=label["file"])
+        firing = [a for a in result.alerts if a["status"] == "firing"]
+        ok, false_alarms, note = judge(label, [(a["step"], a["severity"]) for a in firing])
+        scored = label.get("scored", True)
+        if scored:
+            kind = "failures" if label["expect"] == "alert" else "healthy"
+            totals[kind] += 1
+            totals["caught" if kind == "failures" else "healthy_silent"] += ok
+            totals["false_alarms"] += false_alarms > 0
+            totals["false_alarm_alerts"] += false_alarms
+        rows.append({"file": label["file"], "framework": label.get("framework"), "expect": label["expect"],
+                     "scored": scored, "ok": ok, "false_alarms": false_alarms, "note": note,
+                     "rules": sorted(Counter(a["rule"] for a in firing).items(), key=lambda kv: -kv[1])})
+    return {"caught": totals["caught"], "failures": totals["failures"],
+            "healthy_silent": totals["healthy_silent"], "healthy": totals["healthy"],
+            "false_alarms": totals["false_alarms"], "false_alarm_alerts": totals["false_alarm_alerts"],
+            "traces": rows}
+
+
+def evaluate(rules=None, which: str = "all") -> dict[str, dict | None]:
+    """``{set name: its score, or None when the set is not on this machine}``."""
+    ruleset = rules if isinstance(rules, rules_mod.RuleSet) else rules_mod.load(rules)
+    out: dict[str, dict | None] = {}
+    for name, directory in trace_sets().items():
+        if which in (name, "all"):
+            out[name] = score_set(directory, ruleset) if directory is not None else None
+    return out
+
+
+def summary(results: dict[str, dict | None]) -> dict:
+    """The fields ``make eval``'s JSON line carries."""
+    dev, added = results.get("dev"), results.get("added")
+    keys = ("caught", "failures", "healthy_silent", "healthy", "false_alarms")
+    out = {f"real_{k}": (dev[k] if dev else None) for k in keys}
+    out["real_added"] = {k: added[k] for k in keys} if added else None
+    return out
+
+
+def print_results(results: dict[str, dict | None], verbose: bool = False, out=sys.stdout) -> None:
+    for name, res in results.items():
+        if res is None:
+            print(f"{name}: not found (looked in {shared_dir() / 'benchmarks' / 'rl-traces'}; "
+                  f"set TRAINGUARD_SHARED to the folder that holds benchmarks/)", file=out)
+            continue
+        print(f"real traces, {name} set:", file=out)
+        print(f"{'verdict':<12} {'expect':<6} {'framework':<14} {'trace':<46} note", file=out)
+        for r in res["traces"]:
+            verdict = ("PASS" if r["ok"] else "FAIL") if r["scored"] else "(not scored)"
+            rules = ", ".join(f"{rule}:{n}" for rule, n in r["rules"][:4]) if verbose else ""
+            print(f"{verdict:<12} {r['expect']:<6} {str(r['framework']):<14} {r['file']:<46} {r['note']}"
+                  + (f"  [{rules}]" if rules else ""), file=out)
+        print(f"{res['caught']}/{res['failures']} caught, {res['healthy_silent']}/{res['healthy']} healthy silent, "
+              f"{res['false_alarms']} false alarms ({res['false_alarm_alerts']} loud alerts)\n", file=out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rules", default=None, help="rules file (default: the packaged rules/default.yaml)")
+    ap.add_argument("--set", default="all", choices=("dev", "added", "all"))
+    ap.add_argument("--verbose", action="store_true", help="list the rules that fired on each trace")
+    args = ap.parse_args(argv)
+    try:
+        results = evaluate(args.rules, args.set)
+    except rules_mod.RulesError as exc:
+        print(f"rules: {exc}", file=sys.stderr)
+        return 2
+    print_results(results, args.verbose)
+    print(json.dumps(summary(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The metric vocabulary: each framework's names, one meaning each, resolved the same way everywhere."""
+
+import pytest
+
+from trainguard.streams import signals
+from trainguard.streams.rules import default
+
+
+def test_no_name_means_two_signals_and_every_signal_is_described():
+    merged = {}
+    for framework, dialect in signals.DIALECTS.items():
+        for name, signal in dialect.items():
+            assert signal in signals.SIGNALS, f"{framework}: {name} -> unknown {signal}"
+            assert merged.setdefault(name, signal) == signal, f"{name} means two things"
+
+
+@pytest.mark.parametrize("name,signal", [
+    ("actor/kl_loss", "kl"), ("actor/reward_kl_penalty", "kl_penalty"), ("critic/kl", "kl_penalty"),
+    ("train/kl", "kl"), ("kl", "kl"), ("objective/kl", "kl_seq"), ("actor/entropy", "entropy"),
+    ("actor/entropy_loss", "entropy"), ("entropy/mean", "entropy"), ("train/completions/clipped_ratio",
+    "response_clip_ratio"), ("frac_reward_zero_std", "frac_zero_std"), ("critic/score/mean", "reward_mean"),
+    ("Total rewards mean", "reward_mean"), ("Tokens/sec", "throughput"), ("memory(GiB)", "memory_gb"),
+    ("actor/perf/max_memory_allocated_gb", "memory_gb"), ("Average reward score", "reward_mean"),
+])
+def test_names_resolve_to_their_signal(name, signal):
+    assert signals.signal_of(name) == signal
+
+
+@pytest.mark.parametrize("name", ["objective/entropy", "eval/kl", "val-core/math/reward/mean@1", "gpu/util[0]",
+                                  "critic/rewards/mean", "my/own_metric"])
+def test_names_that_are_not_training_signals_stay_unresolved(name):
+    """TRL's objective/entropy is a sequence NLL; eval and validation figures are not training."""
+    assert signals.signal_of(name) is None
+
+
+@pytest.mark.parametrize("keys,framework", [
+    (["actor/pg_loss", "critic/score/mean", "timing_s/step"], "verl"),
+    (["loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "kl"], "trl"),
+    (["loss", "reward", "frac_reward_zero_std", "memory(GiB)", "train_speed(iter/s)", "entropy/mean"], "ms-swift"),
+    (["train/policy_loss", "train/kl", "train/actor_lr", "train/response_clip_ratio"], "openrlhf"),
+    (["Train loss", "It/sec", "Tokens/sec", "Peak mem"], "mlx-lm"),
+    (["act_loss", "cri_loss", "average reward score"], "deepspeed-chat"),
+    (["my/metric"], None),
+])
+def test_a_run_is_recognised_from_its_keys(keys, framework):
+    assert signals.recognise(keys) == framework
+
+
+def test_every_signal_a_default_rule_watches_is_in_the_vocabulary():
+    watched = {s for r in default().rules for s in r.signals}
+    assert watched <= set(signals.SIGNALS)
+    assert {"kl", "entropy", "grad_norm", "reward_mean", "frac_zero_std", "response_clip_ratio",
+            "throughput"} <= watched
