@@ -11,8 +11,9 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	# Integration tests train real (tiny) models and write real TensorBoard files: CPU torch, pinned.
-	$(BIN)/python -m pip install --quiet torch==2.13.0 transformers==4.57.6 accelerate==1.15.0 tensorboard==2.21.0
+	# Integration tests train real (tiny) models with the real Trainer and TRL's GRPOTrainer and
+	# write real TensorBoard files: CPU torch, pinned (trl's extra keeps transformers below 5).
+	$(BIN)/python -m pip install --quiet torch==2.13.0 transformers==4.57.6 accelerate==1.15.0 tensorboard==2.21.0 trl==1.16.0
 	@touch $(STAMP)
 
 setup: $(STAMP)

@@ -467,6 +467,10 @@ class Engine:
         rows = block.rows(names, self._baseline_params)
         if len(block) != before:
             state.bind(self.rules)
+            unwatched = self.rules.unwatched(names[i] for i in range(len(names)) if rows[i] >= before)
+            if unwatched:
+                log.info("trainguard: run %s, %s: %d metric(s) no rule watches: %s%s", run_id, sid, len(unwatched),
+                         ", ".join(unwatched[:20]), " ..." if len(unwatched) > 20 else "")
         x = np.fromiter(metrics.values(), float, len(names))
         self.samples += len(names)
         anomalous, finite, mean, std, lower, upper, ready = block.update(rows, x)

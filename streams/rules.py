@@ -228,6 +228,13 @@ class RuleSet:
         return [i for i, r in enumerate(self.rules)
                 if r.watches(metric) and (not r.sources or source_kind in r.sources)]
 
+    def unwatched(self, names, source_kind: str = "trainer") -> list[str]:
+        """The names no rule judges by value (a liveness rule such as ``trainer_hung`` listens
+        to every name but judges none): the silent misses behind "it did not alert"."""
+        return [n for n in names
+                if not any(r.watches(n) and r.kind != "stale" and (not r.sources or source_kind in r.sources)
+                           for r in self.rules)]
+
     @property
     def given_signals(self) -> frozenset:
         """Signals some rule's ``given:`` reads: the engine remembers their latest values."""

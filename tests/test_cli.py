@@ -88,3 +88,17 @@ def test_ctrl_c_during_the_demo_leaves_no_process_behind(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_replay_on_a_trainer_side_install_names_the_extra_to_install(tmp_path):
+    """The trainer side installs confluent-kafka and orjson only; replay needs the engine."""
+    run = tmp_path / "run.jsonl"
+    run.write_text('{"step": 1, "loss": 0.1}\n')
+    code = ("import sys\n"
+            "for m in ('numpy', 'scipy', 'yaml', 'sortedcontainers'): sys.modules[m] = None\n"
+            "from trainguard.cli import main\n"
+            f"sys.exit(main(['replay', {str(run)!r}]))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "trainguard replay: needs the" in result.stderr
+    assert "pip install 'trainguard[replay]'" in result.stderr and "Traceback" not in result.stderr

@@ -54,7 +54,7 @@ def test_verl_log_through_the_cli_lists_the_alerts_and_the_breakers_rollback():
     assert nan == [("198", True), ("199", False), ("205", True), ("206", False)]
     assert "301 steps (steps 0..300)" in out
     assert "skipped 1 unreadable record(s):" in out and "verl_kl_blowup.log:132:" in out
-    assert "kl_explosion             1 firing, 0 resolved" in out
+    assert "kl_explosion                 1 firing, 0 resolved" in out
     # The log saved checkpoints every 50 steps: the newest before the onset is step 150.
     assert "checkpoints known: 6 (steps 50, 100, 150, 200, 250, 300)" in out
     assert "at step 198 would roll back to checkpoint at step 150" in out
@@ -169,3 +169,13 @@ def test_progress_line_on_a_terminal(tmp_path):
     text = err.getvalue()
     assert text.startswith("\rreplaying x.log [") and "100.0%" in text and "301 steps" in text
     assert "steps/s" in text and text.endswith("\r\033[K")
+
+
+def test_the_summary_names_the_framework_and_the_metrics_no_rule_watches(tmp_path):
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"step": 1, "loss": 0.1, "grad_norm": 0.5, "reward": 1.0, "frac_reward_zero_std": 0.2, '
+                    '"my_custom/accuracy": 0.7, "epoch": 0.01}\n')
+    rc, out, _ = _main(str(path))
+    assert rc == 0
+    assert "metrics: 6 (trl names); 4 watched by the rules" in out
+    assert "not watched by any rule: my_custom/accuracy, epoch;" in out

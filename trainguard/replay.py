@@ -35,6 +35,7 @@ import orjson
 
 from trainguard.readers import ReadError, StepReader, open_reader
 from trainguard.schemas import events as ev
+from trainguard.streams.signals import recognise
 
 STEP_SECONDS = 60.0
 """Synthetic time between two replayed steps (a typical RL step; command expiry counts in it)."""
@@ -60,6 +61,9 @@ class ReplayResult:
     first_step: int | None = None
     last_step: int | None = None
     elapsed_s: float = 0.0
+    framework: str | None = None                         # recognised from the metric names
+    metrics: list[str] = field(default_factory=list)    # every name the file logged, first seen first
+    unwatched: list[str] = field(default_factory=list)  # names no rule judges
 
     def alerts_by_rule(self) -> dict[str, dict[str, int]]:
         """``{rule: {"firing": n, "resolved": m}}`` in order of first appearance."""
@@ -156,6 +160,7 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
     started = time.monotonic()
     index = 0
     next_ckpt = 0
+    seen: set[str] = set()
     for step, metrics in reader:
         index += 1
         ts = base_ts + index * STEP_SECONDS
@@ -167,6 +172,11 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
         if result.first_step is None:
             result.first_step = step
         result.last_step = step
+        if not seen.issuperset(metrics):
+            for name in metrics:
+                if name not in seen:
+                    seen.add(name)
+                    result.metrics.append(name)
         event = ev.metrics_event(run_id, step, metrics, src=src, ts=ts)
         for out in engine.apply(event):
             if out.kind == "alert":
@@ -179,6 +189,8 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
         if on_step is not None:
             on_step(reader)
     result.elapsed_s = time.monotonic() - started
+    result.framework = recognise(result.metrics)
+    result.unwatched = ruleset.unwatched(result.metrics)
     result.steps = reader.steps
     result.skipped = reader.skipped
     result.ignored = reader.ignored
@@ -280,10 +292,19 @@ def summary_lines(result: ReplayResult) -> list[str]:
         lines.append("alerts by rule:")
         for rule, counts in by_rule.items():
             first = next(a for a in result.alerts if a["rule"] == rule and a["status"] == "firing")
-            lines.append(f"  {rule:<24} {counts['firing']} firing, {counts['resolved']} resolved "
+            lines.append(f"  {rule:<28} {counts['firing']} firing, {counts['resolved']} resolved "
                          f"(first at step {first['step']}, {first['severity']})")
     else:
         lines.append("no alerts")
+    if result.metrics:
+        known = f"{result.framework} names" if result.framework else "no framework's names recognised"
+        lines.append(f"metrics: {len(result.metrics)} ({known}); "
+                     f"{len(result.metrics) - len(result.unwatched)} watched by the rules")
+        if result.unwatched:
+            shown = ", ".join(result.unwatched[:12]) + (f" (+{len(result.unwatched) - 12} more)"
+                                                         if len(result.unwatched) > 12 else "")
+            lines.append(f"  not watched by any rule: {shown}; docs/vocabulary.md lists the names each "
+                         f"signal covers, --rules adds your own")
     if result.checkpoints:
         steps = ", ".join(str(c["step"]) for c in result.checkpoints[:12])
         more = f" (+{len(result.checkpoints) - 12})" if len(result.checkpoints) > 12 else ""

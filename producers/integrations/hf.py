@@ -15,6 +15,7 @@ What it does, on the world's process zero only (other ranks do nothing):
   ``train/grad_norm``, ``eval_loss`` -> ``eval/loss``), so the default rules' ``*loss*`` and
   ``*grad_norm*`` traps apply. Note that the Trainer drops NaN/Inf losses from the
   logged mean by default (``logging_nan_inf_filter``); ``grad_norm`` still shows them.
+  A value logged as ``None`` is published as NaN (TRL's way of logging an all-NaN metric).
 * ``on_save``: reports ``{output_dir}/checkpoint-{global_step}``.
 * ``on_step_end``: applies ready commands.
 
@@ -51,6 +52,7 @@ the restore), so the worker re-arms on healthy numbers.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -63,9 +65,15 @@ __all__ = ["TrainguardCallback", "rewrite_logs", "load_model_weights"]
 
 
 def rewrite_logs(logs: dict) -> dict:
-    """The Trainer integrations' naming: eval_x -> eval/x, test_x -> test/x, x -> train/x."""
+    """The Trainer integrations' naming: eval_x -> eval/x, test_x -> test/x, x -> train/x.
+
+    ``None`` becomes NaN: TRL (1.0+) logs a metric whose every value in the logging window
+    was NaN as ``None`` (a reward function that returned NaN or None for the whole batch),
+    and dropping it would hide the NaN the rules exist to page on."""
     out = {}
     for k, v in logs.items():
+        if v is None:
+            v = math.nan
         if k.startswith("eval_"):
             out["eval/" + k[5:]] = v
         elif k.startswith("test_"):
