@@ -252,6 +252,32 @@ DIALECTS: dict[str, dict[str, str]] = {
     },
 }
 
+# Where each dialect was read (docs/vocabulary.md prints these beside the tables).
+SOURCES: dict[str, str] = {
+    "verl": "verl-project/verl (formerly volcengine/verl) 0.10.0.dev @1dda039b, compared back to v0.2.0: "
+            "verl/trainer/ppo/metric_utils.py (compute_data_metrics, compute_timing_metrics, "
+            "compute_throughout_metrics), verl/trainer/ppo/ray_trainer.py (apply_kl_penalty, fit), "
+            "verl/workers/utils/losses.py, verl/workers/engine_workers.py; before 0.8 "
+            "verl/workers/actor/dp_actor.py and verl/workers/critic/dp_critic.py",
+    "trl": "huggingface/trl 1.10.0.dev @f2cd5771, compared back to v0.11.0: trl/trainer/grpo_trainer.py "
+           "(_metrics, log), trl/trainer/rloo_trainer.py, trl/experimental/ppo/ppo_trainer.py, "
+           "trl/experimental/online_dpo/online_dpo_trainer.py, v0.11.0 trl/trainer/ppo_trainer.py "
+           "(record_step_stats); transformers integrations/integration_utils.py (rewrite_logs: the train/ prefix)",
+    "openrlhf": "OpenRLHF/OpenRLHF v0.11.0 @3c3be623, compared with v0.5.9-v0.9.10: "
+                "openrlhf/trainer/ppo_trainer.py (train_step, save_logs_and_checkpoints), "
+                "openrlhf/trainer/ray/ppo_actor.py, openrlhf/trainer/ray/ppo_critic.py, "
+                "openrlhf/utils/logging_utils.py (train/<key> in W&B and TensorBoard)",
+    "ms-swift": "modelscope/ms-swift 4.6.0.dev @3602360a, compared with v3.12.0 and v4.5.2: "
+                "swift/rlhf_trainers/grpo_trainer.py (3.x: swift/trainers/rlhf_trainer/grpo_trainer.py), "
+                "swift/rl_core/advantage.py, swift/trainers/patcher.py (memory(GiB), train_speed)",
+    "mlx-lm": "ml-explore/mlx-lm v0.31.3 @ed1fca4c: mlx_lm/tuner/trainer.py (the Iter lines), "
+              "mlx_lm/tuner/callbacks.py; Goekdeniz-Guelmez/mlx-lm-lora v3.1.2 @dfaaaed5, compared back to "
+              "v0.1.9: mlx_lm_lora/trainer/grpo_trainer.py",
+    "deepspeed-chat": "deepspeedai/DeepSpeedExamples @45b4b715: applications/DeepSpeed-Chat/training/"
+                      "step3_rlhf_finetuning/main.py (both console formats, TensorBoard scalars)",
+    "seed": "the seed documents' own names (shared/seeds), which the simulator speaks",
+}
+
 # Logging prefixes that do not change what a metric is (TRL / HF Trainer in TensorBoard and W&B).
 PREFIXES = ("train/",)
 
@@ -312,3 +338,23 @@ def recognise(names: Iterable[str]) -> str | None:
 def names_for(signal: str) -> list[str]:
     """Every logged name (without prefix) that stands for ``signal``, for docs and messages."""
     return sorted(name for name, s in _BY_NAME.items() if s == signal)
+
+
+def markdown() -> str:
+    """The vocabulary as the tables of docs/vocabulary.md (a test keeps the page in step)."""
+    by_signal: dict[str, dict[str, list[str]]] = {}
+    for framework, dialect in DIALECTS.items():
+        for name, signal in dialect.items():
+            by_signal.setdefault(signal, {}).setdefault(framework, []).append(name)
+    lines = ["| signal | meaning | " + " | ".join(DIALECTS) + " |",
+             "|---|---|" + "---|" * len(DIALECTS)]
+    for signal, meaning in SIGNALS.items():
+        cells = [", ".join(f"`{n}`" for n in by_signal.get(signal, {}).get(f, [])) for f in DIALECTS]
+        lines.append(f"| `{signal}` | {meaning} | " + " | ".join(cells) + " |")
+    lines += ["", "Sources read:", ""]
+    lines += [f"- **{framework}**: {SOURCES[framework]}" for framework in DIALECTS]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

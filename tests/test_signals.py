@@ -51,3 +51,10 @@ def test_every_signal_a_default_rule_watches_is_in_the_vocabulary():
     assert watched <= set(signals.SIGNALS)
     assert {"kl", "entropy", "grad_norm", "reward_mean", "frac_zero_std", "response_clip_ratio",
             "throughput"} <= watched
+
+
+def test_the_vocabulary_page_shows_the_tables_the_code_uses():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "vocabulary.md").read_text()
+    assert signals.markdown() in page, "regenerate with: python -m trainguard.streams.signals"
