@@ -10,7 +10,7 @@ logged them), each with a ``labels.json``:
   verl, TRL, ms-swift, DeepSpeed-Chat and unsloth runs), scored as its ``score.py`` scores
   ``trainguard replay {path} --json``;
 - ``added``: traces found since and labelled by the same README rules
-  (``evaluation/real-traces``: mlx-lm, ms-swift, TRL, unsloth; sources in its README).
+  (``evaluation/real-traces``: TRL, verl, mlx-lm, ms-swift, unsloth; sources in its README).
 
 Scoring (the sets' README): a failure trace is caught when an alert of any severity fires
 between its ``earliest_ok_step`` and ``latest_ok_step``; a healthy trace holds when no P0/P1

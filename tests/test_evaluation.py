@@ -240,7 +240,11 @@ def test_run_quick_prints_the_summary_json_last():
     lines = proc.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
     assert set(summary) == {"min_recall", "false_alerts_per_10k_steps", "median_delay_steps_sudden",
-                            "drift_caught_before_kl", "nab"}
+                            "drift_caught_before_kl", "real_caught", "real_failures", "real_healthy_silent",
+                            "real_healthy", "real_false_alarms", "real_added", "nab"}
+    assert summary["real_added"] == {"caught": 9, "failures": 9, "healthy_silent": 8, "healthy": 8,
+                                     "false_alarms": 0}
+    assert any(line.startswith("real traces, added set:") for line in lines)
     assert set(summary["nab"]) == {"standard", "reward_low_FP", "reward_low_FN"}
     assert 0 <= summary["min_recall"] <= 1 and summary["false_alerts_per_10k_steps"] >= 0
     assert any(line.startswith("kl_explosion ") for line in lines)

@@ -117,7 +117,8 @@ def test_verl_backend_publishes_verl_metrics_and_rolls_the_trainer_back(kafka, t
     worker = WorkerProcess(kafka, tmp_path).start()
     run_id = f"verl-{uuid.uuid4().hex[:6]}"
     # Real RL steps take minutes; here 50 ms, so leave the worker plenty of steps to answer.
-    trainer = FakeRayPPOTrainer(tmp_path / "ckpt", total_training_steps=120, fault_at=30)
+    # One poisoned batch: its NaN KL rolls back at once (the next update would spread it).
+    trainer = FakeRayPPOTrainer(tmp_path / "ckpt", total_training_steps=120, fault_at=30, fault_len=1)
     try:
         worker.wait_ready()
         backend = attach(trainer, run_id, kafka, tracking_cls=Tracking, ready_timeout_s=10)
@@ -135,7 +136,7 @@ def test_verl_backend_publishes_verl_metrics_and_rolls_the_trainer_back(kafka, t
         assert trainer.critic_wg.loads == [os.path.join(target, "critic")]
         steps = [s for s, _ in trainer.logged]
         restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-        assert steps[restart] == 26 and 32 <= steps[restart - 1] <= 115, steps
+        assert steps[restart] == 26 and 30 <= steps[restart - 1] <= 115, steps
         assert steps[-1] == 120 and not np.isnan(trainer.logged[-1][1]["actor/kl_loss"])
         assert np.abs(trainer.actor_rollout_wg.weights).max() < 10.0  # healthy policy at the end (poison adds 1e6)
 
