@@ -518,12 +518,22 @@ class Engine:
         if state.det_rows or state.res_rows:
             ts = event["ts"]
             plain, per_interval, res_j, res_names = state.det_positions(rows)
+            detectors, firing = state.detectors, state.firing
             for j, row, watching in plain:
                 value = float(x[j])
+                finite = value == value and value != math.inf and value != -math.inf
                 for ri in watching:
                     rule, slot = rules[ri], (ri, row)
-                    # As with the baselines: the detector opens an episode, a threshold keeps it open.
-                    flagged = self._detect(state, slot, rule, value, ts) or (rule.has_threshold and slot in state.firing)
+                    det = detectors.get(slot)
+                    if det is None:
+                        det = detectors[slot] = rule.make_detector()
+                    # Detectors never learn from non-finite values. As with the baselines, the
+                    # detector opens an episode and a threshold keeps it open.
+                    flagged = finite and det.update(value, ts)
+                    if not flagged and rule.has_threshold and slot in firing:
+                        flagged = True
+                    elif not flagged and finite and rule.anomalous:
+                        continue  # nothing can hold: an open episode of this slot resolves below
                     self._judge(state, slot, rule, rule.holds(value, flagged),
                                 event, run, run_id, sid, names[j], value,
                                 lambda slot=slot, rule=rule, name=names[j]: self._detector_evidence(
@@ -583,15 +593,6 @@ class Engine:
                     command = sign(command, self.signing_key)
                 outputs.append(Output("report", run_id, report))
                 outputs.append(Output("command", run_id, command))
-
-    def _detect(self, state: SourceState, slot, rule: Rule, value: float, ts: float) -> bool:
-        """Feed a rule's own detector one sample."""
-        det = state.detectors.get(slot)
-        if det is None:
-            det = state.detectors[slot] = rule.make_detector()
-        if value != value or value in (math.inf, -math.inf):
-            return False  # detectors never learn from non-finite values
-        return det.update(value, ts)
 
     def _roll_window(self, state: SourceState, key: bytes, ts: float, partition: int) -> float | None:
         """Move the source's open window to the one holding ``ts``; the start of the window

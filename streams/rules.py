@@ -10,7 +10,7 @@ import fnmatch
 import math
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
 
@@ -143,11 +143,11 @@ class Rule:
 
     def watches(self, metric: str) -> bool:
         return self.metrics.match(metric) or (bool(self.signals) and signal_of(base_name(metric)) in self.signals)
-    @property
+    @cached_property
     def has_threshold(self) -> bool:
         return self.above is not None or self.below is not None or self.equals is not None
 
-    @property
+    @cached_property
     def relative(self) -> bool:
         return self.above_ratio is not None or self.below_ratio is not None or self.cv_above is not None
 

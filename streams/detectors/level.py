@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import deque
 
-from sortedcontainers import SortedList
-
-from .base import Detector, is_finite, saturating
-from .mad import median_of_sorted
+from .base import Detector, is_finite
 
 __all__ = ["Level"]
 
@@ -35,7 +33,8 @@ class Level(Detector):
     least ``floor``.
 
     Parameters: ``recent``, ``reference``, ``mode``, ``below``, ``above``, ``min_reference``,
-    ``floor``. Cost: O(log reference) per sample; ``early`` keeps ``reference`` points at most.
+    ``floor``. Cost: O(reference) per sample in C (sorted lists kept with ``bisect``); ``early``
+    keeps ``reference`` points at most and its median is fixed once they are in.
 
     >>> det = Level(recent=2, reference=25, below=0.5, min_reference=1)
     >>> [det.update(v) for v in [53.0, 2.6, 2.45]]
@@ -47,6 +46,12 @@ class Level(Detector):
     name = "level"
     _params = ("recent", "reference", "mode", "below", "above", "min_reference", "floor")
     _fields = ("recent_buf", "ref_buf", "ref_sorted", "early", "peak", "count", "last")
+
+    @staticmethod
+    def _median(s: list) -> float:
+        n = len(s)
+        h = n // 2
+        return s[h] if n % 2 else (s[h - 1] + s[h]) / 2.0
 
     def __init__(self, recent: int = 5, reference: int = 25, mode: str = "early", below: float | None = None,
                  above: float | None = None, min_reference: int = 3, floor: float = 0.0):
@@ -67,8 +72,8 @@ class Level(Detector):
         self.floor = float(floor)
         self.recent_buf: deque = deque(maxlen=self.recent)
         self.ref_buf: deque = deque(maxlen=self.reference)   # peak / trailing: the points before recent
-        self.ref_sorted = SortedList()
-        self.early: list = []                                 # early: the first `reference` points
+        self.ref_sorted: list[float] = []                     # ref_buf, sorted
+        self.early: list = []                                 # early: the first `reference` points, sorted
         self.peak = -math.inf
         self.count = 0
         self.last: list | None = None  # [value, level, reference, ratio, anomalous]
@@ -83,47 +88,52 @@ class Level(Detector):
 
     def _reference(self) -> float:
         if self.mode == "early":
-            return median_of_sorted(sorted(self.early))
-        med = median_of_sorted(self.ref_sorted)
+            return self._median(self.early)
+        med = self._median(self.ref_sorted)
         if self.mode == "peak":
             if len(self.ref_buf) == self.reference or self.peak == -math.inf:
-                self.peak = max(self.peak, med)
+                if med > self.peak:
+                    self.peak = med
             return self.peak
         return med
 
     def update(self, x: float, t: float | None = None) -> bool:
-        if not is_finite(x):
+        if type(x) is not float:  # the engine hands floats; others (None, ints, numpy) are checked here
+            if not is_finite(x):
+                return False
+            x = float(x)
+        elif x != x or x == math.inf or x == -math.inf:
             return False
-        x = float(x)
         self.count += 1
-        if len(self.recent_buf) == self.recent:  # the oldest recent point becomes reference
-            self._to_reference(self.recent_buf[0])
-        self.recent_buf.append(x)
-        anomalous = False
+        recent = self.recent_buf
+        if len(recent) == self.recent:  # the oldest recent point becomes reference
+            self._to_reference(recent[0])
+        recent.append(x)
         self.score, self.last = 0.0, None
-        if self.ready:
-            ref = self._reference()
-            level = median_of_sorted(sorted(self.recent_buf))
-            if ref > 0 and ref >= self.floor:
-                ratio = level / ref
-                low = self.below is not None and ratio < self.below
-                high = self.above is not None and ratio > self.above
-                anomalous = low or high
-                dist = max((self.below / max(ratio, 1e-12)) if self.below else 0.0,
-                           (ratio / self.above) if self.above else 0.0)
-                self.score = saturating(max(dist, 0.0), 1.0)
-                self.last = [x, level, ref, ratio, anomalous]
-        return anomalous
+        if self._ref_size() < self.min_reference:
+            return False
+        ref = self._reference()
+        if not (ref > 0 and ref >= self.floor):
+            return False
+        level = x if len(recent) == 1 else self._median(sorted(recent))
+        ratio = level / ref
+        low = self.below is not None and ratio < self.below
+        high = self.above is not None and ratio > self.above
+        dist = max(self.below / ratio if self.below and ratio > 0 else (math.inf if self.below else 0.0),
+                   ratio / self.above if self.above else 0.0)
+        self.score = 1.0 if dist == math.inf else dist / (dist + 1.0)
+        self.last = [x, level, ref, ratio, low or high]
+        return low or high
 
     def _to_reference(self, v: float) -> None:
         if self.mode == "early":
             if len(self.early) < self.reference:
-                self.early.append(v)
+                insort(self.early, v)
             return
         if len(self.ref_buf) == self.reference:
-            self.ref_sorted.remove(self.ref_buf[0])
+            del self.ref_sorted[bisect_left(self.ref_sorted, self.ref_buf[0])]
         self.ref_buf.append(v)
-        self.ref_sorted.add(v)
+        insort(self.ref_sorted, v)
 
     def evidence(self) -> dict:
         if self.last is None:
