@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup system demo test test-unit eval bench clean
+.PHONY: setup system demo test test-unit eval bench chaos clean
 
 # The project's Python environment, rebuilt when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -36,6 +36,9 @@ eval: setup
 
 bench: setup
 	$(BIN)/python benchmarks/run.py
+
+chaos: setup
+	$(BIN)/python chaos/run.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

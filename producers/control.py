@@ -56,6 +56,10 @@ class ControlListener:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._assigned = threading.Event()
+        self.started_at = clock()
+        self.acked_before = 0   # commands this run acked before this listener started (not applied again)
+        self._acked: set[str] = set()
+        self._unreachable = False
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -70,10 +74,12 @@ class ControlListener:
         return self._assigned.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
+        """Stop listening and deliver pending acks; returns within about ``timeout``."""
+        deadline = time.monotonic() + timeout
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout)
-        self.publisher.flush(timeout)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        self.publisher.close(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> "ControlListener":
         return self.start()
@@ -150,8 +156,16 @@ class ControlListener:
             if problem:
                 self._reject(command, problem)
                 return None
+        if command["id"] in self._acked:
+            log.debug("trainguard: command %s was acked before this listener started; not applied again", command["id"])
+            return None
         if command["expires"] < self.clock():
             self._reject(command, f"expired at {command['expires']:.3f}")
+            return None
+        if command["issued"] < self.started_at - self.lookback_s:
+            # Checked here, not only by the broker's time lookup, which some brokers cannot do.
+            self._reject(command, f"issued {self.started_at - command['issued']:.0f} s before this listener started "
+                                  f"(lookback {self.lookback_s:.0f} s): meant for an earlier trainer process")
             return None
         if not self._remember_id("id:" + command["id"]):
             # A second delivery (or a captured command sent again): never applied twice.
@@ -162,6 +176,47 @@ class ControlListener:
             self._reject(command, "replayed command (nonce already used)")
             return None
         return command
+
+    def _remember_acked(self, timeout: float = 5.0) -> None:
+        """Read the run's acks (the durable record of what was applied, rejected or failed) so a
+        restarted listener never applies a command twice. Bounded by ``timeout``."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        topic = self.settings.topics.acks
+        consumer = Consumer(self.settings.confluent(**{
+            "group.id": f"trainguard-acks-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
+            "enable.partition.eof": False, "fetch.wait.max.ms": 50, "log_level": 0}))
+        try:
+            parts = consumer.list_topics(topic, timeout=timeout).topics[topic].partitions
+            if not parts:
+                return
+            tp = TopicPartition(topic, partition_for(self.run_id, len(parts)))
+            low, high = consumer.get_watermark_offsets(tp, timeout=timeout)
+            if high <= low:
+                return
+            consumer.assign([TopicPartition(topic, tp.partition, low)])
+            deadline = time.monotonic() + timeout
+            last, seen_up_to = time.monotonic(), low - 1
+            while time.monotonic() < deadline:
+                msg = consumer.poll(0.1)
+                if msg is None or msg.error():
+                    # The end: past the high watermark and quiet for a moment (the embedded broker
+                    # reports a high watermark per record batch, so quiet alone must confirm it).
+                    if seen_up_to + 1 >= high and time.monotonic() - last >= 0.5:
+                        return
+                    continue
+                last, seen_up_to = time.monotonic(), msg.offset()
+                try:
+                    ack = ev.decode(msg.value(), expect=(ev.ACK,))
+                except ev.SchemaError:
+                    ack = None
+                if ack is not None and ack["run_id"] == self.run_id and ack["command_id"] not in self._acked:
+                    self._acked.add(ack["command_id"])
+                    self.acked_before += 1
+            log.warning("trainguard: control listener read the acks of run %s for %.0f s without reaching their "
+                        "end; commands acked later than that could be applied again", self.run_id, timeout)
+        finally:
+            consumer.close()
 
     def _run(self) -> None:
         from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
@@ -179,18 +234,22 @@ class ControlListener:
                         # embedded one) would hold a command back for the whole wait (500 ms by
                         # default); one partition polled every 50 ms costs the trainer nothing.
                         "fetch.wait.max.ms": 50,
-                        "log_level": 2,
+                        "log_level": 0,
                     }))
                     meta = consumer.list_topics(topic, timeout=5)
                     parts = meta.topics[topic].partitions
                     if not parts:
                         raise KafkaException(f"topic {topic} has no partitions yet")
                     partition = partition_for(self.run_id, len(parts))
+                    self._remember_acked()
                     since_ms = int((self.clock() - self.lookback_s) * 1000)
                     found = consumer.offsets_for_times([TopicPartition(topic, partition, since_ms)], timeout=5)
                     offset = found[0].offset if found and found[0].offset >= 0 else OFFSET_END
                     consumer.assign([TopicPartition(topic, partition, offset)])
                     self._assigned.set()
+                    if self._unreachable:
+                        self._unreachable = False
+                        log.warning("trainguard: control listener for run %s reads commands again", self.run_id)
                 msg = consumer.poll(0.2)
                 if msg is None:
                     continue
@@ -200,8 +259,15 @@ class ControlListener:
                 command = self.check(msg.value())
                 if command is not None:
                     self._ready.put(command)
-            except Exception as exc:  # broker down, topic missing ...: retry, never raise
-                log.warning("trainguard: control listener retrying in 2s: %s", exc)
+            except Exception as exc:  # broker down, topic missing ...: retry quietly, never raise
+                if not self._unreachable:
+                    self._unreachable = True
+                    log.warning("trainguard: control listener for run %s cannot read %s at %s (%s); retrying "
+                                "every 2 s. Is the broker running and the topic created (`trainguard broker` "
+                                "creates it)? Training continues; commands wait until then.",
+                                self.run_id, topic, self.settings.bootstrap, exc)
+                else:
+                    log.debug("trainguard: control listener retrying: %s", exc)
                 if consumer is not None:
                     try:
                         consumer.close()

@@ -1,72 +1,142 @@
-"""A producer that never blocks or raises into its caller.
+"""A producer that never blocks, never raises into its caller, and accounts for every event.
 
-librdkafka's own queue is the bounded buffer: ``produce()`` copies the bytes and returns
-at once; when the queue is full (the broker is down for long, or slow) the event is
-dropped and counted instead of waiting. Delivery failures are counted too. Everything a
-training process or a node daemon publishes goes through here.
+librdkafka's own queue is the bounded buffer: ``produce()`` copies the bytes and returns at
+once; when the queue is full (the broker is down for long, or slow) the event is dropped and
+counted instead of waiting. Everything a training process or a node daemon publishes goes
+through here.
+
+Every event queued is either delivered or counted lost, by cause (``stats()``):
+``dropped`` (refused locally: queue full, or the event could not be encoded),
+``delivery_failed`` (the broker did not take it before ``message.timeout.ms``),
+``purged_at_close`` (still queued when ``close()``'s time ran out) and ``lost_fatal`` (queued
+in a producer that hit a fatal error). ``lost()`` is their sum.
+
+Delivery mode, chosen for fire-and-forget telemetry: no idempotence, one request in flight
+per connection (so a retry cannot reorder a run's steps), retries until the message times
+out. An idempotent producer keeps a producer id that a restarted broker may not know
+(Kafka expires them; the embedded broker forgets them on restart): librdkafka then raises a
+*fatal* error or holds every later event back, and a training job would lose its telemetry
+for good. A duplicate after a lost acknowledgement costs the worker one repeated sample.
+Any fatal error that still comes (a broken configuration, a revoked credential) makes the next
+``publish()`` build a fresh producer, after counting what the dead one held.
+
+Broker outages are said once: one line naming the address and the way out when the broker
+cannot be reached, one line when events flow again; librdkafka's own log lines stay quiet.
+No Python lock is taken inside a librdkafka callback: callbacks run on the thread that polls
+or flushes, and counters are only touched by that thread or under the GIL.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import time
 
 from trainguard.kafka import KafkaSettings
 
 log = logging.getLogger("trainguard.producer")
 
+# librdkafka error names that mean "the cluster is out of reach" (not a problem with an event).
+_UNREACHABLE = ("_ALL_BROKERS_DOWN", "_TRANSPORT", "_RESOLVE", "_TIMED_OUT", "_MSG_TIMED_OUT")
+
 
 class Publisher:
     def __init__(self, settings: KafkaSettings | None = None, *, queue_max: int = 100_000,
-                 linger_ms: int = 5, producer_config: dict | None = None):
-        from confluent_kafka import Producer
-
+                 linger_ms: int = 5, producer_config: dict | None = None, report_success: bool = False):
         self.settings = settings or KafkaSettings.from_env()
-        self.sent = 0
+        self.queued = 0            # accepted by produce() (delivered later, or counted lost)
+        self.delivered = 0         # acknowledged by the broker (counted with report_success only)
         self.dropped = 0           # refused locally: queue full or encoding failed
         self.delivery_failed = 0   # accepted locally, then not delivered (broker unreachable ...)
-        self._last_error: str | None = None
-        self._lock = threading.Lock()
+        self.purged_at_close = 0   # still queued when close() gave up
+        self.lost_fatal = 0        # queued in a producer that hit a fatal error
+        self.rebuilds = 0
         self._queue_max = queue_max
-        config = self.settings.confluent(**{
+        self._report_success = report_success
+        self._last_error: str | None = None
+        self._fatal: str | None = None
+        self._unreachable_since: float | None = None
+        self._unreachable_why = ""
+        self._at_outage = (0, 0, 0)   # queue length, queued and lost when the outage began
+        self._announced = False
+        self._closing = False
+        self._config = self.settings.confluent(**{
             "queue.buffering.max.messages": queue_max,
             "linger.ms": linger_ms,
             # Same partitioner as Faust/aiokafka/Java, so a run's key maps to one partition everywhere.
             "partitioner": "murmur2_random",
-            "enable.idempotence": True,
+            "enable.idempotence": False,
+            "max.in.flight.requests.per.connection": 1,
             "acks": "all",
             "message.timeout.ms": 60_000,
-            # Only failures are counted, so only failures call back: serving a callback per
-            # delivered message inside poll(0) would put its cost on every 16th log().
-            "delivery.report.only.error": True,
-            "log_level": 2,
+            "reconnect.backoff.ms": 100,
+            "reconnect.backoff.max.ms": 2_000,
+            # Only failures call back unless asked: serving a callback per delivered message
+            # inside poll(0) would put its cost on every 16th log().
+            "delivery.report.only.error": not report_success,
+            # Outages reach the user through error_cb, once; not as librdkafka's raw lines.
+            "log_level": 0,
         })
-        config.update(producer_config or {})
-        config.setdefault("error_cb", self._on_error)
-        self._producer = Producer(config)
+        self._config.update(producer_config or {})
+        self._config.setdefault("error_cb", self._on_error)
+        self._producer = self._new_producer()
+
+    @property
+    def sent(self) -> int:
+        """Events accepted for delivery (kept for callers of the earlier name)."""
+        return self.queued
+
+    def _new_producer(self):
+        from confluent_kafka import Producer
+
+        return Producer(self._config)
+
+    # -- callbacks (run on the thread that polls or flushes; no locks) ---------------------
 
     def _on_error(self, err) -> None:
+        try:
+            name, fatal = err.name(), err.fatal()
+        except AttributeError:  # not a KafkaError (an exception passed on by publish())
+            name, fatal = type(err).__name__, False
+        if fatal:
+            self._fatal = str(err)
+            log.warning("trainguard: the Kafka producer hit a fatal error (training continues; a new producer "
+                        "takes over with the next event): %s", err)
+            return
+        if name in _UNREACHABLE:
+            if self._unreachable_since is None:  # said in _serve() if it lasts (reconnects flap)
+                self._unreachable_since = time.monotonic()
+                self._unreachable_why = name
+                self._at_outage = (len(self._producer), self.queued, self.lost())
+            return
         text = str(err)
-        if text != self._last_error:  # say each distinct problem once, not every retry
+        if text != self._last_error:  # each distinct problem once, not every retry
             self._last_error = text
             log.warning("trainguard: Kafka client problem (training continues): %s", text)
 
     def _on_delivery(self, err, _msg) -> None:
-        if err is not None:
-            with self._lock:
-                self.delivery_failed += 1
+        if err is None:
+            self.delivered += 1
+        elif self._closing and err.name().startswith("_PURGE"):
+            self.purged_at_close += 1
+        else:
+            self.delivery_failed += 1
+
+    # -- the caller's side ----------------------------------------------------------------
 
     def publish(self, topic: str, key: str, value: bytes, partition: int | None = None) -> bool:
         """Queue one message; False (and counted) when it could not be queued."""
-        if len(self._producer) >= self._queue_max:  # full: drop without paying for an exception
+        if self._fatal is not None:
+            self._replace_dead_producer()
+        producer = self._producer
+        if len(producer) >= self._queue_max:  # full: drop without paying for an exception
             self.dropped += 1
             return False
         try:
             if partition is None:
-                self._producer.produce(topic, value, key, on_delivery=self._on_delivery)
+                producer.produce(topic, value, key, on_delivery=self._on_delivery)
             else:
-                self._producer.produce(topic, value, key, partition=partition, on_delivery=self._on_delivery)
-            self.sent += 1
+                producer.produce(topic, value, key, partition=partition, on_delivery=self._on_delivery)
+            self.queued += 1
             return True
         except BufferError:
             self.dropped += 1
@@ -74,12 +144,54 @@ class Publisher:
             self.dropped += 1
             self._on_error(exc)
         finally:
-            if self.sent % 16 == 0:  # serve delivery callbacks now and then, never waiting
-                try:
-                    self._producer.poll(0)
-                except Exception:
-                    pass
+            if self.queued % 16 == 0:  # serve delivery callbacks now and then, never waiting
+                self._serve()
         return False
+
+    def _serve(self) -> None:
+        try:
+            self._producer.poll(0)
+        except Exception:
+            pass
+        if self._unreachable_since is not None:
+            self._outage_news()
+
+    def _outage_news(self) -> None:
+        """An outage is said once it has lasted 2 s, and its end once events flow again: while
+        the broker is gone nothing leaves the queue but counted losses, so a queue shorter than
+        that means deliveries."""
+        pending, queued, lost = self._at_outage
+        expected = pending + (self.queued - queued) - (self.lost() - lost)
+        down = time.monotonic() - self._unreachable_since
+        if len(self._producer) < expected:
+            if self._announced:
+                log.warning("trainguard: Kafka at %s is reachable again after %.0f s; the queued events are "
+                            "being delivered (lost so far: %d).", self.settings.bootstrap, down, self.lost())
+            self._unreachable_since, self._announced = None, False
+        elif not self._announced and down >= 2.0:
+            self._announced = True
+            log.warning("trainguard: cannot reach Kafka at %s (%s). Is `trainguard broker` running, or "
+                        "TRAINGUARD_BOOTSTRAP set to your cluster? Training continues: up to %d events wait in "
+                        "memory, then new ones are dropped and counted.",
+                        self.settings.bootstrap, self._unreachable_why, self._queue_max)
+
+    def _replace_dead_producer(self) -> None:
+        """After a fatal error: count what the dead producer holds as lost, start a new one."""
+        dead, reason, self._fatal = self._producer, self._fatal, None
+        before = self.delivery_failed
+        try:
+            dead.purge()
+            dead.poll(0)  # purged messages report failure: counted in delivery_failed
+        except Exception:
+            pass
+        self.lost_fatal += self.delivery_failed - before + len(dead)
+        self.delivery_failed = before
+        self.rebuilds += 1
+        try:
+            self._producer = self._new_producer()
+        except Exception as exc:  # cannot even build one: keep the dead one, try again next time
+            self._producer, self._fatal = dead, reason
+            log.warning("trainguard: could not start a new Kafka producer (retrying with the next event): %s", exc)
 
     def pending(self) -> int:
         return len(self._producer)
@@ -87,11 +199,33 @@ class Publisher:
     def flush(self, timeout: float = 10.0) -> int:
         """Wait up to ``timeout`` for queued messages; return how many are still pending."""
         try:
-            return self._producer.flush(timeout)
+            return self._producer.flush(max(0.0, timeout))
         except Exception as exc:
             self._on_error(exc)
             return self.pending()
 
+    def close(self, timeout: float = 10.0) -> int:
+        """Deliver what can be delivered within ``timeout``, then give the rest up, counted in
+        ``purged_at_close``; how many were given up. Always returns within about ``timeout``."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        left = self.flush(timeout)
+        if left:
+            self._closing = True
+            try:
+                self._producer.purge()
+                self._producer.flush(max(0.0, min(1.0, deadline - time.monotonic())))  # serve the reports
+            except Exception:
+                pass
+            # Whatever the purge did not report (a dead producer) is counted all the same.
+            still = len(self._producer)
+            self.purged_at_close += still
+        return left
+
+    def lost(self) -> int:
+        return self.dropped + self.delivery_failed + self.purged_at_close + self.lost_fatal
+
     def stats(self) -> dict:
-        return {"sent": self.sent, "dropped": self.dropped, "delivery_failed": self.delivery_failed,
-                "pending": self.pending()}
+        return {"sent": self.queued, "delivered": self.delivered if self._report_success else None,
+                "dropped": self.dropped, "delivery_failed": self.delivery_failed,
+                "purged_at_close": self.purged_at_close, "lost_fatal": self.lost_fatal, "lost": self.lost(),
+                "pending": self.pending(), "producer_rebuilds": self.rebuilds}

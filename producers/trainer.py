@@ -68,7 +68,7 @@ class TrainerLogger:
                         values[name] = _as_float(v)
                     except (TypeError, ValueError):
                         self.skipped_values += 1  # strings, lists, None ...: not metrics
-            lost = self.publisher.dropped + self.publisher.delivery_failed
+            lost = self.publisher.lost()
             if lost:
                 values["trainguard/dropped_events"] = float(lost)
             event = ev.metrics_event(self.run_id, int(step), values, src=self.source,
@@ -126,18 +126,21 @@ class TrainerLogger:
         return {**self.publisher.stats(), "skipped_values": self.skipped_values}
 
     def close(self, timeout: float = 10.0, *, quiet: bool = False) -> dict:
-        """Flush (waiting at most ``timeout``) and report what could not be delivered."""
+        """Deliver what can be delivered within ``timeout`` (never longer: a training job must
+        exit), give up the rest, and return what happened to every event: ``sent``, ``lost``
+        and its causes (``dropped``, ``delivery_failed``, ``purged_at_close``, ``lost_fatal``)."""
         if self._closed:
             return self.stats()
         self._closed = True
         self.flush_step()
-        still_pending = self.publisher.flush(timeout)
+        given_up = self.publisher.close(timeout)
         stats = self.stats()
-        stats["undelivered_at_close"] = still_pending
-        if not quiet and (stats["dropped"] or stats["delivery_failed"] or still_pending or self.skipped_values):
-            print(f"trainguard: run {self.run_id}: sent {stats['sent']} events, dropped {stats['dropped']}, "
-                  f"failed delivery {stats['delivery_failed']}, undelivered at close {still_pending}, "
-                  f"skipped non-numeric values {self.skipped_values}.", file=sys.stderr)
+        stats["undelivered_at_close"] = given_up
+        if not quiet and (stats["lost"] or self.skipped_values):
+            print(f"trainguard: run {self.run_id}: {stats['sent']} events sent, {stats['lost']} lost "
+                  f"({stats['dropped']} dropped with a full queue, {stats['delivery_failed']} not delivered in time, "
+                  f"{stats['purged_at_close']} given up at close, {stats['lost_fatal']} in a failed producer); "
+                  f"{self.skipped_values} non-numeric values skipped.", file=sys.stderr)
         return stats
 
     def __enter__(self) -> "TrainerLogger":

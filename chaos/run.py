@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""``make chaos``: what the trainer side does when the broker fails under it.
+
+    python chaos/run.py [--quick] [--only broker_restart,close,listener]
+
+Scenarios (``chaos/scenarios.py``), each on its own embedded broker on loopback:
+
+- ``broker_restart``: a loop logs 50-metric steps at 1,000 a second; the broker is killed,
+  stays down for 25 s and comes back on the same port (memory storage: empty); the loop never
+  stops. Figures: the share of the steps logged after the broker is back that reach it, every
+  event delivered or counted lost, how long ``close()`` takes against its timeout.
+- ``close``: a trainer whose broker never answers logs 2,000 steps and closes.
+- ``listener``: a control listener applies and acks three commands and is restarted; the new one
+  must apply none of them again, nor a command issued before its lookback window.
+
+Prints a table, then one JSON line with the figures and their targets' verdicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from chaos import scenarios  # noqa: E402
+
+# figure -> (target, how to compare): "le" at most, "ge" at least
+TARGETS = {
+    "broker_restart_delivered_after_ratio": (0.99, "ge"),
+    "lost_uncounted": (0, "le"),
+    "close_over_timeout_s": (1.0, "le"),
+    "listener_restart_reapplied": (0, "le"),
+    "stale_command_applied": (0, "le"),
+}
+
+
+def run(only: set[str], quick: bool) -> dict:
+    out: dict = {}
+    if "broker_restart" in only:
+        print("broker_restart: logging, killing the broker, waiting, restarting it ...", file=sys.stderr, flush=True)
+        r = scenarios.broker_restart(up_s=3, down_s=8 if quick else 25, after_s=5 if quick else 10)
+        out["broker_restart"] = r
+    if "close" in only:
+        print("close: a trainer whose broker never answers ...", file=sys.stderr, flush=True)
+        out["close"] = scenarios.close_with_broker_gone()
+    if "listener" in only:
+        print("listener: apply, ack, restart the listener ...", file=sys.stderr, flush=True)
+        out["listener"] = scenarios.listener_restart()
+    return out
+
+
+def summary(results: dict) -> dict:
+    s: dict = {}
+    if "broker_restart" in results:
+        r = results["broker_restart"]
+        s["broker_restart_delivered_after_ratio"] = r["broker_restart_delivered_after_ratio"]
+        s["lost_uncounted"] = r["lost_uncounted"]
+        s["close_seconds"] = r["close_seconds"]
+    if "close" in results:
+        r = results["close"]
+        s["lost_uncounted"] = s.get("lost_uncounted", 0) + r["lost_uncounted"]
+        s["close_seconds_broker_gone"] = r["close_seconds"]
+        s["close_over_timeout_s"] = round(r["close_seconds"] - r["close_timeout_s"], 2)
+    if "listener" in results:
+        s["listener_restart_reapplied"] = results["listener"]["listener_restart_reapplied"]
+        s["stale_command_applied"] = results["listener"]["stale_command_applied"]
+    s["passed"] = all((s[k] >= t if how == "ge" else s[k] <= t) for k, (t, how) in TARGETS.items() if k in s)
+    return s
+
+
+def print_table(results: dict, s: dict) -> None:
+    print(f"{'scenario':<16} {'figure':<40} value")
+    for name, figures in results.items():
+        for k, v in figures.items():
+            print(f"{name:<16} {k:<40} {v}")
+    print()
+    for k, (target, how) in TARGETS.items():
+        if k in s:
+            ok = s[k] >= target if how == "ge" else s[k] <= target
+            print(f"{k:<40} {s[k]!s:<8} target {'>=' if how == 'ge' else '<='} {target}  {'ok' if ok else 'MISSED'}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="an 8 s outage instead of 25 s")
+    ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener")
+    args = ap.parse_args(argv)
+    only = set(filter(None, args.only.split(","))) or {"broker_restart", "close", "listener"}
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    started = time.monotonic()
+    results = run(only, args.quick)
+    s = summary(results)
+    print_table(results, s)
+    print(f"({time.monotonic() - started:.0f} s)")
+    print(json.dumps(s))
+    return 0 if s["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

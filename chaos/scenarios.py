@@ -1,0 +1,196 @@
+"""Fault scenarios against real parts: the embedded broker killed and restarted under a
+training loop, a trainer closing while the broker is gone, a control listener restarted
+after it applied commands. Each returns a dict of figures; ``chaos/run.py`` prints them and
+the tests run small versions of the same functions.
+
+Every scenario takes its own broker on a free loopback port (``TRAINGUARD_BOOTSTRAP`` is not
+used: these scenarios stop and restart the broker) and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+
+import orjson
+
+from trainguard.broker import EmbeddedBroker, free_port
+from trainguard.kafka import KafkaSettings, Topics, create_topics, partition_for
+from trainguard.producers.control import ControlListener
+from trainguard.producers.publisher import Publisher
+from trainguard.producers.trainer import TrainerLogger
+from trainguard.schemas import events as ev
+
+METRICS = 50
+
+
+@contextmanager
+def broker_on(port: int, partitions: int = 4):
+    broker = EmbeddedBroker(port=port, partitions=partitions, topics=False).start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def _settings(port: int, partitions: int = 4) -> KafkaSettings:
+    return KafkaSettings(bootstrap=f"127.0.0.1:{port}", partitions=partitions,
+                         topics=Topics.with_prefix(f"chaos{uuid.uuid4().hex[:6]}"))
+
+
+class StepReader(threading.Thread):
+    """Reads a run's events topic as they arrive; keeps the steps it saw."""
+
+    def __init__(self, settings: KafkaSettings, run_id: str):
+        super().__init__(daemon=True)
+        from confluent_kafka import Consumer, TopicPartition
+
+        self.consumer = Consumer(settings.confluent(**{"group.id": uuid.uuid4().hex, "enable.auto.commit": False,
+                                                        "log_level": 0}))
+        topic = settings.topics.events
+        self.consumer.assign([TopicPartition(topic, partition_for(run_id, settings.partitions), 0)])
+        self.steps: set[int] = set()
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            msg = self.consumer.poll(0.2)
+            if msg is not None and not msg.error():
+                try:
+                    self.steps.add(orjson.loads(msg.value())["step"])
+                except Exception:
+                    pass
+        self.consumer.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(5)
+
+
+def _paced_logging(logger: TrainerLogger, first_step: int, seconds: float, rate: float) -> int:
+    """log() ``rate`` times a second for ``seconds`` (one event per step); the next step."""
+    values = {f"m/{i}": float(i) for i in range(METRICS)}
+    step, started = first_step, time.monotonic()
+    while time.monotonic() - started < seconds:
+        logger.log(values, step)
+        step += 1
+        behind = (step - first_step) / rate - (time.monotonic() - started)
+        if behind > 0:
+            time.sleep(behind)
+    return step
+
+
+def broker_restart(up_s: float = 3.0, down_s: float = 8.0, after_s: float = 10.0, rate: float = 1000.0,
+                   close_timeout_s: float = 10.0) -> dict:
+    """A loop logs 50-metric steps; the broker is killed, stays down, and comes back on the same
+    port (memory storage: empty, topics created again). Counts what reached the new broker from
+    the steps logged after it was back, whether every event is delivered or counted lost, and
+    how long ``close()`` takes."""
+    port = free_port()
+    settings = _settings(port)
+    run_id = "chaos-restart"
+    publisher = Publisher(settings, report_success=True)   # delivered events are counted too
+    logger = TrainerLogger(run_id, settings, host="chaos", publisher=publisher)
+    broker = EmbeddedBroker(port=port, topics=False).start()
+    create_topics(settings)
+    step = _paced_logging(logger, 0, up_s, rate)
+    broker.stop()
+    step = _paced_logging(logger, step, down_s, rate)
+    broker = EmbeddedBroker(port=port, topics=False).start()
+    try:
+        create_topics(settings)
+        back_at = step
+        reader = StepReader(settings, run_id)
+        reader.start()
+        step = _paced_logging(logger, step, after_s, rate)
+        started = time.monotonic()
+        stats = logger.close(close_timeout_s, quiet=True)
+        close_s = time.monotonic() - started
+        time.sleep(1.0)
+        reader.stop()
+    finally:
+        broker.stop()
+    after = step - back_at
+    reached = sum(1 for s in reader.steps if s >= back_at)
+    return {
+        "logged": step, "logged_after_back": after, "delivered_after_back": reached,
+        "broker_restart_delivered_after_ratio": round(reached / after, 4) if after else None,
+        "delivered": stats["delivered"], "lost": stats["lost"],
+        "lost_uncounted": step - stats["delivered"] - stats["lost"],
+        "close_seconds": round(close_s, 2), "close_timeout_s": close_timeout_s,
+        "producer_rebuilds": stats["producer_rebuilds"],
+    }
+
+
+def close_with_broker_gone(events: int = 2000, close_timeout_s: float = 2.0) -> dict:
+    """A trainer whose broker never answers: log() stays fast, close() returns within its
+    timeout and counts every event it gives up."""
+    settings = _settings(free_port())  # nothing listens there
+    logger = TrainerLogger("chaos-gone", settings, host="chaos")
+    values = {f"m/{i}": float(i) for i in range(METRICS)}
+    worst = 0.0
+    for step in range(events):
+        t = time.perf_counter()
+        logger.log(values, step)
+        worst = max(worst, time.perf_counter() - t)
+    started = time.monotonic()
+    stats = logger.close(close_timeout_s, quiet=True)
+    return {"close_seconds": round(time.monotonic() - started, 2), "close_timeout_s": close_timeout_s,
+            "lost": stats["lost"], "lost_uncounted": events - stats["lost"],
+            "log_worst_ms": round(worst * 1000, 2)}
+
+
+def _command(run_id: str, action: str, issued: float, ttl: float = 300.0) -> dict:
+    return {"schema": ev.COMMAND, "id": uuid.uuid4().hex[:20], "run_id": run_id, "action": action,
+            "target": None, "reason": [], "issued": issued, "expires": issued + ttl, "detail": "chaos"}
+
+
+def _produce(settings: KafkaSettings, topic: str, key: str, events: list[dict]) -> None:
+    from confluent_kafka import Producer
+
+    p = Producer(settings.confluent(**{"partitioner": "murmur2_random", "log_level": 0}))
+    for e in events:
+        p.produce(topic, ev.encode(e), key)
+    p.flush(10)
+
+
+def _applied_by(listener: ControlListener, seconds: float) -> list[dict]:
+    applied, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for command in listener.poll_all():
+            listener.ack(command, "applied", "chaos")
+            applied.append(command)
+        time.sleep(0.05)
+    return applied
+
+
+def listener_restart(lookback_s: float = 30.0, stale_age_s: float = 60.0) -> dict:
+    """A listener applies and acks pause, stop and resume, then restarts (a trainer process
+    restarted from a checkpoint). The new one must apply none of them again, nor a rollback
+    issued before its lookback window, even on a broker whose time lookup cannot tell."""
+    port = free_port()
+    settings = _settings(port)
+    run_id = "chaos-listener"
+    with broker_on(port):
+        create_topics(settings)
+        first = ControlListener(run_id, settings, require_signature=False, lookback_s=lookback_s).start()
+        first.wait_ready(10)
+        now = time.time()
+        commands = [_command(run_id, a, now) for a in ("pause", "stop", "resume")]
+        _produce(settings, settings.topics.control, run_id, commands)
+        applied_first = _applied_by(first, 3.0)
+        first.close()
+        stale = _command(run_id, "rollback", time.time() - stale_age_s)
+        _produce(settings, settings.topics.control, run_id, [stale])
+        second = ControlListener(run_id, settings, require_signature=False, lookback_s=lookback_s).start()
+        second.wait_ready(10)
+        fresh = _command(run_id, "checkpoint_now", time.time())
+        _produce(settings, settings.topics.control, run_id, [fresh])
+        applied_second = _applied_by(second, 3.0)
+        second.close()
+    again = {c["id"] for c in applied_second} & {c["id"] for c in applied_first}
+    return {"applied_first": len(applied_first), "listener_restart_reapplied": len(again),
+            "stale_command_applied": sum(1 for c in applied_second if c["id"] == stale["id"]),
+            "fresh_command_applied": sum(1 for c in applied_second if c["id"] == fresh["id"])}

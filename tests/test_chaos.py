@@ -1,0 +1,71 @@
+"""Small versions of ``make chaos``: the trainer side under broker faults, on real brokers.
+
+Each scenario starts, kills and restarts its own embedded broker on a free port."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from chaos import scenarios
+from trainguard.broker import free_port
+from trainguard.kafka import KafkaSettings, Topics
+from trainguard.producers.publisher import Publisher
+from trainguard.producers.trainer import TrainerLogger
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_broker_restart_loses_nothing_uncounted_and_delivery_resumes(caplog):
+    caplog.set_level(logging.WARNING, logger="trainguard.producer")
+    r = scenarios.broker_restart(up_s=1.5, down_s=4.0, after_s=3.0, rate=500.0)
+    assert r["broker_restart_delivered_after_ratio"] >= 0.99, r
+    assert r["lost_uncounted"] == 0 and r["producer_rebuilds"] == 0, r
+    assert r["close_seconds"] <= r["close_timeout_s"] + 1
+    said = [rec.getMessage() for rec in caplog.records if rec.name == "trainguard.producer"]
+    assert sum("cannot reach Kafka" in m for m in said) == 1, said
+    assert sum("reachable again" in m for m in said) == 1, said
+
+
+def test_close_returns_within_its_timeout_and_counts_what_it_gave_up():
+    r = scenarios.close_with_broker_gone(events=500, close_timeout_s=1.0)
+    assert r["close_seconds"] <= r["close_timeout_s"] + 1, r
+    assert r["lost"] == 500 and r["lost_uncounted"] == 0, r
+
+
+def test_a_restarted_listener_applies_no_acked_and_no_stale_command():
+    r = scenarios.listener_restart()
+    assert r["applied_first"] == 3, r
+    assert r["listener_restart_reapplied"] == 0 and r["stale_command_applied"] == 0, r
+    assert r["fresh_command_applied"] == 1, r
+
+
+def test_a_fatal_producer_error_builds_a_new_producer_and_counts_the_old_queue():
+    """librdkafka's fatal errors (an idempotent producer whose id a broker forgot, a revoked
+    credential) kill a producer for good; the next event goes through a new one."""
+    settings = KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}", topics=Topics.with_prefix("fatal"))
+    logger = TrainerLogger("fatal-run", settings, host="h", publisher=Publisher(settings))
+    for step in range(10):
+        logger.log({"loss": 1.0}, step)
+    old = logger.publisher._producer
+
+    class Fatal:
+        def name(self):
+            return "_FATAL"
+
+        def fatal(self):
+            return True
+
+        def __str__(self):
+            return "fatal: simulated"
+
+    logger.publisher._on_error(Fatal())
+    logger.log({"loss": 1.0}, 10)
+    assert logger.publisher._producer is not old and logger.publisher.rebuilds == 1
+    assert logger.publisher.lost_fatal == 10
+    started = time.monotonic()
+    stats = logger.close(1.0, quiet=True)
+    assert time.monotonic() - started <= 2.0
+    assert stats["lost"] == 11 and stats["sent"] == 11, stats
