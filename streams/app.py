@@ -321,6 +321,20 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                 event.message.incref()  # held until the state that includes it is flushed
             await detect_batch([event.message for event in batch], [(stream, event) for event in batch])
 
+    acks_topic = app.topic(settings.topics.acks, key_type=bytes, value_type=bytes,
+                           key_serializer="raw", value_serializer="raw", partitions=settings.partitions)
+
+    @app.agent(acks_topic)
+    async def read_acks(stream):
+        """The trainer's acks, keyed by run like its events (so co-partitioned with the state):
+        a failed or refused command re-arms the breaker at once instead of after its expiry."""
+        async for event in stream.events():
+            m = event.message
+            outputs = engine.handle_ack(m.value, m.partition, m.offset, m.topic)
+            if outputs:
+                await publish(outputs)
+                flush_state()
+
     @app.timer(0.5)
     async def flush_when_idle() -> None:
         if unflushed and time.monotonic() - last_flush[0] >= state_flush_s:

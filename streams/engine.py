@@ -310,6 +310,45 @@ class Engine:
             return [self.dead_letter(raw, f"internal error while processing: {type(exc).__name__}: {exc}",
                                      topic, partition, offset)]
 
+    def handle_ack(self, raw: bytes, partition: int = 0, offset: int = -1, topic: str = "") -> list[Output]:
+        """Apply one ack from the trainer (``control.acks``). A ``failed`` or ``rejected`` ack of
+        the command the breaker waits for re-arms it (or stops the run, by policy) and raises a
+        ``command_failed`` alert; anything else changes nothing. Never raises on bad input."""
+        try:
+            ack = ev.decode(raw, expect=(ev.ACK,))
+        except ev.SchemaError as exc:
+            return [self.dead_letter(raw, str(exc), topic, partition, offset)]
+        run_key = ack["run_id"].encode()
+        if ack["status"] == "applied" or run_key not in self.store:
+            return []
+        run = self._run(run_key)
+        handled, stop = policy.on_command_refused(run.breaker, self.rules.policy, run_id=ack["run_id"],
+                                                  command_id=ack["command_id"], status=ack["status"],
+                                                  detail=ack.get("detail", ""), ts=ack["ts"])
+        if not handled:
+            return []
+        self.dirty[run_key] = run.partition
+        then = "the breaker stops the run" if stop else "the breaker counts critical steps afresh"
+        alert = {
+            "schema": ev.ALERT, "id": policy.stable_id(ack["run_id"], "command_failed", ack["command_id"]),
+            "run_id": ack["run_id"], "rule": "command_failed", "severity": "P1", "status": "firing",
+            "critical": False, "summary": f"The trainer {ack['status']} the breaker's command",
+            "metric": "ack", "value": None, "signal": None, "metrics": [], "values": {}, "layer": "data",
+            "source": None, "step": ack.get("step"), "ts": ack["ts"],
+            "onset": {"step": ack.get("step"), "ts": ack["ts"]},
+            "evidence": {"detector": "ack", "command_id": ack["command_id"], "status": ack["status"],
+                         "detail": ack.get("detail", "")},
+            "diagnosis": f"The trainer answered {ack['status']}: {ack.get('detail') or 'no detail'}; {then}.",
+            "suggestion": "Check the checkpoint path and the trainer's log; a rollback that cannot be applied "
+                          "needs a person (or set on_command_failure: stop).",
+        }
+        outputs = [Output("alert", ack["run_id"], alert)]
+        if stop is not None:
+            if self.signing_key is not None:
+                stop = sign(stop, self.signing_key)
+            outputs.append(Output("command", ack["run_id"], stop))
+        return outputs
+
     def apply(self, event: dict, partition: int = 0, offset: int = -1) -> list[Output]:
         run_id = event["run_id"]
         run_key = run_id.encode()

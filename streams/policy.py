@@ -28,7 +28,9 @@ DEFAULTS = {
     "max_rollbacks_per_hour": 3,
     "recurrence_steps": 200,
     "step_sources": ["trainer"],
+    "on_command_failure": "rearm",          # or "stop": the trainer failed or refused a rollback
 }
+ON_COMMAND_FAILURE = ("rearm", "stop")
 
 
 def stable_id(*parts) -> str:
@@ -165,6 +167,30 @@ def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints,
         state.status = STOPPED
     state.streak, state.alert_ids = 0, []
     return Decision(command, why, target, candidates)
+
+
+def on_command_refused(state: BreakerState, policy: dict, *, run_id: str, command_id: str, status: str,
+                       detail: str, ts: float) -> tuple[bool, dict | None]:
+    """The trainer acked the breaker's command ``failed`` or ``rejected``: without this the run
+    would have no breaker until the command expired. Returns ``(handled, stop command or None)``:
+    not handled when it is not the command the breaker waits for (an old one, a hand-sent one,
+    an ack read twice). ``on_command_failure: rearm`` counts critical steps afresh at once;
+    ``stop`` asks the trainer to stop (a rollback it cannot apply will not get better)."""
+    if state.status != AWAITING or command_id != state.command_id:
+        return False, None
+    state.streak, state.onset_step, state.onset_ts, state.alert_ids, state.rules = 0, None, None, [], []
+    state.last_step = None
+    if policy.get("on_command_failure", "rearm") != "stop":
+        state.status = ARMED
+        return True, None
+    state.status = STOPPED
+    command = {
+        "schema": "command/1", "id": stable_id(run_id, "stop", command_id), "run_id": run_id, "action": "stop",
+        "target": None, "reason": [], "issued": ts, "expires": ts + float(policy["command_ttl_s"]),
+        "detail": f"the trainer {status} command {command_id} ({detail}); on_command_failure is stop",
+    }
+    state.command_id = command["id"]
+    return True, command
 
 
 def on_rolled_back(state: BreakerState, restored_step: int | None) -> None:

@@ -470,6 +470,9 @@ def parse(text: str, path: str = "<rules>") -> RuleSet:
     _number(path, line, policy, "rollback_min_steps_before_onset", integer=True, minimum=0)
     _number(path, line, policy, "max_rollbacks_per_hour", integer=True, minimum=0)
     _number(path, line, policy, "recurrence_steps", integer=True, minimum=0)
+    if policy["on_command_failure"] not in policy_mod.ON_COMMAND_FAILURE:
+        raise _err(path, line, f"'on_command_failure' must be one of {', '.join(policy_mod.ON_COMMAND_FAILURE)}, "
+                               f"got {policy['on_command_failure']!r}")
 
     raw_rules = doc.get("rules")
     if not isinstance(raw_rules, list) or not raw_rules:

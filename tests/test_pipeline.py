@@ -284,3 +284,23 @@ def test_offsets_are_committed_once_the_state_behind_them_is_flushed(kafka, tmp_
         assert f"100 events, 100 samples processed, 0 replays skipped ({expected})" in worker.log()
     finally:
         worker.kill()
+
+
+def test_a_failed_rollback_ack_reaches_the_worker_and_rearms_the_breaker(kafka, worker):
+    """The worker reads the acks topic: a rollback the trainer could not apply is said at once."""
+    worker.wait_ready()
+    src = ev.source("trainer", "h", 0)
+    run = "ack-1"
+    events = [ev.metrics_event(run, s, {"actor/pg_loss": -0.01}, src=src, ts=1.7e9 + s) for s in range(1, 11)]
+    events.append(ev.checkpoint_event(run, 10, "/ckpt/global_step_10", ts=1.7e9 + 10.5))
+    events.append(ev.metrics_event(run, 11, {"actor/pg_loss": float("nan")}, src=src, ts=1.7e9 + 11))
+    produce(kafka, kafka.topics.events, run, [ev.encode(e) for e in events])
+    commands = TopicReader(kafka, kafka.topics.control)
+    command = commands.wait_for(lambda c: c["run_id"] == run, what="the rollback", worker=worker)
+    assert command["action"] == "rollback" and command["target"]["step"] == 10
+    produce(kafka, kafka.topics.acks, run,
+            [ev.encode(ev.ack_event(command["id"], run, "failed", "checkpoint not found", step=11))])
+    alerts = TopicReader(kafka, kafka.topics.alerts)
+    alert = alerts.wait_for(lambda a: a.get("rule") == "command_failed" and a["run_id"] == run,
+                            what="the command_failed alert", worker=worker)
+    assert alert["evidence"]["command_id"] == command["id"] and "checkpoint not found" in alert["diagnosis"]

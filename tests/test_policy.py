@@ -133,3 +133,41 @@ def test_open_alerts_resolve_when_the_trainer_rolls_back():
     firing = {a["id"] for a in alerts if a["status"] == "firing"}
     resolved = {a["id"] for a in alerts if a["status"] == "resolved"}
     assert firing and firing <= resolved
+
+
+def _nan_until_rollback(r: Run, steps: int = 40):
+    """A run that saves at 20 and turns NaN at 30: the breaker rolls back at once."""
+    r.sim.inject("nan_loss", at_step=30)
+    r.run(steps, obey=False)
+    return r.of("command")[0]
+
+
+def test_a_failed_rollback_rearms_the_breaker_at_once_and_says_so():
+    r = Run(Engine(ruleset()))
+    command = _nan_until_rollback(r)
+    assert command["action"] == "rollback"
+    ack = ev.ack_event(command["id"], "r", "failed", "FileNotFoundError: /checkpoints/global_step_20", step=31)
+    outs = r.engine.handle_ack(ev.encode(ack))
+    assert [(o.kind, o.value["rule"], o.value["severity"]) for o in outs] == [("alert", "command_failed", "P1")]
+    assert "FileNotFoundError" in outs[0].value["diagnosis"]
+    assert r.engine.handle_ack(ev.encode(ack)) == [], "an ack read twice changes nothing"
+    r.outputs.clear()
+    r.run(60, obey=False)   # still NaN: the re-armed breaker decides again, long before the command's expiry
+    assert [c["action"] for c in r.of("command")] == ["rollback"]
+
+
+def test_a_refused_rollback_stops_the_run_when_the_policy_says_so():
+    r = Run(Engine(ruleset(on_command_failure="stop")))
+    command = _nan_until_rollback(r)
+    outs = r.engine.handle_ack(ev.encode(ev.ack_event(command["id"], "r", "rejected", "bad signature")))
+    assert [o.kind for o in outs] == ["alert", "command"]
+    assert outs[1].value["action"] == "stop" and command["id"] in outs[1].value["detail"]
+    ev.decode(orjson.dumps(outs[1].value))
+
+
+def test_acks_of_other_commands_and_applied_acks_change_nothing():
+    r = Run(Engine(ruleset()))
+    _nan_until_rollback(r)
+    assert r.engine.handle_ack(ev.encode(ev.ack_event("someone-elses", "r", "failed", "x"))) == []
+    assert r.engine.handle_ack(ev.encode(ev.ack_event("x", "unknown-run", "failed", "x"))) == []
+    assert r.engine.handle_ack(b"not json")[0].kind == "dlq"
