@@ -147,12 +147,13 @@ def _command(run_id: str, action: str, issued: float, ttl: float = 300.0) -> dic
             "target": None, "reason": [], "issued": issued, "expires": issued + ttl, "detail": "chaos"}
 
 
-def _produce(settings: KafkaSettings, topic: str, key: str, events: list[dict]) -> None:
+def _produce(settings: KafkaSettings, topic: str, key: str, events: list[dict], written_at: float | None = None) -> None:
+    """``written_at``: the messages' Kafka timestamp (default: now), to stand for old messages."""
     from confluent_kafka import Producer
 
     p = Producer(settings.confluent(**{"partitioner": "murmur2_random", "log_level": 0}))
     for e in events:
-        p.produce(topic, ev.encode(e), key)
+        p.produce(topic, ev.encode(e), key, timestamp=int((written_at or time.time()) * 1000))
     p.flush(10)
 
 
@@ -182,8 +183,10 @@ def listener_restart(lookback_s: float = 30.0, stale_age_s: float = 60.0) -> dic
         _produce(settings, settings.topics.control, run_id, commands)
         applied_first = _applied_by(first, 3.0)
         first.close()
+        # A rollback sent before the lookback window (by timestamp: the embedded broker's time
+        # lookup cannot leave it out), to the listener that is no more.
         stale = _command(run_id, "rollback", time.time() - stale_age_s)
-        _produce(settings, settings.topics.control, run_id, [stale])
+        _produce(settings, settings.topics.control, run_id, [stale], written_at=time.time() - stale_age_s)
         second = ControlListener(run_id, settings, require_signature=False, lookback_s=lookback_s).start()
         second.wait_ready(10)
         fresh = _command(run_id, "checkpoint_now", time.time())

@@ -40,7 +40,10 @@ class ControlListener:
                  keys: dict[str, SigningKey] | None = None, require_signature: bool | None = None,
                  lookback_s: float = 60.0, publisher: Publisher | None = None,
                  remember: int = 10_000, clock: Callable[[], float] = time.time):
-        self.run_id = run_id
+        try:
+            self.run_id = ev.check_run_id(run_id)
+        except ev.SchemaError as exc:
+            raise ValueError(str(exc)) from None
         self.settings = settings or KafkaSettings.from_env()
         self.keys = load_keys() if keys is None else keys
         # With keys configured, unsigned commands are refused; without, signatures are not checked.
@@ -141,8 +144,10 @@ class ControlListener:
             self._seen.popitem(last=False)
         return True
 
-    def check(self, raw: bytes) -> dict | None:
-        """Validate one raw message; the command if it is for us and acceptable."""
+    def check(self, raw: bytes, written_at: float | None = None) -> dict | None:
+        """Validate one raw message; the command if it is for us and acceptable. ``written_at``:
+        when the message was written (its Kafka timestamp), to leave out what was sent before
+        this listener's lookback window."""
         try:
             command = ev.decode(raw, expect=(ev.COMMAND,))
         except ev.SchemaError as exc:
@@ -162,9 +167,9 @@ class ControlListener:
         if command["expires"] < self.clock():
             self._reject(command, f"expired at {command['expires']:.3f}")
             return None
-        if command["issued"] < self.started_at - self.lookback_s:
+        if written_at is not None and written_at < self.started_at - self.lookback_s:
             # Checked here, not only by the broker's time lookup, which some brokers cannot do.
-            self._reject(command, f"issued {self.started_at - command['issued']:.0f} s before this listener started "
+            self._reject(command, f"sent {self.started_at - written_at:.0f} s before this listener started "
                                   f"(lookback {self.lookback_s:.0f} s): meant for an earlier trainer process")
             return None
         if not self._remember_id("id:" + command["id"]):
@@ -256,7 +261,8 @@ class ControlListener:
                 if msg.error():
                     log.debug("trainguard: control consumer: %s", msg.error())
                     continue
-                command = self.check(msg.value())
+                kind, ms = msg.timestamp()
+                command = self.check(msg.value(), ms / 1000.0 if kind != 0 and ms > 0 else None)
                 if command is not None:
                     self._ready.put(command)
             except Exception as exc:  # broker down, topic missing ...: retry quietly, never raise

@@ -41,9 +41,10 @@ def _as_float(v) -> float:
 class TrainerLogger:
     def __init__(self, run_id: str, settings: KafkaSettings | None = None, *, host: str | None = None,
                  rank: int | None = 0, kind: str = "trainer", publisher: Publisher | None = None):
-        if not run_id:
-            raise ValueError("run_id must be a non-empty string")
-        self.run_id = run_id
+        try:
+            self.run_id = ev.check_run_id(run_id)
+        except ev.SchemaError as exc:
+            raise ValueError(str(exc)) from None
         self.settings = settings or KafkaSettings.from_env()
         self.source = ev.source(kind, host or socket.gethostname(), rank)
         self.publisher = publisher or Publisher(self.settings)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from typing import Any
 
@@ -155,7 +156,11 @@ def _int(obj: dict, field: str, *, required: bool = True, minimum: int | None = 
             raise _fail(prefix + field, "missing" if field not in obj else "must be an integer, got null")
         return None
     if type(v) is not int:
+        if type(v) is float and v.is_integer() and abs(v) >= 2**63:  # a JSON integer too big for 64 bits
+            raise _fail(prefix + field, f"out of range: {v:.4g} does not fit in a 64-bit integer")
         raise _fail(prefix + field, f"must be an integer, got {type(v).__name__}")
+    if not -2**63 <= v < 2**63:
+        raise _fail(prefix + field, f"out of range: {v} does not fit in a 64-bit integer")
     if minimum is not None and v < minimum:
         raise _fail(prefix + field, f"must be >= {minimum}, got {v}")
     return v
@@ -243,8 +248,22 @@ def _check_tags(event: dict) -> None:
                 raise _fail(f"tags.{k}", f"must be a string, got {type(v).__name__}")
 
 
+RUN_ID = re.compile(r"[!-{}~]{1,256}")
+"""What a run id may be: 1-256 printable ASCII characters, no spaces and no ``|``. It keys a
+Kafka partition and the worker's state, whose keys join a run and a source with ``|``."""
+
+
+def check_run_id(run_id) -> str:
+    """``run_id`` if it is usable, else :class:`SchemaError` saying what is allowed."""
+    if type(run_id) is not str or not RUN_ID.fullmatch(run_id):
+        shown = run_id if type(run_id) is not str else run_id[:80]
+        raise _fail("run_id", f"must be 1-256 printable ASCII characters without spaces or '|', got {shown!r}")
+    return run_id
+
+
 def _check_run(event: dict) -> None:
     _str(event, "run_id", max_len=256)
+    check_run_id(event["run_id"])
 
 
 def _validate_metrics(event: dict) -> None:

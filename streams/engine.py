@@ -16,10 +16,11 @@ a restart (at-least-once delivery) change nothing and emit nothing new.
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, MutableMapping
 
 import numpy as np
@@ -39,7 +40,9 @@ log = logging.getLogger("trainguard.engine")
 MAX_CHECKPOINTS = 64
 MAX_SNAPSHOT_HOSTS = 16
 MAX_RECENT_ALERTS = 32
+DLQ_EXCERPT_BYTES = 64 * 1024  # base64 makes it 88 KB: far under a broker's 1 MB message limit
 _STATE_MAGIC = b"TGS1"  # source state: magic, header length, JSON header, raw float64 arrays
+STATE_VERSION = 1      # of the run state and the source state's header (0: before versions were written)
 
 
 class SourceState:
@@ -158,7 +161,7 @@ class SourceState:
             "streaks": [[rnames[r], names[w], v] for (r, w), v in self.streaks.items()],
             "firing": [[rnames[r], names[w], a] for (r, w), a in self.firing.items()],
             "detectors": [[rnames[r], names[w], d.to_state()] for (r, w), d in self.detectors.items()],
-            "minute": self.minute, "windows": self.windows, "known": self.known,
+            "minute": self.minute, "windows": self.windows, "known": self.known, "v": STATE_VERSION,
         })
         return _STATE_MAGIC + len(header).to_bytes(4, "little") + header + self.block.arrays()
 
@@ -208,16 +211,31 @@ class RunState:
 
     def to_bytes(self) -> bytes:
         d = self.__dict__.copy()
+        d["v"] = STATE_VERSION
         d["breaker"] = self.breaker.to_state()
         d["cross"] = {k: v.to_state() for k, v in self.cross.items()}
         return orjson.dumps(d)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "RunState":
-        d = orjson.loads(raw)
-        d["breaker"] = policy.BreakerState.from_state(d["breaker"])
+        d = known_fields(cls, orjson.loads(raw), "run state")
+        if "breaker" in d:
+            d["breaker"] = policy.BreakerState.from_state(d["breaker"])
         d["cross"] = {k: detector_from_state(v) for k, v in d.get("cross", {}).items()}
         return cls(**d)
+
+
+def known_fields(cls, d: dict, what: str) -> dict:
+    """The fields of a state blob this build knows: a blob from an older release lacks new
+    fields (their defaults apply), one from a newer release may carry fields this build does
+    not know (dropped, said once in the log) instead of failing every later event."""
+    version = d.pop("v", 0)
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown or version > STATE_VERSION:
+        log.warning("trainguard: %s written by state version %s (this build writes %d); dropped the fields this "
+                    "build does not know: %s", what, version, STATE_VERSION, ", ".join(unknown) or "none")
+    return {k: v for k, v in d.items() if k in names}
 
 
 @dataclass
@@ -865,10 +883,15 @@ class Engine:
 
     @staticmethod
     def dead_letter(raw: bytes, reason: str, topic: str = "", partition: int = -1, offset: int = -1) -> Output:
+        """The DLQ record of a message that cannot be used: the reason, where it came from, and
+        the bytes, whole up to ``DLQ_EXCERPT_BYTES`` (an excerpt beyond, with the size and
+        sha256 of the whole, so the record always fits under the broker's message limit)."""
         raw = raw or b""
         record = {"schema": "dlq/1", "reason": reason, "topic": topic, "partition": partition,
                   "offset": offset, "ts": time.time(), "size": len(raw),
-                  "raw_b64": base64.b64encode(raw[: ev.MAX_EVENT_BYTES]).decode()}
+                  "sha256": hashlib.sha256(raw).hexdigest(),
+                  "truncated": len(raw) > DLQ_EXCERPT_BYTES,
+                  "raw_b64": base64.b64encode(raw[:DLQ_EXCERPT_BYTES]).decode()}
         try:
             record["raw_text"] = raw[:2048].decode("utf-8")
         except UnicodeDecodeError:

@@ -58,7 +58,8 @@ class BreakerState:
 
     @classmethod
     def from_state(cls, d: dict) -> "BreakerState":
-        return cls(**d)
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in names})  # fields of another release are dropped
 
 
 @dataclass

@@ -102,3 +102,22 @@ def test_replay_on_a_trainer_side_install_names_the_extra_to_install(tmp_path):
     assert result.returncode == 2
     assert "trainguard replay: needs the" in result.stderr
     assert "pip install 'trainguard[replay]'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_embedded_broker_dies_with_the_process_that_started_it():
+    """A parent killed with -9 (a test run's timeout, a demo) leaves no broker serving on."""
+    code = ("from trainguard.broker import EmbeddedBroker\n"
+            "import time\n"
+            "b = EmbeddedBroker(port=0, topics=False).start()\n"
+            "print(b.proc.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    broker_pid = int(parent.stdout.readline())
+    assert psutil.pid_exists(broker_pid)
+    parent.kill()
+    parent.wait(5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and psutil.pid_exists(broker_pid) and \
+            psutil.Process(broker_pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(broker_pid) or psutil.Process(broker_pid).status() == psutil.STATUS_ZOMBIE

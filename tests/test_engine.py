@@ -5,6 +5,7 @@ import random
 from collections import deque
 
 import numpy as np
+import orjson
 import pytest
 
 from trainguard.schemas import events as ev
@@ -275,3 +276,60 @@ def test_a_one_step_nan_without_a_checkpoint_does_not_stop_the_run():
         outs += engine.handle(ev.encode(ev.metrics_event("r", step, {"loss": loss}, src=TRAINER)), 0, step)
     assert [o.value["rule"] for o in outs if o.kind == "alert" and o.value["status"] == "firing"] == ["non_finite"]
     assert not [o for o in outs if o.kind == "command"]
+
+
+def test_a_huge_bad_message_gets_a_bounded_dead_letter_with_its_size_and_hash():
+    import hashlib
+
+    raw = b"x" * 900_000
+    record = Engine(rules_mod.default()).handle(raw, 1, 7, "events")[0].value
+    assert record["size"] == 900_000 and record["truncated"] is True
+    assert record["sha256"] == hashlib.sha256(raw).hexdigest()
+    assert len(orjson.dumps(record)) < 100_000, "the record fits under any broker's message limit"
+
+
+@pytest.mark.parametrize("raw,reason", [
+    (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"trainer","host":"h","rank":0},'
+     b'"step":1180591620717411303424,"ts":1.7e9,"metrics":{}}', "step: out of range"),
+    (b'{"schema":"metrics/1","run_id":"a|b","source":{"kind":"trainer","host":"h","rank":0},'
+     b'"step":1,"ts":1.7e9,"metrics":{}}', "run_id: must be 1-256 printable ASCII"),
+])
+def test_dead_letter_reasons_say_what_is_wrong(raw, reason):
+    record = Engine(rules_mod.default()).handle(raw, 0, 1)[0].value
+    assert record["reason"].startswith(reason), record["reason"]
+
+
+def test_a_run_id_that_would_break_the_keys_is_refused_where_it_is_made():
+    from trainguard.producers.trainer import TrainerLogger
+
+    with pytest.raises(ValueError, match="run_id: must be 1-256 printable ASCII"):
+        TrainerLogger("team a|run 7", publisher=object())
+
+
+def test_state_written_by_the_previous_release_restores_and_carries_on():
+    """tests/data/state-v0: the changelog values trainguard 0.1.0 wrote for a run 60 steps in."""
+    import base64
+    import json
+    from pathlib import Path
+
+    saved = json.loads((Path(__file__).parent / "data" / "state-v0" / "old-run.json").read_text())
+    engine = Engine(rules_mod.default(), {k.encode(): base64.b64decode(v) for k, v in saved["state"].items()})
+    ts, step = saved["last_ts"], saved["last_step"]
+    outs = []
+    for i in range(1, 8):
+        loss = float("nan") if i == 4 else -0.01
+        outs += engine.handle(ev.encode(ev.metrics_event("old-run", step + i, {"actor/pg_loss": loss},
+                                                         src=TRAINER, ts=ts + 10 * i)), 0, saved["last_offset"] + i)
+    assert not [o for o in outs if o.kind == "dlq"], outs
+    commands = [o.value for o in outs if o.kind == "command"]
+    assert [(c["action"], c["target"]["step"]) for c in commands] == [("rollback", 60)], "restored checkpoints"
+    assert engine.store[b"old-run"].offset == saved["last_offset"] + 7
+
+
+def test_a_run_state_from_a_newer_release_drops_what_it_does_not_know(caplog):
+    state = orjson.loads(RunState().to_bytes())
+    state.update({"v": 99, "added_later": [1, 2]})
+    state["breaker"]["field_of_the_future"] = True
+    restored = RunState.from_bytes(orjson.dumps(state))
+    assert restored.breaker.status == "armed"
+    assert "dropped the fields this build does not know: added_later" in caplog.text

@@ -304,3 +304,16 @@ def test_a_failed_rollback_ack_reaches_the_worker_and_rearms_the_breaker(kafka, 
     alert = alerts.wait_for(lambda a: a.get("rule") == "command_failed" and a["run_id"] == run,
                             what="the command_failed alert", worker=worker)
     assert alert["evidence"]["command_id"] == command["id"] and "checkpoint not found" in alert["diagnosis"]
+
+
+def test_commands_follow_the_control_topics_own_partition_count(bootstrap):
+    """A control topic created by hand with another count than TRAINGUARD_PARTITIONS: the worker
+    sends by the topic's count, the one listeners read by."""
+    import uuid
+
+    from trainguard.kafka import KafkaSettings, Topics, create_topics
+    from trainguard.streams.app import _control_partitions
+
+    topics = Topics.with_prefix(f"p{uuid.uuid4().hex[:8]}")
+    create_topics(KafkaSettings(bootstrap=bootstrap, partitions=2, topics=topics))
+    assert _control_partitions(KafkaSettings(bootstrap=bootstrap, partitions=4, topics=topics)) == 2

@@ -146,6 +146,10 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
     ruleset = rules if isinstance(rules, rules_mod.RuleSet) else rules_mod.load(rules)
     reader = open_reader(path, fmt)
     run_id = run_id or _default_run_id(path)
+    try:
+        ev.check_run_id(run_id)
+    except ev.SchemaError as exc:
+        raise ValueError(f"--run-id: {exc}") from None
     result = ReplayResult(path=path, format=reader.format, run_id=run_id)
 
     known = {c["step"]: c for c in (find_checkpoints(path, reader.format) if find_file_checkpoints else [])}
@@ -200,10 +204,12 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
 
 
 def _default_run_id(path: str) -> str:
+    """The file's name without its extension, made a valid run id (``my run|2.log`` -> ``my_run_2``)."""
     name = os.path.basename(os.path.normpath(path)) or "replay"
     for suffix in (".gz", ".log", ".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".txt"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
+    name = re.sub(r"[^!-{}~]", "_", name)[:256]
     return name or "replay"
 
 
@@ -369,6 +375,9 @@ def main(args, stdout: TextIO | None = None, stderr: TextIO | None = None) -> in
         return 2
     except RulesError as exc:
         print(f"{_clear(progress)}trainguard replay: bad rules file: {exc}", file=stderr)
+        return 2
+    except ValueError as exc:
+        print(f"{_clear(progress)}trainguard replay: {exc}", file=stderr)
         return 2
     finally:
         _clear(progress)  # also on Ctrl-C
