@@ -197,3 +197,113 @@ def listener_restart(lookback_s: float = 30.0, stale_age_s: float = 60.0) -> dic
     return {"applied_first": len(applied_first), "listener_restart_reapplied": len(again),
             "stale_command_applied": sum(1 for c in applied_second if c["id"] == stale["id"]),
             "fresh_command_applied": sum(1 for c in applied_second if c["id"] == fresh["id"])}
+
+
+def _changelog_bytes(settings: KafkaSettings, topic: str, prefixes: tuple[bytes, ...], seconds: float = 5.0) -> int:
+    """Bytes of the latest value of every key starting with one of ``prefixes`` in a changelog
+    topic (a tombstone counts 0): what a worker would restore for those runs."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer(settings.confluent(**{"group.id": uuid.uuid4().hex, "enable.auto.commit": False, "log_level": 0}))
+    parts = c.list_topics(topic, timeout=5).topics[topic].partitions
+    c.assign([TopicPartition(topic, p, 0) for p in parts])
+    latest: dict[bytes, int] = {}
+    last = time.monotonic()
+    while time.monotonic() - last < seconds:
+        msg = c.poll(0.2)
+        if msg is None or msg.error():
+            continue
+        last = time.monotonic()
+        key = msg.key() or b""
+        if key.startswith(prefixes):
+            latest[key] = len(msg.value() or b"")
+    c.close()
+    return sum(latest.values())
+
+
+def state_lifecycle(runs: int = 200, steps: int = 10, grace_s: float = 2.0, log_dir=None) -> dict:
+    """Runs start, log, finish, one after another, through a real worker: after the grace period
+    their state is tombstoned (what a restarted worker would restore for them: bytes left in the
+    state and windows changelogs) and the worker's memory does not grow with the runs it saw."""
+    import tempfile
+    from pathlib import Path
+
+    import psutil
+
+    from tests.integration import WorkerProcess
+
+    port = free_port()
+    settings = _settings(port)
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-"))
+    with broker_on(port):
+        create_topics(settings)
+        worker = WorkerProcess(settings, log_dir, extra_env={"TRAINGUARD_FINISHED_GRACE_S": str(grace_s)}).start()
+        try:
+            worker.wait_ready()
+            proc = psutil.Process(worker.proc.pid)
+            logger = TrainerLogger("chaos-churn-0", settings, host="chaos")
+            values = {f"m/{i}": float(i) for i in range(METRICS)}
+            warm_rss = None
+            for n in range(runs):
+                run_id = f"chaos-churn-{n}"
+                logger.run_id = run_id
+                logger.lifecycle("started", step=0)
+                for step in range(1, steps + 1):
+                    logger.log({**values, "actor/kl_loss": 0.01, "actor/grad_norm": 0.5}, step)
+                logger.lifecycle("finished", step=steps)
+                logger.publisher.flush(5)
+                if n == runs // 4:
+                    time.sleep(grace_s + 6)  # the first quarter forgotten: the worker's settled size
+                    warm_rss = proc.memory_info().rss
+            time.sleep(grace_s + 7)  # past the grace, and a tick of the worker's 5 s timer
+            end_rss = proc.memory_info().rss
+            logger.close(5, quiet=True)
+            prefixes = tuple(f"chaos-churn-{n}".encode() for n in range(runs))
+            left = sum(_changelog_bytes(settings, f"{worker.app_id}-{table}-changelog", prefixes)
+                       for table in ("state", "windows"))
+        finally:
+            worker.kill()
+    return {"runs": runs, "finished_run_bytes_after_grace": left,
+            "rss_warm_mb": round(warm_rss / 2**20, 1), "rss_end_mb": round(end_rss / 2**20, 1),
+            "churn_rss_growth_pct": round(100.0 * (end_rss - warm_rss) / warm_rss, 2)}
+
+
+def shutdown(log_dir=None) -> dict:
+    """SIGTERM to a worker with its broker up, then to one whose broker is gone, and to the
+    embedded broker itself: seconds until each process is gone."""
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from tests.integration import WorkerProcess
+
+    port = free_port()
+    settings = _settings(port)
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-"))
+    out = {}
+    broker = EmbeddedBroker(port=port, topics=False).start()
+    try:
+        create_topics(settings)
+        for case in ("broker_up", "broker_down"):
+            worker = WorkerProcess(settings, log_dir).start()
+            worker.wait_ready()
+            if case == "broker_down":
+                broker.stop()
+                time.sleep(3)
+            started = time.monotonic()
+            worker.proc.send_signal(signal.SIGTERM)
+            try:
+                worker.proc.wait(30)
+                out[f"worker_{case}_s"] = round(time.monotonic() - started, 2)
+            except Exception:
+                out[f"worker_{case}_s"] = None
+                worker.kill()
+        broker = EmbeddedBroker(port=port, topics=False).start()
+        started = time.monotonic()
+        broker.stop()
+        out["broker_s"] = round(time.monotonic() - started, 2)
+    finally:
+        broker.stop()
+    out["shutdown_s"] = max((v for v in out.values() if v is not None), default=None) \
+        if all(v is not None for v in out.values()) else None
+    return out

@@ -17,6 +17,8 @@ import asyncio
 import atexit
 import logging
 import os
+import signal
+import threading
 import time
 
 import faust
@@ -202,7 +204,9 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     # Expiry by event time is the engine's (tombstones); `expires` only sets the changelog's retention.
     app.trainguard_windows = window_table.tumbling(ruleset.window_s, expires=2 * ruleset.window_keep_s)
 
-    engine = Engine(ruleset, state_table.data, windows=window_table.data, signing_key=signing_key)
+    engine = Engine(ruleset, state_table.data, windows=window_table.data, signing_key=signing_key,
+                    finished_grace_s=float(os.environ.get("TRAINGUARD_FINISHED_GRACE_S", "600")),
+                    idle_ttl_s=float(os.environ.get("TRAINGUARD_RUN_TTL_S", str(7 * 86400))))
     window_table.decode_key = engine.windows.decode_key
     app.trainguard_engine = engine  # for tests and the status line
 
@@ -370,6 +374,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         outputs = engine.tick()
         if outputs:
             await publish(outputs)
+        if outputs or engine.dirty:  # alerts, or runs forgotten: their tombstones
             flush_state()
 
     @app.timer(10.0)
@@ -379,6 +384,64 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                  "bulk lane" if getattr(app, "trainguard_bulk_lane", None) else "agent path")
 
     return app
+
+
+SHUTDOWN_S = 4.0
+"""How long a worker may take to stop after SIGTERM / SIGINT before it exits anyway: Faust
+waits for a broker that is gone (over a minute, measured), and a supervisor or a person
+pressing Ctrl-C should not. Events not yet acknowledged are read again by the next worker."""
+
+
+class _Worker(faust.Worker):
+    """Faust's worker with a bounded shutdown and repeated log lines said once in a while."""
+
+    repeats: "RepeatFilter | None" = None
+
+    def on_setup_root_logger(self, logger: logging.Logger, level: int) -> None:
+        super().on_setup_root_logger(logger, level)
+        self.repeats = RepeatFilter()
+        for handler in logger.handlers:
+            handler.addFilter(self.repeats)
+
+    def _schedule_shutdown(self, signum) -> None:
+        if not self._signal_stop_time:
+            threading.Thread(target=_exit_after, args=(SHUTDOWN_S, signum), name="trainguard-shutdown",
+                             daemon=True).start()
+        super()._schedule_shutdown(signum)
+
+
+def _exit_after(seconds: float, signum) -> None:
+    time.sleep(seconds)
+    print(f"trainguard worker: still stopping {seconds:.0f} s after {signal.Signals(signum).name} (is the broker "
+          f"reachable?); exiting now: events not yet acknowledged are read again by the next worker", flush=True)
+    logging.shutdown()
+    os._exit(0)
+
+
+class RepeatFilter(logging.Filter):
+    """Says a repeated log message (same logger, same text) once per ``interval_s``, then how
+    many times it came: a worker whose broker is gone logged ten lines a second."""
+
+    def __init__(self, interval_s: float = 30.0):
+        super().__init__()
+        self.interval_s = interval_s
+        self._seen: dict[tuple, list] = {}  # (logger, message) -> [last said, repeats since]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.CRITICAL:
+            return True
+        key = (record.name, str(record.msg)[:200])
+        now = time.monotonic()
+        entry = self._seen.get(key)
+        if entry is not None and now - entry[0] < self.interval_s:
+            entry[1] += 1
+            return False
+        if entry is not None and entry[1]:
+            record.msg = f"{record.msg} [and {entry[1]} more like it in the last {now - entry[0]:.0f} s]"
+        self._seen[key] = [now, 0]
+        if len(self._seen) > 10_000:
+            self._seen.clear()
+        return True
 
 
 def run_worker(settings: KafkaSettings | None = None, *, rules_path: str | None = None, loglevel: str = "warning",
@@ -392,7 +455,7 @@ def run_worker(settings: KafkaSettings | None = None, *, rules_path: str | None 
     started = time.time()
     print(f"trainguard worker: consuming {app.conf.broker[0]} with rules "
           f"{rules_path or 'default.yaml'}", flush=True)
-    worker = faust.Worker(app, loglevel=loglevel, quiet=True)
+    worker = _Worker(app, loglevel=loglevel, quiet=True)
     worker.execute_from_commandline()
     log.info("trainguard worker: stopped after %.0fs", time.time() - started)
     return 0

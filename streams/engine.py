@@ -208,6 +208,7 @@ class RunState:
     cross: dict = field(default_factory=dict)           # rule|metric -> CrossRank
     cross_firing: dict = field(default_factory=dict)    # rule|metric|rank -> its open alert
     finished: bool = False
+    finished_at: float | None = None                    # received at, for forgetting the run
 
     def to_bytes(self) -> bytes:
         d = self.__dict__.copy()
@@ -252,8 +253,14 @@ def _json_value(v: float) -> float | str:
 
 class Engine:
     def __init__(self, rules: RuleSet, store: MutableMapping[bytes, Any] | None = None, *,
-                 windows: MutableMapping[Any, Any] | None = None, signing_key: SigningKey | None = None):
+                 windows: MutableMapping[Any, Any] | None = None, signing_key: SigningKey | None = None,
+                 finished_grace_s: float = 600.0, idle_ttl_s: float = 7 * 86400.0):
         self.rules = rules
+        # A run's state is forgotten (tombstoned) this long after it finished or was stopped, and
+        # after this long without any event: without an end, state grew by every run ever seen.
+        self.finished_grace_s = float(finished_grace_s)
+        self.idle_ttl_s = float(idle_ttl_s)
+        self.forgotten = 0
         self.store: MutableMapping[bytes, Any] = {} if store is None else store
         # Per-interval aggregates of the resampled metrics (a windowed table in the worker).
         self.windows = MinuteWindows(rules.window_s, windows, keep_s=rules.window_keep_s)
@@ -403,8 +410,9 @@ class Engine:
             self._rolled_back(event, run, run_id, partition, outputs)
         elif event["event"] in ("finished", "stopped"):
             run.finished = True
+            run.finished_at = self.clock()
         elif event["event"] == "started":
-            run.finished = False
+            run.finished, run.finished_at = False, None
         return outputs
 
     # -- alert bookkeeping shared by every kind of rule ------------------------------------------
@@ -766,14 +774,19 @@ class Engine:
                 critical.append((run.incidents[incident.name]["id"], incident.name, incident.summary))
 
     def tick(self, now: float | None = None) -> list[Output]:
-        """Timer work: sources gone silent (a hung trainer, a dead node). Call every few seconds."""
+        """Timer work, every few seconds: sources gone silent (a hung trainer, a dead node), and
+        runs whose state has served its time (finished longer than ``finished_grace_s`` ago,
+        or without any event for ``idle_ttl_s``) forgotten."""
         now = self.clock() if now is None else now
         stale_rules = [r for r in self.rules.rules if r.kind == "stale"]
-        if not stale_rules:
-            return []
         outputs: list[Output] = []
         for key in [k for k in list(self.store.keys()) if b"|" not in k]:
             run = self._run(key)
+            last = max((seen[0] for seen in run.last_seen.values()), default=None)
+            if (run.finished and now - (run.finished_at or last or now) > self.finished_grace_s) or \
+                    (last is not None and now - last > self.idle_ttl_s):
+                self.forget(key)
+                continue
             if run.finished:
                 continue
             run_id = key.decode()
@@ -793,6 +806,26 @@ class Engine:
                         self._add(outputs, self._fire(run, alert, rule))
                         self.dirty[key] = run.partition
         return outputs
+
+    def forget(self, run_key: bytes) -> None:
+        """Delete a run's state, its sources' and their windows (tombstones in the changelogs)."""
+        run = self._run(run_key)
+        for sid in run.sources:
+            key = run_key + b"|" + sid.encode()
+            state = self.store.get(key)
+            if state is None:
+                continue
+            if type(state) is bytes:
+                state = self._source(key, "")
+            for start in [*state.windows, *([] if state.minute is None else [state.minute])]:
+                self.windows.delete(key, start, run.partition)
+            del self.store[key]
+            self.dirty[key] = run.partition
+        del self.store[run_key]
+        self.dirty[run_key] = run.partition
+        self.forgotten += 1
+        log.info("trainguard: forgot run %s (%s)", run_key.decode(errors="replace"),
+                 "finished" if run.finished else "idle")
 
     def _window(self, run_id: str, alert: dict) -> dict | None:
         """The metric's recent values, oldest first, from the baseline's ring buffer."""

@@ -69,3 +69,13 @@ def test_a_fatal_producer_error_builds_a_new_producer_and_counts_the_old_queue()
     stats = logger.close(1.0, quiet=True)
     assert time.monotonic() - started <= 2.0
     assert stats["lost"] == 11 and stats["sent"] == 11, stats
+
+
+def test_finished_runs_leave_nothing_in_the_changelogs_after_their_grace(tmp_path):
+    r = scenarios.state_lifecycle(runs=24, grace_s=2.0, log_dir=tmp_path)
+    assert r["finished_run_bytes_after_grace"] == 0, r
+
+
+def test_a_worker_stops_within_five_seconds_with_its_broker_up_or_gone(tmp_path):
+    r = scenarios.shutdown(log_dir=tmp_path)
+    assert r["shutdown_s"] is not None and r["shutdown_s"] <= 5.0, r

@@ -333,3 +333,33 @@ def test_a_run_state_from_a_newer_release_drops_what_it_does_not_know(caplog):
     restored = RunState.from_bytes(orjson.dumps(state))
     assert restored.breaker.status == "armed"
     assert "dropped the fields this build does not know: added_later" in caplog.text
+
+
+def test_a_finished_run_is_forgotten_after_its_grace_and_an_idle_one_after_its_ttl():
+    engine = Engine(rules_mod.default(), finished_grace_s=60, idle_ttl_s=3600)
+    now = [1.7e9]
+    engine.clock = lambda: now[0]
+    sim = SimulatedPPO(seed=2)
+    offset = 0
+    for run in ("done", "idle"):
+        for _ in range(40):
+            now[0] += 10
+            m = sim.step()
+            for event in (ev.metrics_event(run, sim.current_step, m, src=TRAINER, ts=now[0]),
+                          ev.metrics_event(run, sim.current_step, sim.node_metrics(), src=ev.source("node", "h"),
+                                           ts=now[0])):
+                engine.handle(ev.encode(event), 0, offset)
+                offset += 1
+    engine.handle(ev.encode(ev.lifecycle_event("done", "finished", step=40, ts=now[0])), 0, offset)
+    assert any(k.startswith(b"done") for k in engine.store) and engine.windows.store
+    engine.dirty.clear()
+    engine.tick(now[0] + 30)
+    assert b"done" in engine.store, "still within its grace"
+    engine.tick(now[0] + 61)
+    assert not [k for k in engine.store if k.startswith(b"done")]
+    assert {b"done", b"done|" + ev.source_id(TRAINER).encode()} <= set(engine.dirty), "tombstones for the changelog"
+    assert engine.serialize(b"done") is None
+    assert not [k for k in engine.windows.store if k[0].startswith(b"done")], "its windows too"
+    assert b"idle" in engine.store
+    engine.tick(now[0] + 3601)
+    assert not engine.store and engine.forgotten == 2
