@@ -243,7 +243,7 @@ def state_lifecycle(runs: int = 200, steps: int = 10, grace_s: float = 2.0, log_
             proc = psutil.Process(worker.proc.pid)
             logger = TrainerLogger("chaos-churn-0", settings, host="chaos")
             values = {f"m/{i}": float(i) for i in range(METRICS)}
-            warm_rss = None
+            warm_rss, curve = None, []
             for n in range(runs):
                 run_id = f"chaos-churn-{n}"
                 logger.run_id = run_id
@@ -255,6 +255,8 @@ def state_lifecycle(runs: int = 200, steps: int = 10, grace_s: float = 2.0, log_
                 if n == runs // 4:
                     time.sleep(grace_s + 6)  # the first quarter forgotten: the worker's settled size
                     warm_rss = proc.memory_info().rss
+                if n % max(1, runs // 10) == 0:
+                    curve.append(round(proc.memory_info().rss / 2**20, 1))
             time.sleep(grace_s + 7)  # past the grace, and a tick of the worker's 5 s timer
             end_rss = proc.memory_info().rss
             logger.close(5, quiet=True)
@@ -265,7 +267,7 @@ def state_lifecycle(runs: int = 200, steps: int = 10, grace_s: float = 2.0, log_
             worker.kill()
     return {"runs": runs, "finished_run_bytes_after_grace": left,
             "rss_warm_mb": round(warm_rss / 2**20, 1), "rss_end_mb": round(end_rss / 2**20, 1),
-            "churn_rss_growth_pct": round(100.0 * (end_rss - warm_rss) / warm_rss, 2)}
+            "churn_rss_growth_pct": round(100.0 * (end_rss - warm_rss) / warm_rss, 2), "rss_curve_mb": curve}
 
 
 def shutdown(log_dir=None) -> dict:
@@ -307,3 +309,55 @@ def shutdown(log_dir=None) -> dict:
     out["shutdown_s"] = max((v for v in out.values() if v is not None), default=None) \
         if all(v is not None for v in out.values()) else None
     return out
+
+
+def worker_kill(kills: int = 3, log_dir=None, extra_env: dict | None = None) -> dict:
+    """A worker is killed with -9 while a run logs, and started again: seconds until the new
+    worker judges the run's next event (a NaN loss, which pages), alerts missed, commands sent
+    twice."""
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from tests.integration import TopicReader, WorkerProcess
+
+    port = free_port()
+    settings = _settings(port)
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-"))
+    recovery, missed = [], 0
+    with broker_on(port):
+        create_topics(settings)
+        app_id = f"chaos-{uuid.uuid4().hex[:6]}"
+        worker = WorkerProcess(settings, log_dir, app_id=app_id, extra_env=extra_env).start()
+        worker.wait_ready()
+        logger = TrainerLogger("chaos-kill", settings, host="chaos")
+        alerts = TopicReader(settings, settings.topics.alerts)
+        step = 0
+        try:
+            for kill in range(kills):
+                for _ in range(20):
+                    step += 1
+                    logger.log({"actor/pg_loss": -0.01, "actor/kl_loss": 0.01}, step)
+                logger.publisher.flush(5)
+                time.sleep(1.0)
+                worker.kill(signal.SIGKILL)
+                worker = WorkerProcess(settings, log_dir, app_id=app_id, extra_env=extra_env).start()
+                started = time.monotonic()
+                step += 1
+                logger.log({"actor/pg_loss": float("nan"), "actor/kl_loss": 0.01}, step)
+                logger.publisher.flush(5)
+                nan_step = step
+                try:
+                    alerts.wait_for(lambda a: a.get("rule") == "non_finite" and a.get("step") == nan_step
+                                    and a.get("status") == "firing", timeout=60, what="the NaN alert")
+                    recovery.append(round(time.monotonic() - started, 2))
+                except AssertionError:
+                    missed += 1
+            firing = [(a["id"]) for a in alerts.seen if a.get("status") == "firing"]
+        finally:
+            alerts.close()
+            logger.close(5, quiet=True)
+            worker.kill()
+        duplicates = len(firing) - len(set(firing))
+    return {"kills": kills, "worker_recovery_s": max(recovery) if recovery else None, "recoveries_s": recovery,
+            "worker_kill_missed_alerts": missed, "alerts_published_twice": duplicates}
