@@ -16,6 +16,9 @@ Scenarios (``chaos/scenarios.py``), each on its own embedded broker on loopback:
   bytes their state leaves in the changelogs after the grace period (what a restarted worker
   would restore), and the worker's memory growth from its settled size.
 - ``shutdown``: SIGTERM to a worker with its broker up and with it gone, and to the broker.
+- ``worker_kill``: a worker killed with -9 three times while a run logs, started again with the
+  same ``TRAINGUARD_INSTANCE_ID`` (static group membership): seconds until the new one pages on
+  the run's next NaN, alerts missed.
 
 Prints a table, then one JSON line with the figures and their targets' verdicts.
 """
@@ -43,6 +46,8 @@ TARGETS = {
     "finished_run_bytes_after_grace": (1024, "le"),
     "churn_rss_growth_pct": (5.0, "le"),
     "shutdown_s": (5.0, "le"),
+    "worker_recovery_s": (5.0, "le"),
+    "worker_kill_missed_alerts": (0, "le"),
 }
 
 
@@ -64,6 +69,9 @@ def run(only: set[str], quick: bool) -> dict:
     if "shutdown" in only:
         print("shutdown: SIGTERM to workers and the broker ...", file=sys.stderr, flush=True)
         out["shutdown"] = scenarios.shutdown()
+    if "worker_kill" in only:
+        print("worker_kill: kill -9 a worker and start it again, three times ...", file=sys.stderr, flush=True)
+        out["worker_kill"] = scenarios.worker_kill(extra_env={"TRAINGUARD_INSTANCE_ID": "chaos-worker-1"})
     return out
 
 
@@ -87,6 +95,9 @@ def summary(results: dict) -> dict:
         s["churn_rss_growth_pct"] = results["lifecycle"]["churn_rss_growth_pct"]
     if "shutdown" in results:
         s["shutdown_s"] = results["shutdown"]["shutdown_s"]
+    if "worker_kill" in results:
+        s["worker_recovery_s"] = results["worker_kill"]["worker_recovery_s"]
+        s["worker_kill_missed_alerts"] = results["worker_kill"]["worker_kill_missed_alerts"]
     s["passed"] = all(s[k] is not None and (s[k] >= t if how == "ge" else s[k] <= t)
                       for k, (t, how) in TARGETS.items() if k in s)
     return s
@@ -107,9 +118,11 @@ def print_table(results: dict, s: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="an 8 s outage instead of 25 s, 200 runs instead of 1,000")
-    ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener, lifecycle, shutdown")
+    ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener, lifecycle, "
+                                               "shutdown, worker_kill")
     args = ap.parse_args(argv)
-    only = set(filter(None, args.only.split(","))) or {"broker_restart", "close", "listener", "lifecycle", "shutdown"}
+    only = set(filter(None, args.only.split(","))) or {"broker_restart", "close", "listener", "lifecycle", "shutdown",
+                                                       "worker_kill"}
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     started = time.monotonic()
     results = run(only, args.quick)

@@ -193,6 +193,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         web_enabled=False,
         producer_acks=-1,
         table_standby_replicas=int(os.environ.get("TRAINGUARD_STANDBY_REPLICAS", "0")),
+        consumer_group_instance_id=os.environ.get("TRAINGUARD_INSTANCE_ID") or None,
     )
     events_topic = app.topic(settings.topics.events, key_type=bytes, value_type=bytes,
                              key_serializer="raw", value_serializer="raw", partitions=settings.partitions)
