@@ -44,6 +44,7 @@ class BreakerState:
     onset_step: int | None = None
     onset_ts: float | None = None
     last_step: int | None = None
+    last_critical: bool = False                          # whether last_step was judged critical
     alert_ids: list[str] = field(default_factory=list)
     rules: list[str] = field(default_factory=list)      # critical rules of the current incident
     command_id: str | None = None
@@ -108,8 +109,12 @@ def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: fl
         state.status = ARMED  # the trainer never reported the command: count afresh
         state.streak = 0
     if state.last_step is not None and step == state.last_step:
-        return None  # another source of the same step: the step was already judged
+        # Another event of a step already judged (another rank, a second event of the trainer):
+        # it only counts if it makes a healthy step critical.
+        if not critical or state.last_critical:
+            return None  # (a healthy first judgement reset the streak: this one counts from there)
     state.last_step = step
+    state.last_critical = critical
     if not critical:
         state.streak, state.onset_step, state.onset_ts, state.alert_ids, state.rules = 0, None, None, [], []
         return None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import glob
 import json
 import math
+import time
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +84,111 @@ def test_a_metric_trl_logs_as_none_is_published_as_nan_and_pages():
     logs = rewrite_logs({"reward": None, "rewards/accuracy/mean": None, "loss": 0.0, "eval_loss": 1.5})
     assert math.isnan(logs["train/reward"]) and math.isnan(logs["train/rewards/accuracy/mean"])
     assert logs["train/loss"] == 0.0 and logs["eval/loss"] == 1.5
+
+
+class Pace:
+    """A real GRPO step takes seconds to minutes; the tiny one 60 ms. Slow it down so that the
+    worker's commands arrive while the run goes on, as they would."""
+
+    def __init__(self, seconds: float = 0.25):
+        from transformers import TrainerCallback
+
+        class _Pace(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                time.sleep(seconds)
+
+        self.callback = _Pace()
+
+
+def _faulty_reward(kind: str, at: int):
+    calls = {"n": 0}
+
+    def reward(completions, **kwargs):
+        calls["n"] += 1
+        if calls["n"] >= at and kind == "zero_reward":
+            return [0.0] * len(completions)
+        if calls["n"] == at and kind == "nan_reward":
+            return [float("nan")] * len(completions)
+        return toy_reward(completions)
+    return reward
+
+
+def _injector(kind: str, at: int):
+    """Faults that come from the optimiser rather than the data."""
+    from transformers import TrainerCallback
+
+    class Inject(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            step = state.global_step + 1
+            if kind == "lr_blowup" and step >= at and optimizer is not None:
+                for group in optimizer.param_groups:   # every step: the scheduler resets it
+                    group["lr"] = 3.0
+            if kind == "nan_grad" and step == at and model is not None:
+                param = next(model.parameters())
+                handle = param.register_hook(lambda g: g * float("nan"))
+                self.handle = handle
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if getattr(self, "handle", None) is not None:
+                self.handle.remove()
+                self.handle = None
+
+    return Inject()
+
+
+FAULTS = {  # fault -> (the alert it must raise, the commands it must get, how the run must end)
+    "zero_reward": ("zero_reward_sustained", [], "completes"),
+    "lr_blowup": ("kl_explosion", ["rollback", "stop"], "stopped"),
+    "nan_reward": ("non_finite", ["rollback"], "completes"),
+    "nan_grad": ("non_finite", ["rollback"], "completes"),
+}
+
+
+def test_trl_faults_get_the_right_alert_and_command_with_the_default_rules(kafka, tmp_path):
+    """The faults table of docs/integrations.md, measured: a real GRPOTrainer per fault, the
+    default rules in a real worker, the callback applying what comes back."""
+    import torch
+
+    from trainguard.producers.integrations.hf import TrainguardCallback
+
+    worker = WorkerProcess(kafka, tmp_path).start()
+    model_path = build_model(tmp_path / "model")
+    table = {}
+    try:
+        worker.wait_ready()
+        for fault, (rule, expected_commands, ending) in FAULTS.items():
+            run_id = f"trl-{fault.replace('_', '-')}"
+            callback = TrainguardCallback(run_id, kafka, ready_timeout_s=10)
+            reward = _faulty_reward(fault, 8)
+            trainer = grpo_trainer(model_path, tmp_path / fault, reward=reward, max_steps=40, save_steps=4,
+                                   callbacks=[callback, _injector(fault, 8), Pace().callback], report_to=())
+            trainer.train()
+            weights_finite = all(torch.isfinite(p).all() for p in trainer.model.parameters())
+            alerts = TopicReader(kafka, kafka.topics.alerts)
+            alerts.wait_for(lambda a: a.get("rule") == rule and a["run_id"] == run_id, timeout=30,
+                            what=f"{rule} for {fault}", worker=worker)
+            fired = sorted({a["rule"] for a in alerts.seen if a["run_id"] == run_id and a.get("status") == "firing"})
+            alerts.close()
+            commands = TopicReader(kafka, kafka.topics.control)
+            try:
+                commands.wait_for(lambda c: c["run_id"] == run_id and len(
+                    [x for x in commands.seen if x["run_id"] == run_id]) >= len(expected_commands), timeout=5)
+            except AssertionError:
+                pass
+            actions = [c["action"] for c in commands.seen if c["run_id"] == run_id]
+            commands.close()
+            ended = "stopped" if trainer.state.global_step < 40 else "completes"
+            table[fault] = {"alerts": fired, "commands": actions, "rollbacks": callback.guard.rollbacks,
+                            "ended": ended, "at_step": trainer.state.global_step,
+                            "skipped_nonfinite": callback.nonfinite_skipped, "weights_finite": weights_finite}
+            assert rule in fired, (fault, table[fault])
+            assert actions == expected_commands, (fault, table[fault])
+            assert ended == ending and weights_finite, (fault, table[fault])
+        assert table["nan_grad"]["skipped_nonfinite"] == 1, "the local guard kept the NaN out of the weights"
+        assert table["nan_reward"]["rollbacks"] == 1 and table["lr_blowup"]["rollbacks"] == 1
+    finally:
+        worker.kill()
+        out = Path(__file__).resolve().parents[1] / "out"
+        out.mkdir(exist_ok=True)
+        (out / "trl_faults.json").write_text(json.dumps(table, indent=1))
+        print(f"faults table: {out / 'trl_faults.json'}")

@@ -171,3 +171,17 @@ def test_acks_of_other_commands_and_applied_acks_change_nothing():
     assert r.engine.handle_ack(ev.encode(ev.ack_event("someone-elses", "r", "failed", "x"))) == []
     assert r.engine.handle_ack(ev.encode(ev.ack_event("x", "unknown-run", "failed", "x"))) == []
     assert r.engine.handle_ack(b"not json")[0].kind == "dlq"
+
+
+def test_a_second_event_of_a_healthy_step_can_still_make_it_critical():
+    """A trainer that reports a step in two events (its own logs and, say, a guard's count):
+    the NaN in the second must not be lost because the first was healthy."""
+    from trainguard.streams import policy
+
+    state, pol = policy.BreakerState(), {**policy.DEFAULTS, "consecutive_critical": 1}
+    ckpts = [{"step": 4, "path": "/c/4", "ts": 0.0, "healthy": True}]
+    args = dict(run_id="r", ts=10.0, alert_ids=["a"], rules=["non_finite"], checkpoints=ckpts, diagnosis="NaN")
+    assert policy.on_step(state, pol, step=8, critical=False, **args) is None
+    decision = policy.on_step(state, pol, step=8, critical=True, **args)
+    assert decision is not None and decision.command["target"]["step"] == 4
+    assert policy.on_step(state, pol, step=8, critical=True, **args) is None, "judged critical once"

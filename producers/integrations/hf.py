@@ -18,6 +18,11 @@ What it does, on the world's process zero only (other ranks do nothing):
   A value logged as ``None`` is published as NaN (TRL's way of logging an all-NaN metric).
 * ``on_save``: reports ``{output_dir}/checkpoint-{global_step}``.
 * ``on_step_end``: applies ready commands.
+* ``on_pre_optimizer_step``: the local guard. Gradients holding NaN/Inf are discarded before
+  the optimiser applies them (the next generation would otherwise crash on NaN weights, long
+  before a command could come back from the worker), counted in
+  ``trainguard/nonfinite_updates_skipped``; ``max_nonfinite_updates`` (3) in a row stop the
+  run. ``nonfinite_guard=False`` turns it off.
 
 What a callback can and cannot do (it gets ``model``, ``optimizer``, ``lr_scheduler`` and
 ``train_dataloader`` in its kwargs, not the Trainer):
@@ -81,6 +86,29 @@ def rewrite_logs(logs: dict) -> dict:
         else:
             out["train/" + k] = v
     return out
+
+
+def _gradients_finite(model) -> bool:
+    """Whether every gradient is finite: one norm per tensor (as clipping computes), one check.
+    Parameters sharded by DeepSpeed / FSDP hold no ``.grad`` here and are not checked."""
+    import torch
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return True
+    return bool(torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(grads)])).all())
+
+
+def _discard_gradients(model, args) -> None:
+    """This step's gradients are not applied: set to None, so neither the weights nor the
+    optimizer's moments move (zeroed instead under fp16, whose grad scaler inspects them)."""
+    zero = bool(getattr(args, "fp16", False))
+    for p in model.parameters():
+        if p.grad is not None:
+            if zero:
+                p.grad.zero_()
+            else:
+                p.grad = None
 
 
 def load_model_weights(model, path: str) -> str:
@@ -165,10 +193,18 @@ class TrainguardCallback(TrainerCallback):
     guard (``listen``, ``max_pause_s``, ``ready_timeout_s``, ``host``, ``keys`` ...).
     """
 
-    def __init__(self, run_id: str, settings: KafkaSettings | None = None, **guard_kwargs):
+    def __init__(self, run_id: str, settings: KafkaSettings | None = None, *, nonfinite_guard: bool = True,
+                 max_nonfinite_updates: int = 3, **guard_kwargs):
         self.run_id = run_id
         self.settings = settings
         self.guard_kwargs = guard_kwargs
+        # Skip an optimiser step whose gradients hold NaN/Inf; stop after this many in a row.
+        self.nonfinite_guard = nonfinite_guard
+        self.max_nonfinite_updates = max_nonfinite_updates
+        self.nonfinite_skipped = 0
+        self.stopped_by_guard = False
+        self._report: dict[str, float] = {}
+        self._nonfinite_streak = 0
         self.guard: _HFGuard | None = None
         self.decisions: list[Decision] = []   # boundaries where something was applied
         self.skipped_batches = 0
@@ -199,7 +235,8 @@ class TrainguardCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.guard is not None and logs:
-            self.guard.log(rewrite_logs(logs), state.global_step)
+            # What the local guard did rides with the step's own logs: one event per step.
+            self.guard.log({**rewrite_logs(logs), **self._report}, state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
         if self.guard is None:
@@ -237,17 +274,30 @@ class TrainguardCallback(TrainerCallback):
         return control
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if self._skip_left <= 0 or model is None:
+        if model is None:
             return
-        self._skip_left -= 1
-        self.skipped_batches += 1
-        zero = bool(getattr(args, "fp16", False))  # the fp16 grad scaler wants gradients to inspect
-        for p in model.parameters():
-            if p.grad is not None:
-                if zero:
-                    p.grad.zero_()
-                else:
-                    p.grad = None
+        if self._skip_left > 0:
+            self._skip_left -= 1
+            self.skipped_batches += 1
+            _discard_gradients(model, args)
+            return
+        if self.nonfinite_guard and not _gradients_finite(model):
+            # The local guard: this update would write NaN/Inf into the weights (and crash the
+            # next generation) long before a command could come back from the worker.
+            _discard_gradients(model, args)
+            self.nonfinite_skipped += 1
+            self._nonfinite_streak += 1
+            step = state.global_step + 1
+            stop = self._nonfinite_streak >= self.max_nonfinite_updates
+            log = __import__("logging").getLogger("trainguard.integrations")
+            log.warning("trainguard: non-finite gradient at step %d: update skipped (%d in a row)%s", step,
+                        self._nonfinite_streak, "; stopping the run" if stop else "")
+            self._report["trainguard/nonfinite_updates_skipped"] = float(self.nonfinite_skipped)
+            if stop:
+                control.should_training_stop = True
+                self.stopped_by_guard = True
+            return
+        self._nonfinite_streak = 0
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
         """True once the listener reads its partition (after ``on_train_begin``)."""
