@@ -43,6 +43,7 @@ MAX_RECENT_ALERTS = 32
 DLQ_EXCERPT_BYTES = 64 * 1024  # base64 makes it 88 KB: far under a broker's 1 MB message limit
 _STATE_MAGIC = b"TGS1"  # source state: magic, header length, JSON header, raw float64 arrays
 STATE_VERSION = 1      # of the run state and the source state's header (0: before versions were written)
+_SHARED_ROWS: dict[tuple, tuple] = {}  # interned rule-index tuples: a few shapes for millions of rows
 
 
 class SourceState:
@@ -59,7 +60,7 @@ class SourceState:
     def __init__(self, kind: str, block: BaselineBlock | None = None):
         self.kind = kind
         self.block = block or BaselineBlock()
-        self.rule_rows: list[list[int]] = []   # per row: baseline rules that watch it
+        self.rule_rows: list[tuple[int, ...]] = []   # per row: baseline rules that watch it
         self.det_rows: dict[int, list[int]] = {}  # row -> rules with their own detector, per sample
         self.res_rows: dict[int, list[int]] = {}  # row -> rules with their own detector, per interval
         self.gate_hi = np.zeros(0)             # per row: lowest 'above' of its threshold-only rules
@@ -83,17 +84,19 @@ class SourceState:
     def bind(self, rules: RuleSet) -> None:
         """Work out which rules watch each row added since the last call."""
         names = self.block.names
+        shared = _SHARED_ROWS  # rows of every source watched by the same rules share one tuple
         for row in range(len(self.rule_rows), len(names)):
             watching = rules.rules_for(names[row], self.kind)
-            self.rule_rows.append([i for i in watching if rules.rules[i].detector is None])
+            plain = tuple(i for i in watching if rules.rules[i].detector is None)
+            self.rule_rows.append(shared.setdefault(plain, plain))
             series = [i for i in watching if rules.rules[i].detector is not None
                       and rules.rules[i].kind not in ENGINE_KINDS]
-            per_sample = [i for i in series if not rules.rules[i].resample_s]
-            per_interval = [i for i in series if rules.rules[i].resample_s]
+            per_sample = tuple(i for i in series if not rules.rules[i].resample_s)
+            per_interval = tuple(i for i in series if rules.rules[i].resample_s)
             if per_sample:
-                self.det_rows[row] = per_sample
+                self.det_rows[row] = shared.setdefault(per_sample, per_sample)
             if per_interval:
-                self.res_rows[row] = per_interval
+                self.res_rows[row] = shared.setdefault(per_interval, per_interval)
         hi = np.full(len(names), np.inf)
         lo = np.full(len(names), -np.inf)
         always = np.zeros(len(names), bool)

@@ -15,6 +15,7 @@ such samples.
 from __future__ import annotations
 
 import math
+from array import array
 from collections import deque
 from typing import Any, ClassVar
 
@@ -59,6 +60,9 @@ def _plain(items: list) -> bool:
 
 
 def _encode(v: Any) -> Any:
+    if isinstance(v, array):  # packed floats (8 bytes a value): windows of the small detectors
+        items = v.tolist()
+        return {"__array__": items if _plain(items) else [_encode(x) for x in items]}
     if isinstance(v, deque):
         items = list(v)
         return {"__deque__": items if _plain(items) else [_encode(x) for x in items], "maxlen": v.maxlen}
@@ -84,6 +88,8 @@ def _encode(v: Any) -> Any:
 
 def _decode(v: Any) -> Any:
     if isinstance(v, dict):
+        if "__array__" in v:
+            return array("d", (_decode(x) for x in v["__array__"]))
         if "__deque__" in v:
             items = v["__deque__"]
             return deque(items if _plain(items) else (_decode(x) for x in items), maxlen=v["maxlen"])
@@ -107,6 +113,7 @@ class Stateful:
     fields in ``_fields``; ``to_state``/``from_state`` handle the rest.
     """
 
+    __slots__ = ()  # subclasses that declare theirs (thousands live in a worker) get no __dict__
     name: ClassVar[str] = "stateful"
     _params: ClassVar[tuple[str, ...]] = ()
     _fields: ClassVar[tuple[str, ...]] = ()
@@ -141,6 +148,7 @@ class Stateful:
 class Detector(Stateful):
     """A value detector: ``update(x, t) -> bool``, ``score``, ``evidence()``, ``ready``."""
 
+    __slots__ = ()
     name: ClassVar[str] = "detector"
     score: float = 0.0
 

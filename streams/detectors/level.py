@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import bisect_left, insort
-from collections import deque
 
 from .base import Detector, is_finite
 
@@ -43,6 +43,8 @@ class Level(Detector):
     0.048
     """
 
+    __slots__ = ("recent", "reference", "mode", "below", "above", "min_reference", "floor", "recent_buf", "ref_buf",
+                 "ref_sorted", "early", "peak", "count", "last", "score")
     name = "level"
     _params = ("recent", "reference", "mode", "below", "above", "min_reference", "floor")
     _fields = ("recent_buf", "ref_buf", "ref_sorted", "early", "peak", "count", "last")
@@ -70,10 +72,11 @@ class Level(Detector):
         self.above = None if above is None else float(above)
         self.min_reference = max(1, min(int(min_reference), self.reference))
         self.floor = float(floor)
-        self.recent_buf: deque = deque(maxlen=self.recent)
-        self.ref_buf: deque = deque(maxlen=self.reference)   # peak / trailing: the points before recent
-        self.ref_sorted: list[float] = []                     # ref_buf, sorted
-        self.early: list = []                                 # early: the first `reference` points, sorted
+        # Packed arrays of floats (8 bytes a value): thousands of these live in a worker.
+        self.recent_buf = array("d")    # the last `recent` points, oldest first
+        self.ref_buf = array("d")       # peak / trailing: the `reference` points before them
+        self.ref_sorted = array("d")    # ref_buf, sorted
+        self.early = array("d")         # early: the first `reference` points, sorted
         self.peak = -math.inf
         self.count = 0
         self.last: list | None = None  # [value, level, reference, ratio, anomalous]
@@ -107,7 +110,7 @@ class Level(Detector):
         self.count += 1
         recent = self.recent_buf
         if len(recent) == self.recent:  # the oldest recent point becomes reference
-            self._to_reference(recent[0])
+            self._to_reference(recent.pop(0))
         recent.append(x)
         self.score, self.last = 0.0, None
         if self._ref_size() < self.min_reference:
@@ -131,7 +134,7 @@ class Level(Detector):
                 insort(self.early, v)
             return
         if len(self.ref_buf) == self.reference:
-            del self.ref_sorted[bisect_left(self.ref_sorted, self.ref_buf[0])]
+            del self.ref_sorted[bisect_left(self.ref_sorted, self.ref_buf.pop(0))]
         self.ref_buf.append(v)
         insort(self.ref_sorted, v)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import bisect_left, insort
-from collections import deque
 
 from .base import Detector, is_finite
 
@@ -27,8 +27,9 @@ class Spike(Detector):
     rule's ``above: 0.8`` a KL of 10,000 on the first logged step is judged, not learned.
 
     Parameters: ``window``, ``ratio``, ``min_samples``, ``floor``, ``direction``, ``start``.
-    Cost: O(window) per sample, in C: a sorted list of at most ``window`` floats kept with
-    ``bisect`` (cheaper than a balanced tree at these sizes).
+    Cost: O(window) per sample, in C: the window in arrival order and sorted, as packed
+    arrays of at most ``window`` floats (8 bytes each), kept with ``bisect`` (cheaper than a
+    balanced tree at these sizes).
 
     >>> det = Spike(window=40, ratio=10.0, min_samples=3)
     >>> [det.update(v) for v in [0.08, 0.07, 0.09, 0.5]]
@@ -37,6 +38,7 @@ class Spike(Detector):
     (True, 141)
     """
 
+    __slots__ = ("window", "ratio", "min_samples", "floor", "direction", "start", "buf", "sorted", "last", "score")
     name = "spike"
     _params = ("window", "ratio", "min_samples", "floor", "direction", "start")
     _fields = ("buf", "sorted", "last")
@@ -53,8 +55,8 @@ class Spike(Detector):
         self.floor = float(floor)
         self.direction = direction
         self.start = None if start is None else float(start)
-        self.buf: deque = deque(maxlen=self.window)
-        self.sorted: list[float] = []
+        self.buf = array("d")      # the window, oldest first
+        self.sorted = array("d")   # the same values, sorted
         self.last: list | None = None  # [value, median, ratio, anomalous]
         self.score = 0.0
 
@@ -92,7 +94,7 @@ class Spike(Detector):
                 self.last = [x, med, None, False]
         buf = self.buf
         if n == self.window:
-            del window[bisect_left(window, buf[0])]
+            del window[bisect_left(window, buf.pop(0))]
         buf.append(x)
         insort(window, x)
         return anomalous
