@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import workload
+from trainguard.schemas.signing import ensure_key
 from workload import (
     CLEANUP,
     ROOT,
@@ -215,6 +216,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown figures: {', '.join(sorted(unknown))}")
     workload.install_signal_handlers()
+    ensure_key("bench")  # commands signed and verified, as in production (the latency figure)
     log_dir = ROOT / "out" / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {}

@@ -185,6 +185,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from trainguard.broker import kafka_or_embedded, stop_process
+    from trainguard.schemas.signing import ensure_key
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -192,6 +193,7 @@ def main(argv=None) -> int:
     try:
         settings, broker = kafka_or_embedded(args.bootstrap, out / "broker.log")
         log_path = out / "worker.log"
+        ensure_key("example")  # the worker signs, the guard's listener verifies
         env = {**os.environ, "TRAINGUARD_BOOTSTRAP": settings.bootstrap}
         worker = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "worker", "--rules", str(RULES),
                                    "--app-id", f"tg-example-{uuid.uuid4().hex[:6]}", "--loglevel", "info"],

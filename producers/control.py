@@ -30,7 +30,7 @@ from typing import Callable
 from trainguard.kafka import KafkaSettings, partition_for
 from trainguard.producers.publisher import Publisher
 from trainguard.schemas import events as ev
-from trainguard.schemas.signing import SigningKey, load_keys, verify
+from trainguard.schemas.signing import SigningKey, load_keys, unsigned_allowed, verify
 
 log = logging.getLogger("trainguard.control")
 
@@ -46,8 +46,15 @@ class ControlListener:
             raise ValueError(str(exc)) from None
         self.settings = settings or KafkaSettings.from_env()
         self.keys = load_keys() if keys is None else keys
-        # With keys configured, unsigned commands are refused; without, signatures are not checked.
-        self.require_signature = bool(self.keys) if require_signature is None else require_signature
+        # With a key, only commands signed with it; without one, unsigned commands only if the
+        # operator opted in (TRAINGUARD_ALLOW_UNSIGNED=1, local use).
+        if require_signature is None:
+            require_signature = bool(self.keys) or not unsigned_allowed()
+        self.require_signature = require_signature
+        if self.require_signature and not self.keys:
+            log.warning("trainguard: control listener for run %s has no command key, so it refuses every "
+                        "command: set TRAINGUARD_COMMAND_KEY (or _FILE) to the worker's key, or "
+                        "TRAINGUARD_ALLOW_UNSIGNED=1 for local use", run_id)
         self.lookback_s = lookback_s
         self.publisher = publisher or Publisher(self.settings)
         self.clock = clock
@@ -159,6 +166,9 @@ class ControlListener:
         if command.get("signature") or self.require_signature:
             problem = verify(command, self.keys)
             if problem:
+                if problem == "unsigned command":
+                    problem = ("unsigned command: this listener only applies commands signed with its key "
+                               "(TRAINGUARD_COMMAND_KEY); TRAINGUARD_ALLOW_UNSIGNED=1 accepts unsigned ones")
                 self._reject(command, problem)
                 return None
         if command["id"] in self._acked:

@@ -5,6 +5,10 @@ applies anything. The MAC covers the command's canonical bytes (sorted keys, no
 signature field), so a changed action, target, run or expiry breaks it. Keys never live
 in code: ``TRAINGUARD_COMMAND_KEY`` holds ``key_id:secret`` (or just a secret, key id
 ``default``), or ``TRAINGUARD_COMMAND_KEY_FILE`` names a file with one such line per key.
+
+Secure by default: a listener refuses unsigned commands unless the operator opted in with
+``TRAINGUARD_ALLOW_UNSIGNED=1`` (local use); ``trainguard broker`` and ``trainguard demo`` set a
+key up themselves.
 """
 
 from __future__ import annotations
@@ -49,6 +53,43 @@ def load_keys(env: dict | None = None) -> dict[str, SigningKey]:
         k = _parse_key(env["TRAINGUARD_COMMAND_KEY"])
         keys[k.key_id] = k
     return keys
+
+
+def unsigned_allowed(env: dict | None = None) -> bool:
+    """``TRAINGUARD_ALLOW_UNSIGNED=1``: the operator opted in to unsigned commands (local use).
+    Without it a listener refuses every command that is not signed with a key it holds."""
+    env = os.environ if env is None else env
+    return env.get("TRAINGUARD_ALLOW_UNSIGNED", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def signing_key_for_worker(keys: dict[str, SigningKey], env: dict | None = None) -> SigningKey | None:
+    """The key the worker signs with: the only one, or ``TRAINGUARD_COMMAND_KEY_ID`` among
+    several; a ``ValueError`` saying so when several are configured and none is chosen."""
+    env = os.environ if env is None else env
+    chosen = env.get("TRAINGUARD_COMMAND_KEY_ID")
+    if chosen:
+        if chosen not in keys:
+            raise ValueError(f"TRAINGUARD_COMMAND_KEY_ID={chosen!r} is none of the configured keys "
+                             f"({', '.join(sorted(keys)) or 'none'})")
+        return keys[chosen]
+    if len(keys) > 1:
+        raise ValueError(f"{len(keys)} command keys are configured ({', '.join(sorted(keys))}) and none is chosen "
+                         f"to sign with: set TRAINGUARD_COMMAND_KEY_ID to one of them (listeners keep all of "
+                         f"them to verify, so keys can be rotated)")
+    return next(iter(keys.values()), None)
+
+
+def ensure_key(key_id: str) -> None:
+    """For a program that starts its own worker and listeners (the demo, an example, the bench):
+    without a configured key, one for this process and its children, so commands are signed
+    as in production."""
+    if not load_keys():
+        os.environ["TRAINGUARD_COMMAND_KEY"] = new_key_line(key_id)
+
+
+def new_key_line(key_id: str = "local") -> str:
+    """A fresh ``key_id:secret`` line (``trainguard broker`` and the demo make one)."""
+    return f"{key_id}:{secrets.token_urlsafe(32)}"
 
 
 def canonical_bytes(command: dict) -> bytes:

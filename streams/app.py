@@ -26,7 +26,7 @@ import orjson
 
 from trainguard.kafka import KafkaSettings, partition_for
 from trainguard.producers.publisher import Publisher
-from trainguard.schemas.signing import load_keys
+from trainguard.schemas.signing import load_keys, signing_key_for_worker
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
 from trainguard.streams.transport import BULK_LANE_SUPPORTED, WorkerTransport
@@ -175,7 +175,12 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     settings = settings or KafkaSettings.from_env()
     ruleset = rules_mod.load(rules_path)
     keys = load_keys()
-    signing_key = next(iter(keys.values())) if keys else None
+    signing_key = signing_key_for_worker(keys)  # ValueError: several keys and no choice
+    if signing_key is None:
+        log.warning("trainguard: no command key (TRAINGUARD_COMMAND_KEY): commands go out unsigned and "
+                    "listeners refuse them unless TRAINGUARD_ALLOW_UNSIGNED=1")
+    else:
+        log.warning("trainguard: signing commands with key id %r", signing_key.key_id)
     if rebalance_timeout_s is None:
         rebalance_timeout_s = float(os.environ.get("TRAINGUARD_REBALANCE_TIMEOUT_S", "3"))
 
@@ -452,6 +457,9 @@ def run_worker(settings: KafkaSettings | None = None, *, rules_path: str | None 
         app = create_app(settings, rules_path=rules_path, app_id=app_id)
     except rules_mod.RulesError as exc:
         print(f"trainguard worker: bad rules file: {exc}", flush=True)
+        return 2
+    except ValueError as exc:  # the command keys
+        print(f"trainguard worker: {exc}", flush=True)
         return 2
     started = time.time()
     print(f"trainguard worker: consuming {app.conf.broker[0]} with rules "

@@ -21,6 +21,19 @@ def _docker_answers() -> bool:
         return False
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _unsigned_commands_in_tests():
+    """Tests send hand-made commands to listeners: they opt in to unsigned ones, as an operator
+    would for local use. The signed default has tests of its own (they remove this)."""
+    previous = os.environ.get("TRAINGUARD_ALLOW_UNSIGNED")
+    os.environ["TRAINGUARD_ALLOW_UNSIGNED"] = "1"
+    yield
+    if previous is None:
+        os.environ.pop("TRAINGUARD_ALLOW_UNSIGNED", None)
+    else:
+        os.environ["TRAINGUARD_ALLOW_UNSIGNED"] = previous
+
+
 @pytest.fixture(scope="session")
 def bootstrap():
     """A Kafka bootstrap address for the whole session."""

@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import orjson
@@ -25,11 +26,17 @@ def test_broker_prints_its_address_creates_topics_and_stops_on_ctrl_c():
     from confluent_kafka.admin import AdminClient
 
     port = free_port()
-    proc = _trainguard("broker", "--port", str(port), "--partitions", "2")
+    home = tempfile.mkdtemp()
+    proc = _trainguard("broker", "--port", str(port), "--partitions", "2",
+                       env={**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_COMMAND_KEY")},
+                            "XDG_CONFIG_HOME": home})
     try:
-        lines = [proc.stdout.readline() for _ in range(2)]
+        lines = [proc.stdout.readline() for _ in range(3)]
         assert f"127.0.0.1:{port}" in lines[0], lines
         assert lines[1].strip() == f"export TRAINGUARD_BOOTSTRAP=127.0.0.1:{port}", lines
+        key_file = os.path.join(home, "trainguard", "command.key")
+        assert lines[2].startswith(f"export TRAINGUARD_COMMAND_KEY_FILE={key_file}"), lines
+        assert os.stat(key_file).st_mode & 0o777 == 0o600
         topics = AdminClient({"bootstrap.servers": f"127.0.0.1:{port}"}).list_topics(timeout=10).topics
         assert len(topics["trainguard.events"].partitions) == 2
         os.killpg(proc.pid, signal.SIGINT)

@@ -2,6 +2,7 @@
 before the loop sees them and acknowledged (integration, real broker)."""
 
 import math
+import os
 import subprocess
 import sys
 import time
@@ -116,7 +117,7 @@ def test_forged_unsigned_expired_and_replayed_commands_are_rejected_and_acked_wi
     assert "replayed" in next(a for a in by_id[good["id"]] if a["status"] == "rejected")["detail"]
     assert "bad signature" in by_id[forged["id"]][0]["detail"]
     assert "bad signature" in by_id[wrong_key["id"]][0]["detail"]
-    assert by_id[unsigned["id"]][0]["detail"] == "unsigned command"
+    assert by_id[unsigned["id"]][0]["detail"].startswith("unsigned command")
     assert "expired" in by_id[expired["id"]][0]["detail"]
     assert "bad signature" in by_id[altered_id["id"]][0]["detail"]
     assert all(a["status"] == "rejected" for cid, acks_ in by_id.items() if cid != good["id"] for a in acks_)
@@ -138,3 +139,47 @@ def test_a_command_that_expires_before_a_step_boundary_is_rejected(kafka):
     acks = TopicReader(kafka, kafka.topics.acks)
     ack = acks.wait_for(lambda a: a["command_id"] == command["id"], what="the rejection")
     assert ack["status"] == "rejected" and "step boundary" in ack["detail"]
+
+
+def test_without_a_key_a_listener_refuses_unsigned_commands_unless_the_operator_opted_in(kafka, monkeypatch):
+    monkeypatch.delenv("TRAINGUARD_ALLOW_UNSIGNED", raising=False)
+    monkeypatch.delenv("TRAINGUARD_COMMAND_KEY", raising=False)
+    with ControlListener("secure-1", kafka) as listener:
+        assert listener.require_signature and listener.wait_ready(10)
+        command = _command("secure-1")
+        _publish(kafka, "secure-1", [command])
+        deadline = time.monotonic() + 10
+        while listener.rejected < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert listener.poll() is None
+    acks = TopicReader(kafka, kafka.topics.acks)
+    ack = acks.wait_for(lambda a: a["command_id"] == command["id"], what="the refusal")
+    assert ack["status"] == "rejected" and "TRAINGUARD_ALLOW_UNSIGNED=1" in ack["detail"]
+    monkeypatch.setenv("TRAINGUARD_ALLOW_UNSIGNED", "1")
+    assert not ControlListener("secure-2", kafka).require_signature
+    assert ControlListener("secure-3", kafka, keys={"ops": KEY}).require_signature, "a key always wins"
+
+
+def test_the_worker_names_its_key_and_refuses_two_keys_without_a_choice(tmp_path):
+    from trainguard.schemas.signing import load_keys, signing_key_for_worker
+
+    path = tmp_path / "keys"
+    path.write_text("old:first-secret\nnew:second-secret\n")
+    env = {"TRAINGUARD_COMMAND_KEY_FILE": str(path)}
+    with pytest.raises(ValueError, match="set TRAINGUARD_COMMAND_KEY_ID"):
+        signing_key_for_worker(load_keys(env), env)
+    assert signing_key_for_worker(load_keys(env), {**env, "TRAINGUARD_COMMAND_KEY_ID": "new"}).key_id == "new"
+    result = subprocess.run([sys.executable, "-m", "trainguard.cli", "worker", "--bootstrap", "127.0.0.1:1"],
+                            env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "none is chosen to sign with" in result.stdout + result.stderr
+
+
+def test_the_local_key_file_is_made_once_and_kept_private(tmp_path):
+    from trainguard.broker import local_key_file
+
+    env = {"XDG_CONFIG_HOME": str(tmp_path)}
+    path = local_key_file(env)
+    assert path is not None and path.stat().st_mode & 0o777 == 0o600
+    first = path.read_text()
+    assert local_key_file(env) == path and path.read_text() == first, "made once"
+    assert local_key_file({**env, "TRAINGUARD_COMMAND_KEY": "ops:x"}) is None, "a configured key is used as it is"

@@ -177,8 +177,26 @@ def kafka_or_embedded(bootstrap: str | None, log_path: str | Path) -> tuple[Kafk
     return broker.settings(), broker
 
 
+def local_key_file(env: dict | None = None) -> Path | None:
+    """The command key for local use: ``$XDG_CONFIG_HOME/trainguard/command.key`` (made once,
+    readable by its owner only), unless a key is configured already (None then)."""
+    from trainguard.schemas.signing import load_keys, new_key_line
+
+    env = os.environ if env is None else env
+    if load_keys(env):
+        return None
+    path = Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "trainguard" / "command.key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(new_key_line("local") + "\n")
+    return path
+
+
 def run_forever(host: str, port: int, partitions: int) -> int:
     """``trainguard broker``: run until Ctrl-C or SIGTERM."""
+    key_file = local_key_file()
     broker = EmbeddedBroker(host, port, partitions)
     try:
         broker.start()
@@ -188,6 +206,8 @@ def run_forever(host: str, port: int, partitions: int) -> int:
     print(f"trainguard broker: Tansu (memory storage) answering on {broker.bootstrap}; "
           f"topics created with {partitions} partitions.", flush=True)
     print(f"export TRAINGUARD_BOOTSTRAP={broker.bootstrap}", flush=True)
+    if key_file is not None:
+        print(f"export TRAINGUARD_COMMAND_KEY_FILE={key_file}   # signs and verifies control commands", flush=True)
     stopping = False
 
     def _stop(*_):

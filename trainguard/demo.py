@@ -157,6 +157,9 @@ def main(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
+    from trainguard.schemas.signing import ensure_key
+
+    ensure_key("demo")
     try:
         settings, broker = kafka_or_embedded(args.bootstrap, out_dir / "demo-broker.log")
         print(f"demo: broker at {settings.bootstrap}; run {run_id}; fault {args.fault} at step {args.fault_step}",
