@@ -16,6 +16,9 @@ Scenarios (``chaos/scenarios.py``), each on its own embedded broker on loopback:
   bytes their state leaves in the changelogs after the grace period (what a restarted worker
   would restore), and the worker's memory growth from its settled size.
 - ``shutdown``: SIGTERM to a worker with its broker up and with it gone, and to the broker.
+- ``hostile``: 140 bad messages of seven kinds (garbage, truncated JSON, unknown versions,
+  missing fields, steps out of range, bad run ids, 950 KB payloads) among a run whose loss turns
+  NaN: crashes, dead letters missing, the step the NaN is paged at.
 - ``worker_kill``: a worker killed with -9 three times while a run logs, started again with the
   same ``TRAINGUARD_INSTANCE_ID`` (static group membership): seconds until the new one pages on
   the run's next NaN, alerts missed.
@@ -48,6 +51,8 @@ TARGETS = {
     "shutdown_s": (5.0, "le"),
     "worker_recovery_s": (5.0, "le"),
     "worker_kill_missed_alerts": (0, "le"),
+    "hostile_crashes": (0, "le"),
+    "hostile_dead_letters_missing": (0, "le"),
 }
 
 
@@ -69,6 +74,9 @@ def run(only: set[str], quick: bool) -> dict:
     if "shutdown" in only:
         print("shutdown: SIGTERM to workers and the broker ...", file=sys.stderr, flush=True)
         out["shutdown"] = scenarios.shutdown()
+    if "hostile" in only:
+        print("hostile: bad messages among a faulty run ...", file=sys.stderr, flush=True)
+        out["hostile"] = scenarios.hostile_input()
     if "worker_kill" in only:
         print("worker_kill: kill -9 a worker and start it again, three times ...", file=sys.stderr, flush=True)
         out["worker_kill"] = scenarios.worker_kill(extra_env={"TRAINGUARD_INSTANCE_ID": "chaos-worker-1"})
@@ -95,6 +103,9 @@ def summary(results: dict) -> dict:
         s["churn_rss_growth_pct"] = results["lifecycle"]["churn_rss_growth_pct"]
     if "shutdown" in results:
         s["shutdown_s"] = results["shutdown"]["shutdown_s"]
+    if "hostile" in results:
+        s["hostile_crashes"] = results["hostile"]["hostile_crashes"]
+        s["hostile_dead_letters_missing"] = results["hostile"]["hostile_dead_letters_missing"]
     if "worker_kill" in results:
         s["worker_recovery_s"] = results["worker_kill"]["worker_recovery_s"]
         s["worker_kill_missed_alerts"] = results["worker_kill"]["worker_kill_missed_alerts"]
@@ -119,10 +130,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="an 8 s outage instead of 25 s, 200 runs instead of 1,000")
     ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener, lifecycle, "
-                                               "shutdown, worker_kill")
+                                               "shutdown, hostile, worker_kill")
     args = ap.parse_args(argv)
     only = set(filter(None, args.only.split(","))) or {"broker_restart", "close", "listener", "lifecycle", "shutdown",
-                                                       "worker_kill"}
+                                                       "hostile", "worker_kill"}
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     started = time.monotonic()
     results = run(only, args.quick)

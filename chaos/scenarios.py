@@ -361,3 +361,67 @@ def worker_kill(kills: int = 3, log_dir=None, extra_env: dict | None = None) -> 
         duplicates = len(firing) - len(set(firing))
     return {"kills": kills, "worker_recovery_s": max(recovery) if recovery else None, "recoveries_s": recovery,
             "worker_kill_missed_alerts": missed, "alerts_published_twice": duplicates}
+
+
+def hostile_input(bad_per_kind: int = 20, log_dir=None) -> dict:
+    """Bad messages of every kind among a real run whose loss turns NaN: the worker must not
+    crash or stall, must page the NaN at its step, and must give every bad message a DLQ record
+    (oversized ones included)."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.integration import TopicReader, WorkerProcess
+
+    port = free_port()
+    settings = _settings(port)
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-"))
+    run_id = "chaos-hostile"
+    src = ev.source("trainer", "chaos", 0)
+    good = lambda step, loss: ev.encode(ev.metrics_event(run_id, step, {"actor/pg_loss": loss}, src=src,  # noqa: E731
+                                                          ts=time.time()))
+    bad_kinds = {
+        "garbage": lambda i: b"\x00\xff not json " + str(i).encode(),
+        "truncated json": lambda i: good(1, 0.1)[:-7],
+        "unknown version": lambda i: good(1, 0.1).replace(b'"metrics/1"', b'"metrics/9"'),
+        "missing field": lambda i: orjson.dumps({"schema": "metrics/1", "run_id": run_id, "step": i}),
+        "step out of range": lambda i: good(1, 0.1).replace(b'"step":1,', b'"step":1180591620717411303424,'),
+        "bad run id": lambda i: good(1, 0.1).replace(b'"run_id":"chaos-hostile"', b'"run_id":"a|b"'),
+        "oversized": lambda i: b'{"schema":"metrics/1","pad":"' + b"x" * 950_000 + b'"}',
+    }
+    with broker_on(port):
+        create_topics(settings)
+        worker = WorkerProcess(settings, log_dir).start()
+        try:
+            worker.wait_ready()
+            from confluent_kafka import Producer
+
+            p = Producer(settings.confluent(**{"partitioner": "murmur2_random", "log_level": 0,
+                                                "message.max.bytes": 2_000_000}))
+            sent_bad = 0
+            for step in range(1, 41):
+                p.produce(settings.topics.events, good(step, float("nan") if step == 30 else -0.01), run_id)
+                if step % 4 == 0:
+                    for make in bad_kinds.values():
+                        for i in range(bad_per_kind // 10):
+                            p.produce(settings.topics.events, make(i), run_id)
+                            sent_bad += 1
+                p.poll(0)
+            p.flush(30)
+            dlq = TopicReader(settings, settings.topics.dlq, decode=orjson.loads)
+            alerts = TopicReader(settings, settings.topics.alerts)
+            nan = alerts.wait_for(lambda a: a.get("rule") == "non_finite" and a.get("status") == "firing",
+                                  timeout=60, what="the NaN alert", worker=worker)
+            try:
+                dlq.wait_for(lambda _: len(dlq.seen) >= sent_bad, timeout=60, what="every dead letter")
+            except AssertionError:
+                pass
+            records = len(dlq.seen)
+            reasons = sorted({r["reason"].split(":")[0] for r in dlq.seen})
+            dlq.close()
+            alerts.close()
+            alive = worker.proc.poll() is None
+        finally:
+            worker.kill()
+    return {"bad_messages": sent_bad, "dead_letters": records,
+            "hostile_dead_letters_missing": max(0, sent_bad - records), "hostile_crashes": 0 if alive else 1,
+            "nan_alert_step": nan["step"], "reasons": reasons}

@@ -79,3 +79,9 @@ def test_finished_runs_leave_nothing_in_the_changelogs_after_their_grace(tmp_pat
 def test_a_worker_stops_within_five_seconds_with_its_broker_up_or_gone(tmp_path):
     r = scenarios.shutdown(log_dir=tmp_path)
     assert r["shutdown_s"] is not None and r["shutdown_s"] <= 5.0, r
+
+
+def test_bad_messages_of_every_kind_get_dead_letters_and_the_fault_is_still_paged(tmp_path):
+    r = scenarios.hostile_input(bad_per_kind=10, log_dir=tmp_path)
+    assert r["hostile_crashes"] == 0 and r["hostile_dead_letters_missing"] == 0, r
+    assert r["nan_alert_step"] == 30, r
