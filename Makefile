@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	# Integration tests train real (tiny) models with the real Trainer and TRL's GRPOTrainer and
 	# write real TensorBoard files: CPU torch, pinned (trl's extra keeps transformers below 5).
 	$(BIN)/python -m pip install --quiet torch==2.13.0 transformers==4.57.6 accelerate==1.15.0 tensorboard==2.21.0 trl==1.16.0
+	# verl as its users install it beside other frameworks: the wheel without its GPU stack, plus
+	# what `verl.utils.tracking` imports (its transformers-5 pin is not needed for that).
+	$(BIN)/python -m pip install --quiet --no-deps verl==0.9.1
+	$(BIN)/python -m pip install --quiet ray==2.60.0 "tensordict>=0.8,<=0.10.0" omegaconf==2.4.0 codetiming==1.4.0 msgpack==1.2.4 cloudpickle==3.1.3
 	@touch $(STAMP)
 
 setup: $(STAMP)

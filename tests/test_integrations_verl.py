@@ -1,18 +1,18 @@
-"""The verl adapter against stand-ins for verl's ``Tracking`` and ``RayPPOTrainer``.
+"""The verl adapter with verl's real ``Tracking`` and a stand-in for ``RayPPOTrainer``.
 
-verl itself cannot be installed here (it needs Ray, vLLM/SGLang and GPUs), so the two
-classes below mirror the parts of verl's source the adapter relies on:
-``Tracking.log`` loops over the dict ``self.logger`` calling ``log(data=..., step=...)``;
-``RayPPOTrainer.fit`` builds its own ``Tracking``, logs once per step at
-``self.global_steps`` then adds one, and ``_save_checkpoint`` writes
-``default_local_dir/global_step_N/{actor,critic}`` through the worker groups'
-``save_checkpoint``, which ``load_checkpoint(path, del_local_after_load=...)`` reads back.
-The worker groups here keep a real numpy "policy" on disk. The metrics are verl's real
-keys with numpy and torch scalar values.
+verl's wheel installs with ``--no-deps`` plus a few small packages (``make setup`` does it),
+and ``verl.utils.tracking.Tracking`` is used as it is. ``RayPPOTrainer`` needs Ray workers,
+vLLM/SGLang and GPUs, so the trainer below mirrors the parts of verl's source the adapter
+relies on: ``fit`` builds its own ``Tracking``, logs once per step at ``self.global_steps``
+then adds one, and ``_save_checkpoint`` writes ``default_local_dir/global_step_N/{actor,critic}``
+through the worker groups' ``save_checkpoint``, which ``load_checkpoint(path,
+del_local_after_load=...)`` reads back; ``checkpoint_manager.update_weights(step)`` is how
+verl pushes weights to its rollout engine after a resume. The worker groups keep a real numpy
+"policy" on disk. The metrics are verl's real keys with numpy and torch scalar values.
 
 With a real broker and a real worker (default rules): a NaN ``actor/kl_loss`` at the fault
-trips the breaker; the adapter rolls the stand-in trainer back to the newest checkpoint
-before the onset, and the run finishes its steps.
+rolls the run back at once to the newest checkpoint before the onset; the rollout weights are
+synced, and the run finishes its steps.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from verl.utils.tracking import Tracking  # deliberately not importorskip: CI must have it
 
 from tests.integration import TopicReader, WorkerProcess, produce
 from trainguard.schemas import events as ev
@@ -32,16 +33,10 @@ from trainguard.schemas import events as ev
 pytestmark = pytest.mark.integration
 
 
-class Tracking:
-    """verl.utils.tracking.Tracking, reduced to what fit() uses."""
-
-    def __init__(self, project_name, experiment_name, default_backend="console", config=None):
-        self.logger = {"console": SimpleNamespace(log=lambda data, step: None)}
-
-    def log(self, data, step, backend=None):
-        for default_backend, logger_instance in self.logger.items():
-            if backend is None or default_backend in backend:
-                logger_instance.log(data=data, step=step)
+def test_the_tracking_class_is_verls_own():
+    assert Tracking.__module__ == "verl.utils.tracking"
+    tracking = Tracking(project_name="p", experiment_name="e", default_backend=["console"])
+    assert set(tracking.logger) == {"console"}
 
 
 class WorkerGroup:
@@ -70,6 +65,9 @@ class FakeRayPPOTrainer:
         self.total_training_steps = total_training_steps
         self.actor_rollout_wg, self.critic_wg = WorkerGroup(), WorkerGroup()
         self.use_critic = True
+        self.checkpoint_manager = SimpleNamespace(synced=[])
+        self.checkpoint_manager.update_weights = lambda step: self.checkpoint_manager.synced.append(
+            (step, self.actor_rollout_wg.weights.copy()))
         self.fault = range(fault_at, fault_at + fault_len)
         self.step_s = step_s
         self.batches_seen = 0
@@ -134,6 +132,9 @@ def test_verl_backend_publishes_verl_metrics_and_rolls_the_trainer_back(kafka, t
         target = os.path.abspath(tmp_path / "ckpt" / "global_step_25")
         assert trainer.actor_rollout_wg.loads == [os.path.join(target, "actor")]
         assert trainer.critic_wg.loads == [os.path.join(target, "critic")]
+        (synced_step, synced_weights), = trainer.checkpoint_manager.synced
+        assert synced_step == 25 and np.array_equal(synced_weights, np.load(os.path.join(target, "actor", "model.npy"))), \
+            "the rollout engine got the restored weights, as verl's resume gives them"
         steps = [s for s, _ in trainer.logged]
         restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
         assert steps[restart] == 26 and 30 <= steps[restart - 1] <= 115, steps

@@ -25,8 +25,9 @@ What :func:`attach` relies on (verl's ``RayPPOTrainer``, checked against its sou
   are applied (the checkpoint of the step, if any, is already saved).
 * ``_save_checkpoint()`` writes ``{trainer.default_local_dir}/global_step_{global_steps}``
   with ``actor/`` (and ``critic/``) inside; ``attach`` wraps it to report each checkpoint.
-* a rollback does what ``_load_checkpoint()`` does for ``resume_mode=resume_path``, minus
-  the dataloader: ``actor_rollout_wg.load_checkpoint(path/actor)`` (weights, optimizer and
+* a rollback does what verl's resume does (``_load_checkpoint()`` for
+  ``resume_mode=resume_path``, then ``checkpoint_manager.update_weights`` to push the weights
+  to the rollout engine, verl 0.8+), minus the dataloader: ``actor_rollout_wg.load_checkpoint(path/actor)`` (weights, optimizer and
   LR scheduler, as verl's checkpoint managers save them), ``critic_wg.load_checkpoint``
   when the run has a critic, and ``global_steps = target step`` (``fit`` then adds one).
   The dataloader is left where it is: the batches since the checkpoint are not replayed.
@@ -106,6 +107,12 @@ class VerlBackend(GuardBase):
             _load(t.critic_wg, os.path.join(path, "critic"))
             loaded.append("critic")
         t.global_steps = target_step  # fit() adds one after this log call
+        # verl's own resume path pushes the loaded weights to the rollout engine (vLLM / SGLang)
+        # next; without it generation would run on the old weights until the next sync.
+        manager = getattr(t, "checkpoint_manager", None)
+        if manager is not None and hasattr(manager, "update_weights"):
+            manager.update_weights(target_step)
+            loaded.append("rollout weights synced")
         return f"loaded {' and '.join(loaded)} from {path}; global_steps = {target_step} (next step {target_step + 1})"
 
     def _skip(self, n, command, step, decision):
