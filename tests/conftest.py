@@ -1,5 +1,6 @@
 """Shared fixtures. Integration tests get a broker, in order: TRAINGUARD_TEST_BOOTSTRAP,
-testcontainers' Kafka where a Docker engine answers, else the embedded Tansu broker."""
+Apache Kafka in a container (testcontainers) where a Docker engine answers, else the
+embedded Tansu broker. TRAINGUARD_TEST_BROKER=embedded forces the last."""
 
 from __future__ import annotations
 
@@ -11,14 +12,31 @@ import pytest
 from trainguard.kafka import KafkaSettings, Topics, create_topics
 
 
+# Confluent's build of Apache Kafka 3.9 in KRaft mode: testcontainers-python's Kafka module
+# boots through Confluent's image scripts. Pinned so a test run is repeatable.
+KAFKA_IMAGE = "confluentinc/cp-kafka:7.9.1"
+
+
 def _docker_answers() -> bool:
+    """A Docker engine answers and testcontainers' Kafka module is installed (`.[docker]`)."""
     try:
         import docker  # type: ignore
+        import testcontainers.kafka  # type: ignore  # noqa: F401
 
         docker.from_env(timeout=2).ping()
         return True
     except Exception:
         return False
+
+
+def choose_broker(env, docker_answers) -> str:
+    """"address" (TRAINGUARD_TEST_BOOTSTRAP), "kafka" (a container) or "embedded" (Tansu).
+    TRAINGUARD_TEST_BROKER=embedded skips Docker even where it answers."""
+    if env.get("TRAINGUARD_TEST_BOOTSTRAP"):
+        return "address"
+    if env.get("TRAINGUARD_TEST_BROKER") == "embedded":
+        return "embedded"
+    return "kafka" if docker_answers() else "embedded"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -37,14 +55,14 @@ def _unsigned_commands_in_tests():
 @pytest.fixture(scope="session")
 def bootstrap():
     """A Kafka bootstrap address for the whole session."""
-    explicit = os.environ.get("TRAINGUARD_TEST_BOOTSTRAP")
-    if explicit:
-        yield explicit
+    choice = choose_broker(os.environ, _docker_answers)
+    if choice == "address":
+        yield os.environ["TRAINGUARD_TEST_BOOTSTRAP"]
         return
-    if _docker_answers():
+    if choice == "kafka":
         from testcontainers.kafka import KafkaContainer  # type: ignore
 
-        with KafkaContainer() as kafka:
+        with KafkaContainer(KAFKA_IMAGE).with_kraft() as kafka:
             yield kafka.get_bootstrap_server()
         return
     from trainguard.broker import EmbeddedBroker
