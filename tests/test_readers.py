@@ -367,6 +367,30 @@ def test_tensorboard_directory_reads_files_in_name_order(tmp_path):
     assert list(read_steps(tmp_path)) == [(1, {"a": 1.0}), (2, {"a": 2.0})]
 
 
+def test_a_tensorboard_log_tree_with_one_run_reads_that_run(tmp_path):
+    # The Hugging Face Trainer's layout: output/runs/<date_host>/events.out.tfevents.*
+    run = tmp_path / "runs" / "Nov30_12-00-00_host"
+    run.mkdir(parents=True)
+    write_tfevents(run / "events.out.tfevents.1700000001.host.1.0", [_event(3, [_value("train/loss", simple=0.5)])])
+    assert detect_format(tmp_path) == "tensorboard"
+    assert list(read_steps(tmp_path)) == [(3, {"train/loss": 0.5})]
+
+
+def test_a_tensorboard_log_tree_with_several_runs_names_them_and_the_way_out(tmp_path):
+    for experiment in ("grpo-a", "grpo-b"):
+        (tmp_path / "proj" / experiment).mkdir(parents=True)
+        write_tfevents(tmp_path / "proj" / experiment / "events.out.tfevents.1.host", [_event(1, [_value("a", simple=1.0)])])
+    with pytest.raises(ReadError) as err:
+        list(read_steps(tmp_path))
+    message = str(err.value)
+    assert "2 TensorBoard runs" in message and "proj/grpo-a" in message and "proj/grpo-b" in message
+    assert f"trainguard replay {tmp_path / 'proj' / 'grpo-a'}" in message
+    empty = tmp_path / "nothing"
+    empty.mkdir()
+    with pytest.raises(ReadError, match="nor does any directory under it|in any directory under it"):
+        detect_format(empty)
+
+
 def test_tensorboard_corrupt_record_names_its_offset(tmp_path):
     events = _sample_events()
     p = tmp_path / "events.out.tfevents.1.host"

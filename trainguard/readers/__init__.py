@@ -82,9 +82,12 @@ def detect_format(path: str | os.PathLike) -> str:
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "trainer_state.json")):
             return "hf"
-        if any("tfevents" in n for n in os.listdir(path)):
+        from trainguard.readers.tensorboard import run_directories
+
+        if run_directories(path):  # its own event files, or a TensorBoard tree's
             return "tensorboard"
-        raise ReadError(path, "directory holds neither trainer_state.json nor events.out.tfevents.* files")
+        raise ReadError(path, "directory holds neither trainer_state.json nor events.out.tfevents.* files "
+                              "(in it or in any directory under it)")
     name = _strip_gz(os.path.basename(path).lower())
     if "tfevents" in name:
         return "tensorboard"

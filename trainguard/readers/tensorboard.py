@@ -243,13 +243,38 @@ def parse_event(data: bytes) -> tuple[int, float | None, dict[str, float]]:
 # -------------------------------------------------------------------------- records
 
 
+def _own_event_files(directory: str) -> list[str]:
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if "tfevents" in n)
+
+
+def run_directories(logdir: str) -> list[str]:
+    """The runs of a TensorBoard log directory as TensorBoard sees them: every directory of the
+    tree that holds event files itself (``logdir/<project>/<experiment>/`` for verl,
+    ``output/runs/<date_host>/`` for the Hugging Face Trainer)."""
+    runs = []
+    for directory, subdirs, names in os.walk(logdir):
+        subdirs.sort()
+        if any("tfevents" in n for n in names):
+            runs.append(directory)
+    return runs
+
+
 def event_files(path: str) -> list[str]:
-    if os.path.isdir(path):
-        files = sorted(os.path.join(path, n) for n in os.listdir(path) if "tfevents" in n)
-        if not files:
-            raise ReadError(path, "directory holds no events.out.tfevents.* file")
+    """The event files to read for ``path``: the file itself, the files of a run directory, or
+    those of the one run a log directory tree holds (several runs: an error naming them)."""
+    if not os.path.isdir(path):
+        return [path]
+    files = _own_event_files(path)
+    if files:
         return files
-    return [path]
+    runs = run_directories(path)
+    if not runs:
+        raise ReadError(path, "directory holds no events.out.tfevents.* file, nor does any directory under it")
+    if len(runs) > 1:
+        shown = ", ".join(os.path.relpath(r, path) for r in runs[:5]) + (" ..." if len(runs) > 5 else "")
+        raise ReadError(path, f"holds {len(runs)} TensorBoard runs ({shown}); replay one of them, "
+                              f"e.g. trainguard replay {runs[0]}")
+    return _own_event_files(runs[0])
 
 
 def looks_like_tfrecord(head: bytes) -> bool:
