@@ -27,32 +27,60 @@ def _alert(run_id: str, step: int, rule: str = "non_finite") -> dict:
             "diagnosis": "A loss is NaN", "suggestion": "Roll back"}
 
 
-def test_tail_subprocess_prints_an_alert_from_the_beginning(kafka):
-    produce(kafka, kafka.topics.alerts, "tail-1", [ev.encode(_alert("tail-1", 7))])
+def _tail_process(kafka, *flags: str) -> subprocess.Popen:
     prefix = kafka.topics.events.rsplit(".", 1)[0]
     env = {**os.environ, "TRAINGUARD_BOOTSTRAP": kafka.bootstrap, "TRAINGUARD_TOPIC_PREFIX": prefix}
-    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "tail", "--from", "beginning"],
+    return subprocess.Popen([sys.executable, "-m", "trainguard.cli", "tail", "--from", "beginning", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def _stdout_until(proc: subprocess.Popen, needle: bytes, timeout_s: float = 60) -> bytes:
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    seen = b""
+    deadline = time.monotonic() + timeout_s
+    while needle not in seen and time.monotonic() < deadline and proc.poll() is None:
+        if sel.select(timeout=0.5):
+            seen += os.read(proc.stdout.fileno(), 65536)
+    return seen
+
+
+def _stop(proc: subprocess.Popen) -> bytes:
+    proc.terminate()
     try:
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        seen = b""
-        deadline = time.monotonic() + 60
-        while b"run=tail-1" not in seen and time.monotonic() < deadline and proc.poll() is None:
-            if sel.select(timeout=0.5):
-                seen += os.read(proc.stdout.fileno(), 65536)
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+    return proc.stderr.read()
+
+
+def test_tail_subprocess_prints_an_alert_from_the_beginning(kafka):
+    produce(kafka, kafka.topics.alerts, "tail-1", [ev.encode(_alert("tail-1", 7))])
+    proc = _tail_process(kafka)
+    try:
+        seen = _stdout_until(proc, b"run=tail-1")
         line = next((ln for ln in seen.decode().splitlines() if "run=tail-1" in ln), None)
         assert line is not None, f"no alert line; stdout {seen!r}, exit {proc.poll()}"
         assert "P0 FIRING" in line and "non_finite" in line and "step=7" in line and "actor/pg_loss=NaN" in line
         assert "\033[" not in line, "no colour codes when stdout is not a terminal"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    assert b"waiting for alerts on " + kafka.bootstrap.encode() in proc.stderr.read()
+        stderr = _stop(proc)
+    assert b"waiting for alerts on " + kafka.bootstrap.encode() in stderr
+
+
+def test_tail_json_prints_each_event_as_it_was_published(kafka):
+    alert = _alert("tail-json", 9)
+    produce(kafka, kafka.topics.alerts, "tail-json", [ev.encode(alert)])
+    proc = _tail_process(kafka, "--json", "--run", "tail-json")
+    try:
+        seen = _stdout_until(proc, b"\n")
+    finally:
+        stderr = _stop(proc)
+    lines = seen.decode().splitlines()
+    assert len(lines) == 1, f"one JSON line, nothing else on stdout: {seen!r}"
+    assert ev.decode(lines[0].encode()) == ev.decode(ev.encode(alert))
+    assert b"waiting for alerts" in stderr, "status goes to stderr, keeping stdout for jq"
 
 
 def test_tail_follows_one_run_and_shows_commands_and_acks(kafka):

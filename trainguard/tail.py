@@ -39,9 +39,13 @@ def _assignments(consumer, names: list[str], start: str, timeout: float = 10.0):
 
 
 def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None, detail: bool = False,
-         stop: threading.Event | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None,
-         topics=TOPICS, idle_s: float = 2.0) -> int:
-    """Print every alert, command and ack (of ``run``, or all) until ``stop`` is set."""
+         as_json: bool = False, stop: threading.Event | None = None, stdout: TextIO | None = None,
+         stderr: TextIO | None = None, topics=TOPICS, idle_s: float = 2.0) -> int:
+    """Print every alert, command and ack (of ``run``, or all) until ``stop`` is set: one
+    coloured line each, or with ``as_json`` the events themselves, one JSON object a line
+    (for ``jq`` and scripts; status then goes to stderr only)."""
+    import orjson
+
     from confluent_kafka import Consumer, KafkaError, KafkaException
 
     from trainguard.schemas.events import SchemaError, decode
@@ -53,7 +57,7 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
     stderr = stderr or sys.stderr
     stop = stop or threading.Event()
     console = ConsoleSink(stdout, detail=detail)
-    status_on_tty = _isatty(stdout)
+    status_on_tty = _isatty(stdout) and not as_json
     names = [getattr(settings.topics, t) if hasattr(settings.topics, t) else t for t in topics]
 
     consumer = Consumer(settings.confluent(**{
@@ -98,7 +102,7 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
                     continue
                 if run is not None and event.get("run_id") != run:
                     continue
-                lines.append(console.format(event))
+                lines.append(orjson.dumps(event).decode() if as_json else console.format(event))
             if lines:
                 if status_shown:
                     stdout.write("\r\033[K")
@@ -127,7 +131,8 @@ def main(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
-        return tail(settings, start=args.start, run=args.run, detail=args.detail, stop=stop)
+        return tail(settings, start=args.start, run=args.run, detail=args.detail,
+                    as_json=getattr(args, "json", False), stop=stop)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
