@@ -451,10 +451,12 @@ class RepeatFilter(logging.Filter):
 
 
 def run_worker(settings: KafkaSettings | None = None, *, rules_path: str | None = None, loglevel: str = "warning",
-               app_id: str = "trainguard") -> int:
+               app_id: str = "trainguard", prometheus_port: int | None = None,
+               prometheus_addr: str | None = None) -> int:
     """``trainguard worker``: run until Ctrl-C / SIGTERM."""
     try:
-        app = create_app(settings, rules_path=rules_path, app_id=app_id)
+        app = create_app(settings, rules_path=rules_path, app_id=app_id,
+                         prometheus_port=prometheus_port, prometheus_addr=prometheus_addr)
     except rules_mod.RulesError as exc:
         print(f"trainguard worker: bad rules file: {exc}", flush=True)
         return 2

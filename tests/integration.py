@@ -20,8 +20,9 @@ class WorkerProcess:
     """``trainguard worker`` in its own process group, on the test's topics."""
 
     def __init__(self, settings: KafkaSettings, log_dir: Path, app_id: str | None = None, extra_env=None,
-                 rules_path: str | Path | None = None):
+                 rules_path: str | Path | None = None, extra_args: tuple[str, ...] = ()):
         self.settings = settings
+        self.extra_args = tuple(extra_args)
         self.rules_path = rules_path
         self.app_id = app_id or f"tg-{uuid.uuid4().hex[:8]}"
         self.log_path = log_dir / f"worker-{self.app_id}-{int(time.time() * 1000)}.log"
@@ -34,7 +35,8 @@ class WorkerProcess:
                "TRAINGUARD_PARTITIONS": str(self.settings.partitions), **self.extra_env}
         rules = ["--rules", str(self.rules_path)] if self.rules_path else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.cli", "worker", "--app-id", self.app_id, "--loglevel", "info", *rules],
+            [sys.executable, "-m", "trainguard.cli", "worker", "--app-id", self.app_id, "--loglevel", "info", *rules,
+             *self.extra_args],
             stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return self
 

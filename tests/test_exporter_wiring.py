@@ -16,8 +16,6 @@ from trainguard.broker import free_port
 pytestmark = pytest.mark.integration
 
 
-
-
 def _scrape(port: int) -> dict:
     """``{(name, frozenset(labels)): value}`` of one scrape; {} while the server is not up."""
     try:
@@ -31,7 +29,7 @@ def _scrape(port: int) -> dict:
 
 def test_worker_exports_run_metrics_events_alerts_and_dead_letters(kafka, tmp_path):
     port = free_port()
-    worker = WorkerProcess(kafka, tmp_path, extra_env={"TRAINGUARD_PROMETHEUS_PORT": str(port)}).start()
+    worker = WorkerProcess(kafka, tmp_path, extra_args=("--prometheus-port", str(port))).start()
     logger = TrainerLogger("exp-1", kafka, host="h")
     try:
         worker.wait_ready()

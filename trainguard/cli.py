@@ -1,5 +1,7 @@
-"""The ``trainguard`` command. Each subcommand imports only what it needs, so the trainer
-side (producers, schemas) works without the worker's dependencies installed."""
+"""The ``trainguard`` command.
+
+Each subcommand imports only what it needs, so the trainer side (producers, schemas) works
+without the worker's dependencies installed."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ def _worker(args) -> int:
     from trainguard.streams.app import run_worker
 
     return run_worker(KafkaSettings.from_env(bootstrap=args.bootstrap), rules_path=args.rules,
-                      loglevel=args.loglevel, app_id=args.app_id)
+                      loglevel=args.loglevel, app_id=args.app_id,
+                      prometheus_port=args.prometheus_port, prometheus_addr=args.prometheus_addr)
 
 
 def _node(args) -> int:
@@ -71,40 +74,84 @@ def _check_rules(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainguard", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = """Watch RL post-training runs (PPO, GRPO; verl, TRL, OpenRLHF) as streams:
+trainers and node agents publish metrics to Kafka, the worker detects failures, alerts with a
+diagnosis and sends the trainer rollback, pause, skip or stop commands."""
 
-    p = sub.add_parser("broker", help="run the embedded Kafka-compatible broker (Tansu) on loopback")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=9092)
-    p.add_argument("--partitions", type=int, default=4, help="partitions of the topics it creates")
+EPILOG = """Start here: `trainguard demo` runs the whole loop on an embedded broker.
+`trainguard replay FILE` checks a recorded run offline. Docs: README.md and docs/."""
+
+BOOTSTRAP_HELP = "Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or 127.0.0.1:9092)"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("trainguard")
+    except Exception:  # running from a source tree that is not installed
+        from trainguard import __version__
+
+        return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainguard", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"trainguard {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, summary: str, details: str = "", **kwargs) -> argparse.ArgumentParser:
+        """A subcommand whose `--help` starts with the line `trainguard --help` lists."""
+        return sub.add_parser(name, help=summary, description=f"{summary[0].upper()}{summary[1:]}. {details}".strip(),
+                              **kwargs)
+
+    p = command("broker", "run the embedded Kafka-compatible broker (Tansu) on loopback",
+                "For local use and tests; it creates the project's topics and prints the export lines "
+                "for TRAINGUARD_BOOTSTRAP and the command key.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=9092, help="port to listen on (default: %(default)s)")
+    p.add_argument("--partitions", type=int, default=4,
+                   help="partitions of the topics it creates (default: %(default)s)")
     p.set_defaults(func=_broker)
 
-    p = sub.add_parser("worker", help="run the stream worker (Faust)")
-    p.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or 127.0.0.1:9092)")
+    p = command("worker", "run the stream worker (Faust) until Ctrl-C or SIGTERM",
+                "Workers with the same --app-id share the runs between them (one consumer group).")
+    p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
     p.add_argument("--rules", help="rules YAML (default: the packaged rules/default.yaml)")
     p.add_argument("--app-id", default=os.environ.get("TRAINGUARD_APP_ID", "trainguard"),
-                   help="consumer group and state-topic prefix; workers with one id share the work")
-    p.add_argument("--loglevel", default="warning")
+                   help="consumer group and state-topic prefix (default: $TRAINGUARD_APP_ID or trainguard)")
+    p.add_argument("--prometheus-port", type=int,
+                   help="serve the worker's own metrics on /metrics at this port "
+                        "(default: $TRAINGUARD_PROMETHEUS_PORT, else none)")
+    p.add_argument("--prometheus-addr",
+                   help="address for --prometheus-port (default: $TRAINGUARD_PROMETHEUS_ADDR or 127.0.0.1)")
+    p.add_argument("--loglevel", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="log level of the worker and Faust (default: %(default)s)")
     p.set_defaults(func=_worker)
 
-    p = sub.add_parser("node", help="run the node agent (GPU via NVML, host via psutil)", add_help=False)
+    p = command("node", "run the node agent: GPUs through NVML, the host through psutil",
+                "`trainguard node --help` lists its own options.", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_node)
 
-    p = sub.add_parser("demo", help="broker + worker + simulated PPO run with a fault, end to end")
+    p = command("demo", "run a broker, a worker and a simulated PPO run with a fault, end to end",
+                "Ends by itself with a summary and one JSON line; Ctrl-C stops everything it started.")
     p.add_argument("--fault", default="kl_explosion",
-                   help="kl_explosion, empty_responses, rollout_stall or nan_loss")
-    p.add_argument("--steps", type=int, default=160)
-    p.add_argument("--fault-step", type=int, default=75)
-    p.add_argument("--step-seconds", type=float, default=0.1)
+                   choices=("kl_explosion", "empty_responses", "rollout_stall", "nan_loss"),
+                   help="the fault to inject (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=160, help="training steps to simulate (default: %(default)s)")
+    p.add_argument("--fault-step", type=int, default=75, help="step at which the fault starts (default: %(default)s)")
+    p.add_argument("--step-seconds", type=float, default=0.1,
+                   help="wall time per simulated step (default: %(default)s)")
     p.add_argument("--bootstrap", help="use a running broker instead of starting the embedded one")
-    p.add_argument("--jsonl", default="out/demo-alerts.jsonl", help="where alerts, commands and acks are kept")
+    p.add_argument("--jsonl", default="out/demo-alerts.jsonl",
+                   help="where alerts, commands and acks are kept (default: %(default)s)")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("replay", help="run a recorded run (log, JSONL, CSV, trainer_state.json, TensorBoard) "
-                                      "through the rules offline and list the alerts")
+    p = command("replay", "run a recorded run through the rules offline and list the alerts",
+                "Reads JSON lines, CSV, trainer_state.json, TensorBoard event files (a file, a run "
+                "directory or a log tree holding one run) and verl console logs. Says which logged "
+                "metrics no rule watches.")
     p.add_argument("file", help="the recording: a file, a checkpoint directory or a TensorBoard log directory")
     p.add_argument("--rules", help="rules YAML (default: the packaged rules/default.yaml)")
     p.add_argument("--format", help="jsonl, csv, hf, tensorboard or verl (default: detected from the file)")
@@ -116,18 +163,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.set_defaults(func=_replay)
 
-    p = sub.add_parser("tail", help="follow alerts, commands and acks live, one line each, until Ctrl-C")
-    p.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or 127.0.0.1:9092)")
+    p = command("tail", "follow alerts, commands and acks live, one line each, until Ctrl-C",
+                "Reads without a consumer group: any number of people can tail one cluster.")
+    p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
     p.add_argument("--from", dest="start", choices=("beginning", "end"), default="end",
                    help="start at the end (default: only what comes next) or the beginning of the topics")
     p.add_argument("--run", help="only this run id")
     p.add_argument("--detail", action="store_true", help="print each event in full under its line")
+    p.add_argument("--json", action="store_true",
+                   help="print each event as one JSON object a line instead (for jq and scripts)")
     p.set_defaults(func=_tail)
 
-    p = sub.add_parser("sinks", help="deliver alerts to the sinks configured in the environment "
-                                     "(console, JSONL, webhooks, Alertmanager, Prometheus; see docs/sinks.md)")
-    p.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or 127.0.0.1:9092)")
-    p.add_argument("--topics", default="alerts", help="comma-separated: alerts,control,acks (default: alerts)")
+    p = command("sinks", "deliver alerts to the sinks configured in the environment",
+                "Console, JSON lines, webhooks (DingTalk, WeCom, Slack, generic), Alertmanager, Prometheus; "
+                "see docs/sinks.md.")
+    p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
+    p.add_argument("--topics", default="alerts", help="comma-separated: alerts,control,acks (default: %(default)s)")
     p.add_argument("--group", default="trainguard-sinks", help="consumer group (default: %(default)s)")
     p.add_argument("--from", dest="start", choices=("beginning", "end"),
                    help="read without a group, from this end of every partition")
@@ -135,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-console", action="store_true", help="do not print to stdout")
     p.set_defaults(func=_sinks)
 
-    p = sub.add_parser("check-rules", help="validate a rules file and exit")
-    p.add_argument("file")
+    p = command("check-rules", "validate a rules file and exit",
+                "Errors name the file and line; exit status 2 on a bad file.")
+    p.add_argument("file", help="the rules YAML to check")
     p.set_defaults(func=_check_rules)
     return parser
 
