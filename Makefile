@@ -3,36 +3,47 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+FRAMEWORKS := $(VENV)/.frameworks
 
-.PHONY: setup system demo test test-unit eval bench chaos clean
+.PHONY: setup frameworks system demo test test-unit eval bench chaos clean
 
-# The project's Python environment, rebuilt when pyproject.toml changes.
+# The project's Python environment, rebuilt when pyproject.toml changes: what the demo,
+# the evaluation, the benchmarks and chaos need (worker, node agent, embedded broker, test tools).
 $(STAMP): pyproject.toml
+	@echo "setup: the Python environment in $(VENV) (trainguard, Faust, confluent-kafka, the embedded broker)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	# Integration tests train real (tiny) models with the real Trainer and TRL's GRPOTrainer and
-	# write real TensorBoard files: CPU torch, pinned (trl's extra keeps transformers below 5).
-	$(BIN)/python -m pip install --quiet torch==2.13.0 transformers==4.57.6 accelerate==1.15.0 tensorboard==2.21.0 trl==1.16.0
-	# verl as its users install it beside other frameworks: the wheel without its GPU stack, plus
-	# what `verl.utils.tracking` imports (its transformers-5 pin is not needed for that).
-	$(BIN)/python -m pip install --quiet --no-deps verl==0.9.1
-	$(BIN)/python -m pip install --quiet ray==2.60.0 "tensordict>=0.8,<=0.10.0" omegaconf==2.4.0 codetiming==1.4.0 msgpack==1.2.4 cloudpickle==3.1.3
+	@$(BIN)/python -m pip install --quiet --upgrade pip
+	@$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
+# The frameworks the integration tests train real (tiny) models with: the real Trainer, TRL's
+# GRPOTrainer, real TensorBoard files (CPU torch, pinned; trl's extra keeps transformers
+# below 5), and verl as its users install it beside other frameworks: the wheel without its GPU
+# stack, plus what `verl.utils.tracking` imports (its transformers-5 pin is not needed for that).
+$(FRAMEWORKS): $(STAMP)
+	@echo "setup: the frameworks the tests train with (torch CPU, transformers, TRL, verl; a few minutes once)"
+	@$(BIN)/python -m pip install --quiet torch==2.13.0 transformers==4.57.6 accelerate==1.15.0 tensorboard==2.21.0 trl==1.16.0
+	@$(BIN)/python -m pip install --quiet --no-deps verl==0.9.1
+	@$(BIN)/python -m pip install --quiet ray==2.60.0 "tensordict>=0.8,<=0.10.0" omegaconf==2.4.0 codetiming==1.4.0 msgpack==1.2.4 cloudpickle==3.1.3
+	@touch $(FRAMEWORKS)
+
 setup: $(STAMP)
+
+frameworks: $(FRAMEWORKS)
 
 # Real Prometheus and Alertmanager for the sink tests (Debian packages).
 system:
 	bash scripts/setup-system.sh
 
-demo: setup
-	$(BIN)/trainguard demo
+# Prints its whole wall time at the end, the setup included.
+demo:
+	@start=$$(date +%s); $(MAKE) --no-print-directory setup && $(BIN)/trainguard demo; rc=$$?; \
+	echo "make demo: $$(( $$(date +%s) - start )) s in all, setup included"; exit $$rc
 
-test: setup system
+test: setup frameworks system
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-test-unit: setup
+test-unit: setup frameworks
 	$(BIN)/python -m pytest -q -m "not integration"
 
 eval: setup
