@@ -96,10 +96,13 @@ def run_bare(settings, app_id: str, batch_max: int = 1000, within: float = 0.02)
     and the same ``take_events`` batching, but the agent only decodes."""
     import faust
 
+    from trainguard.streams.app import data_dir
+
     app = faust.App(
         app_id,
         broker=[f"kafka://{b}" for b in settings.bootstrap.split(",")],
         store="memory://",
+        datadir=data_dir(app_id),
         topic_partitions=settings.partitions,
         topic_replication_factor=1,
         broker_rebalance_timeout=3.0,

@@ -18,8 +18,10 @@ import atexit
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import faust
 import orjson
@@ -71,6 +73,16 @@ def bulk_lane_enabled() -> bool:
                     faust.__version__)
         return False
     return True
+
+
+def data_dir(app_id: str) -> Path:
+    """Faust's folder for this app. The tables live in memory and in their changelogs, so it
+    holds nothing that must survive a restart: under ``TRAINGUARD_DATA_DIR`` or the temp
+    folder, never the working directory (which may be read-only, as in the container)."""
+    root = os.environ.get("TRAINGUARD_DATA_DIR") or os.path.join(tempfile.gettempdir(), f"trainguard-{os.getuid()}")
+    path = Path(root) / f"{app_id}-data"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
 
 
 def _credentials(settings: KafkaSettings):
@@ -189,6 +201,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         broker=[f"kafka://{b}" for b in settings.bootstrap.split(",")],
         broker_credentials=_credentials(settings),
         store="memory://",
+        datadir=data_dir(app_id),
         topic_partitions=settings.partitions,
         topic_replication_factor=1,
         broker_rebalance_timeout=rebalance_timeout_s,

@@ -20,8 +20,9 @@ class WorkerProcess:
     """``trainguard worker`` in its own process group, on the test's topics."""
 
     def __init__(self, settings: KafkaSettings, log_dir: Path, app_id: str | None = None, extra_env=None,
-                 rules_path: str | Path | None = None, extra_args: tuple[str, ...] = ()):
+                 rules_path: str | Path | None = None, extra_args: tuple[str, ...] = (), cwd=None):
         self.settings = settings
+        self.cwd = cwd
         self.extra_args = tuple(extra_args)
         self.rules_path = rules_path
         self.app_id = app_id or f"tg-{uuid.uuid4().hex[:8]}"
@@ -37,7 +38,8 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard.cli", "worker", "--app-id", self.app_id, "--loglevel", "info", *rules,
              *self.extra_args],
-            stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            cwd=self.cwd)
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> "WorkerProcess":

@@ -128,3 +128,22 @@ def test_an_embedded_broker_dies_with_the_process_that_started_it():
             psutil.Process(broker_pid).status() != psutil.STATUS_ZOMBIE:
         time.sleep(0.1)
     assert not psutil.pid_exists(broker_pid) or psutil.Process(broker_pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_worker_writes_nothing_in_its_working_directory(kafka, tmp_path):
+    """A container runs the worker as an unprivileged user in a root-owned /app: Faust's data
+    folder goes under TRAINGUARD_DATA_DIR (default: the temp folder), never the working directory.
+    (Tests run as root here, where a read-only mode does not stop writes: emptiness is the check.)"""
+    from tests.integration import WorkerProcess
+
+    workdir = tmp_path / "app"
+    workdir.mkdir()
+    workdir.chmod(0o555)
+    data = tmp_path / "state"
+    worker = WorkerProcess(kafka, tmp_path, cwd=workdir, extra_env={"TRAINGUARD_DATA_DIR": str(data)}).start()
+    try:
+        worker.wait_ready()
+    finally:
+        worker.kill()
+    assert list(workdir.iterdir()) == []
+    assert (data / f"{worker.app_id}-data").is_dir()
