@@ -1,7 +1,13 @@
-"""docker-compose.yml cannot run here (no Docker engine); keep it consistent with the code."""
+"""docker-compose.yml cannot run here (no Docker engine); keep it consistent with the code, and
+check its Prometheus and Alertmanager configs with their own tools (promtool, amtool)."""
 
+import fnmatch
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from trainguard.cli import build_parser
@@ -66,3 +72,52 @@ def test_prometheus_scrapes_the_exporters_where_they_listen():
         assert f"{name}:{env['TRAINGUARD_PROMETHEUS_PORT']}" in targets
         assert env["TRAINGUARD_PROMETHEUS_ADDR"] == "0.0.0.0"
     assert SERVICES["sinks"]["environment"]["TRAINGUARD_ALERTMANAGER_URL"] == "http://alertmanager:9093"
+
+
+def _dockerignore_admits(path: str) -> bool:
+    """Docker's rule: the last matching line wins; ``!`` lines let a path back in."""
+    admitted = True
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate, pattern = line.startswith("!"), line.lstrip("!")
+        parts = path.split("/")
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        if any(fnmatch.fnmatch(p, pattern) or fnmatch.fnmatch(p, pattern.replace("**/", "")) for p in prefixes):
+            admitted = negate
+    return admitted
+
+
+def test_the_build_context_holds_what_the_image_copies_and_not_the_virtualenv():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    copied = [src for line in dockerfile.splitlines() if line.startswith("COPY ")
+              for src in line.split()[1:-1]]
+    assert copied, "the Dockerfile copies nothing?"
+    for src in copied:
+        assert _dockerignore_admits(src), f".dockerignore leaves out {src}, which the Dockerfile copies"
+        for path in (ROOT / src).rglob("*.py") if (ROOT / src).is_dir() else []:
+            rel = str(path.relative_to(ROOT))
+            assert _dockerignore_admits(rel), f".dockerignore leaves out {rel}"
+    for heavy in (".venv", ".git", "out", "evaluation/real-traces", "tests", "streams/__pycache__"):
+        assert not _dockerignore_admits(heavy), f"{heavy} would be sent to the Docker daemon"
+
+
+def test_images_are_pinned_to_a_version():
+    for name, service in SERVICES.items():
+        image = service.get("image")
+        if image:
+            assert re.fullmatch(r"[\w./-]+:v?\d+\.\d+\.\d+", image), f"{name}: {image} is not pinned to a release"
+
+
+@pytest.mark.parametrize("tool, args, config", [
+    ("promtool", ["check", "config"], "deploy/prometheus.yml"),
+    ("amtool", ["check-config"], "deploy/alertmanager.yml"),
+])
+def test_mounted_monitoring_configs_pass_their_own_checker(tool, args, config):
+    if shutil.which(tool) is None:
+        pytest.skip(f"{tool} not installed (make system / scripts/setup-system.sh installs it)")
+    result = subprocess.run([tool, *args, str(ROOT / config)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"{tool} rejects {config}:\n{result.stdout}{result.stderr}"
+    mounted = {v.split(":")[0].removeprefix("./") for s in SERVICES.values() for v in s.get("volumes", [])}
+    assert config in mounted, f"{config} is checked but not mounted by docker-compose.yml"
