@@ -73,6 +73,15 @@ def test_the_demo_runs_end_to_end_and_ends_with_its_summary(tmp_path):
     assert summary["alerts"] >= 1 and summary["commands"] == ["rollback"]
     assert summary["acks"].get("applied") == 1 and summary["steps_after_rollback"] > 20
     assert "COMMAND ROLLBACK" in out and "ACK applied" in out and "rolled back to step" in out
+    lines = out.splitlines()
+
+    def first(text):
+        return next(i for i, line in enumerate(lines) if text in line)
+
+    # In the order things happened, across three topics and the trainer's thread.
+    assert first(" FIRING ") < first("COMMAND ROLLBACK") < first("trainer: rolled back") < first("ACK applied")
+    assert first(" REPORT ") < first("ACK applied")
+    assert sum(" FIRING " in line for line in lines) == summary["alerts"]
     reports = list((tmp_path / "reports").rglob("*.txt"))
     assert reports and "decision: ROLLBACK" in reports[0].read_text()
     assert time.monotonic() - started < 180

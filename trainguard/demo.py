@@ -9,6 +9,9 @@ moment stops everything it started.
 
 from __future__ import annotations
 
+import functools
+import heapq
+import itertools
 import os
 import signal
 import subprocess
@@ -25,12 +28,40 @@ from trainguard.kafka import KafkaSettings
 CHECKPOINT_EVERY = 20
 
 
-class Watcher(threading.Thread):
-    """Follows the alerts, control and acks topics and shows every event on the console."""
+class TimeOrdered:
+    """Shows lines from three topics and the trainer's thread in time order: each waits
+    ``hold_s`` for anything older still in flight (a report arrives after the ack it precedes)."""
 
-    def __init__(self, settings: KafkaSettings, run_id: str, sinks: list):
+    def __init__(self, hold_s: float = 0.4):
+        self.hold_s = hold_s
+        self._heap: list = []
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+
+    def put(self, ts: float, show) -> None:
+        with self._lock:
+            heapq.heappush(self._heap, (ts, next(self._seq), time.monotonic(), show))
+
+    def say(self, text: str) -> None:
+        self.put(time.time(), lambda: print(text, flush=True))
+
+    def release(self, everything: bool = False) -> None:
+        due = []
+        with self._lock:
+            now = time.monotonic()
+            while self._heap and (everything or now - self._heap[0][2] >= self.hold_s):
+                due.append(heapq.heappop(self._heap))
+        for _, _, _, show in due:
+            show()
+
+
+class Watcher(threading.Thread):
+    """Follows the alerts, control and acks topics and hands every event of the run to the
+    sinks, in time order with the trainer's own lines."""
+
+    def __init__(self, settings: KafkaSettings, run_id: str, sinks: list, ordered: TimeOrdered):
         super().__init__(name="trainguard-demo-watcher", daemon=True)
-        self.settings, self.run_id, self.sinks = settings, run_id, sinks
+        self.settings, self.run_id, self.sinks, self.ordered = settings, run_id, sinks, ordered
         self.alerts = 0
         self.commands: list[str] = []
         self.acks: dict[str, int] = {}
@@ -53,6 +84,7 @@ class Watcher(threading.Thread):
         self.ready.set()
         try:
             while not self.stop.is_set():
+                self.ordered.release()
                 msg = consumer.poll(0.1)
                 if msg is None or msg.error():
                     continue
@@ -69,10 +101,14 @@ class Watcher(threading.Thread):
                     self.commands.append(event["action"])
                 elif kind == ev.ACK:
                     self.acks[event["status"]] = self.acks.get(event["status"], 0) + 1
-                for sink in self.sinks:
-                    sink.deliver([event])
+                when = event.get("ts") or event.get("issued") or time.time()  # commands carry `issued`
+                self.ordered.put(when, functools.partial(self._deliver, event))
         finally:
             consumer.close()
+
+    def _deliver(self, event: dict) -> None:
+        for sink in self.sinks:
+            sink.deliver([event])
 
 
 def _start_worker(bootstrap: str, log_path: Path) -> subprocess.Popen:
@@ -166,11 +202,12 @@ def main(args) -> int:
               flush=True)
         worker = _start_worker(settings.bootstrap, out_dir / "demo-worker.log")
         reports = ReportSink(out_dir / "reports")
-        watcher = Watcher(settings, run_id, [ConsoleSink(), JsonlSink(args.jsonl), reports])
+        ordered = TimeOrdered()
+        watcher = Watcher(settings, run_id, [ConsoleSink(), JsonlSink(args.jsonl), reports], ordered)
         watcher.start()
         watcher.ready.wait(15)
         result = run_trainer(settings, run_id, fault=args.fault, fault_step=args.fault_step, steps=args.steps,
-                             step_seconds=args.step_seconds, say=lambda s: print(s, flush=True))
+                             step_seconds=args.step_seconds, say=ordered.say)
         time.sleep(1.0)  # let the last alerts and acks arrive
         if worker.poll() is not None:
             print(f"demo: the worker exited early (status {worker.returncode}); see {out_dir / 'demo-worker.log'}",
@@ -185,6 +222,7 @@ def main(args) -> int:
         if watcher is not None:
             watcher.stop.set()
             watcher.join(5)
+            watcher.ordered.release(everything=True)
         stop_process(worker)
         if broker is not None:
             broker.stop()
