@@ -6,7 +6,8 @@ Metrics are declared once, here, with fixed label names, in the module's own reg
 =======================================  ==================  ===============================
 metric                                   labels              bound on series
 =======================================  ==================  ===============================
-trainguard_run_metric                    run, metric         max_runs x len(key_metrics)
+trainguard_run_signal                    run, signal         max_runs x len(SIGNALS)
+trainguard_run_metric                    run, metric         max_runs x max_metrics_per_run
 trainguard_run_last_seen_timestamp_seconds  run              max_runs
 trainguard_detector_anomalous            run, rule           max_runs x max_rules
 trainguard_alerts_total                  rule, severity,     max_rules x 4 x 2
@@ -23,8 +24,17 @@ trainguard_runs_evicted_total            (none)              1
 trainguard_notifications_total           sink, outcome       5 sinks x 3 outcomes
 =======================================  ==================  ===============================
 
-- ``metric`` takes only names from the allow-list ``KEY_METRICS`` (or the list given to
-  :class:`Exporter`); other metric names are not exported (they stay in Kafka).
+- ``signal`` is a canonical signal (``streams/signals.py``: ``kl``, ``entropy``,
+  ``reward_mean`` ...): whatever a framework calls it (verl's ``actor/kl_loss``, TRL's
+  ``train/kl``), so one panel serves every framework.
+- ``metric`` takes only names from the allow-list ``KEY_METRICS`` plus the names given to
+  :class:`Exporter` (``TRAINGUARD_PROMETHEUS_METRICS`` for the worker); other metric names
+  are not exported (they stay in Kafka). The node agent's per-device names
+  (``gpu/utilization_pct[3]``) count as their base name; the hosts of a run share a device
+  index (the latest report wins): per-host GPU panels belong to DCGM's exporter.
+- Alert counters are the worker's: a sinks process serves only its notification counters,
+  unless told to count the alerts it reads (``TRAINGUARD_PROMETHEUS_ALERTS=1``, for a
+  worker that exports nothing), so a panel summing over both never counts an alert twice.
 - ``run``: at most ``max_runs`` runs (default 20) are tracked; when a new run arrives the
   run seen least recently is evicted and all its series are removed.
 - ``rule``: at most ``max_rules`` distinct rule names (default 100); alerts of further
@@ -33,7 +43,7 @@ trainguard_notifications_total           sink, outcome       5 sinks x 3 outcome
   ``sink`` a sink kind (dingtalk, wecom, slack, webhook, alertmanager), ``outcome``
   delivered|retried|undelivered.
 
-With the defaults that is at most 20 x 16 + 20 + 20 x 100 + 800 + 400 + 40 series.
+With the defaults that is at most 20 x 35 + 20 x 256 + 20 + 20 x 100 + 800 + 400 + 40 series.
 
 One :class:`Exporter` per process (the metrics are process-wide, as in client_python).
 """
@@ -48,6 +58,7 @@ from collections import OrderedDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from trainguard.sinks.base import Sink
+from trainguard.streams.signals import signal_of
 
 KEY_METRICS: tuple[str, ...] = (
     "actor/kl_loss",
@@ -78,6 +89,8 @@ DLQ_REASONS = ("not_json", "not_object", "oversized", "unknown_schema", "unknown
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
+RUN_SIGNAL = Gauge("trainguard_run_signal", "Latest value of a canonical training signal of a run "
+                   "(whatever name its framework logs it under)", ["run", "signal"], registry=REGISTRY)
 RUN_METRIC = Gauge("trainguard_run_metric", "Latest value of a key training metric of a run",
                    ["run", "metric"], registry=REGISTRY)
 RUN_LAST_SEEN = Gauge("trainguard_run_last_seen_timestamp_seconds",
@@ -134,20 +147,25 @@ class Exporter:
     >>> exp.observe_metrics("ppo-7b", {"actor/kl_loss": 0.02, "my/custom": 1.0}, ts=1.0)
     >>> REGISTRY.get_sample_value("trainguard_run_metric", {"run": "ppo-7b", "metric": "actor/kl_loss"})
     0.02
+    >>> REGISTRY.get_sample_value("trainguard_run_signal", {"run": "ppo-7b", "signal": "kl"})
+    0.02
     >>> exp.forget_run("ppo-7b")
     """
 
     def __init__(self, key_metrics: tuple[str, ...] | list[str] = KEY_METRICS, max_runs: int = 20,
-                 max_rules: int = 100, max_alert_ids: int = 50_000):
+                 max_rules: int = 100, max_alert_ids: int = 50_000, max_metrics_per_run: int = 256):
         if max_runs < 1 or max_rules < 1:
             raise ValueError("max_runs and max_rules must be at least 1")
         self.key_metrics = frozenset(key_metrics)
         self.max_runs = max_runs
         self.max_rules = max_rules
         self.max_alert_ids = max_alert_ids
+        self.max_metrics_per_run = max_metrics_per_run
         self._lock = threading.RLock()
         self._runs: OrderedDict[str, None] = OrderedDict()  # least recently seen first
         self._run_metrics: dict[str, set[str]] = {}
+        self._run_signals: dict[str, set[str]] = {}
+        self._signals: dict[str, str | None] = {}  # metric name -> its signal; bounded below
         self._rules: set[str] = set()
         # firing alert id -> (run, rule, severity, incident); bounded by max_alert_ids
         self._firing: OrderedDict[str, tuple[str, str, str, str | None]] = OrderedDict()
@@ -164,6 +182,7 @@ class Exporter:
             return
         self._runs[run_id] = None
         self._run_metrics[run_id] = set()
+        self._run_signals[run_id] = set()
         while len(self._runs) > self.max_runs:
             oldest = next(iter(self._runs))
             self._remove_run(oldest)
@@ -174,6 +193,8 @@ class Exporter:
         self._runs.pop(run_id, None)
         for metric in self._run_metrics.pop(run_id, ()):
             _remove(RUN_METRIC, run_id, metric)
+        for signal in self._run_signals.pop(run_id, ()):
+            _remove(RUN_SIGNAL, run_id, signal)
         _remove(RUN_LAST_SEEN, run_id)
         for aid, (run, _rule, _sev, _inc) in list(self._firing.items()):
             if run == run_id:
@@ -195,20 +216,45 @@ class Exporter:
 
     # ------------------------------------------------------------------ observations
 
+    def signal(self, name: str) -> str | None:
+        """The canonical signal ``name`` stands for (cached: one dict lookup per name)."""
+        try:
+            return self._signals[name]
+        except KeyError:
+            if len(self._signals) > 10_000:  # a run inventing names: stay bounded
+                self._signals.clear()
+            found = self._signals[name] = signal_of(name)
+            return found
+
+    def listed(self, name: str) -> bool:
+        """Allow-listed, as is or per device (the node agent's ``gpu/utilization_pct[3]``)."""
+        return name in self.key_metrics or (name[-1:] == "]" and name.partition("[")[0] in self.key_metrics)
+
+    def wants(self, name: str) -> bool:
+        """Whether a metric of this name is exported (a signal, or allow-listed)."""
+        return self.listed(name) or self.signal(name) is not None
+
     def observe_metrics(self, run_id: str, metrics: dict, ts: float | None = None) -> None:
-        """Export the allow-listed metrics of one metrics event; the rest are ignored."""
+        """Export the signals and the allow-listed metrics of one metrics event; the rest are ignored."""
         with self._lock:
             self._touch_run(run_id)
-            known = self._run_metrics[run_id]
+            known, known_signals = self._run_metrics[run_id], self._run_signals[run_id]
             for name, value in metrics.items():
-                if name not in self.key_metrics:
+                signal = self.signal(name)
+                listed = self.listed(name)
+                if signal is None and not listed:
                     continue
                 try:
                     value = float(value)
                 except (TypeError, ValueError):
                     continue
-                RUN_METRIC.labels(run_id, name).set(value)  # NaN is exported as NaN: it is a signal
-                known.add(name)
+                # NaN is exported as NaN: it is a signal
+                if signal is not None:
+                    RUN_SIGNAL.labels(run_id, signal).set(value)
+                    known_signals.add(signal)
+                if listed and (name in known or len(known) < self.max_metrics_per_run):
+                    RUN_METRIC.labels(run_id, name).set(value)
+                    known.add(name)
             RUN_LAST_SEEN.labels(run_id).set(time.time() if ts is None else ts)
 
     def _rule_label(self, rule: str) -> str:
@@ -302,16 +348,19 @@ class Exporter:
 
 
 class PrometheusSink(Sink):
-    """Feeds alerts read from the alerts topic to an :class:`Exporter` (for a sink runner that
-    exports alert counters; the worker feeds its own exporter directly)."""
+    """A sinks process's ``/metrics``: its notification counters, and with ``count_alerts``
+    the alerts it reads (only where the worker exports nothing: the worker counts them)."""
 
     name = "prometheus"
 
-    def __init__(self, exporter: Exporter | None = None):
+    def __init__(self, exporter: Exporter | None = None, *, count_alerts: bool = False):
         super().__init__()
         self.exporter = exporter or Exporter()
+        self.count_alerts = count_alerts
 
     def write(self, batch: list[dict]) -> None:
+        if not self.count_alerts:
+            return
         for event in batch:
             if str(event.get("schema", "")).startswith("alert/"):
                 self.exporter.observe_alert(event)

@@ -155,7 +155,8 @@ def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str |
     if env.get("TRAINGUARD_PROMETHEUS_PORT"):
         from trainguard.sinks.prometheus import PrometheusSink
 
-        sink = PrometheusSink()
+        # Alerts are the worker's to count; counting them here too doubled every summed panel.
+        sink = PrometheusSink(count_alerts=env.get("TRAINGUARD_PROMETHEUS_ALERTS") == "1")
         sink.exporter.start_http(int(env["TRAINGUARD_PROMETHEUS_PORT"]),
                                  env.get("TRAINGUARD_PROMETHEUS_ADDR", "127.0.0.1"))
         sinks.append(sink)

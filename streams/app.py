@@ -112,12 +112,13 @@ def _credentials(settings: KafkaSettings):
 class _ExporterFeed:
     """Collects, per batch, what the Prometheus exporter needs from the decoded events (an
     ``Engine.on_event`` observer): the newest event time and, per run, the latest values of the
-    exporter's allow-listed trainer metrics. One dict lookup per allow-listed name per event."""
+    metrics the exporter wants (signals, allow-listed names, per-device GPU counters). One cached dict lookup
+    per name per event."""
 
-    __slots__ = ("key_metrics", "max_ts", "runs", "lag")
+    __slots__ = ("wants", "max_ts", "runs", "lag")
 
-    def __init__(self, key_metrics):
-        self.key_metrics = tuple(key_metrics)
+    def __init__(self, wants):
+        self.wants = wants
         self.max_ts = None
         self.runs: dict[str, list] = {}  # run -> [latest allow-listed values, ts]
         self.lag = 0.0
@@ -126,9 +127,9 @@ class _ExporterFeed:
         ts = event["ts"]
         if self.max_ts is None or ts > self.max_ts:
             self.max_ts = ts
-        if event["schema"] == "metrics/1" and event["source"]["kind"] == "trainer":
-            m = event["metrics"]
-            keep = {k: m[k] for k in self.key_metrics if k in m}
+        if event["schema"] == "metrics/1":  # the trainer's and the node agent's
+            wants = self.wants
+            keep = {k: v for k, v in event["metrics"].items() if wants(k)}
             if keep:
                 entry = self.runs.get(event["run_id"])
                 if entry is None:
@@ -233,10 +234,11 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         prometheus_port = int(os.environ["TRAINGUARD_PROMETHEUS_PORT"])
     exporter = feed = None
     if prometheus_port is not None:
-        from trainguard.sinks.prometheus import Exporter
+        from trainguard.sinks.prometheus import KEY_METRICS, Exporter
 
-        exporter = Exporter()
-        feed = _ExporterFeed(exporter.key_metrics)
+        more = [n.strip() for n in os.environ.get("TRAINGUARD_PROMETHEUS_METRICS", "").split(",") if n.strip()]
+        exporter = Exporter(key_metrics=(*KEY_METRICS, *more))
+        feed = _ExporterFeed(exporter.wants)
         engine.on_event.append(feed)
         addr = prometheus_addr or os.environ.get("TRAINGUARD_PROMETHEUS_ADDR", "127.0.0.1")
 

@@ -29,13 +29,15 @@ def _scrape(port: int) -> dict:
 
 def test_worker_exports_run_metrics_events_alerts_and_dead_letters(kafka, tmp_path):
     port = free_port()
-    worker = WorkerProcess(kafka, tmp_path, extra_args=("--prometheus-port", str(port))).start()
+    worker = WorkerProcess(kafka, tmp_path, extra_args=("--prometheus-port", str(port)),
+                           extra_env={"TRAINGUARD_PROMETHEUS_METRICS": "my/extra"}).start()
     logger = TrainerLogger("exp-1", kafka, host="h")
     try:
         worker.wait_ready()
         steps = [{"actor/kl_loss": 0.01 + 0.001 * s, "critic/vf_loss": 0.5, "actor/pg_loss": -0.01,
-                  "my/custom": 1.0} for s in range(1, 6)]
-        steps.append({"actor/kl_loss": 0.02, "critic/vf_loss": math.nan, "actor/pg_loss": -0.01, "my/custom": 1.0})
+                  "my/custom": 1.0, "my/extra": 2.0} for s in range(1, 6)]
+        steps.append({"actor/kl_loss": 0.02, "critic/vf_loss": math.nan, "actor/pg_loss": -0.01, "my/custom": 1.0,
+                      "my/extra": 3.0})
         for step, metrics in enumerate(steps, 1):
             logger.log(metrics, step)
         logger.publisher.flush(10)
@@ -60,10 +62,17 @@ def test_worker_exports_run_metrics_events_alerts_and_dead_letters(kafka, tmp_pa
 
         assert run_metric("actor/kl_loss") == pytest.approx(0.02)      # the latest value of the run
         assert math.isnan(run_metric("critic/vf_loss"))                 # NaN is exported: it is the signal
-        assert not any(k[0] == "trainguard_run_metric" and ("metric", "my/custom") in k[1] for k in samples), \
-            "only allow-listed metrics are exported"
+        assert not any(("metric", "my/custom") in k[1] for k in samples), "only allow-listed metrics are exported"
+        assert run_metric("my/extra") == 3.0, "TRAINGUARD_PROMETHEUS_METRICS extends the allow-list"
+
+        def run_signal(name):
+            return samples[("trainguard_run_signal", frozenset({"run": "exp-1", "signal": name}.items()))]
+
+        # Canonical signals, whatever the framework calls them: one dashboard for every framework.
+        assert run_signal("kl") == pytest.approx(0.02) and run_signal("policy_loss") == pytest.approx(-0.01)
+        assert math.isnan(run_signal("value_loss"))
         assert samples[("trainguard_events_processed_total", frozenset())] == 7   # 6 steps and the garbage
-        assert samples[("trainguard_samples_processed_total", frozenset())] == 24  # 6 x 4 metrics
+        assert samples[("trainguard_samples_processed_total", frozenset())] == 30  # 6 x 5 metrics
         assert samples[("trainguard_dlq_total", frozenset({"reason": "not_json"}.items()))] == 1
         assert samples[("trainguard_alerts_firing", frozenset({"rule": "non_finite", "severity": "P0"}.items()))] == 1
         assert samples[("trainguard_detector_anomalous",

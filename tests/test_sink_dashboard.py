@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from trainguard.sinks.prometheus import KEY_METRICS, REGISTRY, Exporter, metric_names
+from trainguard.streams.signals import SIGNALS
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "dashboards" / "trainguard.json"
@@ -58,6 +59,7 @@ def exported():
     """Exercise every observation so every family has samples, then read the registry."""
     exp = Exporter()
     exp.observe_metrics("dash-run", {name: 1.0 for name in KEY_METRICS}, ts=1.0)
+    exp.observe_metrics("dash-run", {"gpu/utilization_pct[0]": 50.0, "train/kl": 0.1})
     exp.observe_alert({"id": "dash-a", "run_id": "dash-run", "rule": "kl_explosion", "severity": "P1",
                        "status": "firing", "incident": "dash-inc"})
     exp.observe_dlq("not valid JSON")
@@ -84,19 +86,24 @@ def test_every_promql_selector_uses_an_exported_metric_and_label(exported):
             assert name in names, f"{expr!r} uses {name}, which the exporter does not produce"
             for label, value in matchers.items():
                 assert label in labels[name], f"{expr!r}: {name} has no label {label!r}"
-                if label == "metric":
-                    assert value in KEY_METRICS, f"{expr!r}: {value} is not in the exporter's allow-list"
+                if label == "metric":  # exact, or a per-device pattern such as gpu/utilization_pct\\[.*
+                    base = value.split("\\", 1)[0]
+                    assert base in KEY_METRICS, f"{expr!r}: {value} is not in the exporter's allow-list"
+                if label == "signal":
+                    assert value in SIGNALS, f"{expr!r}: {value} is not a canonical signal"
             used.add(name)
-    assert {"trainguard_run_metric", "trainguard_alerts_firing", "trainguard_incidents_open",
+    assert {"trainguard_run_metric", "trainguard_run_signal", "trainguard_alerts_firing", "trainguard_incidents_open",
             "trainguard_detector_anomalous", "trainguard_pipeline_lag_seconds"} <= used
 
 
 def test_dashboard_has_the_panels_teams_look_for():
     dash = json.loads(DASHBOARD.read_text())
     text = json.dumps(dash)
-    for metric in ("gpu/utilization_pct", "gpu/memory_used_gb", "critic/score/mean", "actor/kl_loss",
-                   "perf/throughput"):
+    for metric in ("gpu/utilization_pct", "gpu/memory_used_gb"):
         assert metric in text
+    # Training panels speak canonical signals, so they fill for verl, TRL or OpenRLHF alike.
+    for signal in ("reward_mean", "kl", "entropy", "grad_norm", "throughput"):
+        assert f'signal=\\"{signal}\\"' in text
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     reward_kl = next(p for p in dash["panels"] if p["title"] == "Reward mean and KL")

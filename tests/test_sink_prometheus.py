@@ -58,6 +58,31 @@ def test_only_allow_listed_metrics_are_exported(exporter):
     assert _value("trainguard_run_last_seen_timestamp_seconds", run=run) == 123.0
 
 
+def test_signals_are_exported_under_their_canonical_name_whatever_the_framework(exporter):
+    verl_run, trl_run = _run(), _run()
+    exporter.observe_metrics(verl_run, {"actor/kl_loss": 0.02, "critic/score/mean": 0.4})
+    exporter.observe_metrics(trl_run, {"train/kl": 0.03, "train/reward": 0.7, "train/my_private": 1.0})
+    assert _value("trainguard_run_signal", run=verl_run, signal="kl") == 0.02
+    assert _value("trainguard_run_signal", run=verl_run, signal="reward_mean") == 0.4
+    assert _value("trainguard_run_signal", run=trl_run, signal="kl") == 0.03
+    assert _value("trainguard_run_signal", run=trl_run, signal="reward_mean") == 0.7
+    assert not exporter.wants("train/my_private") and exporter.wants("train/kl")
+    exporter.observe_metrics(verl_run, {"gpu/utilization_pct[3]": 97.0, "gpu/fan[3]": 1.0})  # the node agent's
+    assert _value("trainguard_run_metric", run=verl_run, metric="gpu/utilization_pct[3]") == 97.0
+    assert _value("trainguard_run_metric", run=verl_run, metric="gpu/fan[3]") is None
+    exporter.forget_run(trl_run)
+    assert _value("trainguard_run_signal", run=trl_run, signal="kl") is None
+
+
+def test_a_sinks_process_counts_no_alert_unless_told_to(exporter):
+    rule = f"rule_{uuid.uuid4().hex[:6]}"
+    prom.PrometheusSink(exporter).write([_alert(_run(), rule)])
+    assert _value("trainguard_alerts_total", rule=rule, severity="P1", status="firing") is None, \
+        "the worker counts alerts; a second count doubled every summed panel"
+    prom.PrometheusSink(exporter, count_alerts=True).write([_alert(_run(), rule)])
+    assert _value("trainguard_alerts_total", rule=rule, severity="P1", status="firing") == 1
+
+
 def test_oldest_run_is_evicted_with_all_its_series():
     exp = Exporter(max_runs=2)
     runs = [_run() for _ in range(3)]
