@@ -18,6 +18,7 @@ import json
 import math
 import re
 import time
+import uuid
 from typing import Any
 
 import orjson
@@ -124,6 +125,21 @@ def ack_event(command_id: str, run_id: str, status: str, detail: str = "", *, st
                              "detail": detail, "ts": time.time() if ts is None else ts}
     if step is not None:
         event["step"] = step
+    return event
+
+
+def command_event(run_id: str, action: str, *, target: dict | None = None, detail: str = "",
+                  reason: list[str] | None = None, ttl_s: float = 300.0, skip_batches: int | None = None,
+                  issued: float | None = None, command_id: str | None = None) -> dict:
+    """A control command, validated (SchemaError names the bad field). ``reason`` holds the
+    alert ids behind it (none for a command an operator sends by hand)."""
+    issued = time.time() if issued is None else issued
+    event: dict[str, Any] = {"schema": COMMAND, "id": command_id or uuid.uuid4().hex[:20], "run_id": run_id,
+                             "action": action, "target": target, "reason": list(reason or ()),
+                             "issued": issued, "expires": issued + ttl_s, "detail": detail}
+    if skip_batches:
+        event["skip_batches"] = skip_batches
+    _validate_command(event)
     return event
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import faust
 import orjson
 
-from trainguard.kafka import KafkaSettings, partition_for
+from trainguard.kafka import KafkaSettings, control_partitions_of, partition_for
 from trainguard.producers.publisher import Publisher
 from trainguard.schemas.signing import load_keys, signing_key_for_worker
 from trainguard.streams import rules as rules_mod
@@ -153,29 +153,6 @@ class _ExporterFeed:
         exporter.observe_batch(events, samples, self.lag)
 
 
-def _control_partitions(settings: KafkaSettings) -> int:
-    """How many partitions the control topic really has: listeners read the partition of their
-    run among the topic's partitions, so commands must be sent by the same count, whatever
-    TRAINGUARD_PARTITIONS says (a topic created by hand with another count lost commands)."""
-    try:
-        from confluent_kafka.admin import AdminClient
-
-        topic = settings.topics.control
-        meta = AdminClient(settings.confluent(log_level=0)).list_topics(topic, timeout=5)
-        found = len(meta.topics[topic].partitions) if topic in meta.topics and not meta.topics[topic].error else 0
-    except Exception as exc:
-        log.warning("trainguard: could not read the control topic's partition count (%s); using %d",
-                    exc, settings.partitions)
-        return settings.partitions
-    if not found:
-        return settings.partitions
-    if found != settings.partitions:
-        log.warning("trainguard: %s has %d partitions, not TRAINGUARD_PARTITIONS=%d; commands are sent by the "
-                    "topic's own count so that listeners find them", settings.topics.control, found,
-                    settings.partitions)
-    return found
-
-
 def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None = None, app_id: str = "trainguard",
                batch_max: int = 1000, batch_within_s: float = 0.02, rebalance_timeout_s: float | None = None,
                prometheus_port: int | None = None, prometheus_addr: str | None = None,
@@ -251,7 +228,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                 return
             log.warning("trainguard: Prometheus metrics on http://%s:%d/metrics", addr, port)
     app.trainguard_exporter = exporter
-    control_partitions = _control_partitions(settings)
+    control_partitions = control_partitions_of(settings)
 
     # Alerts, commands and dead letters have a producer of their own (librdkafka, its own
     # thread and connection): through Faust's they queued behind the changelog's large

@@ -312,8 +312,8 @@ def test_commands_follow_the_control_topics_own_partition_count(bootstrap):
     import uuid
 
     from trainguard.kafka import KafkaSettings, Topics, create_topics
-    from trainguard.streams.app import _control_partitions
+    from trainguard.kafka import control_partitions_of
 
     topics = Topics.with_prefix(f"p{uuid.uuid4().hex[:8]}")
     create_topics(KafkaSettings(bootstrap=bootstrap, partitions=2, topics=topics))
-    assert _control_partitions(KafkaSettings(bootstrap=bootstrap, partitions=4, topics=topics)) == 2
+    assert control_partitions_of(KafkaSettings(bootstrap=bootstrap, partitions=4, topics=topics)) == 2

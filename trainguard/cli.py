@@ -50,6 +50,12 @@ def _tail(args) -> int:
     return tail_main(args)
 
 
+def _command(args) -> int:
+    from trainguard.operate import main as command_main
+
+    return command_main(args)
+
+
 def _sinks(args) -> int:
     from trainguard.sinks.runner import main as sinks_main
 
@@ -173,6 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print each event as one JSON object a line instead (for jq and scripts)")
     p.set_defaults(func=_tail)
+
+    p = command("command", "steer a run by hand: pause, resume, stop or roll it back",
+                "Signed with the operator's key (TRAINGUARD_COMMAND_KEY or _FILE) and acked by the trainer "
+                "like the worker's commands; waits for the ack. Exit 0 applied, 1 refused by the trainer, "
+                "2 bad input or no broker, 3 no ack in time.")
+    p.add_argument("run", help="the run id")
+    p.add_argument("action", choices=("pause", "resume", "stop", "rollback"), help="what the trainer should do")
+    p.add_argument("--reason", required=True, help="why (kept with the command, shown to the trainer)")
+    p.add_argument("--to", type=int, metavar="STEP", help="rollback: the checkpoint step to restore")
+    p.add_argument("--path", help="rollback: the checkpoint's path (default: global_step_STEP)")
+    p.add_argument("--wait", type=float, default=60.0,
+                   help="seconds to wait for the trainer's ack; 0 sends and returns (default: %(default)s)")
+    p.add_argument("--ttl", type=float, default=300.0,
+                   help="seconds the command stays valid for a trainer busy in a long step (default: %(default)s)")
+    p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
+    p.set_defaults(func=_command)
 
     p = command("sinks", "deliver alerts to the sinks configured in the environment",
                 "Console, JSON lines, webhooks (DingTalk, WeCom, Slack, generic), Alertmanager, Prometheus; "

@@ -9,8 +9,11 @@ The Faust worker translates the same settings to its own credentials object.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
+
+log = logging.getLogger("trainguard.kafka")
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 ENV_PREFIX = "TRAINGUARD_KAFKA_"
@@ -92,6 +95,29 @@ def murmur2(data: bytes) -> int:
 def partition_for(run_id: str, partitions: int) -> int:
     """The partition that holds everything about ``run_id`` (same as Java/aiokafka/Faust)."""
     return (murmur2(run_id.encode()) & 0x7FFFFFFF) % partitions
+
+
+def control_partitions_of(settings: KafkaSettings) -> int:
+    """How many partitions the control topic really has: listeners read the partition of their
+    run among the topic's partitions, so commands must be sent by the same count, whatever
+    TRAINGUARD_PARTITIONS says (a topic created by hand with another count lost commands)."""
+    try:
+        from confluent_kafka.admin import AdminClient
+
+        topic = settings.topics.control
+        meta = AdminClient(settings.confluent(log_level=0)).list_topics(topic, timeout=5)
+        found = len(meta.topics[topic].partitions) if topic in meta.topics and not meta.topics[topic].error else 0
+    except Exception as exc:
+        log.warning("trainguard: could not read the control topic's partition count (%s); using %d",
+                    exc, settings.partitions)
+        return settings.partitions
+    if not found:
+        return settings.partitions
+    if found != settings.partitions:
+        log.warning("trainguard: %s has %d partitions, not TRAINGUARD_PARTITIONS=%d; commands are sent by the "
+                    "topic's own count so that listeners find them", settings.topics.control, found,
+                    settings.partitions)
+    return found
 
 
 def create_topics(settings: KafkaSettings, timeout: float = 15.0) -> list[str]:

@@ -1,0 +1,100 @@
+"""`trainguard command`: an operator pauses, stops or rolls back a run by hand; the trainer's
+real ControlListener applies it and acks, and the command says what the trainer did."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from trainguard.producers.control import ControlListener
+from trainguard.schemas.signing import load_keys, new_key_line
+
+pytestmark = pytest.mark.integration
+
+
+class Trainer:
+    """A training loop's side: a real listener, commands applied between 'steps'."""
+
+    def __init__(self, kafka, run_id: str, **listener_kw):
+        self.listener = ControlListener(run_id, kafka, **listener_kw).start()
+        assert self.listener.wait_ready(15)
+        self.applied: list[dict] = []
+        self.step = 100
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _apply(self, command: dict) -> str:
+        self.applied.append(command)
+        if command["action"] == "rollback":
+            self.step = command["target"]["step"]
+            return f"restored {command['target']['path']}"
+        return f"{command['action']}d"
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):
+            self.step += 1
+            self.listener.dispatch(self._apply, step=self.step)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.listener.close()
+
+
+def _command(kafka, *args, env=None, timeout=90):
+    prefix = kafka.topics.events.rsplit(".", 1)[0]
+    env = {**(env if env is not None else os.environ), "TRAINGUARD_BOOTSTRAP": kafka.bootstrap,
+           "TRAINGUARD_TOPIC_PREFIX": prefix}
+    return subprocess.run([sys.executable, "-m", "trainguard.cli", "command", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def test_a_rollback_sent_by_hand_is_applied_acked_and_reported(kafka):
+    trainer = Trainer(kafka, "ops-1")
+    try:
+        result = _command(kafka, "ops-1", "rollback", "--to", "40", "--reason", "reward hacking seen in samples")
+    finally:
+        trainer.close()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "sent rollback to run ops-1" in result.stdout
+    assert "applied at step" in result.stdout and "restored global_step_40" in result.stdout
+    [command] = trainer.applied
+    assert command["target"] == {"step": 40, "path": "global_step_40"}
+    assert "reward hacking seen in samples" in command["detail"] and "sent by hand by" in command["detail"]
+
+
+def test_a_signed_command_reaches_a_listener_that_refuses_unsigned_ones(kafka):
+    key = new_key_line("ops")
+    env = {k: v for k, v in os.environ.items() if k != "TRAINGUARD_ALLOW_UNSIGNED"}
+    trainer = Trainer(kafka, "ops-2", keys=load_keys({"TRAINGUARD_COMMAND_KEY": key}), require_signature=True)
+    try:
+        unsigned = _command(kafka, "ops-2", "pause", "--reason", "look at the samples", "--wait", "20", env=env)
+        signed = _command(kafka, "ops-2", "stop", "--reason", "done", env={**env, "TRAINGUARD_COMMAND_KEY": key})
+    finally:
+        trainer.close()
+    assert unsigned.returncode == 1, unsigned.stdout + unsigned.stderr
+    assert "rejected" in unsigned.stdout and "no command key" in unsigned.stderr
+    assert signed.returncode == 0, signed.stdout + signed.stderr
+    assert "signed by key ops" in signed.stdout and "applied" in signed.stdout
+    assert [c["action"] for c in trainer.applied] == ["stop"]
+
+
+def test_no_trainer_listening_says_so_and_how_to_follow_up(kafka):
+    result = _command(kafka, "nobody-home", "pause", "--reason", "check", "--wait", "2")
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "no ack from run nobody-home within 2 s" in result.stderr
+    assert "trainguard tail --run nobody-home" in result.stderr
+
+
+def test_bad_input_names_the_problem_and_sends_nothing(kafka):
+    rollback = _command(kafka, "ops-3", "rollback", "--reason", "x")
+    assert rollback.returncode == 2 and "needs --to STEP" in rollback.stderr
+    pause = _command(kafka, "ops-3", "pause", "--to", "5", "--reason", "x")
+    assert pause.returncode == 2 and "only go with rollback" in pause.stderr
+    bad_run = _command(kafka, "a|b", "stop", "--reason", "x")
+    assert bad_run.returncode == 2 and "run_id" in bad_run.stderr

@@ -1,0 +1,137 @@
+"""``trainguard command``: an operator steers a run by hand.
+
+The command goes where the worker's commands go (the run's partition of the control topic),
+signed with the operator's key when one is configured (``TRAINGUARD_COMMAND_KEY`` or
+``_FILE``), and the trainer acks it like any other. By default the command waits for that
+ack and says what the trainer did; ``tail`` shows the command and the ack as well.
+
+Exit status: 0 applied, 1 rejected or failed by the trainer, 2 bad input or no broker,
+3 no ack within ``--wait`` seconds (the command stays valid until it expires).
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+import sys
+import time
+from typing import TextIO
+
+from trainguard.kafka import KafkaSettings, control_partitions_of, partition_for
+from trainguard.schemas import events as ev
+from trainguard.schemas.signing import load_keys, sign, signing_key_for_worker
+
+# Actions an operator sends by hand (the worker's own also include skip_data, checkpoint_now).
+MANUAL_ACTIONS = ("pause", "resume", "stop", "rollback")
+
+EXIT_APPLIED, EXIT_REFUSED, EXIT_BAD_INPUT, EXIT_NO_ACK = 0, 1, 2, 3
+
+
+def build_command(run_id: str, action: str, *, reason: str, to_step: int | None = None,
+                  path: str | None = None, ttl_s: float = 300.0, env=None) -> dict:
+    """The command as it goes out: validated, and signed when a key is configured.
+    ValueError names the problem (a rollback without a step, a bad run id, several keys)."""
+    if action not in MANUAL_ACTIONS:
+        raise ValueError(f"action must be one of {', '.join(MANUAL_ACTIONS)}, not {action!r}")
+    if action == "rollback" and to_step is None:
+        raise ValueError("a rollback needs --to STEP: the checkpoint step to restore")
+    if action != "rollback" and (to_step is not None or path):
+        raise ValueError(f"--to and --path only go with rollback, not {action}")
+    if not reason.strip():
+        raise ValueError("--reason must say why (it is kept with the command and shown to the trainer)")
+    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    target = {"step": to_step, "path": path or f"global_step_{to_step}"} if action == "rollback" else None
+    try:
+        command = ev.command_event(run_id, action, target=target, ttl_s=ttl_s,
+                                   detail=f"sent by hand by {who}: {reason.strip()}")
+    except ev.SchemaError as exc:
+        raise ValueError(str(exc)) from None
+    key = signing_key_for_worker(load_keys(env), env)
+    return sign(command, key) if key is not None else command
+
+
+def send_command(settings: KafkaSettings, command: dict, *, wait_s: float = 60.0,
+                 out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Publish ``command`` to its run's control partition and, with ``wait_s`` > 0, wait for
+    the trainer's ack. Returns the exit status (see the module's docstring)."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    from trainguard.producers.publisher import Publisher
+
+    out, err = out or sys.stdout, err or sys.stderr
+    run_id = command["run_id"]
+    acks = None
+    if wait_s > 0:
+        # Read the acks from their current end, fixed before the command goes out, so an
+        # ack that comes back at once is not missed.
+        acks = Consumer(settings.confluent(**{"group.id": f"trainguard-command-{command['id']}",
+                                              "enable.auto.commit": False, "log_level": 2}))
+        try:
+            meta = acks.list_topics(settings.topics.acks, timeout=10).topics.get(settings.topics.acks)
+            if meta is None or meta.error is not None or not meta.partitions:
+                raise KafkaException(f"no topic {settings.topics.acks}")
+            parts = []
+            for p in sorted(meta.partitions):
+                _low, high = acks.get_watermark_offsets(TopicPartition(settings.topics.acks, p), timeout=10)
+                parts.append(TopicPartition(settings.topics.acks, p, high))
+            acks.assign(parts)
+        except KafkaException as exc:
+            acks.close()
+            print(f"trainguard command: cannot reach Kafka at {settings.bootstrap} ({exc}); is the broker "
+                  f"running and TRAINGUARD_BOOTSTRAP right?", file=err)
+            return EXIT_BAD_INPUT
+    publisher = Publisher(settings, linger_ms=0)
+    try:
+        partition = partition_for(run_id, control_partitions_of(settings))
+        publisher.publish(settings.topics.control, run_id, ev.encode(command), partition=partition)
+        if publisher.flush(10) or publisher.dropped or publisher.delivery_failed:
+            print(f"trainguard command: the command did not reach Kafka at {settings.bootstrap} within 10 s; "
+                  f"nothing was sent (is the broker running?)", file=err)
+            return EXIT_BAD_INPUT
+    finally:
+        publisher.close(2)
+    signed = "signed by key " + command["signature"]["key_id"] if "signature" in command else "unsigned"
+    print(f"sent {command['action']} to run {run_id} (command {command['id']}, {signed})", file=out, flush=True)
+    if acks is None:
+        return EXIT_APPLIED
+    if "signature" not in command:
+        print("trainguard command: no command key (TRAINGUARD_COMMAND_KEY): listeners refuse unsigned commands "
+              "unless TRAINGUARD_ALLOW_UNSIGNED=1", file=err)
+    try:
+        return _await_ack(acks, command, wait_s, out, err)
+    finally:
+        acks.close()
+
+
+def _await_ack(acks, command: dict, wait_s: float, out: TextIO, err: TextIO) -> int:
+    deadline = time.monotonic() + wait_s
+    print(f"waiting up to {wait_s:.0f} s for the trainer's ack ...", file=err, flush=True)
+    while time.monotonic() < deadline:
+        for msg in acks.consume(num_messages=100, timeout=0.5):
+            if msg.error():
+                continue
+            try:
+                ack = ev.decode(msg.value(), expect=(ev.ACK,))
+            except ev.SchemaError:
+                continue
+            if ack["command_id"] != command["id"]:
+                continue
+            step = f" at step {ack['step']}" if ack.get("step") is not None else ""
+            print(f"{ack['status']}{step}: {ack.get('detail') or '(no detail)'}", file=out, flush=True)
+            return EXIT_APPLIED if ack["status"] == "applied" else EXIT_REFUSED
+    expires = time.strftime("%H:%M:%S", time.localtime(command["expires"]))
+    print(f"trainguard command: no ack from run {command['run_id']} within {wait_s:.0f} s. Is its trainer "
+          f"running with a ControlListener for this run id? The command stays valid until {expires}; "
+          f"`trainguard tail --run {command['run_id']}` shows the ack if it comes.", file=err)
+    return EXIT_NO_ACK
+
+
+def main(args) -> int:
+    """``trainguard command`` (args from the CLI's parser)."""
+    try:
+        command = build_command(args.run, args.action, reason=args.reason, to_step=args.to, path=args.path,
+                                ttl_s=args.ttl)
+    except ValueError as exc:
+        print(f"trainguard command: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return send_command(KafkaSettings.from_env(bootstrap=args.bootstrap), command, wait_s=args.wait)
