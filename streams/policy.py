@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from trainguard.schemas.events import command_event
+
 ARMED, AWAITING, STOPPED = "armed", "awaiting", "stopped"
 
 DEFAULTS = {
@@ -145,23 +147,17 @@ def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints,
         target, why = None, (f"{len(recent)} rollbacks in the last hour reached max_rollbacks_per_hour="
                              f"{policy['max_rollbacks_per_hour']}")
     action = "rollback" if target is not None else "stop"
-    command = {
-        "schema": "command/1",
-        "id": stable_id(run_id, action, onset, state.attempt),
-        "run_id": run_id,
-        "action": action,
-        "target": {"step": target["step"], "path": target["path"]} if target else None,
-        "reason": state.alert_ids[-20:],
-        "issued": ts,
-        "expires": ts + float(policy["command_ttl_s"]),
-        "detail": (f"{state.streak} consecutive critical steps from step {onset}" if state.streak > 1 else
-                   f"a critical step that cannot wait at step {onset}") + f": {diagnosis}. {why}.",
-    }
+    skip = None
     if target is not None:
         skip = policy.get("skip_batches", 0)
         skip = step - target["step"] if skip == "auto" else int(skip)
-        if skip > 0:
-            command["skip_batches"] = skip
+    command = command_event(
+        run_id, action, command_id=stable_id(run_id, action, onset, state.attempt), issued=ts,
+        ttl_s=float(policy["command_ttl_s"]), reason=state.alert_ids[-20:],
+        target={"step": target["step"], "path": target["path"]} if target else None,
+        skip_batches=skip if skip and skip > 0 else None,
+        detail=(f"{state.streak} consecutive critical steps from step {onset}" if state.streak > 1 else
+                f"a critical step that cannot wait at step {onset}") + f": {diagnosis}. {why}.")
     candidates = [c for c in checkpoints][-10:]
     state.command_id = command["id"]
     state.command_expires = command["expires"]
@@ -190,11 +186,9 @@ def on_command_refused(state: BreakerState, policy: dict, *, run_id: str, comman
         state.status = ARMED
         return True, None
     state.status = STOPPED
-    command = {
-        "schema": "command/1", "id": stable_id(run_id, "stop", command_id), "run_id": run_id, "action": "stop",
-        "target": None, "reason": [], "issued": ts, "expires": ts + float(policy["command_ttl_s"]),
-        "detail": f"the trainer {status} command {command_id} ({detail}); on_command_failure is stop",
-    }
+    command = command_event(run_id, "stop", command_id=stable_id(run_id, "stop", command_id), issued=ts,
+                            ttl_s=float(policy["command_ttl_s"]),
+                            detail=f"the trainer {status} command {command_id} ({detail}); on_command_failure is stop")
     state.command_id = command["id"]
     return True, command
 
