@@ -34,7 +34,8 @@ ALERT = "alert/1"
 COMMAND = "command/1"
 ACK = "ack/1"
 REPORT = "report/1"
-KINDS = (METRICS, CHECKPOINT, LIFECYCLE, ALERT, COMMAND, ACK, REPORT)
+STATUS = "status/1"
+KINDS = (METRICS, CHECKPOINT, LIFECYCLE, ALERT, COMMAND, ACK, REPORT, STATUS)
 
 LAYERS = ("data", "compute", "resource")
 SEVERITIES = ("P0", "P1", "P2", "P3")
@@ -372,6 +373,20 @@ def _validate_report(event: dict) -> None:
         raise _fail("alerts", "must be a list")
 
 
+def _validate_status(event: dict) -> None:
+    _check_run(event)
+    _time(event, "ts")
+    _int(event, "last_step", required=False)
+    _time(event, "last_event_ts", required=False)
+    breaker = _dict(event, "breaker", required=True)
+    _str(breaker, "status", prefix="breaker.")
+    _int(breaker, "rollbacks", prefix="breaker.")
+    alerts = event.get("open_alerts")
+    if type(alerts) is not list or any(type(a) is not dict or type(a.get("rule")) is not str for a in alerts):
+        raise _fail("open_alerts", "must be a list of objects with a rule")
+    _dict(event, "last_healthy_checkpoint", required=False)
+
+
 _VALIDATORS = {
     METRICS: _validate_metrics,
     CHECKPOINT: _validate_checkpoint,
@@ -380,6 +395,7 @@ _VALIDATORS = {
     COMMAND: _validate_command,
     ACK: _validate_ack,
     REPORT: _validate_report,
+    STATUS: _validate_status,
 }
 
 

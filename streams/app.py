@@ -239,8 +239,10 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     async def publish(outputs) -> None:
         topics = settings.topics
         for out in outputs:
-            value = orjson.dumps(out.value)
-            if out.kind in ("alert", "report"):  # diagnosis reports travel with the alerts
+            value = None if out.value is None else orjson.dumps(out.value)
+            if out.kind == "status":  # the compacted topic `runs` and `status` read; None: forgotten
+                sent = output_producer.publish(topics.status, out.key, value)
+            elif out.kind in ("alert", "report"):  # diagnosis reports travel with the alerts
                 sent = output_producer.publish(topics.alerts, out.key, value)
             elif out.kind == "command":
                 sent = output_producer.publish(topics.control, out.key, value,
@@ -374,6 +376,8 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
             await publish(outputs)
         if outputs or engine.dirty:  # alerts, or runs forgotten: their tombstones
             flush_state()
+        # Each run's status at most every 5 s, for `trainguard runs` and `status`.
+        await publish(engine.status_outputs())
 
     @app.timer(10.0)
     async def status() -> None:

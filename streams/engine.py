@@ -19,6 +19,8 @@ import base64
 import hashlib
 import logging
 import math
+import os
+import socket
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, MutableMapping
@@ -212,6 +214,7 @@ class RunState:
     cross_firing: dict = field(default_factory=dict)    # rule|metric|rank -> its open alert
     finished: bool = False
     finished_at: float | None = None                    # received at, for forgetting the run
+    dropped_events: float | None = None                 # the trainer client's own count, last reported
 
     def to_bytes(self) -> bytes:
         d = self.__dict__.copy()
@@ -269,6 +272,9 @@ class Engine:
         self.windows = MinuteWindows(rules.window_s, windows, keep_s=rules.window_keep_s)
         self.signing_key = signing_key
         self.dirty: dict[bytes, int] = {}
+        self.touched: set[bytes] = set()  # runs whose status changed since status_outputs()
+        self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
+        self._severity = {r.name: r.severity for r in (*rules.rules, *rules.incidents)}
         self.processed = 0
         self.samples = 0
         self.skipped_replays = 0
@@ -356,6 +362,7 @@ class Engine:
         if not handled:
             return []
         self.dirty[run_key] = run.partition
+        self.touched.add(run_key)
         then = "the breaker stops the run" if stop else "the breaker counts critical steps afresh"
         alert = {
             "schema": ev.ALERT, "id": policy.stable_id(ack["run_id"], "command_failed", ack["command_id"]),
@@ -388,6 +395,7 @@ class Engine:
             run.offset = offset
         run.partition = partition
         self.dirty[run_key] = partition
+        self.touched.add(run_key)
         self.processed += 1
         if self.on_event:
             for callback in self.on_event:
@@ -403,6 +411,9 @@ class Engine:
             self._seen(run, run_id, event, outputs)
         kind = event["schema"]
         if kind == ev.METRICS:
+            dropped = event["metrics"].get("trainguard/dropped_events")
+            if dropped is not None:
+                run.dropped_events = dropped
             self._metrics(event, run, run_id, partition, outputs)
         elif kind == ev.CHECKPOINT:
             # Only a checkpoint saved while no critical alert was open is a rollback target.
@@ -826,9 +837,51 @@ class Engine:
             self.dirty[key] = run.partition
         del self.store[run_key]
         self.dirty[run_key] = run.partition
+        self.touched.add(run_key)  # its status goes as a tombstone
         self.forgotten += 1
         log.info("trainguard: forgot run %s (%s)", run_key.decode(errors="replace"),
                  "finished" if run.finished else "idle")
+
+    # -- status: what `trainguard runs` and `status` show --------------------------------------
+
+    def status(self, run_id: str) -> dict | None:
+        """The run's state as an operator asks for it (a ``status/1`` event), or None when this
+        engine holds no such run."""
+        key = run_id.encode()
+        if key not in self.store:
+            return None
+        run = self._run(key)
+        trainer = run.last_seen.get("trainer")
+        steps = [seen[1] for seen in run.last_seen.values() if seen[1] is not None]
+        healthy = next((c for c in reversed(run.checkpoints) if c.get("healthy")), None)
+        open_alerts = []
+        for rule, active in run.active.items():
+            alert = active.get("alert")
+            if active["open"] > 0 and alert:
+                value = alert.get("value")
+                open_alerts.append({"rule": rule, "severity": self._severity.get(rule), "id": alert["id"],
+                                    "metric": alert.get("metric"), "step": alert.get("step"),
+                                    "value": _json_value(value) if type(value) is float else value})
+        breaker = run.breaker
+        return {
+            "schema": ev.STATUS, "run_id": run_id, "ts": time.time(),
+            "last_event_ts": max((seen[0] for seen in run.last_seen.values()), default=None),
+            "last_step": trainer[1] if trainer and trainer[1] is not None else max(steps, default=None),
+            "finished": run.finished, "sources": len(run.sources),
+            "breaker": {"status": breaker.status, "rollbacks": breaker.attempt, "streak": breaker.streak,
+                        "restored_step": breaker.restored_step,
+                        "pending_command": breaker.command_id if breaker.status == policy.AWAITING else None},
+            "open_alerts": open_alerts, "checkpoints": len(run.checkpoints),
+            "last_healthy_checkpoint": {"step": healthy["step"], "path": healthy["path"]} if healthy else None,
+            "dropped_events": run.dropped_events, "worker": self.worker_name,
+        }
+
+    def status_outputs(self) -> list[Output]:
+        """A status for every run touched since the last call; a forgotten run's is None (a
+        tombstone on the compacted status topic)."""
+        outputs = [Output("status", key.decode(), self.status(key.decode())) for key in self.touched]
+        self.touched.clear()
+        return outputs
 
     def _window(self, run_id: str, alert: dict) -> dict | None:
         """The metric's recent values, oldest first, from the baseline's ring buffer."""

@@ -98,3 +98,78 @@ def test_bad_input_names_the_problem_and_sends_nothing(kafka):
     assert pause.returncode == 2 and "only go with rollback" in pause.stderr
     bad_run = _command(kafka, "a|b", "stop", "--reason", "x")
     assert bad_run.returncode == 2 and "run_id" in bad_run.stderr
+
+
+def _runs(kafka, *args):
+    prefix = kafka.topics.events.rsplit(".", 1)[0]
+    env = {**os.environ, "TRAINGUARD_BOOTSTRAP": kafka.bootstrap, "TRAINGUARD_TOPIC_PREFIX": prefix}
+    return subprocess.run([sys.executable, "-m", "trainguard.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def test_runs_and_status_show_what_two_workers_know_and_forget_finished_runs(kafka, tmp_path):
+    """Runs spread over two workers of one group: `runs` lists each once, `status` shows the
+    breaker waiting on its rollback with the alert and checkpoint behind it; a finished run
+    leaves the list once forgotten."""
+    import time
+
+    import orjson
+
+    from tests.integration import WorkerProcess
+    from trainguard.producers.trainer import TrainerLogger
+
+    env = {"TRAINGUARD_FINISHED_GRACE_S": "1"}
+    first = WorkerProcess(kafka, tmp_path, extra_env=env).start()
+    second = WorkerProcess(kafka, tmp_path, app_id=first.app_id, extra_env=env).start()
+    loggers = []
+    try:
+        first.wait_ready()
+        second.wait_ready()
+        runs = [f"st-{i}" for i in range(6)]
+        for run in runs:
+            logger = TrainerLogger(run, kafka, host="h")
+            loggers.append(logger)
+            logger.lifecycle("started", step=0)
+            for step in range(1, 9):
+                logger.log({"actor/pg_loss": -0.01, "actor/kl_loss": 0.001}, step)
+                if step == 5:
+                    logger.checkpoint_saved(5, f"/ckpt/{run}/global_step_5")
+        loggers[0].log({"actor/pg_loss": float("nan"), "actor/kl_loss": 0.001}, 9)  # pages, rolls back
+        loggers[1].lifecycle("finished", step=8)
+        for logger in loggers:
+            logger.publisher.flush(10)
+
+        deadline = time.monotonic() + 60
+        listed = {}
+        while time.monotonic() < deadline:
+            result = _runs(kafka, "runs", "--json")
+            assert result.returncode == 0, result.stderr
+            listed = {s["run_id"]: s for s in map(orjson.loads, result.stdout.splitlines())}
+            if set(listed) == set(runs) - {"st-1"} and listed["st-0"]["breaker"]["status"] == "awaiting":
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"runs never showed the expected state: {listed}\n{first.log()[-2000:]}")
+        assert len({s["worker"] for s in listed.values()}) == 2, "both workers publish the runs they own"
+        assert listed["st-2"]["last_step"] == 8 and listed["st-2"]["open_alerts"] == []
+        assert listed["st-2"]["last_healthy_checkpoint"] == {"step": 5, "path": "/ckpt/st-2/global_step_5"}
+
+        table = _runs(kafka, "runs")
+        assert table.returncode == 0 and table.stdout.splitlines()[0].split()[:2] == ["RUN", "STEP"]
+        assert sum(line.startswith("st-") for line in table.stdout.splitlines()) == 5
+
+        shown = _runs(kafka, "status", "st-0")
+        assert shown.returncode == 0, shown.stderr
+        command = listed["st-0"]["breaker"]["pending_command"]
+        assert f"run st-0: awaiting {command}" in shown.stdout  # no trainer here applies the rollback
+        assert "breaker awaiting; 0 rollback(s)" in shown.stdout
+        assert "P0 non_finite" in shown.stdout and "at step 9" in shown.stdout
+        assert "newest healthy checkpoint: step 5 (/ckpt/st-0/global_step_5)" in shown.stdout
+
+        gone = _runs(kafka, "status", "st-1")
+        assert gone.returncode == 1 and "no status for run st-1" in gone.stderr
+    finally:
+        for logger in loggers:
+            logger.close(quiet=True)
+        first.kill()
+        second.kill()

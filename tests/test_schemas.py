@@ -31,6 +31,13 @@ VALID = [
     {"schema": "alert/1", "id": "a1", "run_id": "run-1", "rule": "kl_explosion", "severity": "P1",
      "status": "firing", "ts": 1.5e9, "onset": {"step": 3, "ts": 1.5e9}, "evidence": {"value": 1.0},
      "value": "NaN"},
+    {"schema": "status/1", "run_id": "run-1", "ts": 1.5e9, "last_event_ts": 1.5e9, "last_step": 12,
+     "finished": False, "sources": 2, "breaker": {"status": "awaiting", "rollbacks": 1, "streak": 0,
+                                                  "restored_step": 10, "pending_command": "c1"},
+     "open_alerts": [{"rule": "kl_explosion", "severity": "P1", "id": "a1", "metric": "actor/kl_loss",
+                      "value": "NaN", "step": 12}],
+     "checkpoints": 3, "last_healthy_checkpoint": {"step": 10, "path": "/ckpt/10"}, "dropped_events": 0.0,
+     "worker": "host:1"},
 ]
 
 

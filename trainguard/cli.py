@@ -56,6 +56,18 @@ def _command(args) -> int:
     return command_main(args)
 
 
+def _runs(args) -> int:
+    from trainguard.operate import runs_main
+
+    return runs_main(args)
+
+
+def _status(args) -> int:
+    from trainguard.operate import status_main
+
+    return status_main(args)
+
+
 def _sinks(args) -> int:
     from trainguard.sinks.runner import main as sinks_main
 
@@ -179,6 +191,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print each event as one JSON object a line instead (for jq and scripts)")
     p.set_defaults(func=_tail)
+
+    p = command("runs", "list the runs the workers watch, one line each",
+                "Last step, last event, breaker state, rollbacks, newest healthy checkpoint, open alerts; "
+                "from the status the workers keep on the compacted status topic.")
+    p.add_argument("--json", action="store_true", help="one status/1 object per run and line")
+    p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
+    p.set_defaults(func=_runs)
+
+    p = command("status", "show one run's state: alerts, breaker, checkpoints, dropped events",
+                "Exit 1 when no worker watches the run.")
+    p.add_argument("run", help="the run id")
+    p.add_argument("--json", action="store_true", help="the status/1 object itself")
+    p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
+    p.set_defaults(func=_status)
 
     p = command("command", "steer a run by hand: pause, resume, stop or roll it back",
                 "Signed with the operator's key (TRAINGUARD_COMMAND_KEY or _FILE) and acked by the trainer "

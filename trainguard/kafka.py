@@ -26,9 +26,10 @@ class Topics:
     control: str = "trainguard.control"
     acks: str = "trainguard.control.acks"
     dlq: str = "trainguard.dlq"
+    status: str = "trainguard.status"  # compacted: the latest status of each run (runs, status)
 
     def all(self) -> list[str]:
-        return [self.events, self.alerts, self.control, self.acks, self.dlq]
+        return [self.events, self.alerts, self.control, self.acks, self.dlq, self.status]
 
     @classmethod
     def with_prefix(cls, prefix: str) -> "Topics":
@@ -120,6 +121,10 @@ def control_partitions_of(settings: KafkaSettings) -> int:
     return found
 
 
+# Per topic (by its last name part): the status topic keeps only the latest record of each run.
+TOPIC_CONFIG = {"status": {"cleanup.policy": "compact"}}
+
+
 def create_topics(settings: KafkaSettings, timeout: float = 15.0) -> list[str]:
     """Create the project's topics with the expected partition count; return those created."""
     from confluent_kafka.admin import AdminClient, NewTopic
@@ -130,7 +135,8 @@ def create_topics(settings: KafkaSettings, timeout: float = 15.0) -> list[str]:
     if not wanted:
         return []
     futures = admin.create_topics(
-        [NewTopic(t, num_partitions=settings.partitions, replication_factor=1) for t in wanted],
+        [NewTopic(t, num_partitions=settings.partitions, replication_factor=1,
+                  config=TOPIC_CONFIG.get(t.rsplit(".", 1)[-1], {})) for t in wanted],
         operation_timeout=timeout, request_timeout=timeout)
     created = []
     for topic, fut in futures.items():

@@ -15,6 +15,7 @@ import getpass
 import socket
 import sys
 import time
+import uuid
 from typing import TextIO
 
 from trainguard.kafka import KafkaSettings, control_partitions_of, partition_for
@@ -135,3 +136,156 @@ def main(args) -> int:
         print(f"trainguard command: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return send_command(KafkaSettings.from_env(bootstrap=args.bootstrap), command, wait_s=args.wait)
+
+
+# --------------------------------------------------------------------------- runs and status
+
+
+def read_statuses(settings: KafkaSettings, timeout_s: float = 15.0) -> dict[str, dict]:
+    """The latest status of every run the workers know, from the compacted status topic (read
+    to its current end; a tombstone removes a run). KafkaException when the broker cannot be
+    reached or the topic is missing."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    topic = settings.topics.status
+    consumer = Consumer(settings.confluent(**{"group.id": f"trainguard-status-{uuid.uuid4().hex[:8]}",
+                                              "enable.auto.commit": False, "log_level": 2}))
+    statuses: dict[str, dict] = {}
+    try:
+        meta = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            raise KafkaException(f"no topic {topic} (create it with `trainguard broker` or the compose "
+                                 f"stack's topics job; workers of this release keep it current)")
+        ends: dict[int, int] = {}
+        parts = []
+        for p in sorted(meta.partitions):
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
+            if high > low:
+                ends[p] = high
+                parts.append(TopicPartition(topic, p, low))
+        if not parts:
+            return statuses
+        consumer.assign(parts)
+        deadline = time.monotonic() + timeout_s
+        while ends and time.monotonic() < deadline:
+            for msg in consumer.consume(num_messages=1000, timeout=0.5):
+                if msg.error():
+                    continue
+                run_id = (msg.key() or b"").decode("utf-8", "replace")
+                if msg.value() is None:
+                    statuses.pop(run_id, None)
+                else:
+                    try:
+                        statuses[run_id] = ev.decode(msg.value(), expect=(ev.STATUS,))
+                    except ev.SchemaError:
+                        pass  # a status from another release: the next one replaces it
+                if msg.offset() + 1 >= ends.get(msg.partition(), 0):
+                    ends.pop(msg.partition(), None)
+        if ends:
+            raise KafkaException(f"read {topic} for {timeout_s:.0f} s without reaching its end")
+    finally:
+        consumer.close()
+    return statuses
+
+
+def _ago(ts: float | None, now: float) -> str:
+    if ts is None:
+        return "never"
+    s = max(0.0, now - ts)
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
+
+
+def _state(status: dict) -> str:
+    breaker = status["breaker"]
+    if status.get("finished"):
+        return "finished"
+    if breaker["status"] == "awaiting":
+        return f"awaiting {breaker.get('pending_command') or 'a command'}"
+    return breaker["status"]
+
+
+def _alerts_brief(status: dict) -> str:
+    alerts = sorted(status["open_alerts"], key=lambda a: (a.get("severity") or "P9", a["rule"]))
+    return ", ".join(f"{a.get('severity') or '?'} {a['rule']}" for a in alerts) or "-"
+
+
+def format_runs(statuses: dict[str, dict], now: float | None = None) -> str:
+    """One line per run, the most recently active first."""
+    now = time.time() if now is None else now
+    rows = [("RUN", "STEP", "LAST EVENT", "STATE", "ROLLBACKS", "HEALTHY CKPT", "OPEN ALERTS")]
+    for s in sorted(statuses.values(), key=lambda s: s.get("last_event_ts") or 0, reverse=True):
+        ckpt = s.get("last_healthy_checkpoint")
+        rows.append((s["run_id"], "-" if s.get("last_step") is None else str(s["last_step"]),
+                     _ago(s.get("last_event_ts"), now), _state(s), str(s["breaker"]["rollbacks"]),
+                     str(ckpt["step"]) if ckpt else "-", _alerts_brief(s)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+
+
+def format_status(s: dict, now: float | None = None) -> str:
+    """A run's state, a few lines."""
+    now = time.time() if now is None else now
+    breaker = s["breaker"]
+    lines = [f"run {s['run_id']}: {_state(s)} (as of {_ago(s['ts'], now)}, worker {s.get('worker', '?')})",
+             f"  last step {s.get('last_step', '-')}, last event {_ago(s.get('last_event_ts'), now)}, "
+             f"{s.get('sources', 0)} source(s)"]
+    rolled = f", the last to step {breaker['restored_step']}" if breaker.get("restored_step") is not None else ""
+    lines.append(f"  breaker {breaker['status']}; {breaker['rollbacks']} rollback(s){rolled}")
+    if s["open_alerts"]:
+        lines.append("  open alerts:")
+        for a in sorted(s["open_alerts"], key=lambda a: (a.get("severity") or "P9", a["rule"])):
+            where = f" at step {a['step']}" if a.get("step") is not None else ""
+            value = f" {a['metric']}={a['value']}" if a.get("metric") else ""
+            lines.append(f"    {a.get('severity') or '?'} {a['rule']}{value}{where}  ({a.get('id')})")
+    else:
+        lines.append("  open alerts: none")
+    ckpt = s.get("last_healthy_checkpoint")
+    lines.append(f"  newest healthy checkpoint: " + (f"step {ckpt['step']} ({ckpt['path']})" if ckpt else "none")
+                 + f"; {s.get('checkpoints', 0)} checkpoint(s) seen")
+    if s.get("dropped_events"):
+        lines.append(f"  the trainer's client dropped {s['dropped_events']:.0f} event(s) (broker unreachable "
+                     f"or its queue full): detection saw gaps")
+    return "\n".join(lines)
+
+
+def runs_main(args) -> int:
+    """``trainguard runs``."""
+    from confluent_kafka import KafkaException
+
+    settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
+    try:
+        statuses = read_statuses(settings)
+    except KafkaException as exc:
+        print(f"trainguard runs: cannot read run status from Kafka at {settings.bootstrap}: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        for s in sorted(statuses.values(), key=lambda s: s.get("last_event_ts") or 0, reverse=True):
+            print(ev.encode(s).decode())
+        return 0
+    if not statuses:
+        print(f"no runs: the workers on {settings.bootstrap} watch none now (finished runs are forgotten "
+              f"after TRAINGUARD_FINISHED_GRACE_S)", file=sys.stderr)
+        return 0
+    print(format_runs(statuses))
+    return 0
+
+
+def status_main(args) -> int:
+    """``trainguard status RUN``."""
+    from confluent_kafka import KafkaException
+
+    settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
+    try:
+        statuses = read_statuses(settings)
+    except KafkaException as exc:
+        print(f"trainguard status: cannot read run status from Kafka at {settings.bootstrap}: {exc}",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    status = statuses.get(args.run)
+    if status is None:
+        known = ", ".join(sorted(statuses)[:10]) or "none"
+        print(f"trainguard status: no status for run {args.run}: no worker watches it now (not started, or "
+              f"finished and forgotten). Runs known: {known}", file=sys.stderr)
+        return EXIT_REFUSED
+    print(ev.encode(status).decode() if args.json else format_status(status))
+    return 0
