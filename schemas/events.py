@@ -35,13 +35,15 @@ COMMAND = "command/1"
 ACK = "ack/1"
 REPORT = "report/1"
 STATUS = "status/1"
-KINDS = (METRICS, CHECKPOINT, LIFECYCLE, ALERT, COMMAND, ACK, REPORT, STATUS)
+OPERATOR = "operator/1"  # an operator's word on a run (a silence), on the events topic
+KINDS = (METRICS, CHECKPOINT, LIFECYCLE, ALERT, COMMAND, ACK, REPORT, STATUS, OPERATOR)
 
 LAYERS = ("data", "compute", "resource")
 SEVERITIES = ("P0", "P1", "P2", "P3")
 ALERT_STATUSES = ("firing", "resolved")
 ACTIONS = ("rollback", "pause", "resume", "stop", "skip_data", "checkpoint_now")
 ACK_STATUSES = ("applied", "rejected", "failed")
+OPERATOR_ACTIONS = ("silence", "unsilence")
 LIFECYCLE_EVENTS = ("started", "finished", "heartbeat", "rolled_back", "paused", "resumed", "stopped")
 
 _NON_FINITE_IN = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf, None: math.nan}
@@ -141,6 +143,21 @@ def command_event(run_id: str, action: str, *, target: dict | None = None, detai
     if skip_batches:
         event["skip_batches"] = skip_batches
     _validate_command(event)
+    return event
+
+
+def operator_event(run_id: str, action: str, *, silence_id: str | None = None, rule: str | None = None,
+                   until: float | None = None, reason: str = "", by: str = "", ts: float | None = None) -> dict:
+    """An operator's silence (or its end) for a run, validated. It travels on the events topic,
+    keyed by the run, so the worker that owns the run applies it in order with the run's events."""
+    event: dict[str, Any] = {"schema": OPERATOR, "run_id": run_id, "action": action,
+                             "id": silence_id or uuid.uuid4().hex[:12], "reason": reason, "by": by,
+                             "ts": time.time() if ts is None else ts}
+    if rule is not None:
+        event["rule"] = rule
+    if until is not None:
+        event["until"] = until
+    _validate_operator(event)
     return event
 
 
@@ -387,6 +404,19 @@ def _validate_status(event: dict) -> None:
     _dict(event, "last_healthy_checkpoint", required=False)
 
 
+def _validate_operator(event: dict) -> None:
+    _check_run(event)
+    action = _enum(event, "action", OPERATOR_ACTIONS)
+    _str(event, "id", max_len=64)
+    _str(event, "rule", required=False, max_len=MAX_NAME_LEN)
+    _str(event, "reason", required=False)
+    _str(event, "by", required=False, max_len=256)
+    _time(event, "ts")
+    until = _time(event, "until", required=action == "silence")
+    if until is not None and until <= event["ts"]:
+        raise _fail("until", "must be later than ts (a silence that has already ended)")
+
+
 _VALIDATORS = {
     METRICS: _validate_metrics,
     CHECKPOINT: _validate_checkpoint,
@@ -396,6 +426,7 @@ _VALIDATORS = {
     ACK: _validate_ack,
     REPORT: _validate_report,
     STATUS: _validate_status,
+    OPERATOR: _validate_operator,
 }
 
 

@@ -71,6 +71,9 @@ class ConsoleSink(Sink):
         line = (f"{_clock(alert.get('ts'))} {head} {self._c(_BOLD, alert['rule'])} run={alert['run_id']} "
                 f"step={alert.get('step')} {alert.get('metric', '')}={_value(alert.get('value'))}{bounds}"
                 f" {self._c(_DIM, alert.get('resolution') or alert.get('diagnosis', ''))}")
+        silence = alert.get("silenced")
+        if silence:
+            line += self._c(_DIM, f" [silenced until {_clock(silence.get('until'))} by {silence.get('by') or '?'}]")
         if self.detail:
             line += "\n    " + orjson.dumps(alert, option=orjson.OPT_INDENT_2).decode().replace("\n", "\n    ")
         return line

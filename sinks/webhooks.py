@@ -294,6 +294,8 @@ class WebhookSink(Sink):
                     continue
                 if event.get("inhibited_by"):  # an open P0 incident already pages for this one
                     continue
+                if event.get("silenced"):  # an operator silenced the run or the rule: no page
+                    continue
                 added |= self.outbox.add(event)
             if added:
                 self.outbox.save()

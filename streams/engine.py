@@ -42,6 +42,7 @@ log = logging.getLogger("trainguard.engine")
 MAX_CHECKPOINTS = 64
 MAX_SNAPSHOT_HOSTS = 16
 MAX_RECENT_ALERTS = 32
+MAX_SILENCES = 32  # per run: the newest are kept
 DLQ_EXCERPT_BYTES = 64 * 1024  # base64 makes it 88 KB: far under a broker's 1 MB message limit
 _STATE_MAGIC = b"TGS1"  # source state: magic, header length, JSON header, raw float64 arrays
 STATE_VERSION = 1      # of the run state and the source state's header (0: before versions were written)
@@ -215,6 +216,7 @@ class RunState:
     finished: bool = False
     finished_at: float | None = None                    # received at, for forgetting the run
     dropped_events: float | None = None                 # the trainer client's own count, last reported
+    silences: list = field(default_factory=list)        # {id, rule, until, reason, by}: an operator's
 
     def to_bytes(self) -> bytes:
         d = self.__dict__.copy()
@@ -335,7 +337,7 @@ class Engine:
     def handle(self, raw: bytes, partition: int = 0, offset: int = -1, topic: str = "") -> list[Output]:
         """Apply one raw event; never raises on bad input (it becomes a DLQ record)."""
         try:
-            event = ev.decode(raw, expect=(ev.METRICS, ev.CHECKPOINT, ev.LIFECYCLE))
+            event = ev.decode(raw, expect=(ev.METRICS, ev.CHECKPOINT, ev.LIFECYCLE, ev.OPERATOR))
         except ev.SchemaError as exc:
             return [self.dead_letter(raw, str(exc), topic, partition, offset)]
         try:
@@ -415,6 +417,8 @@ class Engine:
             if dropped is not None:
                 run.dropped_events = dropped
             self._metrics(event, run, run_id, partition, outputs)
+        elif kind == ev.OPERATOR:
+            self._operator(event, run, run_id)
         elif kind == ev.CHECKPOINT:
             # Only a checkpoint saved while no critical alert was open is a rollback target.
             run.checkpoints.append({"step": event["step"], "path": event["path"], "ts": event["ts"],
@@ -428,6 +432,24 @@ class Engine:
         elif event["event"] == "started":
             run.finished, run.finished_at = False, None
         return outputs
+
+    def _operator(self, event: dict, run: RunState, run_id: str) -> None:
+        """An operator silenced the run (or one rule of it) until a time, or ended a silence."""
+        now = self.clock()
+        run.silences = [s for s in run.silences if s["id"] != event["id"] and s["until"] > now]
+        if event["action"] == "silence":
+            run.silences.append({"id": event["id"], "rule": event.get("rule"), "until": event["until"],
+                                 "reason": event.get("reason", ""), "by": event.get("by", "")})
+            del run.silences[:-MAX_SILENCES]
+        log.warning("trainguard: run %s: %s %s%s by %s: %s", run_id, event["action"], event["id"],
+                    f" (rule {event['rule']})" if event.get("rule") else "", event.get("by") or "?",
+                    event.get("reason", ""))
+
+    def _silence_for(self, run: RunState, rule: str) -> dict | None:
+        if not run.silences:
+            return None
+        now = self.clock()
+        return next((s for s in run.silences if s["until"] > now and s["rule"] in (None, rule)), None)
 
     # -- alert bookkeeping shared by every kind of rule ------------------------------------------
 
@@ -453,6 +475,9 @@ class Engine:
         if not getattr(rule, "emit", True):
             alert["incident_only"] = True  # kept for incidents, never published on its own
             return None
+        silence = self._silence_for(run, alert["rule"])
+        if silence is not None:  # published and recorded, but no sink pages for it
+            alert["silenced"] = dict(silence)
         return Output("alert", alert["run_id"], alert)
 
     def _resolve(self, run: RunState, alert: dict, event: dict, **extra) -> Output | None:
@@ -874,6 +899,7 @@ class Engine:
             "open_alerts": open_alerts, "checkpoints": len(run.checkpoints),
             "last_healthy_checkpoint": {"step": healthy["step"], "path": healthy["path"]} if healthy else None,
             "dropped_events": run.dropped_events, "worker": self.worker_name,
+            "silences": [dict(s) for s in run.silences if s["until"] > self.clock()],
         }
 
     def status_outputs(self) -> list[Output]:

@@ -363,3 +363,39 @@ def test_a_finished_run_is_forgotten_after_its_grace_and_an_idle_one_after_its_t
     assert b"idle" in engine.store
     engine.tick(now[0] + 3601)
     assert not engine.store and engine.forgotten == 2
+
+
+def test_a_silence_marks_the_runs_alerts_until_it_ends_and_the_breaker_still_acts():
+    engine = Engine(rules_mod.default())
+    now = [1000.0]
+    engine.clock = lambda: now[0]
+
+    def step(n, loss):
+        event = ev.metrics_event("sil", n, {"actor/pg_loss": loss}, src=TRAINER, ts=now[0])
+        return engine.handle(ev.encode(event), 0, n)
+
+    engine.handle(ev.encode(ev.checkpoint_event("sil", 1, "/ckpt/1", ts=now[0])), 0, 0)
+    silence = ev.operator_event("sil", "silence", until=now[0] + 60, reason="known bad shard", by="ops@h", ts=now[0])
+    engine.handle(ev.encode(silence), 0, 1)
+    outputs = step(2, math.nan)
+    [alert] = [o.value for o in outputs if o.kind == "alert" and o.value["rule"] == "non_finite"]
+    assert alert["silenced"]["id"] == silence["id"] and alert["silenced"]["reason"] == "known bad shard"
+    assert any(o.kind == "command" for o in outputs), "a silence mutes pages, not the breaker"
+    assert engine.status("sil")["silences"][0]["by"] == "ops@h"
+
+    now[0] += 61  # the silence ran out by itself
+    step(3, -0.01)  # the loss is finite again: the open alert resolves
+    later = [o.value for o in step(4, -math.inf) if o.kind == "alert" and o.value["status"] == "firing"]
+    assert later and all("silenced" not in a for a in later)
+    assert engine.status("sil")["silences"] == []
+
+
+def test_a_silence_of_one_rule_leaves_the_others_and_can_be_ended_early():
+    engine = Engine(rules_mod.default())
+    engine.clock = lambda: 1000.0
+    only = ev.operator_event("sil2", "silence", rule="kl_spike", until=2000.0, by="ops", ts=1000.0)
+    engine.handle(ev.encode(only), 0, 0)
+    run = engine.store[b"sil2"]
+    assert engine._silence_for(run, "kl_spike") is not None and engine._silence_for(run, "non_finite") is None
+    engine.handle(ev.encode(ev.operator_event("sil2", "unsilence", silence_id=only["id"], ts=1001.0)), 0, 1)
+    assert engine._silence_for(run, "kl_spike") is None and engine.status("sil2")["silences"] == []

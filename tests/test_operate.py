@@ -173,3 +173,38 @@ def test_runs_and_status_show_what_two_workers_know_and_forget_finished_runs(kaf
             logger.close(quiet=True)
         first.kill()
         second.kill()
+
+
+def test_a_silence_sent_by_hand_reaches_the_worker_and_shows_in_status(kafka, tmp_path):
+    import time
+
+    from tests.integration import TopicReader, WorkerProcess
+    from trainguard.producers.trainer import TrainerLogger
+
+    worker = WorkerProcess(kafka, tmp_path).start()
+    logger = TrainerLogger("sil-1", kafka, host="h")
+    alerts = TopicReader(kafka, kafka.topics.alerts)
+    try:
+        worker.wait_ready()
+        for step in range(1, 4):
+            logger.log({"actor/pg_loss": -0.01}, step)
+        silenced = _runs(kafka, "silence", "sil-1", "--for", "10m", "--reason", "known bad data shard")
+        assert silenced.returncode == 0, silenced.stderr
+        assert "silenced run sil-1 until" in silenced.stdout and "--end" in silenced.stdout
+        logger.log({"actor/pg_loss": float("nan")}, 4)
+        logger.publisher.flush(10)
+        alert = alerts.wait_for(lambda a: a.get("rule") == "non_finite", what="the NaN alert", worker=worker)
+        assert alert["silenced"]["reason"] == "known bad data shard"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            shown = _runs(kafka, "status", "sil-1")
+            if "silenced (every rule)" in shown.stdout:
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"status never showed the silence: {shown.stdout}{shown.stderr}")
+        assert "known bad data shard" in shown.stdout and "(silenced)" in shown.stdout.splitlines()[0]
+    finally:
+        alerts.close()
+        logger.close(quiet=True)
+        worker.kill()

@@ -259,3 +259,14 @@ def test_templates_are_files_a_user_can_override(tmp_path):
     assert fields["title"] == "Kl Explosion" and fields["report"] == ""
     import string
     assert render(string.Template("a\nx ${report}\nb ${run}"), {"report": "", "run": "r"}) == "a\nb r"
+
+
+def test_a_silenced_alert_pages_nobody(servers):
+    receiver = servers()
+    sink = GenericWebhookSink(receiver.url, **FAST)
+    servers.sinks.append(sink)
+    quiet = {**_alert(1), "silenced": {"id": "s1", "until": 2e9, "reason": "known bad shard", "by": "ops"}}
+    loud = _alert(2)
+    sink.deliver([quiet, loud])
+    assert sink.flush(timeout=30)
+    assert [b["id"] for b in receiver.bodies()] == [loud["id"]]

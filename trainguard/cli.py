@@ -68,6 +68,12 @@ def _status(args) -> int:
     return status_main(args)
 
 
+def _silence(args) -> int:
+    from trainguard.operate import silence_main
+
+    return silence_main(args)
+
+
 def _sinks(args) -> int:
     from trainguard.sinks.runner import main as sinks_main
 
@@ -221,6 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds the command stays valid for a trainer busy in a long step (default: %(default)s)")
     p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
     p.set_defaults(func=_command)
+
+    p = command("silence", "silence a run's alerts (or one rule's) for a while, or end a silence",
+                "Silenced alerts are still published, recorded and shown (tail, status), but no sink pages "
+                "for them; the breaker still acts. A silence ends by itself.")
+    p.add_argument("run", help="the run id")
+    p.add_argument("--for", dest="duration", metavar="DURATION", help="how long: 90s, 30m, 2h, 1d")
+    p.add_argument("--rule", help="only this rule's alerts (default: every rule of the run)")
+    p.add_argument("--reason", required=True, help="why (kept with the silence, shown in status)")
+    p.add_argument("--end", metavar="ID", help="end the silence with this id now")
+    p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
+    p.set_defaults(func=_silence)
 
     p = command("sinks", "deliver alerts to the sinks configured in the environment",
                 "Console, JSON lines, webhooks (DingTalk, WeCom, Slack, generic), Alertmanager, Prometheus; "

@@ -199,9 +199,10 @@ def _state(status: dict) -> str:
     breaker = status["breaker"]
     if status.get("finished"):
         return "finished"
-    if breaker["status"] == "awaiting":
-        return f"awaiting {breaker.get('pending_command') or 'a command'}"
-    return breaker["status"]
+    state = breaker["status"]
+    if state == "awaiting":
+        state = f"awaiting {breaker.get('pending_command') or 'a command'}"
+    return state + (" (silenced)" if status.get("silences") else "")
 
 
 def _alerts_brief(status: dict) -> str:
@@ -239,6 +240,10 @@ def format_status(s: dict, now: float | None = None) -> str:
             lines.append(f"    {a.get('severity') or '?'} {a['rule']}{value}{where}  ({a.get('id')})")
     else:
         lines.append("  open alerts: none")
+    for silence in s.get("silences") or ():
+        scope = f"rule {silence['rule']}" if silence.get("rule") else "every rule"
+        lines.append(f"  silenced ({scope}) until {time.strftime('%H:%M:%S', time.localtime(silence['until']))} "
+                     f"by {silence.get('by') or '?'}: {silence.get('reason', '')}  ({silence['id']})")
     ckpt = s.get("last_healthy_checkpoint")
     lines.append(f"  newest healthy checkpoint: " + (f"step {ckpt['step']} ({ckpt['path']})" if ckpt else "none")
                  + f"; {s.get('checkpoints', 0)} checkpoint(s) seen")
@@ -289,3 +294,63 @@ def status_main(args) -> int:
         return EXIT_REFUSED
     print(ev.encode(status).decode() if args.json else format_status(status))
     return 0
+
+
+# --------------------------------------------------------------------------- silences
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``30m``, ``2h``, ``1d`` or plain seconds; ValueError saying what is accepted."""
+    text = text.strip().lower()
+    unit = _UNITS.get(text[-1:]) if text else None
+    number = text[:-1] if unit else text
+    try:
+        seconds = float(number) * (unit or 1)
+    except ValueError:
+        raise ValueError(f"--for expects a duration such as 90s, 30m, 2h or 1d, not {text!r}") from None
+    if not 0 < seconds <= 30 * 86400:
+        raise ValueError(f"--for must be between 1 s and 30 days, not {text!r}")
+    return seconds
+
+
+def silence_main(args) -> int:
+    """``trainguard silence RUN --for 2h --reason ...`` (or ``--end ID``)."""
+    from trainguard.producers.publisher import Publisher
+
+    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    try:
+        if not args.reason.strip():
+            raise ValueError("--reason must say why (it is kept with the silence and shown in status)")
+        if args.end:
+            event = ev.operator_event(args.run, "unsilence", silence_id=args.end, reason=args.reason, by=who)
+        else:
+            if args.duration is None:
+                raise ValueError("say how long with --for (90s, 30m, 2h, 1d), or end one with --end ID")
+            now = time.time()
+            event = ev.operator_event(args.run, "silence", rule=args.rule, until=now + parse_duration(args.duration),
+                                      reason=args.reason, by=who, ts=now)
+    except (ValueError, ev.SchemaError) as exc:
+        print(f"trainguard silence: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
+    publisher = Publisher(settings, linger_ms=0)
+    try:
+        # Keyed by the run, on the events topic: the worker that owns the run applies it in order.
+        publisher.publish(settings.topics.events, args.run, ev.encode(event))
+        if publisher.flush(10) or publisher.dropped or publisher.delivery_failed:
+            print(f"trainguard silence: it did not reach Kafka at {settings.bootstrap} within 10 s; nothing "
+                  f"changed (is the broker running?)", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    finally:
+        publisher.close(2)
+    if args.end:
+        print(f"ended silence {args.end} of run {args.run}")
+    else:
+        scope = f"rule {args.rule} of run {args.run}" if args.rule else f"run {args.run}"
+        until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event["until"]))
+        print(f"silenced {scope} until {until} (silence {event['id']}): its alerts are recorded and shown, "
+              f"no sink pages for them; the breaker still acts. End it early: "
+              f"trainguard silence {args.run} --end {event['id']} --reason ...")
+    return EXIT_APPLIED
