@@ -31,35 +31,11 @@ from trainguard.producers.publisher import Publisher
 from trainguard.schemas.signing import load_keys, signing_key_for_worker
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
-from trainguard.streams.transport import BULK_LANE_SUPPORTED, WorkerTransport
+from trainguard.streams.transport import BULK_LANE_SUPPORTED, BytesTable, WindowedBytesTable, WorkerApp
 
 log = logging.getLogger("trainguard.worker")
 
 FLUSH_MARKER = b"|flush"  # a state-table key no run or source can have (they never start with "|")
-
-
-class WorkerApp(faust.App):
-    def _new_transport(self):
-        return WorkerTransport(self.conf.broker_consumer, self)
-
-
-class BytesTable(faust.Table):
-    """A table whose keys and values are bytes as they are: the engine encodes its own state
-    (and decodes it lazily), so the changelog never goes through JSON."""
-
-    def _serializer_from_type(self, typ):
-        return "raw"
-
-
-class WindowedBytesTable(BytesTable):
-    """The per-interval aggregates (:mod:`~trainguard.streams.minutes`): a tumbling windowed
-    table whose changelog keys are ``<source key>@<window start>``, turned back into Faust's
-    ``(key, (start, end))`` windowed keys on recovery."""
-
-    decode_key = staticmethod(lambda raw: raw)  # set to MinuteWindows.decode_key once the engine exists
-
-    def _to_key(self, k):
-        return self.decode_key(k)
 
 
 def bulk_lane_enabled() -> bool:

@@ -1,4 +1,11 @@
-"""Faust's Kafka consumer, with two changes the worker needs.
+"""Every place the worker reaches into Faust's, aiokafka's or mode's internals, in one module.
+
+``UPSTREAM`` lists each private upstream function the worker overrides or relies on, with a
+hash of its source as read when the override was written; ``changed_upstream()`` names those
+that changed since (a test fails on any, and the bulk lane turns itself off when the function
+it copies changed), so an upgrade cannot silently break an override.
+
+Faust's Kafka consumer, with two changes the worker needs.
 
 1. **A short fetch wait.** Faust fixes the consumer's fetch wait at 1.5 s, and a broker that
    does not answer a waiting fetch as soon as data arrives (the embedded one) would hold
@@ -24,6 +31,9 @@ from the committed offsets), never applied to state this worker no longer owns.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import importlib
+import inspect
 import os
 from typing import Awaitable, Callable
 
@@ -31,9 +41,43 @@ import faust
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as aiokafka_driver
 
-# The bulk lane follows the consumer internals of this release line; elsewhere the worker
-# uses Faust's agent path (and says so).
-BULK_LANE_SUPPORTED = faust.__version__.startswith("0.15.")
+# module:qualname -> sha256 prefix of its source, as read when the override was written.
+UPSTREAM = {
+    "faust.transport.consumer:Consumer._drain_messages": "44a2500309e83c63",  # copied by the bulk lane
+    "faust.transport.drivers.aiokafka:AIOKafkaConsumerThread._create_worker_consumer": "c2701bfc3e6f6cad",
+    "faust.transport.drivers.aiokafka:Consumer._new_consumer_thread": "0870ec53dea75083",
+    "faust.app.base:App._new_transport": "42db531312dd776f",
+    "faust.tables.base:Collection._serializer_from_type": "7f8374d921f00a98",
+    "faust.tables.base:Collection._to_key": "c90f7153476213b8",
+    "mode.worker:Worker._schedule_shutdown": "1a6a5dfc88c2298b",  # streams/app.py's bounded shutdown
+}
+
+
+def source_hash(path: str) -> str:
+    """The sha256 prefix of an upstream function's source (``module:Class.function``)."""
+    module, _, qualname = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+
+
+def changed_upstream() -> list[str]:
+    """The upstream functions in ``UPSTREAM`` whose source is not the one the override follows."""
+    changed = []
+    for path, expected in UPSTREAM.items():
+        try:
+            if source_hash(path) != expected:
+                changed.append(path)
+        except (AttributeError, ImportError, OSError, TypeError):
+            changed.append(path)
+    return changed
+
+
+# The bulk lane copies Consumer._drain_messages of this release line; where that changed, the
+# worker uses Faust's agent path (and says so).
+BULK_LANE_SUPPORTED = faust.__version__.startswith("0.15.") and \
+    "faust.transport.consumer:Consumer._drain_messages" not in changed_upstream()
 FETCH_MAX_WAIT_MS = int(os.environ.get("TRAINGUARD_FETCH_MAX_WAIT_MS", "20"))
 
 BulkHandler = Callable[[list], Awaitable[None]]
@@ -122,3 +166,27 @@ class WorkerConsumer(aiokafka_driver.Consumer):
 
 class WorkerTransport(aiokafka_driver.Transport):
     Consumer = WorkerConsumer
+
+
+class WorkerApp(faust.App):
+    def _new_transport(self):
+        return WorkerTransport(self.conf.broker_consumer, self)
+
+
+class BytesTable(faust.Table):
+    """A table whose keys and values are bytes as they are: the engine encodes its own state
+    (and decodes it lazily), so the changelog never goes through JSON."""
+
+    def _serializer_from_type(self, typ):
+        return "raw"
+
+
+class WindowedBytesTable(BytesTable):
+    """The per-interval aggregates (:mod:`~trainguard.streams.minutes`): a tumbling windowed
+    table whose changelog keys are ``<source key>@<window start>``, turned back into Faust's
+    ``(key, (start, end))`` windowed keys on recovery."""
+
+    decode_key = staticmethod(lambda raw: raw)  # set to MinuteWindows.decode_key once the engine exists
+
+    def _to_key(self, k):
+        return self.decode_key(k)

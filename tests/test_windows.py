@@ -10,7 +10,7 @@ from faust.windows import TumblingWindow
 
 from trainguard.schemas import events as ev
 from trainguard.streams import rules as rules_mod
-from trainguard.streams.app import WindowedBytesTable
+from trainguard.streams.transport import WindowedBytesTable
 from trainguard.streams.engine import Engine
 from trainguard.streams.minutes import MinuteWindows
 
