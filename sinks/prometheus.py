@@ -57,6 +57,7 @@ from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from trainguard.schemas.events import SEVERITIES
 from trainguard.sinks.base import Sink
 from trainguard.streams.signals import signal_of
 
@@ -80,7 +81,6 @@ KEY_METRICS: tuple[str, ...] = (
 )
 """The allow-list of metric names exported per run (everything else stays in Kafka)."""
 
-SEVERITIES = ("P0", "P1", "P2", "P3")
 OTHER_RULE = "_other"
 
 DLQ_REASONS = ("not_json", "not_object", "oversized", "unknown_schema", "unknown_version",

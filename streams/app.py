@@ -175,7 +175,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                                                      beacon=app.tables.beacon,
                                                      help="per-minute aggregates for the long-horizon rules"))
     # Expiry by event time is the engine's (tombstones); `expires` only sets the changelog's retention.
-    app.trainguard_windows = window_table.tumbling(ruleset.window_s, expires=2 * ruleset.window_keep_s)
+    window_table.tumbling(ruleset.window_s, expires=2 * ruleset.window_keep_s)
 
     engine = Engine(ruleset, state_table.data, windows=window_table.data, signing_key=signing_key,
                     finished_grace_s=float(os.environ.get("TRAINGUARD_FINISHED_GRACE_S", "600")),
@@ -203,7 +203,6 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                 log.error("trainguard: cannot serve Prometheus metrics on %s:%s: %s", addr, prometheus_port, exc)
                 return
             log.warning("trainguard: Prometheus metrics on http://%s:%d/metrics", addr, port)
-    app.trainguard_exporter = exporter
     control_partitions = control_partitions_of(settings)
 
     # Alerts, commands and dead letters have a producer of their own (librdkafka, its own

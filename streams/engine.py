@@ -799,9 +799,11 @@ class Engine:
                     "layer": members[0]["alert"]["layer"],
                     "layers": sorted({m["alert"]["layer"] for m in members}),
                     "source": event["source"], "step": event["step"], "ts": ts,
-                    "onset": {"step": min(m["alert"]["step"] for m in members), "ts": min(m["last_ts"] for m in members)},
-                    "evidence": {"detector": "incident", "members": [{"rule": r, **m["alert"]}
-                                                                     for r, m in zip(incident.rules, members)]},
+                    "onset": {"step": min(m["alert"]["step"] for m in members),
+                              "ts": min(m["last_ts"] for m in members)},
+                    "evidence": {"detector": "incident",
+                                 "members": [{"rule": r, **m["alert"]}
+                                             for r, m in zip(incident.rules, members, strict=True)]},
                     "diagnosis": incident.diagnosis, "suggestion": incident.suggestion,
                     "node_snapshot": dict(run.nodes),
                 }
@@ -990,11 +992,6 @@ class Engine:
             "suggestion": rule.suggestion,
             "node_snapshot": dict(run.nodes),
         }
-
-    def _resolved(self, alert: dict, event: dict) -> dict:
-        return {**alert, "status": "resolved", "step": event["step"], "ts": event["ts"],
-                "value": _json_value(float(event["metrics"].get(alert["metric"], math.nan))),
-                "node_snapshot": None}
 
     @staticmethod
     def dead_letter(raw: bytes, reason: str, topic: str = "", partition: int = -1, offset: int = -1) -> Output:

@@ -10,10 +10,10 @@ the open window and the last hour back; offline (replay, evaluation) it is a dic
 Keys are Faust's windowed keys, ``(key, (start, start + size - 0.1))``, so the table also
 reads through Faust's window API. The open window is an :class:`OpenWindow` (arrays, one
 numpy pass per event); a closed one is kept as its changelog bytes (JSON), the compact form,
-since an hour of them is held per source and they are read once a minute. Windows are expired by **event time** here, with a
-tombstone per window: Faust's own expiry uses the wall clock (replayed history would be
-dropped on arrival) and deletes from the local store only (a recovered window would never
-expire).
+since an hour of them is held per source and they are read once a minute. Windows are
+expired by **event time** here, with a tombstone per window: Faust's own expiry uses the
+wall clock (replayed history would be dropped on arrival) and deletes from the local store
+only (a recovered window would never expire).
 
     >>> w = MinuteWindows(size_s=60)
     >>> start = w.start(125.0)

@@ -25,7 +25,7 @@ ARMED, AWAITING, STOPPED = "armed", "awaiting", "stopped"
 DEFAULTS = {
     "consecutive_critical": 3,
     "command_ttl_s": 300.0,
-    "skip_batches": 0,                      # a number, or "auto"
+    "skip_batches": "auto",                 # a number, or "auto" (docs/rules.md)
     "rollback_min_steps_before_onset": 0,
     "max_rollbacks_per_hour": 3,
     "recurrence_steps": 200,
@@ -149,7 +149,7 @@ def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints,
     action = "rollback" if target is not None else "stop"
     skip = None
     if target is not None:
-        skip = policy.get("skip_batches", 0)
+        skip = policy.get("skip_batches", "auto")
         skip = step - target["step"] if skip == "auto" else int(skip)
     command = command_event(
         run_id, action, command_id=stable_id(run_id, action, onset, state.attempt), issued=ts,

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import yaml
 
+from trainguard.schemas.events import SEVERITIES
 from trainguard.streams import policy as policy_mod
 from trainguard.streams.signals import COMPUTE, SIGNALS, signal_of
 
-SEVERITIES = ("P0", "P1", "P2", "P3")
 LAYERS = ("data", "compute", "resource")
 _RULE_KEYS = {"name", "metric", "signal", "anomalous", "above", "below", "equals", "non_finite", "for",
               "for_seconds", "severity", "critical", "immediate", "summary", "diagnosis", "suggestion", "sources",

@@ -245,7 +245,7 @@ def format_status(s: dict, now: float | None = None) -> str:
         lines.append(f"  silenced ({scope}) until {time.strftime('%H:%M:%S', time.localtime(silence['until']))} "
                      f"by {silence.get('by') or '?'}: {silence.get('reason', '')}  ({silence['id']})")
     ckpt = s.get("last_healthy_checkpoint")
-    lines.append(f"  newest healthy checkpoint: " + (f"step {ckpt['step']} ({ckpt['path']})" if ckpt else "none")
+    lines.append("  newest healthy checkpoint: " + (f"step {ckpt['step']} ({ckpt['path']})" if ckpt else "none")
                  + f"; {s.get('checkpoints', 0)} checkpoint(s) seen")
     if s.get("dropped_events"):
         lines.append(f"  the trainer's client dropped {s['dropped_events']:.0f} event(s) (broker unreachable "

@@ -30,9 +30,6 @@ from trainguard.producers.trainer import TrainerLogger
 
 log = logging.getLogger("trainguard.integrations")
 
-ACTIONS = ("rollback", "pause", "resume", "stop", "skip_data", "checkpoint_now")
-
-
 class Unsupported(Exception):
     """The integration cannot carry out this command (acknowledged as ``rejected``)."""
 

@@ -59,7 +59,7 @@ class Leak(Detector):
     def _recompute(self) -> None:
         self.t0 = self.ts[0] if self.ts else 0.0
         st = sx = stt = stx = sxx = 0.0
-        for t, x in zip(self.ts, self.xs):
+        for t, x in zip(self.ts, self.xs, strict=True):
             u = t - self.t0
             st += u
             sx += x

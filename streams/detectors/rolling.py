@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections import deque
 
-
 from .base import Detector, SlidingMoments, is_finite, saturating
 
 __all__ = ["RollingZ"]
