@@ -5,15 +5,14 @@ as one batch, through the consumer's bulk lane (``streams/transport.py``; Faust'
 path with ``TRAINGUARD_BULK_LANE=0``). The engine's state lives in the store of a
 changelog-backed Faust table, and the per-minute aggregates of the long-horizon rules in a
 tumbling windowed table, so a restarted worker (or the one that takes over a partition)
-recovers every baseline, breaker and open window. Changed entries are written to the
-changelog at most every ``state_flush_s``, and events are acknowledged only once the state
-that includes them (and the alerts and commands they caused) has been delivered, so the
-changelog is never behind the committed offsets.
+recovers every baseline, breaker and open window. Events are acknowledged only once the
+state that includes them (and the alerts and commands they caused) has been delivered
+(``streams/checkpoint.py``), so the changelog is never behind the committed offsets.
+``create_app`` wires those parts together.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import logging
 import os
@@ -24,18 +23,17 @@ import time
 from pathlib import Path
 
 import faust
-import orjson
 
-from trainguard.kafka import KafkaSettings, control_partitions_of, partition_for
+from trainguard.kafka import KafkaSettings, control_partitions_of
 from trainguard.producers.publisher import Publisher
 from trainguard.schemas.signing import load_keys, signing_key_for_worker
 from trainguard.streams import rules as rules_mod
+from trainguard.streams.checkpoint import Checkpoint, OutputRouter
 from trainguard.streams.engine import Engine
 from trainguard.streams.transport import BULK_LANE_SUPPORTED, BytesTable, WindowedBytesTable, WorkerApp
 
 log = logging.getLogger("trainguard.worker")
 
-FLUSH_MARKER = b"|flush"  # a state-table key no run or source can have (they never start with "|")
 
 
 def bulk_lane_enabled() -> bool:
@@ -59,6 +57,16 @@ def data_dir(app_id: str) -> Path:
     path = Path(root) / f"{app_id}-data"
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
+
+
+class _TableChangelog:
+    """A Faust table's changelog as the checkpoint writes it: raw bytes, explicit partition."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def send(self, partition: int, key: bytes, value: bytes | None) -> None:
+        self.table.send_changelog(partition, key, value, key_serializer="raw", value_serializer="raw")
 
 
 def _credentials(settings: KafkaSettings):
@@ -203,91 +211,36 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                 log.error("trainguard: cannot serve Prometheus metrics on %s:%s: %s", addr, prometheus_port, exc)
                 return
             log.warning("trainguard: Prometheus metrics on http://%s:%d/metrics", addr, port)
-    control_partitions = control_partitions_of(settings)
 
     # Alerts, commands and dead letters have a producer of their own (librdkafka, its own
     # thread and connection): through Faust's they queued behind the changelog's large
     # batches, and a command waited for a state write it has nothing to do with.
     output_producer = Publisher(settings, linger_ms=1)
     atexit.register(output_producer.flush, 5.0)
+    router = OutputRouter(output_producer, settings.topics, control_partitions_of(settings))
 
     async def publish(outputs) -> None:
-        topics = settings.topics
-        for out in outputs:
-            value = None if out.value is None else orjson.dumps(out.value)
-            if out.kind == "status":  # the compacted topic `runs` and `status` read; None: forgotten
-                sent = output_producer.publish(topics.status, out.key, value)
-            elif out.kind in ("alert", "report"):  # diagnosis reports travel with the alerts
-                sent = output_producer.publish(topics.alerts, out.key, value)
-            elif out.kind == "command":
-                sent = output_producer.publish(topics.control, out.key, value,
-                                               partition=partition_for(out.key, control_partitions))
-                log.warning("trainguard: %s command %s for run %s", out.value["action"], out.value["id"], out.key)
-            else:
-                log.warning("trainguard: dead letter: %s", out.value["reason"])
-                sent = output_producer.publish(topics.dlq, out.key or None, value)
-            if not sent:
-                log.error("trainguard: could not queue a %s for run %s (the producer's queue is full or "
-                          "the broker refused it); see the Kafka client warnings above", out.kind, out.key)
+        router.route(outputs)
+
+    message_out = app.sensors.on_message_out
+
+    async def ack(item) -> None:
+        stream, event = item
+        if stream is None:  # the bulk lane: acknowledged as a stream would
+            if event.ack(app.consumer):
+                message_out(event.tp, event.offset, event)
+        else:
+            await stream.ack(event)
 
     # State is written to the changelog at most every `state_flush_s`, not after every batch:
     # under a steady trickle of events, batches are small and the same entries would be
-    # rewritten many times a second. Events stay unacknowledged (so their offsets are not
-    # committed) until the state that includes them has been flushed.
-    unflushed: list = []  # (the stream, its event) from the agent; (None, message) from the bulk lane
-    last_flush = [time.monotonic()]
-    message_out = app.sensors.on_message_out
-
-    flushing: list = [None]  # the task finishing the latest flush
-
-    def flush_state() -> None:
-        """Write each entry changed since the last flush once; a task then waits for the
-        broker, ends the logs with markers and acks the events behind it, so detection never
-        waits on the changelog's round trip. One flush at a time: while one finishes, changes
-        keep accumulating for the next."""
-        if flushing[0] is not None and not flushing[0].done():
-            return
-        held, unflushed[:] = list(unflushed), []
-        written: set = set()  # (table, partition)
-        for key, partition in engine.dirty.items():  # serialised now: exactly the events above
-            state_table.send_changelog(partition, key, engine.serialize(key),
-                                       key_serializer="raw", value_serializer="raw")
-            written.add((state_table, partition))
-        engine.dirty.clear()
-        windows = engine.windows
-        for key, partition in windows.dirty.items():  # a deleted window goes as a tombstone
-            window_table.send_changelog(partition, windows.encode_key(key), windows.serialize(key),
-                                        key_serializer="raw", value_serializer="raw")
-            written.add((window_table, partition))
-        windows.dirty.clear()
-        last_flush[0] = time.monotonic()
-        flushing[0] = asyncio.ensure_future(finish_flush(held, written))
-        flushing[0].add_done_callback(finished_flush)
-
-    async def finish_flush(held: list, written: set) -> None:
-        # The alerts and commands of these events are delivered before the events are acked.
-        undelivered = await asyncio.get_running_loop().run_in_executor(None, output_producer.flush, 30.0)
-        if undelivered:
-            log.error("trainguard: %d alerts/commands not yet delivered after 30 s; the broker is "
-                      "unreachable or refusing them (they stay queued and are retried)", undelivered)
-        if written:
-            # Some brokers (the embedded Tansu among them) report a partition's end offset from
-            # its last record batch's base, so recovery would stop short of a multi-record
-            # batch: flush the state, then end each partition's log with a one-record marker.
-            await app.producer.flush()
-            for table, partition in written:
-                table.send_changelog(partition, FLUSH_MARKER, b"", key_serializer="raw", value_serializer="raw")
-        consumer = app.consumer
-        for stream, item in held:
-            if stream is None:  # the bulk lane: acknowledged as a stream would
-                if item.ack(consumer):
-                    message_out(item.tp, item.offset, item)
-            else:
-                await stream.ack(item)
-
-    def finished_flush(task) -> None:
-        if not task.cancelled() and task.exception() is not None:  # its events stay unacked: read again
-            log.error("trainguard: writing state to the changelog failed: %r", task.exception())
+    # rewritten many times a second. streams/checkpoint.py holds the protocol.
+    checkpoint = Checkpoint(
+        [(engine, _TableChangelog(state_table), lambda key: key),
+         (engine.windows, _TableChangelog(window_table), engine.windows.encode_key)],
+        deliver_outputs=router.delivered, deliver_changelogs=lambda: app.producer.flush(), ack=ack,
+        every_s=state_flush_s, max_held=20 * batch_max)
+    flush_state = checkpoint.flush
 
     async def detect_batch(messages: list, held: list) -> None:
         """Detection for messages of the events topic, in order; ``held`` are what to ack
@@ -299,9 +252,9 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
             outputs.extend(handle(m.value, m.partition, m.offset, m.topic))
         if outputs:
             await publish(outputs)
-        unflushed.extend(held)
-        if time.monotonic() - last_flush[0] >= state_flush_s or len(unflushed) >= 20 * batch_max:
-            flush_state()
+        checkpoint.hold(held)
+        if checkpoint.due():
+            checkpoint.flush()
         if exporter is not None:
             try:
                 feed.flush(exporter, len(messages), engine.samples - samples_before, outputs)
@@ -339,8 +292,8 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
 
     @app.timer(0.5)
     async def flush_when_idle() -> None:
-        if unflushed and time.monotonic() - last_flush[0] >= state_flush_s:
-            flush_state()
+        if checkpoint.due():
+            checkpoint.flush()
 
     @app.timer(5.0)
     async def watch_silence() -> None:
