@@ -82,12 +82,9 @@ class Collector(threading.Thread):
 
     def __init__(self, settings, topic: str):
         super().__init__(daemon=True)
-        from confluent_kafka import Consumer, TopicPartition
+        from trainguard.kafka import topic_reader
 
-        self.c = Consumer(settings.confluent(**{"group.id": f"bench-{uuid.uuid4().hex[:6]}", "enable.auto.commit": False,
-                                                "fetch.wait.max.ms": 5, "log_level": 2}))
-        parts = self.c.list_topics(topic, timeout=10).topics[topic].partitions
-        self.c.assign([TopicPartition(topic, p, 0) for p in parts])
+        self.c, _missing = topic_reader(settings, [topic], **{"fetch.wait.max.ms": 5})
         self.seen: dict[str, tuple[float, dict]] = {}  # run id -> first (arrival, record)
         self.stop = threading.Event()
 

@@ -202,11 +202,9 @@ def listener_restart(lookback_s: float = 30.0, stale_age_s: float = 60.0) -> dic
 def _changelog_bytes(settings: KafkaSettings, topic: str, prefixes: tuple[bytes, ...], seconds: float = 5.0) -> int:
     """Bytes of the latest value of every key starting with one of ``prefixes`` in a changelog
     topic (a tombstone counts 0): what a worker would restore for those runs."""
-    from confluent_kafka import Consumer, TopicPartition
+    from trainguard.kafka import topic_reader
 
-    c = Consumer(settings.confluent(**{"group.id": uuid.uuid4().hex, "enable.auto.commit": False, "log_level": 0}))
-    parts = c.list_topics(topic, timeout=5).topics[topic].partitions
-    c.assign([TopicPartition(topic, p, 0) for p in parts])
+    c, _missing = topic_reader(settings, [topic], timeout=5, log_level=0)
     latest: dict[bytes, int] = {}
     last = time.monotonic()
     while time.monotonic() - last < seconds:

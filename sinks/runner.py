@@ -46,7 +46,9 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
               poll_s: float = 0.5, consumer_config: dict | None = None) -> dict:
     """Deliver every event of ``topics`` (names in ``settings.topics`` or full topic names) to
     every sink until ``stop`` is set; return counts ``{"delivered": n, "invalid": m}``."""
-    from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, TopicPartition
+    from confluent_kafka import Consumer, KafkaError
+
+    from trainguard.kafka import topic_reader
 
     names = _topic_names(settings, topics)
     if start not in (None, "beginning", "end"):
@@ -59,19 +61,17 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
         "enable.partition.eof": False,
         **(consumer_config or {}),
     }
-    consumer = Consumer(settings.confluent(**config))
+    if assign:
+        consumer, missing = topic_reader(settings, names, start=start or "beginning",
+                                         **(consumer_config or {}))
+        if len(missing) == len(names):
+            consumer.close()
+            raise RuntimeError(f"no partitions found for {names}; are the topics created?")
+    else:
+        consumer = Consumer(settings.confluent(**config))
+        consumer.subscribe(names)
     counts = {"delivered": 0, "invalid": 0}
     try:
-        if assign:
-            offset = OFFSET_END if start == "end" else OFFSET_BEGINNING
-            meta = consumer.list_topics(timeout=10)
-            parts = [TopicPartition(t, p, offset) for t in names
-                     for p in sorted((meta.topics.get(t).partitions if meta.topics.get(t) else {}))]
-            if not parts:
-                raise RuntimeError(f"no partitions found for {names}; are the topics created?")
-            consumer.assign(parts)
-        else:
-            consumer.subscribe(names)
         log.info("trainguard: sinks %s reading %s", [s.name for s in sinks], names)
         while not stop.is_set():
             messages = consumer.consume(num_messages=batch_size, timeout=poll_s)

@@ -10,9 +10,9 @@ import time
 import uuid
 from pathlib import Path
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Producer
 
-from trainguard.kafka import KafkaSettings
+from trainguard.kafka import KafkaSettings, topic_reader
 from trainguard.schemas import events as ev
 
 
@@ -77,10 +77,8 @@ class TopicReader:
     """Reads every partition of a topic from the beginning, decoding as it goes."""
 
     def __init__(self, settings: KafkaSettings, topic: str, decode=ev.decode):
-        self.consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": uuid.uuid4().hex,
-                                  "enable.auto.commit": False, "log_level": 2})
-        n = len(self.consumer.list_topics(topic, timeout=10).topics[topic].partitions)
-        self.consumer.assign([TopicPartition(topic, p, 0) for p in range(n)])
+        self.consumer, missing = topic_reader(settings, [topic])
+        assert not missing, f"no topic {topic}"
         self.decode = decode
         self.seen: list[dict] = []
 

@@ -7,7 +7,6 @@ import sys
 import threading
 import time
 import types
-import uuid
 
 import pytest
 
@@ -307,14 +306,10 @@ def test_run_publishes_one_event_per_interval_with_a_sample_counter(monkeypatch)
 
 
 def _read_events(settings, want: int, timeout: float = 30.0) -> list[tuple[bytes, dict]]:
-    from confluent_kafka import Consumer, TopicPartition
+    from trainguard.kafka import topic_reader
 
-    topic = settings.topics.events
-    consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": uuid.uuid4().hex,
-                         "enable.auto.commit": False, "log_level": 2})
+    consumer, _missing = topic_reader(settings, [settings.topics.events])
     try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
         got = []
         deadline = time.monotonic() + timeout
         while len(got) < want and time.monotonic() < deadline:

@@ -69,18 +69,11 @@ class Watcher(threading.Thread):
         self.ready = threading.Event()
 
     def run(self) -> None:
-        from confluent_kafka import Consumer, TopicPartition
-
+        from trainguard.kafka import topic_reader
         from trainguard.schemas import events as ev
 
         t = self.settings.topics
-        consumer = Consumer(self.settings.confluent(**{"group.id": f"demo-{uuid.uuid4().hex[:6]}",
-                                                       "enable.auto.commit": False, "log_level": 2}))
-        parts = []
-        for topic in (t.alerts, t.control, t.acks):
-            n = len(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
-            parts += [TopicPartition(topic, p, 0) for p in range(n)]
-        consumer.assign(parts)
+        consumer, _missing = topic_reader(self.settings, (t.alerts, t.control, t.acks))
         self.ready.set()
         try:
             while not self.stop.is_set():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from dataclasses import dataclass, field
 
 log = logging.getLogger("trainguard.kafka")
@@ -119,6 +120,46 @@ def control_partitions_of(settings: KafkaSettings) -> int:
                     "topic's own count so that listeners find them", settings.topics.control, found,
                     settings.partitions)
     return found
+
+
+READ_FROM = ("beginning", "end", "now")
+
+
+def topic_reader(settings: KafkaSettings, topics, *, start: str = "beginning", timeout: float = 10.0,
+                 **config):
+    """A consumer assigned every partition of ``topics`` without joining a group (nothing is
+    committed, so any number of readers never disturb each other), and the topics that do not
+    exist. ``start``: ``beginning``; ``end`` (what comes next); ``now`` (the current end, fixed
+    before returning, so nothing produced after this call is missed). KafkaException when the
+    broker cannot be reached. The one place tail, the sinks runner, the demo, the operator's
+    commands, tests and benchmarks open such a reader."""
+    from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, TopicPartition
+
+    if start not in READ_FROM:
+        raise ValueError(f"start must be one of {', '.join(READ_FROM)}, not {start!r}")
+    consumer = Consumer(settings.confluent(**{"group.id": f"trainguard-reader-{uuid.uuid4().hex[:8]}",
+                                              "enable.auto.commit": False, "enable.partition.eof": False,
+                                              "log_level": 2, **config}))
+    try:
+        meta = consumer.list_topics(timeout=timeout)
+        parts, missing = [], []
+        for name in topics:
+            topic = meta.topics.get(name)
+            if topic is None or topic.error is not None or not topic.partitions:
+                missing.append(name)
+                continue
+            for p in sorted(topic.partitions):
+                if start == "now":
+                    offset = consumer.get_watermark_offsets(TopicPartition(name, p), timeout=timeout)[1]
+                else:
+                    offset = OFFSET_BEGINNING if start == "beginning" else OFFSET_END
+                parts.append(TopicPartition(name, p, offset))
+        if parts:
+            consumer.assign(parts)
+    except BaseException:
+        consumer.close()
+        raise
+    return consumer, missing
 
 
 # Per topic (by its last name part): the status topic keeps only the latest record of each run.

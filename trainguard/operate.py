@@ -55,8 +55,9 @@ def send_command(settings: KafkaSettings, command: dict, *, wait_s: float = 60.0
                  out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Publish ``command`` to its run's control partition and, with ``wait_s`` > 0, wait for
     the trainer's ack. Returns the exit status (see the module's docstring)."""
-    from confluent_kafka import Consumer, KafkaException, TopicPartition
+    from confluent_kafka import KafkaException
 
+    from trainguard.kafka import topic_reader
     from trainguard.producers.publisher import Publisher
 
     out, err = out or sys.stdout, err or sys.stderr
@@ -65,19 +66,12 @@ def send_command(settings: KafkaSettings, command: dict, *, wait_s: float = 60.0
     if wait_s > 0:
         # Read the acks from their current end, fixed before the command goes out, so an
         # ack that comes back at once is not missed.
-        acks = Consumer(settings.confluent(**{"group.id": f"trainguard-command-{command['id']}",
-                                              "enable.auto.commit": False, "log_level": 2}))
         try:
-            meta = acks.list_topics(settings.topics.acks, timeout=10).topics.get(settings.topics.acks)
-            if meta is None or meta.error is not None or not meta.partitions:
+            acks, missing = topic_reader(settings, [settings.topics.acks], start="now")
+            if missing:
+                acks.close()
                 raise KafkaException(f"no topic {settings.topics.acks}")
-            parts = []
-            for p in sorted(meta.partitions):
-                _low, high = acks.get_watermark_offsets(TopicPartition(settings.topics.acks, p), timeout=10)
-                parts.append(TopicPartition(settings.topics.acks, p, high))
-            acks.assign(parts)
         except KafkaException as exc:
-            acks.close()
             print(f"trainguard command: cannot reach Kafka at {settings.bootstrap} ({exc}); is the broker "
                   f"running and TRAINGUARD_BOOTSTRAP right?", file=err)
             return EXIT_BAD_INPUT

@@ -14,28 +14,11 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from typing import TextIO
 
-from trainguard.kafka import KafkaSettings
+from trainguard.kafka import KafkaSettings, topic_reader
 
 TOPICS = ("alerts", "control", "acks")
-
-
-def _assignments(consumer, names: list[str], start: str, timeout: float = 10.0):
-    from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, TopicPartition
-
-    offset = OFFSET_BEGINNING if start == "beginning" else OFFSET_END
-    meta = consumer.list_topics(timeout=timeout)
-    parts = []
-    missing = []
-    for name in names:
-        topic = meta.topics.get(name)
-        if topic is None or topic.error is not None or not topic.partitions:
-            missing.append(name)
-            continue
-        parts += [TopicPartition(name, p, offset) for p in sorted(topic.partitions)]
-    return parts, missing
 
 
 def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None, detail: bool = False,
@@ -46,7 +29,7 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
     (for ``jq`` and scripts; status then goes to stderr only)."""
     import orjson
 
-    from confluent_kafka import Consumer, KafkaError, KafkaException
+    from confluent_kafka import KafkaError, KafkaException
 
     from trainguard.schemas.events import SchemaError, decode
     from trainguard.sinks.console import ConsoleSink
@@ -60,25 +43,18 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
     status_on_tty = _isatty(stdout) and not as_json
     names = [getattr(settings.topics, t) if hasattr(settings.topics, t) else t for t in topics]
 
-    consumer = Consumer(settings.confluent(**{
-        "group.id": f"trainguard-tail-{uuid.uuid4().hex[:8]}",  # required by the client; never joined
-        "enable.auto.commit": False,
-        "enable.partition.eof": False,
-        "log_level": 3,
-    }))
     try:
-        try:
-            parts, missing = _assignments(consumer, names, start)
-        except KafkaException as exc:
-            print(f"trainguard tail: cannot reach Kafka at {settings.bootstrap}: {exc}", file=stderr)
-            return 2
-        if not parts:
+        consumer, missing = topic_reader(settings, names, start=start)
+    except KafkaException as exc:
+        print(f"trainguard tail: cannot reach Kafka at {settings.bootstrap}: {exc}", file=stderr)
+        return 2
+    try:
+        if len(missing) == len(names):
             print(f"trainguard tail: none of the topics {', '.join(names)} exist on {settings.bootstrap}",
                   file=stderr)
             return 2
         if missing:
             print(f"trainguard tail: not following {', '.join(missing)} (no such topic)", file=stderr)
-        consumer.assign(parts)
         waiting = f"waiting for alerts on {settings.bootstrap} ({', '.join(n for n in names if n not in missing)})" \
                   + (f" for run {run}" if run else "") + " ... Ctrl-C to stop"
         if not status_on_tty:
