@@ -27,6 +27,7 @@ import faust
 from trainguard.kafka import KafkaSettings, control_partitions_of
 from trainguard.producers.publisher import Publisher
 from trainguard.schemas.signing import load_keys, signing_key_for_worker
+from trainguard.settings import value as setting
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.checkpoint import Checkpoint, OutputRouter
 from trainguard.streams.engine import Engine
@@ -39,7 +40,7 @@ log = logging.getLogger("trainguard.worker")
 def bulk_lane_enabled() -> bool:
     """The events topic's bulk lane (``streams/transport.py``); ``TRAINGUARD_BULK_LANE=0`` turns
     it off (Faust's own agent path, to compare or to rule it out)."""
-    if os.environ.get("TRAINGUARD_BULK_LANE", "1").lower() in ("0", "false", "no", "off"):
+    if setting("TRAINGUARD_BULK_LANE").lower() in ("0", "false", "no", "off"):
         return False
     if not BULK_LANE_SUPPORTED:
         log.warning("trainguard: faust-streaming %s is not the release the bulk lane follows (0.15): "
@@ -53,7 +54,7 @@ def data_dir(app_id: str) -> Path:
     """Faust's folder for this app. The tables live in memory and in their changelogs, so it
     holds nothing that must survive a restart: under ``TRAINGUARD_DATA_DIR`` or the temp
     folder, never the working directory (which may be read-only, as in the container)."""
-    root = os.environ.get("TRAINGUARD_DATA_DIR") or os.path.join(tempfile.gettempdir(), f"trainguard-{os.getuid()}")
+    root = setting("TRAINGUARD_DATA_DIR") or os.path.join(tempfile.gettempdir(), f"trainguard-{os.getuid()}")
     path = Path(root) / f"{app_id}-data"
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
@@ -156,7 +157,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     else:
         log.warning("trainguard: signing commands with key id %r", signing_key.key_id)
     if rebalance_timeout_s is None:
-        rebalance_timeout_s = float(os.environ.get("TRAINGUARD_REBALANCE_TIMEOUT_S", "3"))
+        rebalance_timeout_s = float(setting("TRAINGUARD_REBALANCE_TIMEOUT_S"))
 
     app = WorkerApp(
         app_id,
@@ -172,8 +173,8 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
         producer_acks=-1,
-        table_standby_replicas=int(os.environ.get("TRAINGUARD_STANDBY_REPLICAS", "0")),
-        consumer_group_instance_id=os.environ.get("TRAINGUARD_INSTANCE_ID") or None,
+        table_standby_replicas=int(setting("TRAINGUARD_STANDBY_REPLICAS")),
+        consumer_group_instance_id=setting("TRAINGUARD_INSTANCE_ID") or None,
     )
     events_topic = app.topic(settings.topics.events, key_type=bytes, value_type=bytes,
                              key_serializer="raw", value_serializer="raw", partitions=settings.partitions)
@@ -186,22 +187,22 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     window_table.tumbling(ruleset.window_s, expires=2 * ruleset.window_keep_s)
 
     engine = Engine(ruleset, state_table.data, windows=window_table.data, signing_key=signing_key,
-                    finished_grace_s=float(os.environ.get("TRAINGUARD_FINISHED_GRACE_S", "600")),
-                    idle_ttl_s=float(os.environ.get("TRAINGUARD_RUN_TTL_S", str(7 * 86400))))
+                    finished_grace_s=float(setting("TRAINGUARD_FINISHED_GRACE_S")),
+                    idle_ttl_s=float(setting("TRAINGUARD_RUN_TTL_S")))
     window_table.decode_key = engine.windows.decode_key
     app.trainguard_engine = engine  # for tests and the status line
 
-    if prometheus_port is None and os.environ.get("TRAINGUARD_PROMETHEUS_PORT"):
-        prometheus_port = int(os.environ["TRAINGUARD_PROMETHEUS_PORT"])
+    if prometheus_port is None and setting("TRAINGUARD_PROMETHEUS_PORT"):
+        prometheus_port = int(setting("TRAINGUARD_PROMETHEUS_PORT"))
     exporter = feed = None
     if prometheus_port is not None:
         from trainguard.sinks.prometheus import KEY_METRICS, Exporter
 
-        more = [n.strip() for n in os.environ.get("TRAINGUARD_PROMETHEUS_METRICS", "").split(",") if n.strip()]
+        more = [n.strip() for n in (setting("TRAINGUARD_PROMETHEUS_METRICS") or "").split(",") if n.strip()]
         exporter = Exporter(key_metrics=(*KEY_METRICS, *more))
         feed = _ExporterFeed(exporter.wants)
         engine.on_event.append(feed)
-        addr = prometheus_addr or os.environ.get("TRAINGUARD_PROMETHEUS_ADDR", "127.0.0.1")
+        addr = prometheus_addr or setting("TRAINGUARD_PROMETHEUS_ADDR")
 
         @app.task
         async def serve_metrics() -> None:

@@ -34,12 +34,13 @@ import asyncio
 import hashlib
 import importlib
 import inspect
-import os
 from typing import Awaitable, Callable
 
 import faust
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as aiokafka_driver
+
+from trainguard.settings import value as setting
 
 # module:qualname -> sha256 prefix of its source, as read when the override was written.
 UPSTREAM = {
@@ -78,7 +79,7 @@ def changed_upstream() -> list[str]:
 # worker uses Faust's agent path (and says so).
 BULK_LANE_SUPPORTED = faust.__version__.startswith("0.15.") and \
     "faust.transport.consumer:Consumer._drain_messages" not in changed_upstream()
-FETCH_MAX_WAIT_MS = int(os.environ.get("TRAINGUARD_FETCH_MAX_WAIT_MS", "20"))
+FETCH_MAX_WAIT_MS = int(setting("TRAINGUARD_FETCH_MAX_WAIT_MS"))
 
 BulkHandler = Callable[[list], Awaitable[None]]
 
