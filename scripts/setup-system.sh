@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# System programs the sink tests run against: a real Prometheus and a real Alertmanager.
-# Idempotent: does nothing when both binaries are already on PATH.
-# CI runs this before `pytest`; without these binaries tests/test_sink_prometheus.py and
-# tests/test_sink_alertmanager.py skip with the reason.
+# System programs the tests run against: a real Prometheus and Alertmanager (sink tests) and
+# Node.js with npm (tests/test_other_clients.py: a kafkajs client against the JSON Schemas).
+# Idempotent: does nothing when they are already on PATH. `make test` runs this before
+# pytest; without them those tests skip with the reason.
 set -euo pipefail
 
 have() { command -v "$1" >/dev/null 2>&1; }
 
-if have prometheus && { have prometheus-alertmanager || have alertmanager; }; then
-    echo "setup-system: prometheus and alertmanager already installed"
+if have prometheus && { have prometheus-alertmanager || have alertmanager; } && have node && have npm; then
+    echo "setup-system: prometheus, alertmanager and node already installed"
     exit 0
 fi
 
@@ -17,7 +17,7 @@ if [ "$(id -u)" -ne 0 ]; then
         SUDO=sudo
     else
         echo "setup-system: not root and no passwordless sudo; install them yourself:" >&2
-        echo "    sudo apt-get update && sudo apt-get install -y prometheus prometheus-alertmanager" >&2
+        echo "    sudo apt-get update && sudo apt-get install -y prometheus prometheus-alertmanager nodejs npm" >&2
         exit 1
     fi
 else
@@ -33,7 +33,7 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update
 # --no-install-recommends: the exporters Debian recommends are not needed by the tests.
-$SUDO apt-get install -y --no-install-recommends prometheus prometheus-alertmanager
+$SUDO apt-get install -y --no-install-recommends prometheus prometheus-alertmanager nodejs npm
 # Debian's packages start system services where an init system runs; the tests start
 # their own instances on free loopback ports, so leave the services as the admin wants.
 echo "setup-system: installed $(prometheus --version 2>&1 | head -n1)"
