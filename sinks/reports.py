@@ -1,11 +1,16 @@
-"""Diagnosis reports on disk: one JSON document and one readable text file per report.
+"""Diagnosis reports on disk: one JSON document, one readable text file and one HTML page
+with plots per report.
 
-``<dir>/<run_id>/<report id>.json`` and ``.txt``; the control command names the report id,
-so whoever looks at a rollback or a stop finds why in one place.
+``<dir>/<run_id>/<report id>.json``, ``.txt`` and ``.html``; the control command names the
+report id, so whoever looks at a rollback or a stop finds why in one place. The page is one
+self-contained file (inline SVG, no script, no network): it opens from a chat attachment or
+a shared disk as it is. The SVG is written directly: a plotting library would weigh more than
+the sinks process it runs in, for a polyline and a band.
 """
 
 from __future__ import annotations
 
+import html
 import math
 import re
 import time
@@ -70,6 +75,103 @@ def render_text(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+_W, _H, _PAD, _LEFT = 600, 180, 36, 64  # one plot's size, margin and left margin (y labels), px
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def svg_plot(metric: str, values: list, *, band: tuple | None = None, alert_value=None) -> str:
+    """One metric's window before the decision as an SVG line plot: the values oldest first
+    (x: samples before the decision, the last at 0), the baseline band the alert was judged
+    against when it has one, non-finite values as red ticks on the top edge."""
+    n = len(values)
+    finite = [v for v in values if _finite(v)] + [b for b in (band or ()) if _finite(b)]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    if hi - lo < 1e-12:
+        lo, hi = lo - 0.5, hi + 0.5
+    span = hi - lo
+    lo, hi = lo - 0.05 * span, hi + 0.05 * span
+
+    def x(i: int) -> float:
+        return _LEFT + (i / max(n - 1, 1)) * (_W - _LEFT - _PAD)
+
+    def y(v: float) -> float:
+        return _H - _PAD + (lo - v) / (hi - lo) * (_H - 2 * _PAD)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" data-metric="{html.escape(metric)}" '
+             f'width="{_W}" height="{_H}" viewBox="0 0 {_W} {_H}" role="img" '
+             f'aria-label="{html.escape(metric)} before the decision">',
+             f'<rect x="{_LEFT}" y="{_PAD}" width="{_W - _LEFT - _PAD}" height="{_H - 2 * _PAD}" fill="#fafafa" '
+             f'stroke="#ddd"/>']
+    if band and all(_finite(b) for b in band):
+        top, bottom = y(max(band)), y(min(band))
+        parts.append(f'<rect class="band" x="{_LEFT}" y="{top:.1f}" width="{_W - _LEFT - _PAD}" '
+                     f'height="{max(bottom - top, 1):.1f}" fill="#2a7ae2" fill-opacity="0.12">'
+                     f'<title>baseline band [{_fmt(min(band))}, {_fmt(max(band))}]</title></rect>')
+    segment: list[str] = []
+    for i, v in enumerate(values):
+        if _finite(v):
+            segment.append(f"{x(i):.1f},{y(v):.1f}")
+        else:
+            if len(segment) > 1:
+                parts.append(f'<polyline class="series" points="{" ".join(segment)}" fill="none" '
+                             f'stroke="#333" stroke-width="1.5"/>')
+            segment = []
+            parts.append(f'<line class="nonfinite" x1="{x(i):.1f}" y1="{_PAD}" x2="{x(i):.1f}" y2="{_PAD + 10}" '
+                         f'stroke="#d62728" stroke-width="2"><title>{html.escape(str(v))}</title></line>')
+    if len(segment) > 1:
+        parts.append(f'<polyline class="series" points="{" ".join(segment)}" fill="none" stroke="#333" '
+                     f'stroke-width="1.5"/>')
+    if alert_value is not None and not _finite(alert_value):
+        # Non-finite values never enter the window: the one that decided is drawn at its end.
+        right = _W - _PAD
+        parts.append(f'<line class="nonfinite" x1="{right}" y1="{_PAD}" x2="{right}" y2="{_H - _PAD}" '
+                     f'stroke="#d62728" stroke-width="2" stroke-dasharray="4 3">'
+                     f'<title>{html.escape(str(alert_value))} at the decision</title></line>')
+    elif n and _finite(values[-1]):
+        parts.append(f'<circle class="decision" cx="{x(n - 1):.1f}" cy="{y(values[-1]):.1f}" r="4" '
+                     f'fill="#d62728"><title>at the decision: {_fmt(values[-1])}</title></circle>')
+    parts += [f'<text x="{_LEFT}" y="{_PAD - 10}" font-size="13" font-family="sans-serif">{html.escape(metric)}'
+              + (f" (alert value {html.escape(_fmt(alert_value))})" if alert_value is not None else "") + "</text>",
+              f'<text x="{_LEFT}" y="{_H - 10}" font-size="11" fill="#666" font-family="sans-serif">'
+              f'{-(n - 1)}</text>',
+              f'<text x="{_W - _PAD}" y="{_H - 10}" font-size="11" fill="#666" text-anchor="end" '
+              f'font-family="sans-serif">0 (decision)</text>',
+              f'<text x="{_LEFT - 4}" y="{_PAD + 4}" font-size="11" fill="#666" '
+              f'text-anchor="end" font-family="sans-serif">{html.escape(_fmt(hi))}</text>',
+              f'<text x="{_LEFT - 4}" y="{_H - _PAD:.1f}" font-size="11" fill="#666" text-anchor="end" '
+              f'font-family="sans-serif">{html.escape(_fmt(lo))}</text>',
+              "</svg>"]
+    return "".join(parts)
+
+
+def render_html(report: dict) -> str:
+    """The report as one self-contained page: the text form's facts, and a plot per metric."""
+    esc = html.escape
+    alerts_by_metric = {a.get("metric"): a for a in report.get("alerts", [])}
+    plots = []
+    for metric, window in (report.get("windows") or {}).items():
+        alert = alerts_by_metric.get(metric, {})
+        evidence = alert.get("evidence", {})
+        band = (evidence["lower"], evidence["upper"]) if "lower" in evidence and "upper" in evidence else None
+        values = [v if _finite(v) else str(v) for v in window.get("values", [])]
+        plots.append(f'<figure>{svg_plot(metric, values, band=band, alert_value=alert.get("value"))}'
+                     f'<figcaption>{esc(metric)} from {esc(window.get("source", ""))}, the last '
+                     f'{len(values)} values before the decision</figcaption></figure>')
+    title = f"trainguard: {report['action']} of run {report['run_id']}"
+    return ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{esc(title)}</title><style>body{{font:14px/1.4 sans-serif;margin:2em;max-width:60em}}"
+            "pre{white-space:pre-wrap;background:#f6f6f6;padding:1em}figure{margin:1em 0}"
+            "figcaption{color:#555;font-size:12px}</style></head><body>"
+            f"<h1>{esc(title)}</h1>"
+            f"<p class=\"decision\">decision: <b>{esc(report['action'].upper())}</b> at step "
+            f"{esc(str(report.get('step')))}, command {esc(report['command_id'])}</p>"
+            f"<section class=\"plots\">{''.join(plots) or '<p>no metric windows in this report</p>'}</section>"
+            f"<pre>{esc(render_text(report))}</pre></body></html>\n")
+
+
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:200] or "_"
 
@@ -92,3 +194,4 @@ class ReportSink(Sink):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
             path.with_suffix(".txt").write_text(render_text(report), encoding="utf-8")
+            path.with_suffix(".html").write_text(render_html(report), encoding="utf-8")

@@ -11,6 +11,14 @@ import pytest
 
 from trainguard.kafka import KafkaSettings, Topics, create_topics
 
+# Screenshots the browser tests saved, listed at the end of the run.
+SCREENSHOTS: list = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    if SCREENSHOTS:
+        terminalreporter.write_line("screenshots: " + ", ".join(str(p) for p in SCREENSHOTS))
+
 
 # Confluent's build of Apache Kafka 3.9 in KRaft mode: testcontainers-python's Kafka module
 # boots through Confluent's image scripts. Pinned so a test run is repeatable.

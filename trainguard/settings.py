@@ -72,7 +72,8 @@ SETTINGS: tuple[Setting, ...] = (
             "keep each sink's outbox in `<dir>/<sink>.json` (pending alerts and delivered ids survive a restart)"),
     Setting("TRAINGUARD_TEMPLATES_DIR", None, _SINKS, "a copy of `sinks/templates/` with your edits"),
     Setting("TRAINGUARD_ALERTS_JSONL", None, _SINKS, "append events to this file (same as `--jsonl`)"),
-    Setting("TRAINGUARD_REPORTS_DIR", None, _SINKS, "write each breaker decision's diagnosis report under this folder"),
+    Setting("TRAINGUARD_REPORTS_DIR", None, _SINKS,
+            "write each breaker decision's diagnosis report under this folder (JSON, text, an HTML page with plots)"),
     # local tools
     Setting("TRAINGUARD_TANSU_BIN", None, "embedded broker", "a Tansu binary to run instead of the packaged one"),
     Setting("TRAINGUARD_DEMO_SETUP_STARTED", None, "demo", "set by `make demo`: its start, to count the setup's time"),
