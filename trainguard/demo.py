@@ -229,7 +229,7 @@ def main(args) -> int:
           f"{result['rollbacks']} rollback(s), {summary['steps_after_rollback']} healthy steps after the rollback, "
           f"{summary['seconds']} s"
           + (f" ({summary['seconds_with_setup']} s with the setup)" if "seconds_with_setup" in summary else "")
-          + f". Alerts, commands and acks are in {args.jsonl}; diagnosis reports in "
+          + f". Alerts, commands and acks are in {args.jsonl}; diagnosis reports (text, and HTML with plots) in "
           f"{out_dir / 'reports' / run_id}.")
     print(orjson.dumps(summary).decode(), flush=True)
     ok = watcher.alerts > 0 and "rollback" in watcher.commands and watcher.acks.get("applied", 0) > 0 \
