@@ -43,7 +43,7 @@ SEVERITIES = ("P0", "P1", "P2", "P3")
 ALERT_STATUSES = ("firing", "resolved")
 ACTIONS = ("rollback", "pause", "resume", "stop", "skip_data", "checkpoint_now")
 ACK_STATUSES = ("applied", "rejected", "failed")
-OPERATOR_ACTIONS = ("silence", "unsilence")
+OPERATOR_ACTIONS = ("silence", "unsilence", "ack", "resolve")
 LIFECYCLE_EVENTS = ("started", "finished", "heartbeat", "rolled_back", "paused", "resumed", "stopped")
 
 _NON_FINITE_IN = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf, None: math.nan}
@@ -147,14 +147,18 @@ def command_event(run_id: str, action: str, *, target: dict | None = None, detai
 
 
 def operator_event(run_id: str, action: str, *, silence_id: str | None = None, rule: str | None = None,
-                   until: float | None = None, reason: str = "", by: str = "", ts: float | None = None) -> dict:
-    """An operator's silence (or its end) for a run, validated. It travels on the events topic,
-    keyed by the run, so the worker that owns the run applies it in order with the run's events."""
+                   until: float | None = None, alert_id: str | None = None, reason: str = "", by: str = "",
+                   ts: float | None = None) -> dict:
+    """An operator's word on a run, validated: a silence (or its end), or an open alert
+    acknowledged or resolved by hand. It travels on the events topic, keyed by the run, so the
+    worker that owns the run applies it in order with the run's events."""
     event: dict[str, Any] = {"schema": OPERATOR, "run_id": run_id, "action": action,
                              "id": silence_id or uuid.uuid4().hex[:12], "reason": reason, "by": by,
                              "ts": time.time() if ts is None else ts}
     if rule is not None:
         event["rule"] = rule
+    if alert_id is not None:
+        event["alert_id"] = alert_id
     if until is not None:
         event["until"] = until
     _validate_operator(event)
@@ -412,6 +416,7 @@ def _validate_operator(event: dict) -> None:
     _str(event, "reason", required=False)
     _str(event, "by", required=False, max_len=256)
     _time(event, "ts")
+    _str(event, "alert_id", required=action in ("ack", "resolve"), max_len=256)
     until = _time(event, "until", required=action == "silence")
     if until is not None and until <= event["ts"]:
         raise _fail("until", "must be later than ts (a silence that has already ended)")

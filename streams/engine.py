@@ -217,6 +217,7 @@ class RunState:
     finished_at: float | None = None                    # received at, for forgetting the run
     dropped_events: float | None = None                 # the trainer client's own count, last reported
     silences: list = field(default_factory=list)        # {id, rule, until, reason, by}: an operator's
+    acknowledged: dict = field(default_factory=dict)    # alert id -> {by, reason, ts}, while it is open
 
     def to_bytes(self) -> bytes:
         d = self.__dict__.copy()
@@ -418,7 +419,7 @@ class Engine:
                 run.dropped_events = dropped
             self._metrics(event, run, run_id, partition, outputs)
         elif kind == ev.OPERATOR:
-            self._operator(event, run, run_id)
+            self._operator(event, run, run_id, outputs)
         elif kind == ev.CHECKPOINT:
             # Only a checkpoint saved while no critical alert was open is a rollback target.
             run.checkpoints.append({"step": event["step"], "path": event["path"], "ts": event["ts"],
@@ -433,8 +434,24 @@ class Engine:
             run.finished, run.finished_at = False, None
         return outputs
 
-    def _operator(self, event: dict, run: RunState, run_id: str) -> None:
-        """An operator silenced the run (or one rule of it) until a time, or ended a silence."""
+    def _operator(self, event: dict, run: RunState, run_id: str, outputs: list) -> None:
+        """An operator silenced the run (or one rule of it) until a time, ended a silence, or
+        acknowledged or resolved an open alert by hand."""
+        who = f"{event.get('by') or '?'}: {event.get('reason', '')}"
+        if event["action"] == "ack":
+            if self._open_alert(run, run_id, event["alert_id"]) is None:
+                log.warning("trainguard: run %s: no open alert %s to acknowledge", run_id, event["alert_id"])
+                return
+            run.acknowledged[event["alert_id"]] = {"by": event.get("by", ""), "reason": event.get("reason", ""),
+                                                   "ts": event["ts"]}
+            return
+        if event["action"] == "resolve":
+            alert = self._open_alert(run, run_id, event["alert_id"], close=True)
+            if alert is None:
+                log.warning("trainguard: run %s: no open alert %s to resolve", run_id, event["alert_id"])
+                return
+            self._add(outputs, self._resolve(run, alert, event, resolution=f"resolved by hand by {who}"))
+            return
         now = self.clock()
         run.silences = [s for s in run.silences if s["id"] != event["id"] and s["until"] > now]
         if event["action"] == "silence":
@@ -444,6 +461,29 @@ class Engine:
         log.warning("trainguard: run %s: %s %s%s by %s: %s", run_id, event["action"], event["id"],
                     f" (rule {event['rule']})" if event.get("rule") else "", event.get("by") or "?",
                     event.get("reason", ""))
+
+    def _open_alert(self, run: RunState, run_id: str, alert_id: str, close: bool = False) -> dict | None:
+        """The open alert with this id, wherever the run keeps it; with ``close`` it is taken
+        out (and its streak reset, so a condition that still holds fires again only after the
+        rule's duration, as a new alert)."""
+        found = None
+        for sid in run.sources:
+            key = f"{run_id}|{sid}".encode()
+            if key not in self.store:
+                continue
+            src = self._source(key, "")
+            slots = [slot for slot, a in src.firing.items() if a["id"] == alert_id]
+            if slots:
+                found = src.firing[slots[0]]
+                if close:
+                    for slot in slots:
+                        del src.firing[slot]
+                        src.streaks.pop(slot, None)
+                    self.dirty[key] = run.partition
+        for table in (run.stale, run.cross_firing, run.incidents):
+            for k in [k for k, a in table.items() if a["id"] == alert_id]:
+                found = table.pop(k) if close else table[k]
+        return found
 
     def _silence_for(self, run: RunState, rule: str) -> dict | None:
         if not run.silences:
@@ -485,6 +525,7 @@ class Engine:
         if active and active["open"] > 0:
             active["open"] -= 1
         run.open_critical.pop(alert["id"], None)
+        run.acknowledged.pop(alert["id"], None)
         if alert.get("incident_only"):
             return None
         resolved = {**alert, "status": "resolved", "step": event.get("step", alert.get("step")),
@@ -888,7 +929,8 @@ class Engine:
                 value = alert.get("value")
                 open_alerts.append({"rule": rule, "severity": self._severity.get(rule), "id": alert["id"],
                                     "metric": alert.get("metric"), "step": alert.get("step"),
-                                    "value": _json_value(value) if type(value) is float else value})
+                                    "value": _json_value(value) if type(value) is float else value,
+                                    "acknowledged": run.acknowledged.get(alert["id"])})
         breaker = run.breaker
         return {
             "schema": ev.STATUS, "run_id": run_id, "ts": time.time(),

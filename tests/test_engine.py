@@ -399,3 +399,28 @@ def test_a_silence_of_one_rule_leaves_the_others_and_can_be_ended_early():
     assert engine._silence_for(run, "kl_spike") is not None and engine._silence_for(run, "non_finite") is None
     engine.handle(ev.encode(ev.operator_event("sil2", "unsilence", silence_id=only["id"], ts=1001.0)), 0, 1)
     assert engine._silence_for(run, "kl_spike") is None and engine.status("sil2")["silences"] == []
+
+
+def test_an_open_alert_acknowledged_then_resolved_by_hand():
+    engine = Engine(rules_mod.default())
+    engine.clock = lambda: 1000.0
+
+    def step(n, loss):
+        event = ev.metrics_event("hand", n, {"actor/pg_loss": loss}, src=TRAINER, ts=1000.0 + n)
+        return engine.handle(ev.encode(event), 0, n)
+
+    [alert] = [o.value for o in step(1, math.nan) if o.kind == "alert"]
+    engine.handle(ev.encode(ev.operator_event("hand", "ack", alert_id=alert["id"], by="ops", reason="on it",
+                                              ts=1002.0)), 0, 10)
+    [shown] = engine.status("hand")["open_alerts"]
+    assert shown["id"] == alert["id"] and shown["acknowledged"]["by"] == "ops"
+    out = engine.handle(ev.encode(ev.operator_event("hand", "resolve", alert_id=alert["id"], by="ops",
+                                                    reason="bad batch skipped", ts=1003.0)), 0, 11)
+    [resolved] = [o.value for o in out if o.kind == "alert"]
+    assert resolved["id"] == alert["id"] and resolved["status"] == "resolved"
+    assert resolved["resolution"] == "resolved by hand by ops: bad batch skipped"
+    assert engine.status("hand")["open_alerts"] == []
+    again = [o.value for o in step(12, math.nan) if o.kind == "alert"]
+    assert again and again[0]["id"] != alert["id"], "a condition that still holds fires again, as a new alert"
+    unknown = engine.handle(ev.encode(ev.operator_event("hand", "resolve", alert_id="nope", ts=1004.0)), 0, 13)
+    assert [o for o in unknown if o.kind == "alert"] == []

@@ -208,3 +208,44 @@ def test_a_silence_sent_by_hand_reaches_the_worker_and_shows_in_status(kafka, tm
         alerts.close()
         logger.close(quiet=True)
         worker.kill()
+
+
+def test_an_alert_acknowledged_and_resolved_by_hand_end_to_end(kafka, tmp_path):
+    import time
+
+    from tests.integration import TopicReader, WorkerProcess
+    from trainguard.producers.trainer import TrainerLogger
+
+    worker = WorkerProcess(kafka, tmp_path).start()
+    logger = TrainerLogger("hand-1", kafka, host="h")
+    alerts = TopicReader(kafka, kafka.topics.alerts)
+    try:
+        worker.wait_ready()
+        logger.log({"actor/pg_loss": -0.01}, 1)
+        logger.log({"actor/pg_loss": float("nan")}, 2)
+        logger.publisher.flush(10)
+        alert = alerts.wait_for(lambda a: a.get("rule") == "non_finite", what="the NaN alert", worker=worker)
+
+        def status_shows(text):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                shown = _runs(kafka, "status", "hand-1")
+                if text in shown.stdout:
+                    return shown.stdout
+                time.sleep(1)
+            raise AssertionError(f"status never showed {text!r}: {shown.stdout}{shown.stderr}")
+
+        status_shows(alert["id"])  # the run's status is out: the alert's run can be looked up
+        acked = _runs(kafka, "ack", alert["id"], "--reason", "looking at the batch")
+        assert acked.returncode == 0, acked.stderr
+        status_shows("acknowledged by")
+        resolved = _runs(kafka, "resolve", alert["id"], "--reason", "batch skipped by hand")
+        assert resolved.returncode == 0, resolved.stdout + resolved.stderr
+        assert f"resolved {alert['id']} of run hand-1: resolved by hand by" in resolved.stdout
+        status_shows("open alerts: none")
+        missing = _runs(kafka, "resolve", "no-such-alert", "--reason", "x")
+        assert missing.returncode == 1 and "no run lists no-such-alert" in missing.stderr
+    finally:
+        alerts.close()
+        logger.close(quiet=True)
+        worker.kill()

@@ -74,6 +74,12 @@ def _silence(args) -> int:
     return silence_main(args)
 
 
+def _alert(args) -> int:
+    from trainguard.operate import alert_main
+
+    return alert_main(args)
+
+
 def _sinks(args) -> int:
     from trainguard.sinks.runner import main as sinks_main
 
@@ -238,6 +244,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--end", metavar="ID", help="end the silence with this id now")
     p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
     p.set_defaults(func=_silence)
+
+    for name, summary, details in (
+            ("ack", "acknowledge an open alert: someone is on it",
+             "Recorded with the run; `status` shows who and why. The alert stays open."),
+            ("resolve", "resolve an open alert by hand",
+             "The worker publishes its resolution; a condition that still holds fires again, as a new alert, "
+             "after the rule's duration. Waits for the resolution (exit 3 if none comes).")):
+        p = command(name, summary, details)
+        p.add_argument("alert", help="the alert id (`trainguard status RUN` lists the open ones)")
+        p.add_argument("--reason", required=True, help="why (kept with the alert)")
+        p.add_argument("--run", help="the alert's run (default: looked up in the runs' status)")
+        p.add_argument("--wait", type=float, default=30.0,
+                       help="resolve: seconds to wait for the resolution; 0 sends and returns (default: %(default)s)")
+        p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
+        p.set_defaults(func=_alert)
 
     p = command("sinks", "deliver alerts to the sinks configured in the environment",
                 "Console, JSON lines, webhooks (DingTalk, WeCom, Slack, generic), Alertmanager, Prometheus; "

@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import TextIO
 
-from trainguard.kafka import KafkaSettings, control_partitions_of, partition_for
+from trainguard.kafka import KafkaSettings, control_partitions_of, partition_for, topic_reader
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import load_keys, sign, signing_key_for_worker
 
@@ -57,7 +57,6 @@ def send_command(settings: KafkaSettings, command: dict, *, wait_s: float = 60.0
     the trainer's ack. Returns the exit status (see the module's docstring)."""
     from confluent_kafka import KafkaException
 
-    from trainguard.kafka import topic_reader
     from trainguard.producers.publisher import Publisher
 
     out, err = out or sys.stdout, err or sys.stderr
@@ -231,7 +230,9 @@ def format_status(s: dict, now: float | None = None) -> str:
         for a in sorted(s["open_alerts"], key=lambda a: (a.get("severity") or "P9", a["rule"])):
             where = f" at step {a['step']}" if a.get("step") is not None else ""
             value = f" {a['metric']}={a['value']}" if a.get("metric") else ""
-            lines.append(f"    {a.get('severity') or '?'} {a['rule']}{value}{where}  ({a.get('id')})")
+            acked = a.get("acknowledged")
+            on_it = f"  acknowledged by {acked.get('by') or '?'}: {acked.get('reason', '')}" if acked else ""
+            lines.append(f"    {a.get('severity') or '?'} {a['rule']}{value}{where}  ({a.get('id')}){on_it}")
     else:
         lines.append("  open alerts: none")
     for silence in s.get("silences") or ():
@@ -348,3 +349,76 @@ def silence_main(args) -> int:
               f"no sink pages for them; the breaker still acts. End it early: "
               f"trainguard silence {args.run} --end {event['id']} --reason ...")
     return EXIT_APPLIED
+
+
+# --------------------------------------------------------------------------- ack and resolve
+
+
+def _run_of_alert(settings: KafkaSettings, alert_id: str) -> str | None:
+    """The run whose status lists ``alert_id`` among its open alerts."""
+    for status in read_statuses(settings).values():
+        if any(a.get("id") == alert_id for a in status["open_alerts"]):
+            return status["run_id"]
+    return None
+
+
+def alert_main(args) -> int:
+    """``trainguard ack ALERT`` and ``trainguard resolve ALERT``: an open alert acknowledged
+    (someone is on it; `status` shows who) or resolved by hand (the worker publishes its
+    resolution; a condition that still holds fires again after the rule's duration)."""
+    from confluent_kafka import KafkaException
+
+    from trainguard.producers.publisher import Publisher
+
+    action, name = args.command, f"trainguard {args.command}"
+    if not args.reason.strip():
+        print(f"{name}: --reason must say why (kept with the alert, shown in status)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
+    run_id = args.run
+    try:
+        if run_id is None:
+            run_id = _run_of_alert(settings, args.alert)
+            if run_id is None:
+                print(f"{name}: no run lists {args.alert} among its open alerts (`trainguard runs` and "
+                      f"`trainguard status RUN` show them; give --run if the status is not out yet)", file=sys.stderr)
+                return EXIT_REFUSED
+        event = ev.operator_event(run_id, action, alert_id=args.alert, reason=args.reason,
+                                  by=f"{getpass.getuser()}@{socket.gethostname()}")
+        alerts = None
+        if action == "resolve" and args.wait > 0:
+            alerts, _missing = topic_reader(settings, [settings.topics.alerts], start="now")
+    except (KafkaException, ev.SchemaError) as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    publisher = Publisher(settings, linger_ms=0)
+    try:
+        publisher.publish(settings.topics.events, run_id, ev.encode(event))  # in order with the run's events
+        if publisher.flush(10) or publisher.dropped or publisher.delivery_failed:
+            print(f"{name}: it did not reach Kafka at {settings.bootstrap} within 10 s (is the broker running?)",
+                  file=sys.stderr)
+            return EXIT_BAD_INPUT
+    finally:
+        publisher.close(2)
+    if alerts is None:
+        print(f"{'acknowledged' if action == 'ack' else 'resolve sent for'} {args.alert} of run {run_id}; "
+              f"`trainguard status {run_id}` shows it within a few seconds")
+        return EXIT_APPLIED
+    try:
+        deadline = time.monotonic() + args.wait
+        while time.monotonic() < deadline:
+            for msg in alerts.consume(num_messages=100, timeout=0.5):
+                if msg.error():
+                    continue
+                try:
+                    alert = ev.decode(msg.value(), expect=(ev.ALERT, ev.REPORT))
+                except ev.SchemaError:
+                    continue
+                if alert.get("id") == args.alert and alert.get("status") == "resolved":
+                    print(f"resolved {args.alert} of run {run_id}: {alert.get('resolution', '')}")
+                    return EXIT_APPLIED
+    finally:
+        alerts.close()
+    print(f"{name}: the worker did not publish the resolution within {args.wait:.0f} s: the alert was not open "
+          f"any more, or no worker owns run {run_id} now (`trainguard status {run_id}`)", file=sys.stderr)
+    return EXIT_NO_ACK
