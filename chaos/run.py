@@ -19,9 +19,10 @@ Scenarios (``chaos/scenarios.py``), each on its own embedded broker on loopback:
 - ``hostile``: 140 bad messages of seven kinds (garbage, truncated JSON, unknown versions,
   missing fields, steps out of range, bad run ids, 950 KB payloads) among a run whose loss turns
   NaN: crashes, dead letters missing, the step the NaN is paged at.
-- ``worker_kill``: a worker killed with -9 three times while a run logs, started again with the
-  same ``TRAINGUARD_INSTANCE_ID`` (static group membership): seconds until the new one pages on
-  the run's next NaN, alerts missed.
+- ``worker_kill``: a worker killed with -9 right after it paged, three times, while a run logs,
+  and started again (it ends its dead predecessor's group membership, then joins); a sinks
+  process pages a real HTTP receiver and is restarted once: seconds until the new worker pages
+  the run's next NaN, alerts missed, pages received twice, commands issued twice.
 
 Prints a table, then one JSON line with the figures and their targets' verdicts.
 """
@@ -51,6 +52,8 @@ TARGETS = {
     "shutdown_s": (5.0, "le"),
     "worker_recovery_s": (5.0, "le"),
     "worker_kill_missed_alerts": (0, "le"),
+    "worker_kill_duplicate_pages": (0, "le"),
+    "worker_kill_duplicate_commands": (0, "le"),
     "hostile_crashes": (0, "le"),
     "hostile_dead_letters_missing": (0, "le"),
 }
@@ -79,7 +82,7 @@ def run(only: set[str], quick: bool) -> dict:
         out["hostile"] = scenarios.hostile_input()
     if "worker_kill" in only:
         print("worker_kill: kill -9 a worker and start it again, three times ...", file=sys.stderr, flush=True)
-        out["worker_kill"] = scenarios.worker_kill(extra_env={"TRAINGUARD_INSTANCE_ID": "chaos-worker-1"})
+        out["worker_kill"] = scenarios.worker_kill()
     return out
 
 
@@ -108,7 +111,8 @@ def summary(results: dict) -> dict:
         s["hostile_dead_letters_missing"] = results["hostile"]["hostile_dead_letters_missing"]
     if "worker_kill" in results:
         s["worker_recovery_s"] = results["worker_kill"]["worker_recovery_s"]
-        s["worker_kill_missed_alerts"] = results["worker_kill"]["worker_kill_missed_alerts"]
+        for k in ("worker_kill_missed_alerts", "worker_kill_duplicate_pages", "worker_kill_duplicate_commands"):
+            s[k] = results["worker_kill"][k]
     s["passed"] = all(s[k] is not None and (s[k] >= t if how == "ge" else s[k] <= t)
                       for k, (t, how) in TARGETS.items() if k in s)
     return s

@@ -310,55 +310,94 @@ def shutdown(log_dir=None) -> dict:
 
 
 def worker_kill(kills: int = 3, log_dir=None, extra_env: dict | None = None) -> dict:
-    """A worker is killed with -9 while a run logs, and started again: seconds until the new
-    worker judges the run's next event (a NaN loss, which pages), alerts missed, commands sent
-    twice."""
+    """A worker is killed with -9 right after it pages (its last offsets possibly not yet
+    committed) and started again, ``kills`` times, while a run logs; a sinks process pages a
+    real HTTP receiver and is itself restarted once. Figures: seconds from each restart until
+    the new worker pages the run's next NaN, alerts missed, alerts published twice (the same id:
+    at-least-once, absorbed by the sinks), pages received twice, commands issued twice."""
     import signal
     import tempfile
+    from collections import Counter
     from pathlib import Path
 
-    from tests.integration import TopicReader, WorkerProcess
+    from tests.integration import Receiver, SinksProcess, TopicReader, WorkerProcess
 
     port = free_port()
     settings = _settings(port)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-"))
-    recovery, missed = [], 0
+    receiver = Receiver()
+    recovery, missed, step = [], 0, 0
     with broker_on(port):
         create_topics(settings)
         app_id = f"chaos-{uuid.uuid4().hex[:6]}"
         worker = WorkerProcess(settings, log_dir, app_id=app_id, extra_env=extra_env).start()
+        sinks_env = {"TRAINGUARD_WEBHOOK_URL": receiver.url, "TRAINGUARD_OUTBOX_DIR": str(log_dir / "outbox")}
+        sinks = SinksProcess(settings, log_dir, sinks_env).start()
         worker.wait_ready()
         logger = TrainerLogger("chaos-kill", settings, host="chaos")
         alerts = TopicReader(settings, settings.topics.alerts)
-        step = 0
+        control = TopicReader(settings, settings.topics.control)
+
+        def healthy(n: int) -> None:
+            nonlocal step
+            for _ in range(n):
+                step += 1
+                logger.log({"actor/pg_loss": -0.01, "actor/kl_loss": 0.01}, step)
+
+        def nan_paged(timeout: float) -> bool:
+            """Log a NaN loss; True once its alert is out. Each NaN rolls back (a checkpoint
+            exists), and the run says it rolled back, so the next NaN decides again."""
+            nonlocal step
+            step += 1
+            nan_step = step
+            logger.log({"actor/pg_loss": float("nan"), "actor/kl_loss": 0.01}, step)
+            logger.publisher.flush(5)
+            try:
+                alerts.wait_for(lambda a: a.get("rule") == "non_finite" and a.get("step") == nan_step
+                                and a.get("status") == "firing", timeout=timeout, what="the NaN alert")
+            except AssertionError:
+                return False
+            logger.lifecycle("rolled_back", step=5)
+            return True
+
         try:
+            healthy(5)
+            logger.checkpoint_saved(5, "/ckpt/step-5")
+            healthy(15)
+            missed += not nan_paged(60)
             for kill in range(kills):
-                for _ in range(20):
-                    step += 1
-                    logger.log({"actor/pg_loss": -0.01, "actor/kl_loss": 0.01}, step)
-                logger.publisher.flush(5)
-                time.sleep(1.0)
                 worker.kill(signal.SIGKILL)
                 worker = WorkerProcess(settings, log_dir, app_id=app_id, extra_env=extra_env).start()
                 started = time.monotonic()
-                step += 1
-                logger.log({"actor/pg_loss": float("nan"), "actor/kl_loss": 0.01}, step)
-                logger.publisher.flush(5)
-                nan_step = step
-                try:
-                    alerts.wait_for(lambda a: a.get("rule") == "non_finite" and a.get("step") == nan_step
-                                    and a.get("status") == "firing", timeout=60, what="the NaN alert")
+                if kill == 0:  # the sinks restart too: what they delivered must not page again
+                    sinks.stop()
+                    sinks = SinksProcess(settings, log_dir, sinks_env, group=sinks.group).start()
+                healthy(3)
+                if nan_paged(60):
                     recovery.append(round(time.monotonic() - started, 2))
-                except AssertionError:
+                else:
                     missed += 1
-            firing = [(a["id"]) for a in alerts.seen if a.get("status") == "firing"]
+            firing = [a["id"] for a in alerts.drain() if a.get("status") == "firing"]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not set(firing) <= {b.get("id") for b in receiver.bodies()}:
+                time.sleep(0.2)
+            pages = Counter((b.get("id"), b.get("status")) for b in receiver.bodies())
+            unpaged = len(set(firing) - {b.get("id") for b in receiver.bodies()})
+            commands = [c for c in control.drain() if c.get("schema") == ev.COMMAND]
         finally:
             alerts.close()
+            control.close()
             logger.close(5, quiet=True)
             worker.kill()
-        duplicates = len(firing) - len(set(firing))
+            sinks.stop()
+            receiver.stop()
+    ids = {c["id"] for c in commands}
+    decisions = {tuple(sorted(c.get("reason") or ())) for c in commands}
     return {"kills": kills, "worker_recovery_s": max(recovery) if recovery else None, "recoveries_s": recovery,
-            "worker_kill_missed_alerts": missed, "alerts_published_twice": duplicates}
+            "worker_kill_missed_alerts": missed, "alerts_published_twice": len(firing) - len(set(firing)),
+            "pages": sum(pages.values()), "worker_kill_duplicate_pages": sum(n - 1 for n in pages.values()),
+            "alerts_never_paged": unpaged, "commands": len(commands),
+            "worker_kill_duplicate_commands": (len(commands) - len(ids)) + (len(ids) - len(decisions))}
 
 
 def hostile_input(bad_per_kind: int = 20, log_dir=None) -> dict:

@@ -13,6 +13,7 @@ state that includes them (and the alerts and commands they caused) has been deli
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import os
@@ -31,7 +32,8 @@ from trainguard.settings import value as setting
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.checkpoint import Checkpoint, OutputRouter
 from trainguard.streams.engine import Engine
-from trainguard.streams.transport import BULK_LANE_SUPPORTED, BytesTable, WindowedBytesTable, WorkerApp
+from trainguard.streams.transport import (BULK_LANE_SUPPORTED, BytesTable, Memberships, WindowedBytesTable,
+                                          WorkerApp, WorkerTableManager, aiokafka_auth)
 
 log = logging.getLogger("trainguard.worker")
 
@@ -168,13 +170,14 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         topic_partitions=settings.partitions,
         topic_replication_factor=1,
         broker_rebalance_timeout=rebalance_timeout_s,
-        broker_session_timeout=max(10.0, rebalance_timeout_s * 2),
+        broker_session_timeout=float(setting("TRAINGUARD_SESSION_TIMEOUT_S")),
         broker_heartbeat_interval=1.0,
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
         producer_acks=-1,
         table_standby_replicas=int(setting("TRAINGUARD_STANDBY_REPLICAS")),
         consumer_group_instance_id=setting("TRAINGUARD_INSTANCE_ID") or None,
+        TableManager=WorkerTableManager,
     )
     events_topic = app.topic(settings.topics.events, key_type=bytes, value_type=bytes,
                              key_serializer="raw", value_serializer="raw", partitions=settings.partitions)
@@ -191,6 +194,8 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                     idle_ttl_s=float(setting("TRAINGUARD_RUN_TTL_S")))
     window_table.decode_key = engine.windows.decode_key
     app.trainguard_engine = engine  # for tests and the status line
+    if not app.conf.consumer_group_instance_id:  # static members are replaced by the broker itself
+        app.trainguard_members = Memberships(data_dir(app_id), app_id)
 
     if prometheus_port is None and setting("TRAINGUARD_PROMETHEUS_PORT"):
         prometheus_port = int(setting("TRAINGUARD_PROMETHEUS_PORT"))
@@ -375,6 +380,24 @@ class RepeatFilter(logging.Filter):
         return True
 
 
+def leave_orphaned_memberships(app) -> None:
+    """End the group memberships of this host's workers that died without leaving (kill -9,
+    OOM), so that this worker takes their partitions now instead of after their session."""
+    members = getattr(app, "trainguard_members", None)
+    if members is None:
+        return
+    bootstrap = ",".join(f"{url.host}:{url.port}" for url in app.conf.broker_consumer)
+    try:
+        left = asyncio.run(members.leave_orphaned(bootstrap, aiokafka_auth(app)))
+    except Exception as exc:  # the broker may be down: the worker's own join waits for it
+        log.warning("trainguard worker: could not end a dead worker's group membership (%s: %s); its "
+                    "partitions come back after its session times out", type(exc).__name__, exc)
+        return
+    if left:
+        print(f"trainguard worker: ended {len(left)} group membership(s) of a worker that died on this host",
+              flush=True)
+
+
 def run_worker(settings: KafkaSettings | None = None, *, rules_path: str | None = None, loglevel: str = "warning",
                app_id: str = "trainguard", prometheus_port: int | None = None,
                prometheus_addr: str | None = None) -> int:
@@ -391,6 +414,7 @@ def run_worker(settings: KafkaSettings | None = None, *, rules_path: str | None 
     started = time.time()
     print(f"trainguard worker: consuming {app.conf.broker[0]} with rules "
           f"{rules_path or 'default.yaml'}", flush=True)
+    leave_orphaned_memberships(app)
     worker = _Worker(app, loglevel=loglevel, quiet=True)
     worker.execute_from_commandline()
     log.info("trainguard worker: stopped after %.0fs", time.time() - started)

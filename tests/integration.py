@@ -1,13 +1,17 @@
-"""Helpers for integration tests: a real worker process and reading topics back."""
+"""Helpers for integration tests (and ``make chaos``): a real worker and sinks process, a real
+HTTP receiver, reading topics back."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from confluent_kafka import Producer
@@ -66,6 +70,39 @@ class WorkerProcess:
                 self.proc.wait(5)
 
 
+class SinksProcess:
+    """``trainguard sinks`` in its own process group, on the test's topics, configured by ``env``
+    (``TRAINGUARD_WEBHOOK_URL`` ...)."""
+
+    def __init__(self, settings: KafkaSettings, log_dir: Path, env: dict, group: str | None = None):
+        self.settings = settings
+        self.env = env
+        self.group = group or f"sinks-{uuid.uuid4().hex[:8]}"
+        self.log_path = log_dir / f"sinks-{self.group}-{int(time.time() * 1000)}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "SinksProcess":
+        prefix = self.settings.topics.events.rsplit(".", 1)[0]
+        env = {**os.environ, "TRAINGUARD_BOOTSTRAP": self.settings.bootstrap, "TRAINGUARD_TOPIC_PREFIX": prefix,
+               "TRAINGUARD_PARTITIONS": str(self.settings.partitions), **self.env}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainguard.cli", "sinks", "--group", self.group, "--no-console"],
+            stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return self
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
 def produce(settings: KafkaSettings, topic: str, key: str, values: list[bytes]) -> None:
     p = Producer({"bootstrap.servers": settings.bootstrap, "partitioner": "murmur2_random"})
     for v in values:
@@ -98,5 +135,65 @@ class TopicReader:
         detail = f"\n--- worker log ---\n{worker.log()[-3000:]}" if worker else ""
         raise AssertionError(f"no {what} within {timeout}s; saw {len(self.seen)} events{detail}")
 
+    def drain(self, quiet_s: float = 2.0) -> list[dict]:
+        """Read until the topic stays quiet for ``quiet_s``; everything seen so far."""
+        last = time.monotonic()
+        while time.monotonic() - last < quiet_s:
+            msg = self.consumer.poll(0.2)
+            if msg is not None and not msg.error():
+                self.seen.append(self.decode(msg.value()))
+                last = time.monotonic()
+        return self.seen
+
     def close(self) -> None:
         self.consumer.close()
+
+
+class Receiver:
+    """A local HTTP server that answers 500 (or ``fail_body`` with 200) to the first ``fail_first`` requests."""
+
+    def __init__(self, port: int = 0, fail_first: int = 0, fail_status: int = 500, fail_body: bytes | None = None,
+                 ok_body: bytes = b"ok"):
+        self.fail_first = fail_first
+        self.fail_status = fail_status
+        self.fail_body = fail_body
+        self.ok_body = ok_body
+        self.requests: list[tuple[str, dict]] = []  # accepted: (path with query, JSON body)
+        self.attempts = 0
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with outer.lock:
+                    outer.attempts += 1
+                    failing = outer.attempts <= outer.fail_first
+                    if not failing:
+                        outer.requests.append((self.path, json.loads(body)))
+                if failing and outer.fail_body is None:
+                    self.send_response(outer.fail_status)
+                    self.end_headers()
+                    self.wfile.write(b"down")
+                    return
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(outer.fail_body if failing else outer.ok_body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def bodies(self) -> list[dict]:
+        with self.lock:
+            return [b for _, b in self.requests]
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)

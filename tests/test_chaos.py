@@ -85,3 +85,14 @@ def test_bad_messages_of_every_kind_get_dead_letters_and_the_fault_is_still_page
     r = scenarios.hostile_input(bad_per_kind=10, log_dir=tmp_path)
     assert r["hostile_crashes"] == 0 and r["hostile_dead_letters_missing"] == 0, r
     assert r["nan_alert_step"] == 30, r
+
+
+def test_a_worker_killed_right_after_it_paged_is_replaced_without_missed_or_double_pages(tmp_path):
+    """The restarted worker ends its dead predecessor's group membership instead of waiting
+    for its session; the sinks, restarted too, page each alert once at a real HTTP receiver."""
+    r = scenarios.worker_kill(kills=1, log_dir=tmp_path)
+    assert r["worker_kill_missed_alerts"] == 0 and r["alerts_never_paged"] == 0, r
+    assert r["worker_kill_duplicate_pages"] == 0 and r["worker_kill_duplicate_commands"] == 0, r
+    assert r["commands"] >= 2, r  # a rollback before the kill and a decision after it
+    restarted = sorted(tmp_path.glob("worker-*.log"))[-1].read_text()
+    assert "ended 1 group membership(s) of a worker that died on this host" in restarted

@@ -6,14 +6,13 @@ import base64
 import hashlib
 import hmac
 import json
-import threading
 import time
 import urllib.parse
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests.integration import Receiver
 from trainguard.broker import free_port
 from trainguard.sinks.webhooks import (DingTalkSink, GenericWebhookSink, SlackSink, Templates, WeComSink,
                                        alert_fields, dingtalk_sign, render)
@@ -38,56 +37,6 @@ def _wait(predicate, timeout: float = 30.0, what: str = "condition"):
             return
         time.sleep(0.02)
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
-
-
-class Receiver:
-    """A local HTTP server that answers 500 (or ``fail_body`` with 200) to the first ``fail_first`` requests."""
-
-    def __init__(self, port: int = 0, fail_first: int = 0, fail_status: int = 500, fail_body: bytes | None = None,
-                 ok_body: bytes = b"ok"):
-        self.fail_first = fail_first
-        self.fail_status = fail_status
-        self.fail_body = fail_body
-        self.ok_body = ok_body
-        self.requests: list[tuple[str, dict]] = []  # accepted: (path with query, JSON body)
-        self.attempts = 0
-        self.lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                with outer.lock:
-                    outer.attempts += 1
-                    failing = outer.attempts <= outer.fail_first
-                    if not failing:
-                        outer.requests.append((self.path, json.loads(body)))
-                if failing and outer.fail_body is None:
-                    self.send_response(outer.fail_status)
-                    self.end_headers()
-                    self.wfile.write(b"down")
-                    return
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(outer.fail_body if failing else outer.ok_body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}/hook"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def bodies(self) -> list[dict]:
-        with self.lock:
-            return [b for _, b in self.requests]
-
-    def stop(self):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
 
 
 @pytest.fixture

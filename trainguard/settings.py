@@ -48,6 +48,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_FINISHED_GRACE_S", "600", _WORKER, "a finished run's state is forgotten this long after"),
     Setting("TRAINGUARD_RUN_TTL_S", "604800", _WORKER, "a run's state is forgotten this long after its last event"),
     Setting("TRAINGUARD_REBALANCE_TIMEOUT_S", "3", _WORKER, "the consumer group's rebalance timeout"),
+    Setting("TRAINGUARD_SESSION_TIMEOUT_S", "6", "worker, sinks",
+            "how long a silent worker or sinks process keeps its partitions before another takes them "
+            "(Kafka refuses < 6 s by default; the embedded broker's join waits half of it)"),
     Setting("TRAINGUARD_STANDBY_REPLICAS", "0", _WORKER, "standby copies of each table partition on other workers"),
     Setting("TRAINGUARD_BULK_LANE", "1", _WORKER, "`0`: Faust's agent path instead of the bulk lane (to compare)"),
     Setting("TRAINGUARD_FETCH_MAX_WAIT_MS", "20", _WORKER, "how long a fetch waits for data (Faust fixes 1500)"),
