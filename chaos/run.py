@@ -12,9 +12,9 @@ Scenarios (``chaos/scenarios.py``), each on its own embedded broker on loopback:
 - ``close``: a trainer whose broker never answers logs 2,000 steps and closes.
 - ``listener``: a control listener applies and acks three commands and is restarted; the new one
   must apply none of them again, nor a command issued before its lookback window.
-- ``lifecycle``: 1,000 runs start, log and finish one after another through a real worker: the
-  bytes their state leaves in the changelogs after the grace period (what a restarted worker
-  would restore), and the worker's memory growth from its settled size.
+- ``lifecycle``: 1,000 runs start, log and finish one after another over 10 minutes through a
+  real worker: the bytes their state leaves in the changelogs after the grace period (what a
+  restarted worker would restore), and the worker's memory growth from its settled size.
 - ``shutdown``: SIGTERM to a worker with its broker up and with it gone, and to the broker.
 - ``hostile``: 140 bad messages of seven kinds (garbage, truncated JSON, unknown versions,
   missing fields, steps out of range, bad run ids, 950 KB payloads) among a run whose loss turns
@@ -73,7 +73,7 @@ def run(only: set[str], quick: bool) -> dict:
         out["listener"] = scenarios.listener_restart()
     if "lifecycle" in only:
         print("lifecycle: runs starting and finishing through a worker ...", file=sys.stderr, flush=True)
-        out["lifecycle"] = scenarios.state_lifecycle(runs=200 if quick else 1000)
+        out["lifecycle"] = scenarios.state_lifecycle(runs=200 if quick else 1000, duration_s=60 if quick else 600)
     if "shutdown" in only:
         print("shutdown: SIGTERM to workers and the broker ...", file=sys.stderr, flush=True)
         out["shutdown"] = scenarios.shutdown()

@@ -9,6 +9,7 @@ used: these scenarios stop and restart the broker) and stops it at the end.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
@@ -219,10 +220,14 @@ def _changelog_bytes(settings: KafkaSettings, topic: str, prefixes: tuple[bytes,
     return sum(latest.values())
 
 
-def state_lifecycle(runs: int = 200, steps: int = 10, grace_s: float = 2.0, log_dir=None) -> dict:
-    """Runs start, log, finish, one after another, through a real worker: after the grace period
-    their state is tombstoned (what a restarted worker would restore for them: bytes left in the
-    state and windows changelogs) and the worker's memory does not grow with the runs it saw."""
+def state_lifecycle(runs: int = 200, steps: int = 10, grace_s: float = 2.0, duration_s: float = 0.0,
+                    log_dir=None) -> dict:
+    """Runs start, log, finish, one after another, through a real worker, paced over
+    ``duration_s`` (0: as fast as they go): after the grace period their state is tombstoned
+    (what a restarted worker would restore for them: bytes left in the state and windows
+    changelogs) and the worker's memory does not grow with the runs it saw. Its settled size is
+    taken once the first quarter of the runs is forgotten; the growth is from there to the end,
+    every run forgotten."""
     import tempfile
     from pathlib import Path
 
@@ -242,6 +247,7 @@ def state_lifecycle(runs: int = 200, steps: int = 10, grace_s: float = 2.0, log_
             logger = TrainerLogger("chaos-churn-0", settings, host="chaos")
             values = {f"m/{i}": float(i) for i in range(METRICS)}
             warm_rss, curve = None, []
+            started = time.monotonic()
             for n in range(runs):
                 run_id = f"chaos-churn-{n}"
                 logger.run_id = run_id
@@ -255,6 +261,11 @@ def state_lifecycle(runs: int = 200, steps: int = 10, grace_s: float = 2.0, log_
                     warm_rss = proc.memory_info().rss
                 if n % max(1, runs // 10) == 0:
                     curve.append(round(proc.memory_info().rss / 2**20, 1))
+                    print(f"lifecycle: {n}/{runs} runs, {time.monotonic() - started:.0f} s, worker {curve[-1]} MB",
+                          file=sys.stderr, flush=True)
+                ahead = started + duration_s * (n + 1) / runs - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
             time.sleep(grace_s + 7)  # past the grace, and a tick of the worker's 5 s timer
             end_rss = proc.memory_info().rss
             logger.close(5, quiet=True)
@@ -263,7 +274,7 @@ def state_lifecycle(runs: int = 200, steps: int = 10, grace_s: float = 2.0, log_
                        for table in ("state", "windows"))
         finally:
             worker.kill()
-    return {"runs": runs, "finished_run_bytes_after_grace": left,
+    return {"runs": runs, "seconds": round(time.monotonic() - started, 1), "finished_run_bytes_after_grace": left,
             "rss_warm_mb": round(warm_rss / 2**20, 1), "rss_end_mb": round(end_rss / 2**20, 1),
             "churn_rss_growth_pct": round(100.0 * (end_rss - warm_rss) / warm_rss, 2), "rss_curve_mb": curve}
 
