@@ -260,6 +260,28 @@ def _json_value(v: float) -> float | str:
     return v if math.isfinite(v) else ("NaN" if v != v else ("Infinity" if v > 0 else "-Infinity"))
 
 
+@dataclass(slots=True)
+class EventContext:
+    """One metrics event while the engine judges it: where it came from, where its source's
+    state lives, its values in the baseline's row order, and what judging it produced so far."""
+    event: dict
+    run: RunState
+    run_id: str
+    partition: int
+    outputs: list
+    sid: str                 # the source's id within the run
+    key: bytes               # the source's state key (``run|source``)
+    state: "SourceState"
+    names: tuple             # metric names, in the event's order
+    rows: Any                # their rows in the source's baseline block
+    x: Any                   # their values, float array
+    stats: tuple             # the baseline's (anomalous, finite, mean, std, lower, upper, ready)
+    holding: set = field(default_factory=set)        # (rule, row) slots that hold at this event
+    critical: list = field(default_factory=list)     # (alert id, rule, summary) of critical rules that hold
+    opened: dict = field(default_factory=dict)       # rule -> the alert it opened at this event
+    immediate: bool = False                          # a critical rule marked immediate holds
+
+
 class Engine:
     def __init__(self, rules: RuleSet, store: MutableMapping[bytes, Any] | None = None, *,
                  windows: MutableMapping[Any, Any] | None = None, signing_key: SigningKey | None = None,
@@ -287,9 +309,7 @@ class Engine:
         # A straggler needs peers: below this many ranks no cross-rank rule can judge.
         self._cross_min_ranks = min((max(2, int(r.detector.get("min_peers", 4))) for r in self._cross_rules),
                                     default=0)
-        self._fired = False  # an alert fired while handling the current event
-        self._opened: dict[str, dict] = {}  # rule -> the alert it opened in the current event
-        self._immediate = False  # a critical rule marked immediate holds in the current event
+        self._fired = False  # an alert fired while handling the current event (incidents listen)
         self._cross_pairs: dict[tuple, list] = {}
         # Callables given every decoded event that is applied (not replays), before detection:
         # e.g. the worker's Prometheus exporter. Empty by default; keep them cheap.
@@ -408,8 +428,6 @@ class Engine:
                     log.exception("trainguard: on_event callback failed")
         outputs: list[Output] = []
         self._fired = False
-        self._opened = {}
-        self._immediate = False
         if "source" in event:
             self._seen(run, run_id, event, outputs)
         kind = event["schema"]
@@ -532,17 +550,18 @@ class Engine:
                     "ts": event["ts"], "node_snapshot": None, **extra}
         return Output("alert", alert["run_id"], resolved)
 
-    def _judge(self, state: SourceState, slot, rule: Rule, holds: bool, event: dict, run: RunState,
-               run_id: str, sid: str, metric: str, value: float, evidence, holding: set, outputs: list,
-               critical: list) -> None:
+    def _judge(self, ctx: "EventContext", slot, rule: Rule, holds: bool, metric: str, value: float,
+               evidence) -> None:
         """One sample of one rule on one metric: streaks, durations, opening an episode.
+        ``evidence()`` is called only when an alert opens.
 
         Metrics of one rule that open in the same step share one alert, which names them all
         (a NaN step with five NaN losses pages once)."""
+        state = ctx.state
         if not holds or (rule.given and not rule.given_holds(state.known)):
             return
-        holding.add(slot)
-        ts = event["ts"]
+        ctx.holding.add(slot)
+        ts = ctx.event["ts"]
         streak = state.streaks.get(slot)
         if streak is None:
             streak = state.streaks[slot] = [0, ts]
@@ -551,19 +570,21 @@ class Engine:
             return
         alert = state.firing.get(slot)
         if alert is None:
-            alert = self._opened.get(rule.name)
+            alert = ctx.opened.get(rule.name)
             if alert is None:
-                alert = self._alert(event, run, run_id, sid, rule, metric, value, evidence(), run.breaker.attempt)
-                self._opened[rule.name] = alert
-                self._add(outputs, self._fire(run, alert, rule))
+                run = ctx.run
+                alert = self._alert(ctx.event, run, ctx.run_id, ctx.sid, rule, metric, value, evidence(),
+                                    run.breaker.attempt)
+                ctx.opened[rule.name] = alert
+                self._add(ctx.outputs, self._fire(run, alert, rule))
             else:  # the alert this step already opened for the rule names this metric too
                 alert["metrics"].append(metric)
                 alert["values"][metric] = _json_value(value)
             state.firing[slot] = alert
         if rule.critical:
             if rule.immediate:
-                self._immediate = True
-            critical.append((alert["id"], rule.name, f"{rule.summary} ({metric}={value:.4g})"))
+                ctx.immediate = True
+            ctx.critical.append((alert["id"], rule.name, f"{rule.summary} ({metric}={value:.4g})"))
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -598,6 +619,27 @@ class Engine:
         run.cross.clear()
 
     def _metrics(self, event: dict, run: RunState, run_id: str, partition: int, outputs: list) -> None:
+        """A metrics event, in phases: fold it into its source's baselines, judge the rules that
+        read the baselines, then those with a detector of their own (every sample, or each
+        interval as it closes), end the episodes that no longer hold, correlate (stragglers
+        across ranks, incidents across rules), and let the breaker decide on a trainer step."""
+        ctx = self._ingest(event, run, run_id, partition, outputs)
+        self._judge_baselines(ctx)
+        state = ctx.state
+        if state.det_rows or state.res_rows:
+            plain, per_interval, res_j, res_names = state.det_positions(ctx.rows)
+            self._judge_detectors(ctx, plain)
+            if per_interval:
+                self._judge_intervals(ctx, per_interval, res_j, res_names)
+        self._end_broken_episodes(ctx)
+        self._correlate(ctx)
+        if event["source"]["kind"] in self.rules.policy["step_sources"]:
+            self._breaker_step(ctx)
+
+    def _ingest(self, event: dict, run: RunState, run_id: str, partition: int, outputs: list) -> "EventContext":
+        """Fold the event's values into its source's baselines (new metrics get rows, and the
+        log says once which of them no rule watches); a node's values are kept as they came
+        for the snapshot alerts carry."""
         src = event["source"]
         sid = ev.source_id(src)
         key = f"{run_id}|{sid}".encode()
@@ -618,22 +660,22 @@ class Engine:
                          ", ".join(unwatched[:20]), " ..." if len(unwatched) > 20 else "")
         x = np.fromiter(metrics.values(), float, len(names))
         self.samples += len(names)
-        anomalous, finite, mean, std, lower, upper, ready = block.update(rows, x)
+        stats = block.update(rows, x)
         if state.given_rows:
             state.remember(rows, x)
-
         if src["kind"] == "node":
             # The decoded dict as it is (NaN becomes null in JSON): no per-metric work per node event.
             run.nodes[src.get("host") or sid] = {"ts": event["ts"], "step": event["step"], "metrics": metrics}
             if len(run.nodes) > MAX_SNAPSHOT_HOSTS:
                 run.nodes.pop(min(run.nodes, key=lambda h: run.nodes[h]["ts"]))
+        return EventContext(event, run, run_id, partition, outputs, sid, key, state, names, rows, x, stats)
 
-        rules = self.rules.rules
-        holding: set[tuple[int, int]] = set()
-        critical: list[tuple[str, str, str]] = []
-
-        # Baseline rules: only rows that some rule could fire on need Python-level work.
-        # (Comparisons with NaN are False, without a warning.)
+    def _judge_baselines(self, ctx: "EventContext") -> None:
+        """Rules judged against the rolling baseline. Only rows that some rule could fire on get
+        Python-level work (comparisons with NaN are False, without a warning)."""
+        state, rows, x = ctx.state, ctx.rows, ctx.x
+        anomalous, finite, mean, std, lower, upper, ready = ctx.stats
+        block = state.block
         candidate = (anomalous | ~finite | (x > state.gate_hi[rows]) | (x < state.gate_lo[rows])
                      | state.always[rows])
         if state.any_cv:  # "fluctuating": only where the window's spread is already wide enough
@@ -645,6 +687,7 @@ class Engine:
                 candidate[[row for _, row in state.firing]] = True
             else:
                 candidate |= np.isin(rows, [row for _, row in state.firing])
+        rules = self.rules.rules
         for j in np.flatnonzero(candidate).tolist():
             row = int(rows[j])
             value = float(x[j])
@@ -654,90 +697,99 @@ class Engine:
                 # it open (a sustained fault soon enters the window and stops looking unusual).
                 holds = rules[ri].holds(value, bool(anomalous[j]) or slot in state.firing,
                                         mean[j] if ready[j] else math.nan, std[j])
-                self._judge(state, slot, rules[ri], holds, event, run, run_id, sid, names[j], value,
+                self._judge(ctx, slot, rules[ri], holds, ctx.names[j], value,
                             lambda j=j, row=row, value=value: self._evidence(
-                                value, bool(finite[j]), mean[j], std[j], lower[j], upper[j], block, row),
-                            holding, outputs, critical)
+                                value, bool(finite[j]), mean[j], std[j], lower[j], upper[j], block, row))
 
-        # Rules with their own detector learn from every sample of their metrics...
-        if state.det_rows or state.res_rows:
-            ts = event["ts"]
-            plain, per_interval, res_j, res_names = state.det_positions(rows)
-            detectors, firing = state.detectors, state.firing
-            for j, row, watching in plain:
-                value = float(x[j])
-                finite = value == value and value != math.inf and value != -math.inf
-                for ri in watching:
-                    rule, slot = rules[ri], (ri, row)
-                    det = detectors.get(slot)
-                    if det is None:
-                        det = detectors[slot] = rule.make_detector()
-                    # Detectors never learn from non-finite values. As with the baselines, the
-                    # detector opens an episode and a threshold keeps it open.
-                    flagged = finite and det.update(value, ts)
-                    if not flagged and rule.has_threshold and slot in firing:
-                        flagged = True
-                    elif not flagged and finite and rule.anomalous:
-                        continue  # nothing can hold: an open episode of this slot resolves below
-                    self._judge(state, slot, rule, rule.holds(value, flagged),
-                                event, run, run_id, sid, names[j], value,
-                                lambda slot=slot, rule=rule, name=names[j]: self._detector_evidence(
-                                    state, key, slot, rule, name), holding, outputs, critical)
-            # ... the resampled ones from the per-interval figures in the windowed table: each
-            # event adds to the open window (whole arrays), an interval is judged when it closes.
-            if per_interval:
-                closed = self._roll_window(state, key, ts, partition)
-                self.windows.add(key, state.minute, partition, res_names, x[res_j])
-                if closed is None:  # no new judgement: open episodes and streaks carry on
-                    for slot in (*state.firing, *state.streaks):
-                        if rules[slot[0]].resample_s:
-                            holding.add(slot)
-                else:
-                    for j, row, watching in per_interval:
-                        value = float(x[j])
-                        for ri in watching:
-                            rule, slot = rules[ri], (ri, row)
-                            verdict = self._resampled(state, key, slot, rule, names[j], closed)
-                            if verdict is None:  # the interval held no sample of it
-                                if slot in state.firing or slot in state.streaks:
-                                    holding.add(slot)
-                                continue
-                            self._judge(state, slot, rule, rule.holds(value, verdict), event, run, run_id, sid,
-                                        names[j], value, lambda slot=slot, rule=rule, name=names[j]:
-                                        self._detector_evidence(state, key, slot, rule, name),
-                                        holding, outputs, critical)
+    def _judge_detectors(self, ctx: "EventContext", plain) -> None:
+        """Rules with a detector of their own, which learns from every sample of its metric.
+        Detectors never learn from non-finite values; as with the baselines, the detector opens
+        an episode and a threshold keeps it open."""
+        state, x, rules = ctx.state, ctx.x, self.rules.rules
+        detectors, firing, ts = state.detectors, state.firing, ctx.event["ts"]
+        for j, row, watching in plain:
+            value = float(x[j])
+            finite = value == value and value != math.inf and value != -math.inf
+            for ri in watching:
+                rule, slot = rules[ri], (ri, row)
+                det = detectors.get(slot)
+                if det is None:
+                    det = detectors[slot] = rule.make_detector()
+                flagged = finite and det.update(value, ts)
+                if not flagged and rule.has_threshold and slot in firing:
+                    flagged = True
+                elif not flagged and finite and rule.anomalous:
+                    continue  # nothing can hold: an open episode of this slot resolves later
+                self._judge(ctx, slot, rule, rule.holds(value, flagged), ctx.names[j], value,
+                            lambda slot=slot, rule=rule, name=ctx.names[j]: self._detector_evidence(
+                                state, ctx.key, slot, rule, name))
 
-        # Episodes that no longer hold are resolved; streaks that broke start again.
-        if state.streaks:
-            present = set(rows.tolist())
-            for slot in [s for s in state.streaks if s not in holding and s[1] in present]:
-                del state.streaks[slot]
-            for slot in [s for s in state.firing if s not in holding and s[1] in present]:
-                opened = state.firing.pop(slot)
-                if any(a["id"] == opened["id"] for a in state.firing.values()):
-                    continue  # the alert still holds on another of its metrics
-                value = float(metrics.get(opened["metric"], math.nan))
-                self._add(outputs, self._resolve(run, opened, event, value=_json_value(value)))
+    def _judge_intervals(self, ctx: "EventContext", per_interval, res_j, res_names) -> None:
+        """Resampled rules: each event adds to the source's open window (whole arrays), and an
+        interval is judged from the windowed table when it closes."""
+        state, key, rules = ctx.state, ctx.key, self.rules.rules
+        closed = self._roll_window(state, key, ctx.event["ts"], ctx.partition)
+        self.windows.add(key, state.minute, ctx.partition, res_names, ctx.x[res_j])
+        if closed is None:  # no new judgement: open episodes and streaks carry on
+            for slot in (*state.firing, *state.streaks):
+                if rules[slot[0]].resample_s:
+                    ctx.holding.add(slot)
+            return
+        for j, row, watching in per_interval:
+            value = float(ctx.x[j])
+            for ri in watching:
+                rule, slot = rules[ri], (ri, row)
+                verdict = self._resampled(state, key, slot, rule, ctx.names[j], closed)
+                if verdict is None:  # the interval held no sample of it
+                    if slot in state.firing or slot in state.streaks:
+                        ctx.holding.add(slot)
+                    continue
+                self._judge(ctx, slot, rule, rule.holds(value, verdict), ctx.names[j], value,
+                            lambda slot=slot, rule=rule, name=ctx.names[j]: self._detector_evidence(
+                                state, key, slot, rule, name))
 
+    def _end_broken_episodes(self, ctx: "EventContext") -> None:
+        """Episodes of this event's metrics that no longer hold are resolved; streaks that broke
+        start again."""
+        state = ctx.state
+        if not state.streaks:
+            return
+        present = set(ctx.rows.tolist())
+        for slot in [s for s in state.streaks if s not in ctx.holding and s[1] in present]:
+            del state.streaks[slot]
+        for slot in [s for s in state.firing if s not in ctx.holding and s[1] in present]:
+            opened = state.firing.pop(slot)
+            if any(a["id"] == opened["id"] for a in state.firing.values()):
+                continue  # the alert still holds on another of its metrics
+            value = float(ctx.event["metrics"].get(opened["metric"], math.nan))
+            self._add(ctx.outputs, self._resolve(ctx.run, opened, ctx.event, value=_json_value(value)))
+
+    def _correlate(self, ctx: "EventContext") -> None:
+        """Stragglers (one rank far from its peers) and incidents (rules that fire together)."""
+        run, src = ctx.run, ctx.event["source"]
         if (self._cross_rules and src.get("rank") is not None and len(run.ranks) >= self._cross_min_ranks
                 and src["kind"] in self.rules.policy["step_sources"]):
-            self._cross_rank(run, run_id, event, outputs)
+            self._cross_rank(run, ctx.run_id, ctx.event, ctx.outputs)
         # An incident can only open when one of its members fires, and only an open one can end.
         if self.rules.incidents and (self._fired or run.incidents):
-            self._incidents(run, run_id, event, outputs, critical)
+            self._incidents(run, ctx.run_id, ctx.event, ctx.outputs, ctx.critical)
 
-        if src["kind"] in self.rules.policy["step_sources"]:
-            decision = policy.on_step(run.breaker, self.rules.policy, run_id=run_id, step=event["step"],
-                                      ts=event["ts"], critical=bool(critical), immediate=self._immediate,
-                                      alert_ids=[c[0] for c in critical], rules=[c[1] for c in critical],
-                                      checkpoints=run.checkpoints, diagnosis=critical[0][2] if critical else "")
-            if decision is not None:
-                report = self._report(run, run_id, decision, event)
-                command = {**decision.command, "report": report["id"]}
-                if self.signing_key is not None:
-                    command = sign(command, self.signing_key)
-                outputs.append(Output("report", run_id, report))
-                outputs.append(Output("command", run_id, command))
+    def _breaker_step(self, ctx: "EventContext") -> None:
+        """A trainer step, critical or not, goes to the breaker; a decision goes out as a
+        command (signed) with its diagnosis report."""
+        event, critical = ctx.event, ctx.critical
+        decision = policy.on_step(ctx.run.breaker, self.rules.policy, run_id=ctx.run_id, step=event["step"],
+                                  ts=event["ts"], critical=bool(critical), immediate=ctx.immediate,
+                                  alert_ids=[c[0] for c in critical], rules=[c[1] for c in critical],
+                                  checkpoints=ctx.run.checkpoints, diagnosis=critical[0][2] if critical else "")
+        if decision is None:
+            return
+        report = self._report(ctx.run, ctx.run_id, decision, event)
+        command = {**decision.command, "report": report["id"]}
+        if self.signing_key is not None:
+            command = sign(command, self.signing_key)
+        ctx.outputs.append(Output("report", ctx.run_id, report))
+        ctx.outputs.append(Output("command", ctx.run_id, command))
 
     def _roll_window(self, state: SourceState, key: bytes, ts: float, partition: int) -> float | None:
         """Move the source's open window to the one holding ``ts``; the start of the window
