@@ -32,8 +32,15 @@ from trainguard.settings import value as setting
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.checkpoint import Checkpoint, OutputRouter
 from trainguard.streams.engine import Engine
-from trainguard.streams.transport import (BULK_LANE_SUPPORTED, BytesTable, Memberships, WindowedBytesTable,
-                                          WorkerApp, WorkerTableManager, aiokafka_auth)
+from trainguard.streams.transport import (
+    BULK_LANE_SUPPORTED,
+    BytesTable,
+    Memberships,
+    WindowedBytesTable,
+    WorkerApp,
+    WorkerTableManager,
+    aiokafka_auth,
+)
 
 log = logging.getLogger("trainguard.worker")
 
@@ -144,51 +151,18 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                batch_max: int = 1000, batch_within_s: float = 0.02, rebalance_timeout_s: float | None = None,
                prometheus_port: int | None = None, prometheus_addr: str | None = None,
                state_flush_s: float = 0.5):
-    """Build the app: topics, the state table and the agent, visible in one place.
+    """Build the worker: the Faust app and its tables, the engine on the tables, where outputs
+    go, the checkpoint that acknowledges events once what they caused is delivered, and the
+    agents and timers that feed :class:`Detection`.
 
     With ``prometheus_port`` (or ``TRAINGUARD_PROMETHEUS_PORT``) the worker exports its own
     metrics (throughput, lag, alerts, dead letters, key run metrics) on ``/metrics`` there,
     bound to ``prometheus_addr`` (or ``TRAINGUARD_PROMETHEUS_ADDR``, default 127.0.0.1)."""
     settings = settings or KafkaSettings.from_env()
     ruleset = rules_mod.load(rules_path)
-    keys = load_keys()
-    signing_key = signing_key_for_worker(keys)  # ValueError: several keys and no choice
-    if signing_key is None:
-        log.warning("trainguard: no command key (TRAINGUARD_COMMAND_KEY): commands go out unsigned and "
-                    "listeners refuse them unless TRAINGUARD_ALLOW_UNSIGNED=1")
-    else:
-        log.warning("trainguard: signing commands with key id %r", signing_key.key_id)
-    if rebalance_timeout_s is None:
-        rebalance_timeout_s = float(setting("TRAINGUARD_REBALANCE_TIMEOUT_S"))
-
-    app = WorkerApp(
-        app_id,
-        broker=[f"kafka://{b}" for b in settings.bootstrap.split(",")],
-        broker_credentials=_credentials(settings),
-        store="memory://",
-        datadir=data_dir(app_id),
-        topic_partitions=settings.partitions,
-        topic_replication_factor=1,
-        broker_rebalance_timeout=rebalance_timeout_s,
-        broker_session_timeout=float(setting("TRAINGUARD_SESSION_TIMEOUT_S")),
-        broker_heartbeat_interval=1.0,
-        consumer_auto_offset_reset="earliest",
-        web_enabled=False,
-        producer_acks=-1,
-        table_standby_replicas=int(setting("TRAINGUARD_STANDBY_REPLICAS")),
-        consumer_group_instance_id=setting("TRAINGUARD_INSTANCE_ID") or None,
-        TableManager=WorkerTableManager,
-    )
-    events_topic = app.topic(settings.topics.events, key_type=bytes, value_type=bytes,
-                             key_serializer="raw", value_serializer="raw", partitions=settings.partitions)
-    state_table = app.tables.add(BytesTable(app, name="state", partitions=settings.partitions,
-                                            beacon=app.tables.beacon, help="engine state per run and source"))
-    window_table = app.tables.add(WindowedBytesTable(app, name="windows", partitions=settings.partitions,
-                                                     beacon=app.tables.beacon,
-                                                     help="per-minute aggregates for the long-horizon rules"))
-    # Expiry by event time is the engine's (tombstones); `expires` only sets the changelog's retention.
-    window_table.tumbling(ruleset.window_s, expires=2 * ruleset.window_keep_s)
-
+    signing_key = _signing_key()
+    app = _faust_app(settings, app_id, rebalance_timeout_s)
+    state_table, window_table = _tables(app, settings, ruleset)
     engine = Engine(ruleset, state_table.data, windows=window_table.data, signing_key=signing_key,
                     finished_grace_s=float(setting("TRAINGUARD_FINISHED_GRACE_S")),
                     idle_ttl_s=float(setting("TRAINGUARD_RUN_TTL_S")))
@@ -197,37 +171,12 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     if not app.conf.consumer_group_instance_id:  # static members are replaced by the broker itself
         app.trainguard_members = Memberships(data_dir(app_id), app_id)
 
-    if prometheus_port is None and setting("TRAINGUARD_PROMETHEUS_PORT"):
-        prometheus_port = int(setting("TRAINGUARD_PROMETHEUS_PORT"))
-    exporter = feed = None
-    if prometheus_port is not None:
-        from trainguard.sinks.prometheus import KEY_METRICS, Exporter
-
-        more = [n.strip() for n in (setting("TRAINGUARD_PROMETHEUS_METRICS") or "").split(",") if n.strip()]
-        exporter = Exporter(key_metrics=(*KEY_METRICS, *more))
-        feed = _ExporterFeed(exporter.wants)
-        engine.on_event.append(feed)
-        addr = prometheus_addr or setting("TRAINGUARD_PROMETHEUS_ADDR")
-
-        @app.task
-        async def serve_metrics() -> None:
-            try:
-                port = exporter.start_http(prometheus_port, addr)
-            except OSError as exc:
-                log.error("trainguard: cannot serve Prometheus metrics on %s:%s: %s", addr, prometheus_port, exc)
-                return
-            log.warning("trainguard: Prometheus metrics on http://%s:%d/metrics", addr, port)
-
     # Alerts, commands and dead letters have a producer of their own (librdkafka, its own
     # thread and connection): through Faust's they queued behind the changelog's large
     # batches, and a command waited for a state write it has nothing to do with.
     output_producer = Publisher(settings, linger_ms=1)
     atexit.register(output_producer.flush, 5.0)
     router = OutputRouter(output_producer, settings.topics, control_partitions_of(settings))
-
-    async def publish(outputs) -> None:
-        router.route(outputs)
-
     message_out = app.sensors.on_message_out
 
     async def ack(item) -> None:
@@ -246,29 +195,152 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
          (engine.windows, _TableChangelog(window_table), engine.windows.encode_key)],
         deliver_outputs=router.delivered, deliver_changelogs=lambda: app.producer.flush(), ack=ack,
         every_s=state_flush_s, max_held=20 * batch_max)
-    flush_state = checkpoint.flush
+    exporter, feed = _serve_prometheus(app, engine, prometheus_port, prometheus_addr)
+    detection = Detection(engine, router, checkpoint, exporter, feed)
+    _agents_and_timers(app, detection, settings, batch_max, batch_within_s)
+    return app
 
-    async def detect_batch(messages: list, held: list) -> None:
-        """Detection for messages of the events topic, in order; ``held`` are what to ack
-        once the state that includes them is flushed."""
-        outputs = []
+
+def _signing_key():
+    """The key the worker signs commands with, said in the log (ValueError: several keys and
+    no choice among them)."""
+    signing_key = signing_key_for_worker(load_keys())
+    if signing_key is None:
+        log.warning("trainguard: no command key (TRAINGUARD_COMMAND_KEY): commands go out unsigned and "
+                    "listeners refuse them unless TRAINGUARD_ALLOW_UNSIGNED=1")
+    else:
+        log.warning("trainguard: signing commands with key id %r", signing_key.key_id)
+    return signing_key
+
+
+def _faust_app(settings: KafkaSettings, app_id: str, rebalance_timeout_s: float | None) -> WorkerApp:
+    if rebalance_timeout_s is None:
+        rebalance_timeout_s = float(setting("TRAINGUARD_REBALANCE_TIMEOUT_S"))
+    return WorkerApp(
+        app_id,
+        broker=[f"kafka://{b}" for b in settings.bootstrap.split(",")],
+        broker_credentials=_credentials(settings),
+        store="memory://",
+        datadir=data_dir(app_id),
+        topic_partitions=settings.partitions,
+        topic_replication_factor=1,
+        broker_rebalance_timeout=rebalance_timeout_s,
+        broker_session_timeout=float(setting("TRAINGUARD_SESSION_TIMEOUT_S")),
+        broker_heartbeat_interval=1.0,
+        consumer_auto_offset_reset="earliest",
+        web_enabled=False,
+        producer_acks=-1,
+        table_standby_replicas=int(setting("TRAINGUARD_STANDBY_REPLICAS")),
+        consumer_group_instance_id=setting("TRAINGUARD_INSTANCE_ID") or None,
+        TableManager=WorkerTableManager,
+    )
+
+
+def _tables(app: WorkerApp, settings: KafkaSettings, ruleset) -> tuple[BytesTable, WindowedBytesTable]:
+    """The engine's state per run and source, and the per-interval aggregates, as Faust tables
+    (memory, backed by changelog topics)."""
+    state_table = app.tables.add(BytesTable(app, name="state", partitions=settings.partitions,
+                                            beacon=app.tables.beacon, help="engine state per run and source"))
+    window_table = app.tables.add(WindowedBytesTable(app, name="windows", partitions=settings.partitions,
+                                                     beacon=app.tables.beacon,
+                                                     help="per-minute aggregates for the long-horizon rules"))
+    # Expiry by event time is the engine's (tombstones); `expires` only sets the changelog's retention.
+    window_table.tumbling(ruleset.window_s, expires=2 * ruleset.window_keep_s)
+    return state_table, window_table
+
+
+def _serve_prometheus(app: WorkerApp, engine: Engine, port: int | None, addr: str | None):
+    """The worker's Prometheus exporter and what feeds it from the engine (None, None without
+    a port)."""
+    if port is None and setting("TRAINGUARD_PROMETHEUS_PORT"):
+        port = int(setting("TRAINGUARD_PROMETHEUS_PORT"))
+    if port is None:
+        return None, None
+    from trainguard.sinks.prometheus import KEY_METRICS, Exporter
+
+    more = [n.strip() for n in (setting("TRAINGUARD_PROMETHEUS_METRICS") or "").split(",") if n.strip()]
+    exporter = Exporter(key_metrics=(*KEY_METRICS, *more))
+    feed = _ExporterFeed(exporter.wants)
+    engine.on_event.append(feed)
+    addr = addr or setting("TRAINGUARD_PROMETHEUS_ADDR")
+
+    @app.task
+    async def serve_metrics() -> None:
+        try:
+            bound = exporter.start_http(port, addr)
+        except OSError as exc:
+            log.error("trainguard: cannot serve Prometheus metrics on %s:%s: %s", addr, port, exc)
+            return
+        log.warning("trainguard: Prometheus metrics on http://%s:%d/metrics", addr, bound)
+
+    return exporter, feed
+
+
+class Detection:
+    """What the worker does with what it reads, without Faust: events go through the engine,
+    its outputs to the router, and the events are held by the checkpoint until the state and
+    outputs they caused are delivered; acks go to the breaker; the clock finds silent sources
+    and forgets finished runs. The agents and timers of :func:`_agents_and_timers` only call
+    these methods."""
+
+    def __init__(self, engine: Engine, router: OutputRouter, checkpoint: Checkpoint, exporter=None,
+                 feed: "_ExporterFeed | None" = None):
+        self.engine = engine
+        self.router = router
+        self.checkpoint = checkpoint
+        self.exporter = exporter
+        self.feed = feed
+
+    def events(self, messages: list, held: list) -> None:
+        """Messages of the events topic, in order; ``held`` are what to acknowledge once the
+        state that includes them is flushed."""
+        engine = self.engine
         handle = engine.handle
         samples_before = engine.samples
+        outputs = []
         for m in messages:
             outputs.extend(handle(m.value, m.partition, m.offset, m.topic))
         if outputs:
-            await publish(outputs)
-        checkpoint.hold(held)
-        if checkpoint.due():
-            checkpoint.flush()
-        if exporter is not None:
+            self.router.route(outputs)
+        self.checkpoint.hold(held)
+        self.flush_if_due()
+        if self.exporter is not None:
             try:
-                feed.flush(exporter, len(messages), engine.samples - samples_before, outputs)
+                self.feed.flush(self.exporter, len(messages), engine.samples - samples_before, outputs)
             except Exception:  # the exporter must never stop detection
                 log.exception("trainguard: exporter update failed")
 
+    def ack(self, message) -> None:
+        """A trainer's ack: a failed or refused command re-arms the breaker at once."""
+        outputs = self.engine.handle_ack(message.value, message.partition, message.offset, message.topic)
+        if outputs:
+            self.router.route(outputs)
+            self.checkpoint.flush()
+
+    def tick(self) -> None:
+        """Sources gone silent and runs to forget, then each touched run's status."""
+        outputs = self.engine.tick()
+        if outputs:
+            self.router.route(outputs)
+        if outputs or self.engine.dirty:  # alerts, or runs forgotten: their tombstones
+            self.checkpoint.flush()
+        self.router.route(self.engine.status_outputs())
+
+    def flush_if_due(self) -> None:
+        if self.checkpoint.due():
+            self.checkpoint.flush()
+
+
+def _agents_and_timers(app: WorkerApp, detection: Detection, settings: KafkaSettings, batch_max: int,
+                       batch_within_s: float) -> None:
+    events_topic = app.topic(settings.topics.events, key_type=bytes, value_type=bytes,
+                             key_serializer="raw", value_serializer="raw", partitions=settings.partitions)
+    acks_topic = app.topic(settings.topics.acks, key_type=bytes, value_type=bytes,
+                           key_serializer="raw", value_serializer="raw", partitions=settings.partitions)
+    engine = detection.engine
+
     async def bulk_lane(messages: list) -> None:
-        await detect_batch(messages, [(None, m) for m in messages])
+        detection.events(messages, [(None, m) for m in messages])
 
     if bulk_lane_enabled():
         app.trainguard_bulk_lane = (events_topic.get_topic_name(), bulk_lane)
@@ -280,46 +352,29 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         async for batch in stream.take_events(batch_max, within=batch_within_s):
             for event in batch:
                 event.message.incref()  # held until the state that includes it is flushed
-            await detect_batch([event.message for event in batch], [(stream, event) for event in batch])
-
-    acks_topic = app.topic(settings.topics.acks, key_type=bytes, value_type=bytes,
-                           key_serializer="raw", value_serializer="raw", partitions=settings.partitions)
+            detection.events([event.message for event in batch], [(stream, event) for event in batch])
 
     @app.agent(acks_topic)
     async def read_acks(stream):
-        """The trainer's acks, keyed by run like its events (so co-partitioned with the state):
-        a failed or refused command re-arms the breaker at once instead of after its expiry."""
+        """The trainer's acks, keyed by run like its events (so co-partitioned with the state)."""
         async for event in stream.events():
-            m = event.message
-            outputs = engine.handle_ack(m.value, m.partition, m.offset, m.topic)
-            if outputs:
-                await publish(outputs)
-                flush_state()
+            detection.ack(event.message)
 
     @app.timer(0.5)
     async def flush_when_idle() -> None:
-        if checkpoint.due():
-            checkpoint.flush()
+        detection.flush_if_due()
 
     @app.timer(5.0)
     async def watch_silence() -> None:
         """Sources that went silent (a hung trainer, a dead node) are found by the clock, not by
-        the next event, which may never come."""
-        outputs = engine.tick()
-        if outputs:
-            await publish(outputs)
-        if outputs or engine.dirty:  # alerts, or runs forgotten: their tombstones
-            flush_state()
-        # Each run's status at most every 5 s, for `trainguard runs` and `status`.
-        await publish(engine.status_outputs())
+        the next event, which may never come. Each run's status goes out at most every 5 s."""
+        detection.tick()
 
     @app.timer(10.0)
     async def status() -> None:
         log.info("trainguard: %d events, %d samples processed, %d replays skipped (%s)",
                  engine.processed, engine.samples, engine.skipped_replays,
                  "bulk lane" if getattr(app, "trainguard_bulk_lane", None) else "agent path")
-
-    return app
 
 
 SHUTDOWN_S = 4.0
