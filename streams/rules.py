@@ -423,6 +423,7 @@ def _incident(path: str, m: dict, rule_names: set, seen: set) -> Incident:
 
 
 def parse(text: str, path: str = "<rules>") -> RuleSet:
+    """A rules file's text as a :class:`RuleSet`; a :class:`RulesError` at file:line otherwise."""
     try:
         doc = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
     except yaml.YAMLError as exc:
@@ -433,7 +434,26 @@ def parse(text: str, path: str = "<rules>") -> RuleSet:
         raise _err(path, 1, "a rules file is a mapping with 'version' and 'rules'")
     if doc.get("version") != 1:
         raise _err(path, doc.get("__line__", 1), f"'version' must be 1, got {doc.get('version')!r}")
+    baselines, layers, policy = _baselines(path, doc), _layers(path, doc), _policy(path, doc)
+    raw_rules = doc.get("rules")
+    if not isinstance(raw_rules, list) or not raw_rules:
+        raise _err(path, doc.get("__line__", 1), "'rules' must be a non-empty list")
+    seen: set[str] = set()
+    rules = []
+    for m in raw_rules:
+        if not isinstance(m, dict):
+            raise _err(path, 0, f"each rule must be a mapping, got {m!r}")
+        rules.append(_rule(path, m, seen))
+    names = {r.name for r in rules}
+    incidents, seen_incidents = [], set()
+    for m in doc.get("incidents", []) or []:
+        if not isinstance(m, dict):
+            raise _err(path, 0, f"each incident must be a mapping, got {m!r}")
+        incidents.append(_incident(path, m, names, seen_incidents))
+    return RuleSet(rules, baselines, layers, policy, path, incidents)
 
+
+def _baselines(path: str, doc: dict) -> list[Baseline]:
     baselines = []
     for b in doc.get("baselines", []) or []:
         line = b.get("__line__", 0) if isinstance(b, dict) else 0
@@ -444,7 +464,10 @@ def parse(text: str, path: str = "<rules>") -> RuleSet:
         clip = b.get("clip_lower", True)
         baselines.append(Baseline(_patterns(path, line, b.get("metric"), "baseline"), window, float(k), bool(clip),
                                   _signals(path, line, b.get("signal"), "baseline")))
+    return baselines
 
+
+def _layers(path: str, doc: dict) -> list[tuple[str, list]]:
     layers = []
     raw_layers = doc.get("layers", {}) or {}
     for layer, pats in raw_layers.items():
@@ -453,7 +476,11 @@ def parse(text: str, path: str = "<rules>") -> RuleSet:
         if layer not in LAYERS:
             raise _err(path, raw_layers.get("__line__", 0), f"unknown layer {layer!r}; use {', '.join(LAYERS)}")
         layers.append((layer, _patterns(path, raw_layers.get("__line__", 0), pats, f"layer {layer}")))
+    return layers
 
+
+def _policy(path: str, doc: dict) -> dict:
+    """The breaker's settings over their defaults, each checked."""
     policy = dict(_POLICY_DEFAULTS)
     raw_policy = doc.get("policy", {}) or {}
     line = raw_policy.get("__line__", 0)
@@ -473,23 +500,7 @@ def parse(text: str, path: str = "<rules>") -> RuleSet:
     if policy["on_command_failure"] not in policy_mod.ON_COMMAND_FAILURE:
         raise _err(path, line, f"'on_command_failure' must be one of {', '.join(policy_mod.ON_COMMAND_FAILURE)}, "
                                f"got {policy['on_command_failure']!r}")
-
-    raw_rules = doc.get("rules")
-    if not isinstance(raw_rules, list) or not raw_rules:
-        raise _err(path, doc.get("__line__", 1), "'rules' must be a non-empty list")
-    seen: set[str] = set()
-    rules = []
-    for m in raw_rules:
-        if not isinstance(m, dict):
-            raise _err(path, 0, f"each rule must be a mapping, got {m!r}")
-        rules.append(_rule(path, m, seen))
-    names = {r.name for r in rules}
-    incidents, seen_incidents = [], set()
-    for m in doc.get("incidents", []) or []:
-        if not isinstance(m, dict):
-            raise _err(path, 0, f"each incident must be a mapping, got {m!r}")
-        incidents.append(_incident(path, m, names, seen_incidents))
-    return RuleSet(rules, baselines, layers, policy, path, incidents)
+    return policy
 
 
 def load(path: str | Path | None = None) -> RuleSet:
