@@ -36,10 +36,10 @@ import orjson
 
 from trainguard.kafka import Topics, partition_for
 from trainguard.producers.publisher import Publisher
+from trainguard.streams.keys import FLUSH_MARKER
 
 log = logging.getLogger("trainguard.worker")
 
-FLUSH_MARKER = b"|flush"  # a state-table key no run or source can have (they never start with "|")
 
 
 class Changelog(Protocol):

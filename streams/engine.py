@@ -30,7 +30,7 @@ import orjson
 
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import SigningKey, sign
-from trainguard.streams import policy
+from trainguard.streams import keys, policy
 from trainguard.streams.baseline import BaselineBlock
 from trainguard.streams.detectors import CrossRank, detector_from_state
 from trainguard.streams.minutes import MinuteWindows
@@ -486,7 +486,7 @@ class Engine:
         rule's duration, as a new alert)."""
         found = None
         for sid in run.sources:
-            key = f"{run_id}|{sid}".encode()
+            key = keys.source_key(run_id, sid)
             if key not in self.store:
                 continue
             src = self._source(key, "")
@@ -602,7 +602,7 @@ class Engine:
     def _rolled_back(self, event: dict, run: RunState, run_id: str, partition: int, outputs: list) -> None:
         policy.on_rolled_back(run.breaker, event.get("step"))
         for sid in run.sources:  # the restored model is not what the windows saw
-            key = f"{run_id}|{sid}".encode()
+            key = keys.source_key(run_id, sid)
             src = self._source(key, "") if key in self.store else None
             if src is not None and src.kind in self.rules.policy["step_sources"]:
                 for alert in {a["id"]: a for a in src.firing.values()}.values():
@@ -642,7 +642,7 @@ class Engine:
         for the snapshot alerts carry."""
         src = event["source"]
         sid = ev.source_id(src)
-        key = f"{run_id}|{sid}".encode()
+        key = keys.source_key(run_id, sid)
         state = self._source(key, src["kind"])
         if sid not in run.sources:
             run.sources.append(sid)
@@ -914,7 +914,7 @@ class Engine:
         now = self.clock() if now is None else now
         stale_rules = [r for r in self.rules.rules if r.kind == "stale"]
         outputs: list[Output] = []
-        for key in [k for k in list(self.store.keys()) if b"|" not in k]:
+        for key in [k for k in list(self.store.keys()) if keys.is_run_key(k)]:
             run = self._run(key)
             last = max((seen[0] for seen in run.last_seen.values()), default=None)
             if (run.finished and now - (run.finished_at or last or now) > self.finished_grace_s) or \
@@ -945,7 +945,7 @@ class Engine:
         """Delete a run's state, its sources' and their windows (tombstones in the changelogs)."""
         run = self._run(run_key)
         for sid in run.sources:
-            key = run_key + b"|" + sid.encode()
+            key = keys.source_key_of(run_key, sid)
             state = self.store.get(key)
             if state is None:
                 continue
@@ -1007,7 +1007,7 @@ class Engine:
 
     def _window(self, run_id: str, alert: dict) -> dict | None:
         """The metric's recent values, oldest first, from the baseline's ring buffer."""
-        src = self.store.get(f"{run_id}|{ev.source_id(alert['source'])}".encode())
+        src = self.store.get(keys.source_key(run_id, ev.source_id(alert["source"])))
         if src is None or type(src) is bytes or alert["metric"] not in src.block.index:
             return None
         block = src.block

@@ -38,6 +38,8 @@ from typing import Any, MutableMapping
 import numpy as np
 import orjson
 
+from trainguard.streams import keys
+
 WindowKey = tuple  # (source key: bytes, (start, end))
 
 
@@ -194,17 +196,12 @@ class MinuteWindows:
     @staticmethod
     def encode_key(key: WindowKey) -> bytes:
         skey, (start, _) = key
-        return skey + b"@" + str(int(start)).encode()
+        return keys.window_key(skey, start)
 
     def decode_key(self, raw: Any) -> Any:
         """A changelog key back to the windowed key; anything else (the flush marker) as it is."""
-        if type(raw) is bytes and b"@" in raw:
-            skey, _, start = raw.rpartition(b"@")
-            try:
-                return (skey, self.window_range(float(start)))
-            except ValueError:
-                return raw
-        return raw
+        parts = keys.split_window_key(raw) if type(raw) is bytes else None
+        return raw if parts is None else (parts[0], self.window_range(parts[1]))
 
     def serialize(self, key: WindowKey) -> bytes | None:
         agg = self.store.get(key)

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from trainguard.streams.checkpoint import FLUSH_MARKER, Checkpoint
+from trainguard.streams.checkpoint import Checkpoint
+from trainguard.streams.keys import FLUSH_MARKER
 
 
 class Entries:
