@@ -1,0 +1,25 @@
+"""The examples in the docstrings of streams/ and schemas/ are run, so they stay true."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import trainguard.schemas
+import trainguard.streams
+
+
+def _modules():
+    for package in (trainguard.streams, trainguard.schemas):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            yield info.name
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {name} failed"
