@@ -27,7 +27,7 @@ from pathlib import Path
 
 from trainguard.kafka import KafkaSettings
 from trainguard.schemas.events import SchemaError, decode
-from trainguard.settings import value as setting
+from trainguard.settings import number
 from trainguard.sinks.base import Sink
 
 log = logging.getLogger("trainguard.sinks.runner")
@@ -62,7 +62,7 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
         "enable.partition.eof": False,
         # librdkafka's 45 s would keep a dead sinks process's partitions (and, on the embedded
         # broker, every join) waiting that long
-        "session.timeout.ms": int(float(setting("TRAINGUARD_SESSION_TIMEOUT_S")) * 1000),
+        "session.timeout.ms": int(number("TRAINGUARD_SESSION_TIMEOUT_S") * 1000),
         "heartbeat.interval.ms": 1000,
         **(consumer_config or {}),
     }

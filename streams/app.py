@@ -28,6 +28,7 @@ import faust
 from trainguard.kafka import KafkaSettings, control_partitions_of
 from trainguard.producers.publisher import Publisher
 from trainguard.schemas.signing import load_keys, signing_key_for_worker
+from trainguard.settings import integer, number
 from trainguard.settings import value as setting
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.checkpoint import Checkpoint, OutputRouter
@@ -164,8 +165,8 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     app = _faust_app(settings, app_id, rebalance_timeout_s)
     state_table, window_table = _tables(app, settings, ruleset)
     engine = Engine(ruleset, state_table.data, windows=window_table.data, signing_key=signing_key,
-                    finished_grace_s=float(setting("TRAINGUARD_FINISHED_GRACE_S")),
-                    idle_ttl_s=float(setting("TRAINGUARD_RUN_TTL_S")))
+                    finished_grace_s=number("TRAINGUARD_FINISHED_GRACE_S"),
+                    idle_ttl_s=number("TRAINGUARD_RUN_TTL_S"))
     window_table.decode_key = engine.windows.decode_key
     app.trainguard_engine = engine  # for tests and the status line
     if not app.conf.consumer_group_instance_id:  # static members are replaced by the broker itself
@@ -215,7 +216,7 @@ def _signing_key():
 
 def _faust_app(settings: KafkaSettings, app_id: str, rebalance_timeout_s: float | None) -> WorkerApp:
     if rebalance_timeout_s is None:
-        rebalance_timeout_s = float(setting("TRAINGUARD_REBALANCE_TIMEOUT_S"))
+        rebalance_timeout_s = number("TRAINGUARD_REBALANCE_TIMEOUT_S")
     return WorkerApp(
         app_id,
         broker=[f"kafka://{b}" for b in settings.bootstrap.split(",")],
@@ -225,12 +226,12 @@ def _faust_app(settings: KafkaSettings, app_id: str, rebalance_timeout_s: float 
         topic_partitions=settings.partitions,
         topic_replication_factor=1,
         broker_rebalance_timeout=rebalance_timeout_s,
-        broker_session_timeout=float(setting("TRAINGUARD_SESSION_TIMEOUT_S")),
+        broker_session_timeout=number("TRAINGUARD_SESSION_TIMEOUT_S"),
         broker_heartbeat_interval=1.0,
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
         producer_acks=-1,
-        table_standby_replicas=int(setting("TRAINGUARD_STANDBY_REPLICAS")),
+        table_standby_replicas=integer("TRAINGUARD_STANDBY_REPLICAS"),
         consumer_group_instance_id=setting("TRAINGUARD_INSTANCE_ID") or None,
         TableManager=WorkerTableManager,
     )
@@ -253,7 +254,7 @@ def _serve_prometheus(app: WorkerApp, engine: Engine, port: int | None, addr: st
     """The worker's Prometheus exporter and what feeds it from the engine (None, None without
     a port)."""
     if port is None and setting("TRAINGUARD_PROMETHEUS_PORT"):
-        port = int(setting("TRAINGUARD_PROMETHEUS_PORT"))
+        port = integer("TRAINGUARD_PROMETHEUS_PORT")
     if port is None:
         return None, None
     from trainguard.sinks.prometheus import KEY_METRICS, Exporter

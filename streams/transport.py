@@ -45,7 +45,7 @@ from aiokafka.protocol.group import LeaveGroupRequest
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as aiokafka_driver
 
-from trainguard.settings import value as setting
+from trainguard.settings import integer
 
 # module:qualname -> sha256 prefix of its source, as read when the override was written.
 UPSTREAM = {
@@ -87,7 +87,7 @@ def changed_upstream() -> list[str]:
 # worker uses Faust's agent path (and says so).
 BULK_LANE_SUPPORTED = faust.__version__.startswith("0.15.") and \
     "faust.transport.consumer:Consumer._drain_messages" not in changed_upstream()
-FETCH_MAX_WAIT_MS = int(setting("TRAINGUARD_FETCH_MAX_WAIT_MS"))
+FETCH_MAX_WAIT_MS = integer("TRAINGUARD_FETCH_MAX_WAIT_MS")
 
 BulkHandler = Callable[[list], Awaitable[None]]
 log = logging.getLogger("trainguard.worker")

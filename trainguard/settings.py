@@ -95,6 +95,23 @@ def value(name: str, env=None) -> str | None:
     return env.get(name, setting.default)
 
 
+def number(name: str, env=None) -> float:
+    """A numeric setting (one with a default); ValueError naming the variable when it is not a number."""
+    raw = value(name, env)
+    try:
+        return float(raw)  # type: ignore[arg-type]  # None fails here too, with the message below
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={raw!r} is not a number (default {BY_NAME[name].default})") from None
+
+
+def integer(name: str, env=None) -> int:
+    """A whole-number setting (one with a default); ValueError naming the variable otherwise."""
+    n = number(name, env)
+    if n != int(n):
+        raise ValueError(f"{name}={value(name, env)!r} is not a whole number")
+    return int(n)
+
+
 def markdown() -> str:
     """``docs/settings.md``."""
     lines = ["# Settings",
