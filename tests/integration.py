@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,3 +198,19 @@ class Receiver:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def browser(*args: str, timeout: int = 120) -> str:
+    """Debian's chromium, headless: ``--dump-dom URL`` returns the rendered DOM, ``--screenshot``
+    writes a picture. Skips the test where chromium is not installed."""
+    import pytest
+
+    if CHROMIUM is None:
+        pytest.skip("chromium not installed (make system / scripts/setup-system.sh installs Debian's chromium)")
+    result = subprocess.run([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                             "--disable-dev-shm-usage", *args], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout

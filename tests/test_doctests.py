@@ -1,4 +1,4 @@
-"""The examples in the docstrings of streams/ and schemas/ are run, so they stay true."""
+"""The examples in the docstrings of streams/, schemas/ and the run page are run, so they stay true."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ def _modules():
     for package in (trainguard.streams, trainguard.schemas):
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
             yield info.name
+    yield "trainguard.ui"
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))

@@ -6,31 +6,18 @@ end of the test run)."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import SCREENSHOTS
+from tests.integration import browser
 from tests.test_engine import run_sim
 from trainguard.sinks.reports import ReportSink
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def _browser(*args: str, timeout: int = 120) -> str:
-    if CHROMIUM is None:
-        pytest.skip("chromium not installed (make system / scripts/setup-system.sh installs Debian's chromium)")
-    result = subprocess.run([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                             "--disable-dev-shm-usage", *args], capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout
-
-
 def _report_page(fault: str, tmp_path: Path) -> Path:
     """The HTML report of the engine's first decision on a simulated run with ``fault``."""
     outputs = run_sim(Engine(rules_mod.default()), fault, obey=False, steps=120)
@@ -46,7 +33,7 @@ def _report_page(fault: str, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("fault", ["kl_explosion", "nan_loss"])
 def test_the_report_page_plots_the_implicated_signals_up_to_the_decision(fault, tmp_path):
     page = _report_page(fault, tmp_path)
-    dom = _browser("--dump-dom", page.as_uri())
+    dom = browser("--dump-dom", page.as_uri())
     plots = re.findall(r'<svg[^>]*class="plot"[^>]*data-metric="([^"]+)"', dom)
     assert plots, "a plot per metric window"
     assert dom.count('class="series"') >= 1, "each plot draws the values"
@@ -59,6 +46,6 @@ def test_the_report_page_plots_the_implicated_signals_up_to_the_decision(fault, 
     shot = ROOT / "out" / "screenshots" / f"report-{fault}.png"
     shot.parent.mkdir(parents=True, exist_ok=True)
     shot.unlink(missing_ok=True)
-    _browser(f"--screenshot={shot}", "--window-size=1000,1400", page.as_uri())
+    browser(f"--screenshot={shot}", "--window-size=1000,1400", page.as_uri())
     assert shot.is_file() and shot.stat().st_size > 10_000, "a rendered page, not a blank one"
     SCREENSHOTS.append(shot)

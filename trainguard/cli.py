@@ -68,6 +68,12 @@ def _status(args) -> int:
     return status_main(args)
 
 
+def _ui(args) -> int:
+    from trainguard.ui import main as ui_main
+
+    return ui_main(args)
+
+
 def _silence(args) -> int:
     from trainguard.operate import silence_main
 
@@ -217,6 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the status/1 object itself")
     p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
     p.set_defaults(func=_status)
+
+    p = command("ui", "serve a live page per run: signals with their baseline band, alerts, decisions, reports",
+                "Reads the topics from their beginning (no consumer group) and serves on loopback unless "
+                "--addr says otherwise; pages refresh themselves.")
+    p.add_argument("--port", type=int, default=8321, help="port to serve on (default: %(default)s; 0: any free)")
+    p.add_argument("--addr", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--rules", help="the rules file the workers use, for which signals to plot (default: the built-in)")
+    p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
+    p.set_defaults(func=_ui)
 
     p = command("command", "steer a run by hand: pause, resume, stop or roll it back",
                 "Signed with the operator's key (TRAINGUARD_COMMAND_KEY or _FILE) and acked by the trainer "

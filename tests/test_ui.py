@@ -1,0 +1,101 @@
+"""`trainguard ui`: the run page against a real worker on the embedded broker, rendered in a
+real headless browser (Debian's chromium). A run logs healthy steps, saves a checkpoint and
+turns NaN; the page must plot its watched signals with their baseline band, mark the alert and
+the breaker's decision at their steps, say the breaker's state and link the diagnosis report.
+Screenshots go under out/screenshots (paths printed at the end of the test run)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SCREENSHOTS
+from tests.integration import WorkerProcess, browser
+from trainguard.producers.trainer import TrainerLogger
+from trainguard.streams import rules as rules_mod
+from trainguard.ui import UiServer
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+RUN = "ui-run-1"
+NAN_STEP = 41
+
+
+def _get(url: str):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read()
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def _faulty_run(kafka) -> None:
+    logger = TrainerLogger(RUN, kafka, host="ui-test")
+    try:
+        for step in range(1, NAN_STEP + 1):
+            loss = float("nan") if step == NAN_STEP else 0.5 + 0.01 * (step % 5)
+            logger.log({"actor/pg_loss": loss, "actor/kl_loss": 0.01 + 0.0005 * step,
+                        "actor/grad_norm": 1.0 + 0.05 * (step % 3)}, step)
+            if step == 30:
+                logger.checkpoint_saved(30, "/ckpt/global_step_30")
+    finally:
+        logger.close(10, quiet=True)
+
+
+def test_the_run_page_shows_signals_alert_decision_and_report(kafka, tmp_path):
+    worker = WorkerProcess(kafka, tmp_path).start()
+    ui = None
+    try:
+        worker.wait_ready()
+        _faulty_run(kafka)
+        ui = UiServer(kafka, rules_mod.default(), port=0).start()
+        run_url = f"{ui.url}run/{RUN}"
+
+        def decided():
+            view = json.loads(_get(f"{ui.url}api/run/{RUN}"))
+            ready = view["reports"] and view["status"] and view["status"]["breaker"]["status"] == "awaiting"
+            return view if ready else None
+
+        view = _wait(decided, 60, "the alert, the decision and the run's status on the page")
+    finally:
+        worker.kill()
+    try:
+        assert any(a["rule"] == "non_finite" and a["step"] == NAN_STEP for a in view["alerts"])
+        assert [c["action"] for c in view["commands"]] == ["rollback"] and view["commands"][0]["step"] == NAN_STEP
+
+        dom = browser("--dump-dom", run_url)
+        assert 'class="plot" data-metric="actor/pg_loss"' in dom, "a plot per watched signal"
+        assert dom.count('class="plot"') >= 3
+        assert 'class="band"' in dom, "the baseline band the rules judge against"
+        assert f'class="marker alert" data-step="{NAN_STEP}"' in dom, "the alert at its step"
+        assert f'class="marker command" data-step="{NAN_STEP}"' in dom, "the breaker's decision at its step"
+        assert f'class="nonfinite" data-step="{NAN_STEP}"' in dom, "the NaN is marked, not dropped"
+        assert '<b class="breaker">awaiting</b>' in dom, "the breaker waits for the trainer's ack"
+        report_link = dom.split('class="report" href="', 1)[1].split('"', 1)[0]
+        report_dom = browser("--dump-dom", ui.url.rstrip("/") + report_link)
+        assert "decision: <b>ROLLBACK</b>" in report_dom
+
+        index = browser("--dump-dom", ui.url)
+        assert f'href="/run/{RUN}"' in index
+
+        shots = ROOT / "out" / "screenshots"
+        shots.mkdir(parents=True, exist_ok=True)
+        for name, url in (("run-page", run_url), ("run-page-report", ui.url.rstrip("/") + report_link)):
+            shot = shots / f"{name}.png"
+            shot.unlink(missing_ok=True)
+            browser(f"--screenshot={shot}", "--window-size=1100,1600", url)
+            assert shot.is_file() and shot.stat().st_size > 10_000, "a rendered page, not a blank one"
+            SCREENSHOTS.append(shot)
+    finally:
+        ui.stop()
