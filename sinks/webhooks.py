@@ -63,8 +63,9 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def alert_fields(alert: dict) -> dict[str, str]:
-    """The placeholders a template can use, all strings (empty when the alert has no such field)."""
+def alert_fields(alert: dict, ui_url: str | None = None) -> dict[str, str]:
+    """The placeholders a template can use, all strings (empty when the alert has no such field).
+    With ``ui_url`` (where `trainguard ui` is served) the run's page and the report's are links."""
     onset = alert.get("onset") or {}
     src = alert.get("source") or {}
     source = " ".join(f"{k}={src[k]}" for k in ("kind", "host", "rank", "gpu") if src.get(k) not in (None, ""))
@@ -91,15 +92,26 @@ def alert_fields(alert: dict) -> dict[str, str]:
         "source": source,
         "host": _fmt(src.get("host")),
         "layer": _fmt(alert.get("layer")),
+        "run_page": _page_url(ui_url, alert.get("run_id")),
+        "report_page": _page_url(ui_url, alert.get("run_id"), alert.get("report")) if alert.get("report") else "",
     }
+
+
+def _page_url(ui_url: str | None, run_id, report_id=None) -> str:
+    """The run's page (or, with ``report_id``, the report's) under ``ui_url``; "" without one."""
+    if not ui_url or not run_id:
+        return ""
+    url = f"{ui_url.rstrip('/')}/run/{urllib.parse.quote(str(run_id), safe='')}"
+    return f"{url}/report/{urllib.parse.quote(str(report_id), safe='')}" if report_id else url
 
 
 class Templates:
     """Loads ``name`` from ``directory`` (else the packaged one) and renders alerts with it."""
 
-    def __init__(self, directory: str | Path | None = None):
+    def __init__(self, directory: str | Path | None = None, ui_url: str | None = None):
         directory = directory or os.environ.get("TRAINGUARD_TEMPLATES_DIR")
         self.directory = Path(directory) if directory else TEMPLATES_DIR
+        self.ui_url = ui_url if ui_url is not None else os.environ.get("TRAINGUARD_UI_URL")
         self._cache: dict[str, string.Template] = {}
 
     def get(self, name: str) -> string.Template:
@@ -111,7 +123,7 @@ class Templates:
         return self._cache[name]
 
     def render(self, name: str, alert: dict) -> str:
-        return render(self.get(name), alert_fields(alert))
+        return render(self.get(name), alert_fields(alert, self.ui_url))
 
 
 def render(template: string.Template, values: dict[str, str]) -> str:

@@ -219,3 +219,13 @@ def test_a_silenced_alert_pages_nobody(servers):
     sink.deliver([quiet, loud])
     assert sink.flush(timeout=30)
     assert [b["id"] for b in receiver.bodies()] == [loud["id"]]
+
+
+def test_messages_link_the_run_page_and_the_report_where_the_ui_is_served():
+    linked = Templates(ui_url="http://tg.example:8321/")
+    alert = {**_alert(0), "run_id": "ppo 7b/x", "report": "report-c1"}
+    text = linked.render("markdown.md", alert)
+    assert "- **Run page:** http://tg.example:8321/run/ppo%207b%2Fx" in text
+    assert "http://tg.example:8321/run/ppo%207b%2Fx/report/report-c1" in text
+    plain = Templates(ui_url="").render("markdown.md", alert)
+    assert "Run page" not in plain and "http://" not in plain  # no UI configured: no dead links

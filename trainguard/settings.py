@@ -74,6 +74,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_OUTBOX_DIR", None, _SINKS,
             "keep each sink's outbox in `<dir>/<sink>.json` (pending alerts and delivered ids survive a restart)"),
     Setting("TRAINGUARD_TEMPLATES_DIR", None, _SINKS, "a copy of `sinks/templates/` with your edits"),
+    Setting("TRAINGUARD_UI_URL", None, _SINKS,
+            "where `trainguard ui` is served, e.g. `http://trainguard:8321`: chat messages link the run's page"),
     Setting("TRAINGUARD_ALERTS_JSONL", None, _SINKS, "append events to this file (same as `--jsonl`)"),
     Setting("TRAINGUARD_REPORTS_DIR", None, _SINKS,
             "write each breaker decision's diagnosis report under this folder (JSON, text, an HTML page with plots)"),
