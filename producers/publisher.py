@@ -123,7 +123,7 @@ class Publisher:
 
     # -- the caller's side ----------------------------------------------------------------
 
-    def publish(self, topic: str, key: str, value: bytes | None, partition: int | None = None) -> bool:
+    def publish(self, topic: str, key: str | None, value: bytes | None, partition: int | None = None) -> bool:
         """Queue one message; False (and counted) when it could not be queued."""
         if self._fatal is not None:
             self._replace_dead_producer()

@@ -19,7 +19,7 @@ import math
 import re
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal, overload
 
 import orjson
 
@@ -204,6 +204,10 @@ def _int(obj: dict, field: str, *, required: bool = True, minimum: int | None = 
     return v
 
 
+@overload
+def _time(obj: dict, field: str, *, required: Literal[True] = ..., prefix: str = "") -> float: ...
+@overload
+def _time(obj: dict, field: str, *, required: bool, prefix: str = "") -> float | None: ...
 def _time(obj: dict, field: str, *, required: bool = True, prefix: str = "") -> float | None:
     v = obj.get(field)
     if v is None:
@@ -225,6 +229,10 @@ def _enum(obj: dict, field: str, allowed: tuple, *, required: bool = True) -> st
     return v
 
 
+@overload
+def _dict(obj: dict, field: str, *, required: Literal[True]) -> dict: ...
+@overload
+def _dict(obj: dict, field: str, *, required: bool = False) -> dict | None: ...
 def _dict(obj: dict, field: str, *, required: bool = False) -> dict | None:
     v = obj.get(field)
     if v is None:
@@ -456,7 +464,7 @@ def decode(raw: bytes | str, *, expect: tuple[str, ...] | None = None, max_bytes
     event = _loads(raw)
     if type(event) is not dict:
         raise SchemaError(f"an event must be a JSON object, got {type(event).__name__}")
-    kind = event.get("schema")
+    kind: Any = event.get("schema")  # whatever the JSON holds there, checked below
     validator = _VALIDATORS.get(kind)
     if validator is None:
         if type(kind) is str and kind.split("/")[0] in {k.split("/")[0] for k in KINDS}:

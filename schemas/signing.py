@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -38,7 +39,7 @@ def _parse_key(line: str) -> SigningKey:
     return SigningKey(key_id, secret.encode())
 
 
-def load_keys(env: dict | None = None) -> dict[str, SigningKey]:
+def load_keys(env: Mapping[str, str] | None = None) -> dict[str, SigningKey]:
     """Keys from the environment; empty when none is configured (commands go unsigned)."""
     env = os.environ if env is None else env
     keys: dict[str, SigningKey] = {}
@@ -55,14 +56,14 @@ def load_keys(env: dict | None = None) -> dict[str, SigningKey]:
     return keys
 
 
-def unsigned_allowed(env: dict | None = None) -> bool:
+def unsigned_allowed(env: Mapping[str, str] | None = None) -> bool:
     """``TRAINGUARD_ALLOW_UNSIGNED=1``: the operator opted in to unsigned commands (local use).
     Without it a listener refuses every command that is not signed with a key it holds."""
     env = os.environ if env is None else env
     return env.get("TRAINGUARD_ALLOW_UNSIGNED", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def signing_key_for_worker(keys: dict[str, SigningKey], env: dict | None = None) -> SigningKey | None:
+def signing_key_for_worker(keys: dict[str, SigningKey], env: Mapping[str, str] | None = None) -> SigningKey | None:
     """The key the worker signs with: the only one, or ``TRAINGUARD_COMMAND_KEY_ID`` among
     several; a ``ValueError`` saying so when several are configured and none is chosen."""
     env = os.environ if env is None else env

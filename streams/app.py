@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 import faust
 
@@ -50,7 +51,7 @@ log = logging.getLogger("trainguard.worker")
 def bulk_lane_enabled() -> bool:
     """The events topic's bulk lane (``streams/transport.py``); ``TRAINGUARD_BULK_LANE=0`` turns
     it off (Faust's own agent path, to compare or to rule it out)."""
-    if setting("TRAINGUARD_BULK_LANE").lower() in ("0", "false", "no", "off"):
+    if cast(str, setting("TRAINGUARD_BULK_LANE")).lower() in ("0", "false", "no", "off"):
         return False
     if not BULK_LANE_SUPPORTED:
         log.warning("trainguard: faust-streaming %s is not the release the bulk lane follows (0.15): "
@@ -112,9 +113,9 @@ class _ExporterFeed:
 
     __slots__ = ("wants", "max_ts", "runs", "lag")
 
-    def __init__(self, wants):
+    def __init__(self, wants) -> None:
         self.wants = wants
-        self.max_ts = None
+        self.max_ts: float | None = None
         self.runs: dict[str, list] = {}  # run -> [latest allow-listed values, ts]
         self.lag = 0.0
 
@@ -247,7 +248,7 @@ def _tables(app: WorkerApp, settings: KafkaSettings, ruleset) -> tuple[BytesTabl
                                                      help="per-minute aggregates for the long-horizon rules"))
     # Expiry by event time is the engine's (tombstones); `expires` only sets the changelog's retention.
     window_table.tumbling(ruleset.window_s, expires=2 * ruleset.window_keep_s)
-    return state_table, window_table
+    return state_table, window_table  # type: ignore[return-value]  # faust: tables.add returns its argument
 
 
 def _serve_prometheus(app: WorkerApp, engine: Engine, port: int | None, addr: str | None):
@@ -263,7 +264,7 @@ def _serve_prometheus(app: WorkerApp, engine: Engine, port: int | None, addr: st
     exporter = Exporter(key_metrics=(*KEY_METRICS, *more))
     feed = _ExporterFeed(exporter.wants)
     engine.on_event.append(feed)
-    addr = addr or setting("TRAINGUARD_PROMETHEUS_ADDR")
+    addr = addr or cast(str, setting("TRAINGUARD_PROMETHEUS_ADDR"))
 
     @app.task
     async def serve_metrics() -> None:
@@ -307,6 +308,7 @@ class Detection:
         self.flush_if_due()
         if self.exporter is not None:
             try:
+                assert self.feed is not None  # it comes with the exporter
                 self.feed.flush(self.exporter, len(messages), engine.samples - samples_before, outputs)
             except Exception:  # the exporter must never stop detection
                 log.exception("trainguard: exporter update failed")

@@ -67,6 +67,7 @@ class BaselineBlock:
         """Row numbers for ``names`` (a tuple or list), adding rows for new metrics."""
         key = tuple(names)
         if key == self._last_key:
+            assert self._last_rows is not None  # set with _last_key
             return self._last_rows
         index = self.index
         new = [n for n in key if n not in index]

@@ -23,7 +23,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, MutableMapping
+from typing import Any, MutableMapping, cast
 
 import numpy as np
 import orjson
@@ -64,8 +64,8 @@ class SourceState:
         self.kind = kind
         self.block = block or BaselineBlock()
         self.rule_rows: list[tuple[int, ...]] = []   # per row: baseline rules that watch it
-        self.det_rows: dict[int, list[int]] = {}  # row -> rules with their own detector, per sample
-        self.res_rows: dict[int, list[int]] = {}  # row -> rules with their own detector, per interval
+        self.det_rows: dict[int, tuple[int, ...]] = {}  # row -> rules with their own detector, per sample
+        self.res_rows: dict[int, tuple[int, ...]] = {}  # row -> rules with their own detector, per interval
         self.gate_hi = np.zeros(0)             # per row: lowest 'above' of its threshold-only rules
         self.gate_lo = np.zeros(0)             # per row: highest 'below' of its threshold-only rules
         self.always = np.zeros(0, bool)        # per row: judged every sample (relative conditions)
@@ -253,7 +253,7 @@ class Output:
     """Something to publish: ``kind`` is alert, command or dlq; ``key`` the run id."""
     kind: str
     key: str
-    value: dict
+    value: dict | None  # None: a status tombstone
 
 
 def _json_value(v: float) -> float | str:
@@ -299,16 +299,16 @@ class Engine:
         self.dirty: dict[bytes, int] = {}
         self.touched: set[bytes] = set()  # runs whose status changed since status_outputs()
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
-        self._severity = {r.name: r.severity for r in (*rules.rules, *rules.incidents)}
+        self._severity = {r.name: r.severity for r in rules.rules} | {i.name: i.severity for i in rules.incidents}
         self.processed = 0
         self.samples = 0
         self.skipped_replays = 0
         self._params_cache: dict[str, tuple[int, float, bool]] = {}
         self.clock = time.time  # when an event was received; replays and evaluations set their own
         self._cross_rules = [r for r in rules.rules if r.kind == "cross_rank"]
-        # A straggler needs peers: below this many ranks no cross-rank rule can judge.
-        self._cross_min_ranks = min((max(2, int(r.detector.get("min_peers", 4))) for r in self._cross_rules),
-                                    default=0)
+        # A straggler needs peers: below this many ranks no cross-rank rule (a detector rule) can judge.
+        self._cross_min_ranks = min((max(2, int(cast(dict, r.detector).get("min_peers", 4)))
+                                     for r in self._cross_rules), default=0)
         self._fired = False  # an alert fired while handling the current event (incidents listen)
         self._cross_pairs: dict[tuple, list] = {}
         # Callables given every decoded event that is applied (not replays), before detection:
@@ -729,6 +729,7 @@ class Engine:
         interval is judged from the windowed table when it closes."""
         state, key, rules = ctx.state, ctx.key, self.rules.rules
         closed = self._roll_window(state, key, ctx.event["ts"], ctx.partition)
+        assert state.minute is not None  # _roll_window always leaves a window open
         self.windows.add(key, state.minute, ctx.partition, res_names, ctx.x[res_j])
         if closed is None:  # no new judgement: open episodes and streaks carry on
             for slot in (*state.firing, *state.streaks):
@@ -823,6 +824,7 @@ class Engine:
         return self._feed_interval(det, key, rule, name, closed)
 
     def _feed_interval(self, det, key: bytes, rule: Rule, name: str, last_start: float) -> bool | None:
+        assert rule.resample_s is not None  # only resampled rules are fed intervals
         end = last_start + self.windows.size
         if end % rule.resample_s:  # an interval of several windows ends only at its boundary
             return None
@@ -878,7 +880,7 @@ class Engine:
         """Alerts of several rules that belong together become one incident with a root cause."""
         ts = event["ts"]
         for incident in self.rules.incidents:
-            members = [run.active.get(r) for r in incident.rules]
+            members: list[Any] = [run.active.get(r) for r in incident.rules]  # all dicts when together
             together = all(m is not None and (m["open"] > 0 or ts - m["last_ts"] <= incident.within_s)
                            for m in members)
             opened = run.incidents.get(incident.name)
@@ -925,7 +927,7 @@ class Engine:
                 continue
             run_id = key.decode()
             for rule in stale_rules:
-                timeout = float(rule.detector.get("timeout_s", 300))
+                timeout = float(cast(dict, rule.detector).get("timeout_s", 300))  # kind "stale": it has one
                 for kind, (seen_at, step, src) in run.last_seen.items():
                     if rule.sources and kind not in rule.sources:
                         continue

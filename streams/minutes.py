@@ -54,13 +54,13 @@ class OpenWindow:
         self.names: list[str] = []
         self.index: dict[str, int] = {}
         self.agg = np.zeros((4, 0))
-        self._cols: dict[tuple, np.ndarray] = {}
+        self._cols: dict[tuple, tuple[slice | np.ndarray, np.ndarray]] = {}
         if entries:
             self.columns(tuple(entries))
             for name, entry in entries.items():
                 self.agg[:, self.index[name]] = entry
 
-    def columns(self, names: tuple) -> tuple:
+    def columns(self, names: tuple) -> tuple[slice | np.ndarray, np.ndarray]:
         """The columns of ``names`` as an index (a slice when contiguous, the usual case: cheaper
         than fancy indexing) and as an array; cached per event shape. New names get columns."""
         cols = self._cols.get(names)

@@ -122,6 +122,7 @@ def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: fl
         return None
     if state.streak == 0:
         state.onset_step, state.onset_ts = step, ts
+    assert state.onset_step is not None  # set with the streak's first step
     state.streak += 1
     state.alert_ids += [a for a in alert_ids if a not in state.alert_ids]
     state.rules += [r for r in rules if r not in state.rules]
@@ -134,12 +135,14 @@ def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: fl
 
 def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints, diagnosis) -> Decision:
     onset = state.onset_step
+    assert onset is not None  # on_step set it with the streak's first step
     recent = [t for t in state.rollback_ts if ts - t < 3600]
     recurred = (state.restored_step is not None and set(state.rules) & set(state.last_rules)
                 and onset - state.restored_step <= int(policy["recurrence_steps"]))
     target, why = safe_checkpoint(checkpoints, onset, state.onset_ts,
                                   int(policy.get("rollback_min_steps_before_onset", 0)))
     if recurred:
+        assert state.restored_step is not None  # recurred implies it
         target, why = None, (f"the same incident ({', '.join(sorted(set(state.rules) & set(state.last_rules)))}) "
                              f"came back {onset - state.restored_step} steps after the rollback to step "
                              f"{state.restored_step}: rolling back again would loop")

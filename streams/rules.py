@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
+from typing import cast
 
 import yaml
 
@@ -220,7 +221,8 @@ class RuleSet:
     def window_keep_s(self) -> float:
         """How long closed windows are kept: the longest resampled detector's horizon (what
         an alert shows and what a rule added later starts from; 21 minutes by default)."""
-        horizons = [int(r.detector.get("window", 1)) * r.resample_s + r.resample_s
+        # parse() refuses a resample_s without a detector
+        horizons = [int(cast(dict, r.detector).get("window", 1)) * r.resample_s + r.resample_s
                     for r in self.rules if r.resample_s]
         return float(max(horizons, default=0))
 
@@ -236,7 +238,7 @@ class RuleSet:
                            for r in self.rules)]
 
     @property
-    def given_signals(self) -> frozenset:
+    def given_signals(self) -> frozenset[str]:
         """Signals some rule's ``given:`` reads: the engine remembers their latest values."""
         return frozenset(s for r in self.rules for s in r.given)
 
@@ -445,7 +447,8 @@ def parse(text: str, path: str = "<rules>") -> RuleSet:
             raise _err(path, 0, f"each rule must be a mapping, got {m!r}")
         rules.append(_rule(path, m, seen))
     names = {r.name for r in rules}
-    incidents, seen_incidents = [], set()
+    incidents: list[Incident] = []
+    seen_incidents: set[str] = set()
     for m in doc.get("incidents", []) or []:
         if not isinstance(m, dict):
             raise _err(path, 0, f"each incident must be a mapping, got {m!r}")
@@ -467,7 +470,7 @@ def _baselines(path: str, doc: dict) -> list[Baseline]:
     return baselines
 
 
-def _layers(path: str, doc: dict) -> list[tuple[str, list]]:
+def _layers(path: str, doc: dict) -> list[tuple[str, Patterns]]:
     layers = []
     raw_layers = doc.get("layers", {}) or {}
     for layer, pats in raw_layers.items():

@@ -37,7 +37,7 @@ import inspect
 import logging
 import os
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import faust
 from aiokafka.client import AIOKafkaClient, CoordinationType
@@ -46,6 +46,9 @@ from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as aiokafka_driver
 
 from trainguard.settings import integer
+
+if TYPE_CHECKING:
+    from trainguard.streams.engine import Engine
 
 # module:qualname -> sha256 prefix of its source, as read when the override was written.
 UPSTREAM = {
@@ -185,6 +188,12 @@ class WorkerTransport(aiokafka_driver.Transport):
 
 
 class WorkerApp(faust.App):
+    # What create_app() attaches (None until then): the engine, for tests and the status line;
+    # the group memberships (not with static members); the bulk lane (WorkerConsumer).
+    trainguard_engine: Engine | None = None
+    trainguard_members: Memberships | None = None
+    trainguard_bulk_lane: tuple[str, BulkHandler] | None = None
+
     def _new_transport(self):
         return WorkerTransport(self.conf.broker_consumer, self)
 

@@ -23,7 +23,7 @@ from sortedcontainers import SortedList
 
 __all__ = ["Stateful", "Detector", "detector_from_state", "is_finite", "saturating", "REGISTRY"]
 
-REGISTRY: dict[str, type["Detector"]] = {}
+REGISTRY: dict[str, type["Stateful"]] = {}
 
 
 def is_finite(x: Any) -> bool:
@@ -181,6 +181,12 @@ class SlidingMoments:
     """Mean and sum of squared deviations (``m2``) over the sliding window ``buf`` (a deque
     with ``maxlen=window``): O(1) per sample, recomputed exactly once per window so rounding
     never accumulates. Used by detectors that keep ``buf``, ``mean``, ``m2`` and ``since``."""
+
+    buf: deque
+    window: int
+    mean: float
+    m2: float
+    since: int
 
     def _push(self, x: float) -> None:
         buf = self.buf

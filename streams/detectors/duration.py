@@ -46,7 +46,7 @@ class For(Detector):
         return self.inner.ready
 
     @property
-    def score(self) -> float:  # type: ignore[override]
+    def score(self) -> float:
         return self.inner.score
 
     @score.setter

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from array import array
 from bisect import bisect_left, insort
+from collections.abc import Sequence
 
 from .base import Detector, is_finite
 
@@ -50,7 +51,7 @@ class Level(Detector):
     _fields = ("recent_buf", "ref_buf", "ref_sorted", "early", "peak", "count", "last")
 
     @staticmethod
-    def _median(s: list) -> float:
+    def _median(s: Sequence[float]) -> float:
         n = len(s)
         h = n // 2
         return s[h] if n % 2 else (s[h - 1] + s[h]) / 2.0

@@ -80,6 +80,7 @@ class Spike(Detector):
                 h = n // 2
                 med = window[h] if n % 2 else (window[h - 1] + window[h]) / 2.0
             else:
+                assert self.start is not None  # the branch's condition, with n < min_samples
                 med = self.start
             if med > 0:
                 r = x / med if self.direction == "up" else (med / x if x > 0 else math.inf)
