@@ -30,11 +30,10 @@ _INCIDENT_KEYS = {"name", "all", "within_s", "severity", "critical", "summary", 
 
 
 def _detector_kinds() -> dict:
-    from trainguard.streams import detectors as d
+    """The series detectors a rule can name, by kind (``detectors.REGISTRY``)."""
+    from trainguard.streams.detectors import REGISTRY, Detector
 
-    return {"rolling": d.RollingZ, "mad": d.RobustMAD, "ewma": d.EWMA, "cusum": d.CUSUM,
-            "page_hinkley": d.PageHinkley, "mann_kendall": d.MannKendall, "leak": d.Leak,
-            "shift": d.DistributionShift, "collapse": d.Collapse, "spike": d.Spike, "level": d.Level}
+    return {kind: cls for kind, cls in REGISTRY.items() if issubclass(cls, Detector)}
 
 
 # Kinds the engine runs itself, across sources rather than along one series.

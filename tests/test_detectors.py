@@ -20,16 +20,13 @@ from trainguard.streams.detectors import (
     CrossRank,
     Detector,
     DistributionShift,
-    For,
     Leak,
     MannKendall,
-    NonFinite,
     PageHinkley,
     RobustMAD,
     RollingZ,
     Level,
     Spike,
-    Staleness,
     detector_from_state,
 )
 from trainguard.streams.detectors.mad import mad_of_sorted, median_of_sorted
@@ -45,8 +42,6 @@ def factories():
         "ewma": lambda: EWMA(alpha=0.1, k=3.0, min_samples=10),
         "cusum": lambda: CUSUM(warmup=10, drift=0.5, threshold=5.0),
         "ph": lambda: PageHinkley(min_samples=10, delta=0.01, threshold=5.0),
-        "for": lambda: For(RobustMAD(window=20, k=4.0, min_samples=10), for_samples=2,
-                           for_seconds=5.0),
         "mk": lambda: MannKendall(window=30, alpha=0.01, min_samples=10),
         "leak": lambda: Leak(window=30, slope_per_min=0.1, r2_min=0.8, capacity=100.0),
         "shift": lambda: DistributionShift(reference=20, window=20, every=5),
@@ -182,7 +177,7 @@ def test_nonfinite_never_enters_state(name, bad):
     assert orjson.dumps(det.to_state()) == before
 
 
-@pytest.mark.parametrize("name", ["rolling", "mad", "ewma", "cusum", "for"])
+@pytest.mark.parametrize("name", ["rolling", "mad", "ewma", "cusum"])
 def test_one_nan_does_not_blind_a_detector(name):
     det = factories()[name]()
     rng = random.Random(3)
@@ -203,16 +198,6 @@ def test_one_nan_does_not_blind_a_detector(name):
     assert any(hits)
     assert all(math.isfinite(v) for v in orjson.loads(orjson.dumps(det.evidence())).values()
                if isinstance(v, float))
-
-
-def test_nonfinite_detector_flags_nan_and_inf():
-    det = NonFinite()
-    assert [det.update(v) for v in [1.0, NAN, INF, -INF, None, 2.0]] == [
-        False, True, True, True, True, False]
-    assert det.nonfinite == 4 and det.streak == 0
-    det.update(NAN, t=5.0)
-    assert det.evidence()["kind"] == "nan" and det.score == 1.0
-    assert roundtrip(det).to_state() == det.to_state()
 
 
 # -- state round trips ----------------------------------------------------------------
@@ -379,34 +364,6 @@ def test_page_hinkley_both_directions():
         assert hits[0][1] == ("up" if sign > 0 else "down")
 
 
-# -- for: spike filtering -------------------------------------------------------------
-
-
-def test_for_samples_filters_single_spikes():
-    det = For(RobustMAD(window=50, k=4.0, min_samples=20), for_samples=3)
-    rng = random.Random(10)
-    for _ in range(50):
-        assert not det.update(rng.gauss(0, 1))
-    assert not det.update(30.0)
-    assert not det.update(0.0)  # a single spike never fires
-    assert [det.update(v) for v in (30.0, 31.0, 32.0)] == [False, False, True]
-    assert det.evidence()["streak"] == 3
-
-
-def test_for_seconds_uses_time():
-    det = For(RobustMAD(window=50, k=4.0, min_samples=20), for_samples=1, for_seconds=60)
-    t = 0.0
-    for _ in range(50):
-        det.update(random.gauss(0, 1), t=t)
-        t += 10
-    fired = []
-    for _ in range(10):
-        fired.append(det.update(100.0, t=t))
-        t += 10
-    assert fired.index(True) == 6  # 60 s after the first anomalous sample
-    assert det.evidence()["anomalous_for_s"] >= 60
-
-
 # -- leak ------------------------------------------------------------------------------
 
 
@@ -445,33 +402,6 @@ def test_leak_running_sums_match_polyfit():
         det.update(v, t=ti)
     slope, _ = np.polyfit(t[-50:] - t[-50], x[-50:], 1)
     assert det.fit()[0] == pytest.approx(slope, rel=1e-6)
-
-
-# -- staleness ------------------------------------------------------------------------
-
-
-def test_staleness_reports_once_rearms_and_repeats():
-    st_ = Staleness(timeout_s=60, repeat_s=300, timeouts={"node-1": 600})
-    st_.seen("trainer", 0.0)
-    st_.seen("node-1", 0.0)
-    st_.seen(("host", 3), 0.0)
-    assert sorted(map(str, st_.due(61.0))) == sorted(map(str, [("trainer", 61.0),
-                                                               (("host", 3), 61.0)]))
-    assert st_.due(100.0) == []
-    assert ("trainer", 400.0) in st_.due(400.0)  # repeated after repeat_s
-    st_.seen("trainer", 401.0)
-    assert [s for s, _ in st_.due(420.0)] == []
-    assert [s for s, _ in st_.due(700.0)] == ["trainer", "node-1", ("host", 3)]
-    copy = roundtrip(st_)
-    assert copy.to_state() == st_.to_state()
-    assert copy.last_seen == st_.last_seen and copy.timeouts == st_.timeouts
-
-
-def test_staleness_ignores_out_of_order_seen():
-    st_ = Staleness(timeout_s=10)
-    st_.seen("a", 100.0)
-    st_.seen("a", 50.0)
-    assert st_.silent_for("a", 105.0) == 5.0
 
 
 # -- cross-rank stragglers ------------------------------------------------------------
@@ -516,6 +446,22 @@ def test_cross_rank_round_trip_and_bounded_pending():
 
 
 # -- the common API -------------------------------------------------------------------
+
+
+def test_every_detector_has_one_name_the_rules_use_and_old_state_still_restores():
+    from trainguard.streams.detectors import REGISTRY
+    from trainguard.streams.rules import _detector_kinds
+
+    assert set(_detector_kinds()) == {k for k in REGISTRY if k != "cross_rank"}
+    for kind, cls in REGISTRY.items():
+        assert cls.kind == kind
+    det = factories()["spike"]()
+    for v in (1.0, 1.1, 0.9, 5.0):
+        det.update(v)
+    state = det.to_state()
+    assert state["kind"] == "spike"
+    older = {**state, "kind": "Spike"}  # how releases before the registry named it
+    assert detector_from_state(older).to_state() == state
 
 
 @pytest.mark.parametrize("name", sorted(factories()))

@@ -23,7 +23,9 @@ from sortedcontainers import SortedList
 
 __all__ = ["Stateful", "Detector", "detector_from_state", "is_finite", "saturating", "REGISTRY"]
 
-REGISTRY: dict[str, type["Stateful"]] = {}
+REGISTRY: dict[str, type["Stateful"]] = {}  # kind -> class
+# State saved before kinds were the keys named the class; those blobs still restore.
+_BY_CLASS_NAME: dict[str, type["Stateful"]] = {}
 
 
 def is_finite(x: Any) -> bool:
@@ -114,24 +116,28 @@ class Stateful:
     """
 
     __slots__ = ()  # subclasses that declare theirs (thousands live in a worker) get no __dict__
-    name: ClassVar[str] = "stateful"
+    kind: ClassVar[str] = ""  # a rule's name for it, and its state's key
     _params: ClassVar[tuple[str, ...]] = ()
     _fields: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        REGISTRY[cls.__name__] = cls
+        if cls.__dict__.get("kind"):
+            if REGISTRY.get(cls.kind, cls) is not cls:
+                raise TypeError(f"two detectors of kind {cls.kind!r}: {REGISTRY[cls.kind].__name__}, {cls.__name__}")
+            REGISTRY[cls.kind] = cls
+            _BY_CLASS_NAME[cls.__name__] = cls
 
     def to_state(self) -> dict:
         return {
-            "kind": type(self).__name__,
+            "kind": type(self).kind,
             "params": {p: _encode(getattr(self, p)) for p in self._params},
             "state": {f: _encode(getattr(self, f)) for f in self._fields},
         }
 
     @classmethod
     def from_state(cls, d: dict) -> "Stateful":
-        if d.get("kind") != cls.__name__:
+        if d.get("kind") not in (cls.kind, cls.__name__):
             if cls in (Stateful, Detector):
                 return detector_from_state(d)
             raise ValueError(f"state of {d.get('kind')!r} given to {cls.__name__}")
@@ -149,7 +155,6 @@ class Detector(Stateful):
     """A value detector: ``update(x, t) -> bool``, ``score``, ``evidence()``, ``ready``."""
 
     __slots__ = ()
-    name: ClassVar[str] = "detector"
     score: float = 0.0
 
     def update(self, x: float, t: float | None = None) -> bool:  # pragma: no cover
@@ -171,7 +176,7 @@ class Detector(Stateful):
 def detector_from_state(d: dict) -> Stateful:
     """Rebuild any registered detector from its ``to_state()`` dict."""
     try:
-        cls = REGISTRY[d["kind"]]
+        cls = REGISTRY.get(d["kind"]) or _BY_CLASS_NAME[d["kind"]]
     except KeyError:
         raise ValueError(f"unknown detector kind {d.get('kind')!r}") from None
     return cls.from_state(d)

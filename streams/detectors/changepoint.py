@@ -29,7 +29,7 @@ class CUSUM(Detector):
     False
     """
 
-    name = "cusum"
+    kind = "cusum"
     _params = ("warmup", "drift", "threshold", "direction")
     _fields = ("n", "mean", "m2", "gpos", "gneg", "count", "alarms", "last")
 
@@ -90,10 +90,10 @@ class CUSUM(Detector):
 
     def evidence(self) -> dict:
         if self.last is None:
-            return {"detector": self.name, "ready": False, "samples": self.n}
+            return {"detector": self.kind, "ready": False, "samples": self.n}
         value, mean, std, z, gpos, gneg, side, anomalous = self.last
         return {
-            "detector": self.name,
+            "detector": self.kind,
             "value": value,
             "mean": mean,
             "std": std,
@@ -124,7 +124,7 @@ class PageHinkley(Detector):
     22
     """
 
-    name = "page_hinkley"
+    kind = "page_hinkley"
     _params = ("min_samples", "delta", "threshold", "alpha", "direction")
     _fields = ("n", "mean", "up", "up_min", "down", "down_min", "count", "alarms", "last")
 
@@ -181,10 +181,10 @@ class PageHinkley(Detector):
 
     def evidence(self) -> dict:
         if self.last is None:
-            return {"detector": self.name, "ready": False, "samples": self.n}
+            return {"detector": self.kind, "ready": False, "samples": self.n}
         value, mean, ph_up, ph_down, side, anomalous = self.last
         return {
-            "detector": self.name,
+            "detector": self.kind,
             "value": value,
             "mean": mean,
             "ph_up": ph_up,

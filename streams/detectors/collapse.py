@@ -35,7 +35,7 @@ class Collapse(SlidingMoments, Detector):
     True
     """
 
-    name = "collapse"
+    kind = "collapse"
     _params = ("reference", "window", "mean_drop", "spread_ratio", "mode", "direction")
     _fields = ("rn", "rmean", "rm2", "buf", "mean", "m2", "since", "count", "last")
 
@@ -105,11 +105,11 @@ class Collapse(SlidingMoments, Detector):
 
     def evidence(self) -> dict:
         if self.last is None:
-            return {"detector": self.name, "ready": False, "reference_samples": self.rn,
+            return {"detector": self.kind, "ready": False, "reference_samples": self.rn,
                     "samples": len(self.buf)}
         value, drop_z, ratio, mean_ok, spread_ok, anomalous, std = self.last
         return {
-            "detector": self.name,
+            "detector": self.kind,
             "value": value,
             "reference_mean": self.rmean,
             "reference_std": math.sqrt(max(self.rm2, 0.0) / self.rn),

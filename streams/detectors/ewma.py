@@ -33,7 +33,7 @@ class EWMA(Detector):
     ['alpha', 'anomalous', 'detector', 'k']
     """
 
-    name = "ewma"
+    kind = "ewma"
     _params = ("alpha", "k", "min_samples", "direction", "freeze_on_alarm", "min_std")
     _fields = ("mean", "var", "count", "last")
 
@@ -92,10 +92,10 @@ class EWMA(Detector):
 
     def evidence(self) -> dict:
         if self.last is None:
-            return {"detector": self.name, "ready": False, "samples": self.count}
+            return {"detector": self.kind, "ready": False, "samples": self.count}
         value, mean, std, z, anomalous = self.last
         return {
-            "detector": self.name,
+            "detector": self.kind,
             "value": value,
             "mean": mean,
             "std": std,

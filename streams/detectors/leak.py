@@ -32,7 +32,7 @@ class Leak(Detector):
     (0.05, 1.0, 19.84)
     """
 
-    name = "leak"
+    kind = "leak"
     _params = ("window", "slope_per_min", "r2_min", "capacity", "min_samples")
     _fields = ("xs", "ts", "t0", "sums", "since", "count", "last")
 
@@ -128,11 +128,11 @@ class Leak(Detector):
 
     def evidence(self) -> dict:
         if self.last is None:
-            return {"detector": self.name, "ready": False, "samples": len(self.xs)}
+            return {"detector": self.kind, "ready": False, "samples": len(self.xs)}
         value, t, slope, intercept, r2, anomalous = self.last
         fitted_now = intercept + slope * (t - self.t0)
         ev = {
-            "detector": self.name,
+            "detector": self.kind,
             "value": value,
             "slope": slope,
             "slope_per_min": slope * 60.0,

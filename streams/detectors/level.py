@@ -46,7 +46,7 @@ class Level(Detector):
 
     __slots__ = ("recent", "reference", "mode", "below", "above", "min_reference", "floor", "recent_buf", "ref_buf",
                  "ref_sorted", "early", "peak", "count", "last", "score")
-    name = "level"
+    kind = "level"
     _params = ("recent", "reference", "mode", "below", "above", "min_reference", "floor")
     _fields = ("recent_buf", "ref_buf", "ref_sorted", "early", "peak", "count", "last")
 
@@ -141,9 +141,9 @@ class Level(Detector):
 
     def evidence(self) -> dict:
         if self.last is None:
-            return {"detector": self.name, "ready": self.ready, "reference_points": self._ref_size()}
+            return {"detector": self.kind, "ready": self.ready, "reference_points": self._ref_size()}
         value, level, ref, ratio, anomalous = self.last
-        return {"detector": self.name, "value": value, "level": level, "recent": len(self.recent_buf),
+        return {"detector": self.kind, "value": value, "level": level, "recent": len(self.recent_buf),
                 "reference": ref, "reference_kind": self.mode, "reference_points": self._ref_size(),
                 "ratio": ratio, "below": self.below, "above": self.above, "anomalous": anomalous,
                 "score": self.score}

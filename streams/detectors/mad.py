@@ -98,7 +98,7 @@ class RobustMAD(Detector):
     True
     """
 
-    name = "robust_mad"
+    kind = "mad"
     _params = ("window", "k", "min_samples", "direction")
     _fields = ("buf", "sorted", "s1", "s2", "count", "last")
 
@@ -168,10 +168,10 @@ class RobustMAD(Detector):
 
     def evidence(self) -> dict:
         if self.last is None:
-            return {"detector": self.name, "ready": False, "samples": len(self.buf)}
+            return {"detector": self.kind, "ready": False, "samples": len(self.buf)}
         value, med, mad, scale, z, anomalous = self.last
         return {
-            "detector": self.name,
+            "detector": self.kind,
             "value": value,
             "median": med,
             "mad": mad,

@@ -40,7 +40,7 @@ class CrossRank(Stateful):
     6
     """
 
-    name = "cross_rank"
+    kind = "cross_rank"
     _params = ("min_peers", "ratio", "z", "direction", "rel_floor", "max_pending")
 
     def __init__(self, min_peers: int = 4, ratio: float | None = 2.0, z: float = 3.5,
@@ -98,7 +98,7 @@ class CrossRank(Stateful):
         return out
 
     def evidence(self) -> dict:
-        ev = {"detector": self.name, "ratio": self.ratio, "z": self.z,
+        ev = {"detector": self.kind, "ratio": self.ratio, "z": self.z,
               "min_peers": self.min_peers}
         ev.update(self.last or {"ready": False})
         return ev

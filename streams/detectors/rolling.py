@@ -35,7 +35,7 @@ class RollingZ(SlidingMoments, Detector):
     (False, 11)
     """
 
-    name = "rolling_z"
+    kind = "rolling"
     _params = ("window", "k", "clip_lower")
     _fields = ("buf", "mean", "m2", "since", "count", "last")
 
@@ -87,10 +87,10 @@ class RollingZ(SlidingMoments, Detector):
 
     def evidence(self) -> dict:
         if self.last is None:
-            return {"detector": self.name, "ready": False, "samples": len(self.buf)}
+            return {"detector": self.kind, "ready": False, "samples": len(self.buf)}
         value, mean, std, lower, upper, anomalous = self.last
         return {
-            "detector": self.name,
+            "detector": self.kind,
             "value": value,
             "mean": mean,
             "std": std,

@@ -56,7 +56,7 @@ class DistributionShift(Detector):
     True
     """
 
-    name = "distribution_shift"
+    kind = "shift"
     _params = ("reference", "window", "every", "alpha", "min_distance")
     _fields = ("ref", "cur", "since", "count", "shifted", "d", "p", "tested_at")
 
@@ -110,12 +110,12 @@ class DistributionShift(Detector):
 
     def evidence(self) -> dict:
         if not self.ready:
-            return {"detector": self.name, "ready": False,
+            return {"detector": self.kind, "ready": False,
                     "reference_samples": len(self.ref), "samples": len(self.cur)}
         ref = np.asarray(self.ref)
         cur = np.asarray(self.cur)
         return {
-            "detector": self.name,
+            "detector": self.kind,
             "value": float(cur[-1]),
             "ks_distance": self.d,
             "p_value": self.p,

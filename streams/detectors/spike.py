@@ -39,7 +39,7 @@ class Spike(Detector):
     """
 
     __slots__ = ("window", "ratio", "min_samples", "floor", "direction", "start", "buf", "sorted", "last", "score")
-    name = "spike"
+    kind = "spike"
     _params = ("window", "ratio", "min_samples", "floor", "direction", "start")
     _fields = ("buf", "sorted", "last")
 
@@ -102,8 +102,8 @@ class Spike(Detector):
 
     def evidence(self) -> dict:
         if self.last is None:
-            return {"detector": self.name, "ready": False, "samples": len(self.buf)}
+            return {"detector": self.kind, "ready": False, "samples": len(self.buf)}
         value, med, r, anomalous = self.last
-        return {"detector": self.name, "value": value, "median": med, "ratio": r, "threshold": self.ratio,
+        return {"detector": self.kind, "value": value, "median": med, "ratio": r, "threshold": self.ratio,
                 "samples": len(self.buf) - 1, "window": self.window, "anomalous": anomalous,
                 "score": self.score}

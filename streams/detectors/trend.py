@@ -68,7 +68,7 @@ class MannKendall(Detector):
     0.006
     """
 
-    name = "mann_kendall"
+    kind = "mann_kendall"
     _params = ("window", "alpha", "direction", "min_samples", "min_slope")
     _fields = ("xs", "ts", "sorted", "s", "ties", "count", "last")
 
@@ -158,11 +158,11 @@ class MannKendall(Detector):
 
     def evidence(self) -> dict:
         if self.last is None:
-            return {"detector": self.name, "ready": False, "samples": len(self.xs)}
+            return {"detector": self.kind, "ready": False, "samples": len(self.xs)}
         value, s, z, p, anomalous = self.last
         slope = self.slope()
         return {
-            "detector": self.name,
+            "detector": self.kind,
             "value": value,
             "s": s,
             "z": z,
