@@ -30,7 +30,7 @@ import orjson
 
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import SigningKey, sign
-from trainguard.streams import keys, policy
+from trainguard.streams import keys, policy, trackers
 from trainguard.streams.baseline import BaselineBlock
 from trainguard.streams.detectors import CrossRank, detector_from_state
 from trainguard.streams.minutes import MinuteWindows
@@ -857,34 +857,30 @@ class Engine:
                     params = {k: v for k, v in rule.detector.items() if k != "kind"}
                     cr = run.cross[key] = CrossRank(**params)
                 cr.add(step, rank, value)
-                done = [s for s in cr.pending if len(cr.pending[s]) >= len(run.ranks) or s < step - 2]
-                for s in done:
+                for s in trackers.steps_to_judge(cr.pending, len(run.ranks), step):
                     flagged = {str(r): (v, med, z) for r, v, med, z in cr.complete(s)}
-                    for r in run.ranks:
-                        fkey = f"{key}|{r}"
-                        opened = run.cross_firing.get(fkey)
-                        if r in flagged and opened is None:
-                            v, med, z = flagged[r]
-                            src = run.ranks[r]
-                            alert = self._alert({**event, "step": s, "source": src}, run, run_id,
-                                                ev.source_id(src), rule, metric, v,
-                                                {**cr.evidence(), "detector": "cross_rank", "median": med,
-                                                 "robust_z": z, "rank": r}, run.breaker.attempt)
-                            run.cross_firing[fkey] = alert
-                            self._add(outputs, self._fire(run, alert, rule))
-                        elif opened is not None and r not in flagged:
-                            self._add(outputs, self._resolve(run, run.cross_firing.pop(fkey),
-                                                             {"ts": event["ts"], "step": s}))
+                    open_ranks = {r for r in run.ranks if f"{key}|{r}" in run.cross_firing}
+                    opens, closes = trackers.straggler_changes(flagged, run.ranks, open_ranks)
+                    for r in opens:
+                        v, med, z = flagged[r]
+                        src = run.ranks[r]
+                        alert = self._alert({**event, "step": s, "source": src}, run, run_id, ev.source_id(src),
+                                            rule, metric, v, {**cr.evidence(), "detector": "cross_rank",
+                                                              "median": med, "robust_z": z, "rank": r},
+                                            run.breaker.attempt)
+                        run.cross_firing[f"{key}|{r}"] = alert
+                        self._add(outputs, self._fire(run, alert, rule))
+                    for r in closes:
+                        self._add(outputs, self._resolve(run, run.cross_firing.pop(f"{key}|{r}"),
+                                                         {"ts": event["ts"], "step": s}))
 
     def _incidents(self, run: RunState, run_id: str, event: dict, outputs: list, critical: list) -> None:
         """Alerts of several rules that belong together become one incident with a root cause."""
         ts = event["ts"]
         for incident in self.rules.incidents:
-            members: list[Any] = [run.active.get(r) for r in incident.rules]  # all dicts when together
-            together = all(m is not None and (m["open"] > 0 or ts - m["last_ts"] <= incident.within_s)
-                           for m in members)
-            opened = run.incidents.get(incident.name)
-            if together and opened is None:
+            verdict, members = trackers.incident_verdict(incident.rules, incident.within_s, run.active,
+                                                         incident.name in run.incidents, ts)
+            if verdict == trackers.OPEN:  # every member present
                 alert = {
                     "schema": ev.ALERT,
                     "id": policy.stable_id(run_id, incident.name, event["step"], run.breaker.attempt),
@@ -904,7 +900,7 @@ class Engine:
                 }
                 run.incidents[incident.name] = alert
                 self._add(outputs, self._fire(run, alert, incident))
-            elif opened is not None and not together:
+            elif verdict == trackers.CLOSE:
                 self._add(outputs, self._resolve(run, run.incidents.pop(incident.name), event))
             if incident.critical and run.incidents.get(incident.name):
                 critical.append((run.incidents[incident.name]["id"], incident.name, incident.summary))
@@ -928,19 +924,16 @@ class Engine:
             run_id = key.decode()
             for rule in stale_rules:
                 timeout = float(cast(dict, rule.detector).get("timeout_s", 300))  # kind "stale": it has one
-                for kind, (seen_at, step, src) in run.last_seen.items():
-                    if rule.sources and kind not in rule.sources:
-                        continue
-                    silent = now - seen_at
-                    skey = f"{rule.name}|{kind}"
-                    if silent > timeout and skey not in run.stale:
-                        event = {"step": step or 0, "ts": now, "source": src}
-                        alert = self._alert(event, run, run_id, ev.source_id(src), rule, "heartbeat", silent,
-                                            {"detector": "stale", "silent_s": silent, "timeout_s": timeout,
-                                             "last_step": step}, run.breaker.attempt)
-                        run.stale[skey] = alert
-                        self._add(outputs, self._fire(run, alert, rule))
-                        self.dirty[key] = run.partition
+                already = {k.rsplit("|", 1)[1] for k in run.stale if k.startswith(rule.name + "|")}
+                for kind, silent, step, src in trackers.silent_sources(run.last_seen, timeout, rule.sources,
+                                                                       already, now):
+                    event = {"step": step or 0, "ts": now, "source": src}
+                    alert = self._alert(event, run, run_id, ev.source_id(src), rule, "heartbeat", silent,
+                                        {"detector": "stale", "silent_s": silent, "timeout_s": timeout,
+                                         "last_step": step}, run.breaker.attempt)
+                    run.stale[f"{rule.name}|{kind}"] = alert
+                    self._add(outputs, self._fire(run, alert, rule))
+                    self.dirty[key] = run.partition
         return outputs
 
     def forget(self, run_key: bytes) -> None:
