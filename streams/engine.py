@@ -42,6 +42,7 @@ log = logging.getLogger("trainguard.engine")
 MAX_CHECKPOINTS = 64
 MAX_SNAPSHOT_HOSTS = 16
 MAX_RECENT_ALERTS = 32
+MAX_UNWATCHED = 50  # metric names no rule judges, kept per run for `trainguard status`
 MAX_SILENCES = 32  # per run: the newest are kept
 DLQ_EXCERPT_BYTES = 64 * 1024  # base64 makes it 88 KB: far under a broker's 1 MB message limit
 _STATE_MAGIC = b"TGS1"  # source state: magic, header length, JSON header, raw float64 arrays
@@ -218,6 +219,7 @@ class RunState:
     dropped_events: float | None = None                 # the trainer client's own count, last reported
     silences: list = field(default_factory=list)        # {id, rule, until, reason, by}: an operator's
     acknowledged: dict = field(default_factory=dict)    # alert id -> {by, reason, ts}, while it is open
+    unwatched: list = field(default_factory=list)       # metric names no rule judges (MAX_UNWATCHED)
 
     def to_bytes(self) -> bytes:
         d = self.__dict__.copy()
@@ -658,6 +660,8 @@ class Engine:
             if unwatched:
                 log.info("trainguard: run %s, %s: %d metric(s) no rule watches: %s%s", run_id, sid, len(unwatched),
                          ", ".join(unwatched[:20]), " ..." if len(unwatched) > 20 else "")
+                known = set(run.unwatched)
+                run.unwatched += [n for n in unwatched if n not in known][:MAX_UNWATCHED - len(run.unwatched)]
         x = np.fromiter(metrics.values(), float, len(names))
         self.samples += len(names)
         stats = block.update(rows, x)
@@ -991,6 +995,7 @@ class Engine:
             "last_healthy_checkpoint": {"step": healthy["step"], "path": healthy["path"]} if healthy else None,
             "dropped_events": run.dropped_events, "worker": self.worker_name,
             "silences": [dict(s) for s in run.silences if s["until"] > self.clock()],
+            "unwatched_metrics": list(run.unwatched),
         }
 
     def status_outputs(self) -> list[Output]:

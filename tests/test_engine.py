@@ -424,3 +424,16 @@ def test_an_open_alert_acknowledged_then_resolved_by_hand():
     assert again and again[0]["id"] != alert["id"], "a condition that still holds fires again, as a new alert"
     unknown = engine.handle(ev.encode(ev.operator_event("hand", "resolve", alert_id="nope", ts=1004.0)), 0, 13)
     assert [o for o in unknown if o.kind == "alert"] == []
+
+
+def test_status_names_the_metrics_no_rule_judges():
+    from trainguard.operate import format_status
+
+    engine = Engine(rules_mod.default())
+    for step in (1, 2):
+        engine.handle(ev.encode(ev.metrics_event("uw", step, {"actor/pg_loss": 0.1, "my/custom_score": 3.0,
+                                                               "my/other": 1.0}, src=TRAINER)), 0, step)
+    status = engine.status("uw")
+    assert status["unwatched_metrics"] == ["my/custom_score", "my/other"]
+    assert ev.decode(ev.encode(status), expect=(ev.STATUS,))["unwatched_metrics"] == ["my/custom_score", "my/other"]
+    assert "logged but judged by no rule: my/custom_score, my/other" in format_status(status)

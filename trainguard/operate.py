@@ -242,6 +242,11 @@ def format_status(s: dict, now: float | None = None) -> str:
     ckpt = s.get("last_healthy_checkpoint")
     lines.append("  newest healthy checkpoint: " + (f"step {ckpt['step']} ({ckpt['path']})" if ckpt else "none")
                  + f"; {s.get('checkpoints', 0)} checkpoint(s) seen")
+    unwatched = s.get("unwatched_metrics") or []
+    if unwatched:
+        shown = ", ".join(unwatched[:10]) + (f" (+{len(unwatched) - 10} more)" if len(unwatched) > 10 else "")
+        lines.append(f"  logged but judged by no rule: {shown} (add a rule, or map the name to a signal: "
+                     f"docs/rules.md)")
     if s.get("dropped_events"):
         lines.append(f"  the trainer's client dropped {s['dropped_events']:.0f} event(s) (broker unreachable "
                      f"or its queue full): detection saw gaps")

@@ -276,6 +276,10 @@ def render_run(board: Board, run_id: str) -> str:
              f'{breaker.get("rollbacks", 0)} rollback(s); last step {esc(str(status.get("last_step", "?")))}'
              f'{", finished" if status.get("finished") else ""}; newest healthy checkpoint '
              f'{esc(str((status.get("last_healthy_checkpoint") or {}).get("step", "none")))}</p>')
+    unwatched = status.get("unwatched_metrics") or []
+    if unwatched:
+        state += (f'<p class="unwatched">logged but judged by no rule: {esc(", ".join(unwatched))} (add a rule, '
+                  f'or map the name to a signal: docs/rules.md)</p>')
     plots = []
     for name, series in view["series"].items():
         steps = series["steps"]
