@@ -455,6 +455,16 @@ def _loads(raw: bytes | str) -> Any:
         raise SchemaError(f"not valid JSON: {exc}") from None
 
 
+def validate(event: dict) -> dict:
+    """Check an event built in code against its schema, as :func:`decode` checks one read from a
+    topic; the event, or :class:`SchemaError` naming the field."""
+    validator = _VALIDATORS.get(event.get("schema"))  # type: ignore[arg-type]
+    if validator is None:
+        raise _fail("schema", f"unknown event kind {event.get('schema')!r}")
+    validator(event)
+    return event
+
+
 def decode(raw: bytes | str, *, expect: tuple[str, ...] | None = None, max_bytes: int = MAX_EVENT_BYTES) -> dict:
     """Decode and validate one event; raise :class:`SchemaError` naming the problem."""
     if raw is None:

@@ -23,6 +23,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any, MutableMapping, cast
 
 import numpy as np
@@ -250,12 +251,27 @@ def known_fields(cls, d: dict, what: str) -> dict:
     return {k: v for k, v in d.items() if k in names}
 
 
+class OutputKind(str, Enum):
+    """What an output is, which says where it goes (``streams/checkpoint.py: OutputRouter``)."""
+    ALERT = "alert"
+    REPORT = "report"
+    COMMAND = "command"
+    STATUS = "status"
+    DLQ = "dlq"
+
+
 @dataclass
 class Output:
-    """Something to publish: ``kind`` is alert, command or dlq; ``key`` the run id."""
-    kind: str
+    """Something to publish, ``key`` the run id. Alerts, reports, commands and statuses are
+    checked against their schema when made (a SchemaError names the field), so a bug never
+    reaches a consumer as a malformed event."""
+    kind: OutputKind
     key: str
     value: dict | None  # None: a status tombstone
+
+    def __post_init__(self) -> None:
+        if self.value is not None and self.kind is not OutputKind.DLQ:
+            ev.validate(self.value)
 
 
 def _json_value(v: float) -> float | str:
@@ -402,11 +418,11 @@ class Engine:
             "suggestion": "Check the checkpoint path and the trainer's log; a rollback that cannot be applied "
                           "needs a person (or set on_command_failure: stop).",
         }
-        outputs = [Output("alert", ack["run_id"], alert)]
+        outputs = [Output(OutputKind.ALERT, ack["run_id"], alert)]
         if stop is not None:
             if self.signing_key is not None:
                 stop = sign(stop, self.signing_key)
-            outputs.append(Output("command", ack["run_id"], stop))
+            outputs.append(Output(OutputKind.COMMAND, ack["run_id"], stop))
         return outputs
 
     def apply(self, event: dict, partition: int = 0, offset: int = -1) -> list[Output]:
@@ -538,7 +554,7 @@ class Engine:
         silence = self._silence_for(run, alert["rule"])
         if silence is not None:  # published and recorded, but no sink pages for it
             alert["silenced"] = dict(silence)
-        return Output("alert", alert["run_id"], alert)
+        return Output(OutputKind.ALERT, alert["run_id"], alert)
 
     def _resolve(self, run: RunState, alert: dict, event: dict, **extra) -> Output | None:
         active = run.active.get(alert["rule"])
@@ -550,7 +566,7 @@ class Engine:
             return None
         resolved = {**alert, "status": "resolved", "step": event.get("step", alert.get("step")),
                     "ts": event["ts"], "node_snapshot": None, **extra}
-        return Output("alert", alert["run_id"], resolved)
+        return Output(OutputKind.ALERT, alert["run_id"], resolved)
 
     def _judge(self, ctx: "EventContext", slot, rule: Rule, holds: bool, metric: str, value: float,
                evidence) -> None:
@@ -793,8 +809,8 @@ class Engine:
         command = {**decision.command, "report": report["id"]}
         if self.signing_key is not None:
             command = sign(command, self.signing_key)
-        ctx.outputs.append(Output("report", ctx.run_id, report))
-        ctx.outputs.append(Output("command", ctx.run_id, command))
+        ctx.outputs.append(Output(OutputKind.REPORT, ctx.run_id, report))
+        ctx.outputs.append(Output(OutputKind.COMMAND, ctx.run_id, command))
 
     def _roll_window(self, state: SourceState, key: bytes, ts: float, partition: int) -> float | None:
         """Move the source's open window to the one holding ``ts``; the start of the window
@@ -1001,7 +1017,7 @@ class Engine:
     def status_outputs(self) -> list[Output]:
         """A status for every run touched since the last call; a forgotten run's is None (a
         tombstone on the compacted status topic)."""
-        outputs = [Output("status", key.decode(), self.status(key.decode())) for key in self.touched]
+        outputs = [Output(OutputKind.STATUS, key.decode(), self.status(key.decode())) for key in self.touched]
         self.touched.clear()
         return outputs
 
@@ -1102,4 +1118,4 @@ class Engine:
             record["raw_text"] = raw[:2048].decode("utf-8")
         except UnicodeDecodeError:
             pass
-        return Output("dlq", "", record)
+        return Output(OutputKind.DLQ, "", record)

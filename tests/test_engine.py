@@ -437,3 +437,12 @@ def test_status_names_the_metrics_no_rule_judges():
     assert status["unwatched_metrics"] == ["my/custom_score", "my/other"]
     assert ev.decode(ev.encode(status), expect=(ev.STATUS,))["unwatched_metrics"] == ["my/custom_score", "my/other"]
     assert "logged but judged by no rule: my/custom_score, my/other" in format_status(status)
+
+
+def test_outputs_are_checked_against_their_schema_when_made():
+    from trainguard.streams.engine import Output, OutputKind
+
+    with pytest.raises(ev.SchemaError, match="run_id"):
+        Output(OutputKind.ALERT, "r", {"schema": ev.ALERT, "id": "a1", "status": "firing"})
+    assert Output(OutputKind.STATUS, "r", None).value is None  # a tombstone
+    assert Output(OutputKind.DLQ, "", {"reason": "not JSON"}).kind == "dlq"  # dead letters are free-form
