@@ -175,17 +175,33 @@ def test_runs_and_status_show_what_two_workers_know_and_forget_finished_runs(kaf
         second.kill()
 
 
+def _two_workers(kafka, tmp_path):
+    """Two workers of one group, both ready: the run's operator events must reach whichever
+    owns its partition."""
+    from tests.integration import WorkerProcess
+
+    first = WorkerProcess(kafka, tmp_path).start()
+    second = WorkerProcess(kafka, tmp_path, app_id=first.app_id).start()
+    try:
+        first.wait_ready()
+        second.wait_ready()
+    except BaseException:
+        first.kill()
+        second.kill()
+        raise
+    return first, second
+
+
 def test_a_silence_sent_by_hand_reaches_the_worker_and_shows_in_status(kafka, tmp_path):
     import time
 
-    from tests.integration import TopicReader, WorkerProcess
+    from tests.integration import TopicReader
     from trainguard.producers.trainer import TrainerLogger
 
-    worker = WorkerProcess(kafka, tmp_path).start()
+    worker, other = _two_workers(kafka, tmp_path)
     logger = TrainerLogger("sil-1", kafka, host="h")
     alerts = TopicReader(kafka, kafka.topics.alerts)
     try:
-        worker.wait_ready()
         for step in range(1, 4):
             logger.log({"actor/pg_loss": -0.01}, step)
         silenced = _runs(kafka, "silence", "sil-1", "--for", "10m", "--reason", "known bad data shard")
@@ -208,19 +224,19 @@ def test_a_silence_sent_by_hand_reaches_the_worker_and_shows_in_status(kafka, tm
         alerts.close()
         logger.close(quiet=True)
         worker.kill()
+        other.kill()
 
 
 def test_an_alert_acknowledged_and_resolved_by_hand_end_to_end(kafka, tmp_path):
     import time
 
-    from tests.integration import TopicReader, WorkerProcess
+    from tests.integration import TopicReader
     from trainguard.producers.trainer import TrainerLogger
 
-    worker = WorkerProcess(kafka, tmp_path).start()
+    worker, other = _two_workers(kafka, tmp_path)
     logger = TrainerLogger("hand-1", kafka, host="h")
     alerts = TopicReader(kafka, kafka.topics.alerts)
     try:
-        worker.wait_ready()
         logger.log({"actor/pg_loss": -0.01}, 1)
         logger.log({"actor/pg_loss": float("nan")}, 2)
         logger.publisher.flush(10)
@@ -249,3 +265,4 @@ def test_an_alert_acknowledged_and_resolved_by_hand_end_to_end(kafka, tmp_path):
         alerts.close()
         logger.close(quiet=True)
         worker.kill()
+        other.kill()
