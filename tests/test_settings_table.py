@@ -1,5 +1,5 @@
 """Every TRAINGUARD_* variable the code reads is in trainguard/settings.py, and docs/settings.md
-is generated from that table."""
+and the README's environment table are generated from that table."""
 
 import re
 from pathlib import Path
@@ -29,6 +29,11 @@ def test_every_variable_the_code_reads_is_in_the_table():
 def test_the_docs_are_generated_from_the_table():
     assert (ROOT / "docs" / "settings.md").read_text() == settings.markdown(), \
         "regenerate: python -m trainguard.settings > docs/settings.md"
+
+
+def test_the_readme_table_is_generated_from_the_table():
+    readme = (ROOT / "README.md").read_text()
+    assert settings.readme_table() in readme, "regenerate: python -m trainguard.settings --readme"
 
 
 def test_a_value_comes_from_the_environment_or_the_default():

@@ -30,10 +30,14 @@ SETTINGS: tuple[Setting, ...] = (
             "topic prefix: `<prefix>.events`, `.alerts`, `.control`, `.control.acks`, `.dlq`, `.status` (compacted)"),
     Setting("TRAINGUARD_KAFKA_<SETTING>", None, _KAFKA,
             "any librdkafka setting, passed to every client: `TRAINGUARD_KAFKA_SECURITY_PROTOCOL=SASL_SSL`, "
-            "`TRAINGUARD_KAFKA_SASL_USERNAME=...` (the worker maps them to Faust's credentials)"),
+            "`TRAINGUARD_KAFKA_SASL_MECHANISM=SCRAM-SHA-512`, `TRAINGUARD_KAFKA_SASL_USERNAME=...`, "
+            "`TRAINGUARD_KAFKA_SASL_PASSWORD=...`, `TRAINGUARD_KAFKA_SSL_CA_LOCATION=/etc/ssl/ca.pem` "
+            "(the worker maps them to Faust's credentials)"),
     # commands
     Setting("TRAINGUARD_COMMAND_KEY", None, "worker, trainer side, operator",
-            "`key_id:secret` for signing control commands (HMAC-SHA256)"),
+            "`key_id:secret` for signing control commands (HMAC-SHA256). Listeners refuse unsigned commands "
+            "unless `TRAINGUARD_ALLOW_UNSIGNED=1`; `trainguard broker` makes a local key file and prints its "
+            "export, the demo makes its own key"),
     Setting("TRAINGUARD_COMMAND_KEY_FILE", None, "worker, trainer side, operator",
             "a file of keys, one `key_id:secret` per line (listeners accept any; rotation)"),
     Setting("TRAINGUARD_COMMAND_KEY_ID", None, "worker, operator", "which key to sign with when several are configured"),
@@ -43,8 +47,13 @@ SETTINGS: tuple[Setting, ...] = (
     # worker
     Setting("TRAINGUARD_APP_ID", "trainguard", _WORKER, "consumer group and state-topic prefix (or `--app-id`)"),
     Setting("TRAINGUARD_INSTANCE_ID", None, _WORKER,
-            "static group membership id: a restarted worker takes its partitions back at once (one per worker)"),
-    Setting("TRAINGUARD_DATA_DIR", None, _WORKER, "where Faust's folder goes (default: the temp folder)"),
+            "static group membership id (give each worker its own): on Kafka a worker restarted with the same "
+            "id takes its partitions back without a rebalance. Without it, a worker restarted on the same host "
+            "ends its dead predecessor's membership itself"),
+    Setting("TRAINGUARD_DATA_DIR", None, _WORKER,
+            "where the worker's Faust folder goes (default: the temp folder). The state lives in changelogs; "
+            "the folder only records this host's group memberships, so that a restarted worker can end a "
+            "dead one's"),
     Setting("TRAINGUARD_FINISHED_GRACE_S", "600", _WORKER, "a finished run's state is forgotten this long after"),
     Setting("TRAINGUARD_RUN_TTL_S", "604800", _WORKER, "a run's state is forgotten this long after its last event"),
     Setting("TRAINGUARD_REBALANCE_TIMEOUT_S", "3", _WORKER, "the consumer group's rebalance timeout"),
@@ -114,6 +123,32 @@ def integer(name: str, env=None) -> int:
     return int(n)
 
 
+# The variables the README's "Running against a real Kafka cluster" table shows.
+README_NAMES = ("TRAINGUARD_BOOTSTRAP", "TRAINGUARD_PARTITIONS", "TRAINGUARD_TOPIC_PREFIX",
+                "TRAINGUARD_KAFKA_<SETTING>", "TRAINGUARD_SESSION_TIMEOUT_S", "TRAINGUARD_INSTANCE_ID", "TRAINGUARD_DATA_DIR",
+                "TRAINGUARD_FINISHED_GRACE_S", "TRAINGUARD_RUN_TTL_S", "TRAINGUARD_COMMAND_KEY",
+                "TRAINGUARD_COMMAND_KEY_FILE", "TRAINGUARD_COMMAND_KEY_ID")
+README_BEGIN = "<!-- settings table: python -m trainguard.settings --readme -->"
+README_END = "<!-- end of settings table -->"
+
+
+def _rows(settings) -> list[str]:
+    return [f"| `{s.name}` | {f'`{s.default}`' if s.default is not None else '-'} | {s.meaning} |" for s in settings]
+
+
+def readme_table() -> str:
+    """The README's table of the variables a cluster deployment sets, between its markers."""
+    lines = [README_BEGIN, "| variable | default | meaning |", "|---|---|---|",
+             *_rows(BY_NAME[n] for n in README_NAMES), README_END]
+    return "\n".join(lines)
+
+
+def with_readme_table(readme: str) -> str:
+    """``readme`` with the table between the markers replaced by :func:`readme_table`."""
+    start, end = readme.index(README_BEGIN), readme.index(README_END) + len(README_END)
+    return readme[:start] + readme_table() + readme[end:]
+
+
 def markdown() -> str:
     """``docs/settings.md``."""
     lines = ["# Settings",
@@ -130,4 +165,11 @@ def markdown() -> str:
 
 
 if __name__ == "__main__":
-    print(markdown(), end="")
+    import sys
+    from pathlib import Path
+
+    if sys.argv[1:] == ["--readme"]:  # rewrite the README's table in place
+        readme = Path(__file__).resolve().parents[1] / "README.md"
+        readme.write_text(with_readme_table(readme.read_text()))
+    else:
+        print(markdown(), end="")
