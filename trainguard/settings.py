@@ -25,7 +25,8 @@ _SINKS = "sinks"
 SETTINGS: tuple[Setting, ...] = (
     # Kafka
     Setting("TRAINGUARD_BOOTSTRAP", "127.0.0.1:9092", _KAFKA, "bootstrap servers, e.g. `kafka-1:9092,kafka-2:9092`"),
-    Setting("TRAINGUARD_PARTITIONS", "4", _KAFKA, "partitions of the project's topics (the worker's tables must match)"),
+    Setting("TRAINGUARD_PARTITIONS", "4", _KAFKA,
+            "partitions of the project's topics (the worker's tables must match)"),
     Setting("TRAINGUARD_TOPIC_PREFIX", "trainguard", _KAFKA,
             "topic prefix: `<prefix>.events`, `.alerts`, `.control`, `.control.acks`, `.dlq`, `.status` (compacted)"),
     Setting("TRAINGUARD_KAFKA_<SETTING>", None, _KAFKA,
@@ -40,7 +41,8 @@ SETTINGS: tuple[Setting, ...] = (
             "export, the demo makes its own key"),
     Setting("TRAINGUARD_COMMAND_KEY_FILE", None, "worker, trainer side, operator",
             "a file of keys, one `key_id:secret` per line (listeners accept any; rotation)"),
-    Setting("TRAINGUARD_COMMAND_KEY_ID", None, "worker, operator", "which key to sign with when several are configured"),
+    Setting("TRAINGUARD_COMMAND_KEY_ID", None, "worker, operator",
+            "which key to sign with when several are configured"),
     Setting("TRAINGUARD_ALLOW_UNSIGNED", None, _TRAINER,
             "`1`: listeners accept unsigned commands (local use only; refused by default)"),
     Setting("TRAINGUARD_RUN_ID", None, "node agent", "the run id `trainguard node` reports under (or `--run-id`)"),
@@ -63,7 +65,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_STANDBY_REPLICAS", "0", _WORKER, "standby copies of each table partition on other workers"),
     Setting("TRAINGUARD_BULK_LANE", "1", _WORKER, "`0`: Faust's agent path instead of the bulk lane (to compare)"),
     Setting("TRAINGUARD_FETCH_MAX_WAIT_MS", "20", _WORKER, "how long a fetch waits for data (Faust fixes 1500)"),
-    Setting("TRAINGUARD_PROMETHEUS_PORT", None, "worker, sinks", "serve `/metrics` on this port (or `--prometheus-port`)"),
+    Setting("TRAINGUARD_PROMETHEUS_PORT", None, "worker, sinks",
+            "serve `/metrics` on this port (or `--prometheus-port`)"),
     Setting("TRAINGUARD_PROMETHEUS_ADDR", "127.0.0.1", "worker, sinks", "bind address for `/metrics`"),
     Setting("TRAINGUARD_PROMETHEUS_METRICS", None, _WORKER,
             "more metric names to export per run, comma-separated (beside every canonical signal)"),
@@ -125,7 +128,8 @@ def integer(name: str, env=None) -> int:
 
 # The variables the README's "Running against a real Kafka cluster" table shows.
 README_NAMES = ("TRAINGUARD_BOOTSTRAP", "TRAINGUARD_PARTITIONS", "TRAINGUARD_TOPIC_PREFIX",
-                "TRAINGUARD_KAFKA_<SETTING>", "TRAINGUARD_SESSION_TIMEOUT_S", "TRAINGUARD_INSTANCE_ID", "TRAINGUARD_DATA_DIR",
+                "TRAINGUARD_KAFKA_<SETTING>", "TRAINGUARD_SESSION_TIMEOUT_S", "TRAINGUARD_INSTANCE_ID",
+                "TRAINGUARD_DATA_DIR",
                 "TRAINGUARD_FINISHED_GRACE_S", "TRAINGUARD_RUN_TTL_S", "TRAINGUARD_COMMAND_KEY",
                 "TRAINGUARD_COMMAND_KEY_FILE", "TRAINGUARD_COMMAND_KEY_ID")
 README_BEGIN = "<!-- settings table: python -m trainguard.settings --readme -->"
@@ -138,8 +142,8 @@ def _rows(settings) -> list[str]:
 
 def readme_table() -> str:
     """The README's table of the variables a cluster deployment sets, between its markers."""
-    lines = [README_BEGIN, "| variable | default | meaning |", "|---|---|---|",
-             *_rows(BY_NAME[n] for n in README_NAMES), README_END]
+    header = ["| variable | default | meaning |", "|---|---|---|"]
+    lines = [README_BEGIN, *header, *_rows(BY_NAME[n] for n in README_NAMES), README_END]
     return "\n".join(lines)
 
 
