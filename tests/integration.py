@@ -21,30 +21,52 @@ from trainguard.kafka import KafkaSettings, topic_reader
 from trainguard.schemas import events as ev
 
 
-class WorkerProcess:
-    """``trainguard worker`` in its own process group, on the test's topics."""
+class CliProcess:
+    """A ``trainguard`` subcommand in its own process group, on the test's topics, its output in
+    ``log_path``."""
 
-    def __init__(self, settings: KafkaSettings, log_dir: Path, app_id: str | None = None, extra_env=None,
-                 rules_path: str | Path | None = None, extra_args: tuple[str, ...] = (), cwd=None):
+    def __init__(self, settings: KafkaSettings, log_path: Path, extra_env=None, cwd=None):
         self.settings = settings
-        self.cwd = cwd
-        self.extra_args = tuple(extra_args)
-        self.rules_path = rules_path
-        self.app_id = app_id or f"tg-{uuid.uuid4().hex[:8]}"
-        self.log_path = log_dir / f"worker-{self.app_id}-{int(time.time() * 1000)}.log"
+        self.log_path = log_path
         self.extra_env = extra_env or {}
+        self.cwd = cwd
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "WorkerProcess":
+    def _spawn(self, *args: str) -> None:
         prefix = self.settings.topics.events.rsplit(".", 1)[0]
         env = {**os.environ, "TRAINGUARD_BOOTSTRAP": self.settings.bootstrap, "TRAINGUARD_TOPIC_PREFIX": prefix,
                "TRAINGUARD_PARTITIONS": str(self.settings.partitions), **self.extra_env}
+        self.proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", *args],
+                                     stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, cwd=self.cwd)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        """``sig`` to the process group; SIGKILL if it is still there 15 s later."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+class WorkerProcess(CliProcess):
+    """``trainguard worker``."""
+
+    def __init__(self, settings: KafkaSettings, log_dir: Path, app_id: str | None = None, extra_env=None,
+                 rules_path: str | Path | None = None, extra_args: tuple[str, ...] = (), cwd=None):
+        self.app_id = app_id or f"tg-{uuid.uuid4().hex[:8]}"
+        super().__init__(settings, log_dir / f"worker-{self.app_id}-{int(time.time() * 1000)}.log", extra_env, cwd)
+        self.extra_args = tuple(extra_args)
+        self.rules_path = rules_path
+
+    def start(self) -> "WorkerProcess":
         rules = ["--rules", str(self.rules_path)] if self.rules_path else []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.cli", "worker", "--app-id", self.app_id, "--loglevel", "info", *rules,
-             *self.extra_args],
-            stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            cwd=self.cwd)
+        self._spawn("worker", "--app-id", self.app_id, "--loglevel", "info", *rules, *self.extra_args)
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> "WorkerProcess":
@@ -58,50 +80,35 @@ class WorkerProcess:
             time.sleep(0.2)
         raise AssertionError(f"the worker was not ready within {timeout}s:\n{self.log()[-3000:]}")
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
-    def kill(self, sig=signal.SIGKILL) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-
-
-class SinksProcess:
-    """``trainguard sinks`` in its own process group, on the test's topics, configured by ``env``
-    (``TRAINGUARD_WEBHOOK_URL`` ...)."""
+class SinksProcess(CliProcess):
+    """``trainguard sinks``, configured by ``env`` (``TRAINGUARD_WEBHOOK_URL`` ...)."""
 
     def __init__(self, settings: KafkaSettings, log_dir: Path, env: dict, group: str | None = None):
-        self.settings = settings
-        self.env = env
         self.group = group or f"sinks-{uuid.uuid4().hex[:8]}"
-        self.log_path = log_dir / f"sinks-{self.group}-{int(time.time() * 1000)}.log"
-        self.proc: subprocess.Popen | None = None
+        super().__init__(settings, log_dir / f"sinks-{self.group}-{int(time.time() * 1000)}.log", env)
 
     def start(self) -> "SinksProcess":
-        prefix = self.settings.topics.events.rsplit(".", 1)[0]
-        env = {**os.environ, "TRAINGUARD_BOOTSTRAP": self.settings.bootstrap, "TRAINGUARD_TOPIC_PREFIX": prefix,
-               "TRAINGUARD_PARTITIONS": str(self.settings.partitions), **self.env}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.cli", "sinks", "--group", self.group, "--no-console"],
-            stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._spawn("sinks", "--group", self.group, "--no-console")
         return self
 
-    def stop(self, sig=signal.SIGTERM) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+
+def wait_until(fetch, timeout: float = 60.0, what: str = "condition"):
+    """``fetch()`` until it returns something truthy, which is returned; the test fails after
+    ``timeout`` s, naming ``what`` and the last value."""
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fetch()
+        if last:
+            return last
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
 
 
 def produce(settings: KafkaSettings, topic: str, key: str, values: list[bytes]) -> None:

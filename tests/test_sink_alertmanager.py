@@ -14,23 +14,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests.integration import wait_until
 from trainguard.sinks.alertmanager import AlertmanagerSink
 from trainguard.broker import free_port
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 
 
-
-
-def _until(fetch, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fetch()
-        if last:
-            return last
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
 
 
 class Notifications:
@@ -96,7 +86,7 @@ def alertmanager(tmp_path):
             return False
 
     try:
-        _until(ready, what="alertmanager /-/ready")
+        wait_until(ready, what="alertmanager /-/ready")
         yield base, hook
     finally:
         proc.terminate()
@@ -133,7 +123,7 @@ def test_firing_then_resolved_through_a_real_alertmanager(alertmanager):
         firing = _alert(run)
         sink.deliver([firing])
         assert sink.flush(timeout=30)
-        [am] = _until(lambda: _am_alerts(base, run), what="the alert in GET /api/v2/alerts")
+        [am] = wait_until(lambda: _am_alerts(base, run), what="the alert in GET /api/v2/alerts")
         assert am["status"]["state"] == "active"
         assert am["labels"] == {"alertname": "kl_explosion", "rule": "kl_explosion", "run": run, "severity": "P1",
                                 "host": "gpu-08", "metric": "actor/kl_loss", "layer": "data", "rank": "0"}
@@ -142,19 +132,19 @@ def test_firing_then_resolved_through_a_real_alertmanager(alertmanager):
         assert am["annotations"]["report"] == "https://reports.example/r/130"
         assert am["annotations"]["summary"] == "[trainguard] P1: Kl Explosion"
         assert am["generatorURL"] == "https://reports.example/r/130"
-        [note] = _until(lambda: hook.alerts(run, "firing"), what="the firing notification at the webhook")
+        [note] = wait_until(lambda: hook.alerts(run, "firing"), what="the firing notification at the webhook")
         assert note["labels"]["alertname"] == "kl_explosion"
 
         # firing alerts are re-sent, so Alertmanager keeps them alive past the first endsAt
         first_end = am["endsAt"]
-        _until(lambda: [a for a in _am_alerts(base, run) if a["endsAt"] > first_end], what="a re-send")
+        wait_until(lambda: [a for a in _am_alerts(base, run) if a["endsAt"] > first_end], what="a re-send")
         assert sink.active() and sink.active()[0]["id"] == "a1"
 
         sink.deliver([_alert(run, "resolved")])
         assert sink.flush(timeout=30)
-        _until(lambda: not [a for a in _am_alerts(base, run) if a["status"]["state"] == "active"],
-               what="the alert to leave the active list")
-        [done] = _until(lambda: hook.alerts(run, "resolved"), what="the resolved notification at the webhook")
+        wait_until(lambda: not [a for a in _am_alerts(base, run) if a["status"]["state"] == "active"],
+                   what="the alert to leave the active list")
+        [done] = wait_until(lambda: hook.alerts(run, "resolved"), what="the resolved notification at the webhook")
         assert done["labels"]["run"] == run and done["endsAt"] >= done["startsAt"]
         assert sink.active() == []
         assert sink.undelivered() == []
@@ -167,7 +157,7 @@ def test_alerts_wait_in_the_outbox_while_alertmanager_is_down(tmp_path):
     sink = AlertmanagerSink(f"http://127.0.0.1:{port}", backoff_s=0.05, max_backoff_s=0.2)
     try:
         sink.deliver([_alert("r")])
-        _until(lambda: sink.retries >= 2, what="retries")
+        wait_until(lambda: sink.retries >= 2, what="retries")
         assert sink.pending() == 1 and sink.undelivered() == []
     finally:
         sink.close(timeout=0.1)

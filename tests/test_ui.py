@@ -7,14 +7,13 @@ Screenshots go under out/screenshots (paths printed at the end of the test run).
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import SCREENSHOTS
-from tests.integration import WorkerProcess, browser
+from tests.integration import WorkerProcess, browser, wait_until
 from trainguard.producers.trainer import TrainerLogger
 from trainguard.streams import rules as rules_mod
 from trainguard.ui import UiServer
@@ -28,16 +27,6 @@ NAN_STEP = 41
 def _get(url: str):
     with urllib.request.urlopen(url, timeout=10) as response:
         return response.read()
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
 def _faulty_run(kafka) -> None:
@@ -67,7 +56,7 @@ def test_the_run_page_shows_signals_alert_decision_and_report(kafka, tmp_path):
             ready = view["reports"] and view["status"] and view["status"]["breaker"]["status"] == "awaiting"
             return view if ready else None
 
-        view = _wait(decided, 60, "the alert, the decision and the run's status on the page")
+        view = wait_until(decided, 60, "the alert, the decision and the run's status on the page")
     finally:
         worker.kill()
     try:
