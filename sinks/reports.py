@@ -21,7 +21,8 @@ import orjson
 from trainguard.sinks.base import Sink
 
 
-def _fmt(v) -> str:
+def format_value(v) -> str:
+    """A number as reports and pages show it: 4 significant digits, NaN/Inf spelled out."""
     if isinstance(v, float):
         return f"{v:.4g}" if math.isfinite(v) else str(v)
     return str(v)
@@ -44,9 +45,10 @@ def render_text(report: dict) -> str:
     ]
     for a in report.get("alerts", []):
         ev = a.get("evidence", {})
-        bounds = f" window [{_fmt(ev['lower'])}, {_fmt(ev['upper'])}] mean {_fmt(ev['mean'])}" if "lower" in ev else ""
+        bounds = (f" window [{format_value(ev['lower'])}, {format_value(ev['upper'])}] "
+                  f"mean {format_value(ev['mean'])}" if "lower" in ev else "")
         lines.append(f"  - {a.get('severity')} {a['rule']} at step {a.get('step')}: "
-                     f"{a.get('metric')}={_fmt(a.get('value'))}{bounds}")
+                     f"{a.get('metric')}={format_value(a.get('value'))}{bounds}")
         if a.get("diagnosis"):
             lines.append(f"      {a['diagnosis']}")
         if a.get("suggestion"):
@@ -59,7 +61,7 @@ def render_text(report: dict) -> str:
     if windows:
         lines += ["", "metric windows before the decision (oldest first):"]
         for metric, w in windows.items():
-            values = ", ".join(_fmt(v) for v in w["values"][-20:])
+            values = ", ".join(format_value(v) for v in w["values"][-20:])
             lines.append(f"  {metric} [{w['source']}]: {values}")
     snapshot = report.get("resource_snapshot") or {}
     if snapshot:
@@ -67,7 +69,7 @@ def render_text(report: dict) -> str:
         for host, snap in snapshot.items():
             metrics = snap.get("metrics", {})
             keys = [k for k in metrics if k.startswith(("gpu/utilization_pct", "gpu/memory_used_gb", "system/"))][:12]
-            lines.append(f"  {host}: " + ", ".join(f"{k}={_fmt(metrics[k])}" for k in keys))
+            lines.append(f"  {host}: " + ", ".join(f"{k}={format_value(metrics[k])}" for k in keys))
     history = report.get("history", {})
     if history:
         lines += ["", f"history: {history.get('rollbacks', 0)} rollback(s) so far, "
@@ -78,7 +80,7 @@ def render_text(report: dict) -> str:
 _W, _H, _PAD, _LEFT = 600, 180, 36, 64  # one plot's size, margin and left margin (y labels), px
 
 
-def _finite(v) -> bool:
+def is_finite_number(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
@@ -87,7 +89,7 @@ def svg_plot(metric: str, values: list, *, band: tuple | None = None, alert_valu
     (x: samples before the decision, the last at 0), the baseline band the alert was judged
     against when it has one, non-finite values as red ticks on the top edge."""
     n = len(values)
-    finite = [v for v in values if _finite(v)] + [b for b in (band or ()) if _finite(b)]
+    finite = [v for v in values if is_finite_number(v)] + [b for b in (band or ()) if is_finite_number(b)]
     lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
@@ -105,14 +107,14 @@ def svg_plot(metric: str, values: list, *, band: tuple | None = None, alert_valu
              f'aria-label="{html.escape(metric)} before the decision">',
              f'<rect x="{_LEFT}" y="{_PAD}" width="{_W - _LEFT - _PAD}" height="{_H - 2 * _PAD}" fill="#fafafa" '
              f'stroke="#ddd"/>']
-    if band and all(_finite(b) for b in band):
+    if band and all(is_finite_number(b) for b in band):
         top, bottom = y(max(band)), y(min(band))
         parts.append(f'<rect class="band" x="{_LEFT}" y="{top:.1f}" width="{_W - _LEFT - _PAD}" '
                      f'height="{max(bottom - top, 1):.1f}" fill="#2a7ae2" fill-opacity="0.12">'
-                     f'<title>baseline band [{_fmt(min(band))}, {_fmt(max(band))}]</title></rect>')
+                     f'<title>baseline band [{format_value(min(band))}, {format_value(max(band))}]</title></rect>')
     segment: list[str] = []
     for i, v in enumerate(values):
-        if _finite(v):
+        if is_finite_number(v):
             segment.append(f"{x(i):.1f},{y(v):.1f}")
         else:
             if len(segment) > 1:
@@ -124,25 +126,26 @@ def svg_plot(metric: str, values: list, *, band: tuple | None = None, alert_valu
     if len(segment) > 1:
         parts.append(f'<polyline class="series" points="{" ".join(segment)}" fill="none" stroke="#333" '
                      f'stroke-width="1.5"/>')
-    if alert_value is not None and not _finite(alert_value):
+    if alert_value is not None and not is_finite_number(alert_value):
         # Non-finite values never enter the window: the one that decided is drawn at its end.
         right = _W - _PAD
         parts.append(f'<line class="nonfinite" x1="{right}" y1="{_PAD}" x2="{right}" y2="{_H - _PAD}" '
                      f'stroke="#d62728" stroke-width="2" stroke-dasharray="4 3">'
                      f'<title>{html.escape(str(alert_value))} at the decision</title></line>')
-    elif n and _finite(values[-1]):
+    elif n and is_finite_number(values[-1]):
         parts.append(f'<circle class="decision" cx="{x(n - 1):.1f}" cy="{y(values[-1]):.1f}" r="4" '
-                     f'fill="#d62728"><title>at the decision: {_fmt(values[-1])}</title></circle>')
+                     f'fill="#d62728"><title>at the decision: {format_value(values[-1])}</title></circle>')
     parts += [f'<text x="{_LEFT}" y="{_PAD - 10}" font-size="13" font-family="sans-serif">{html.escape(metric)}'
-              + (f" (alert value {html.escape(_fmt(alert_value))})" if alert_value is not None else "") + "</text>",
+              + (f" (alert value {html.escape(format_value(alert_value))})" if alert_value is not None else "")
+              + "</text>",
               f'<text x="{_LEFT}" y="{_H - 10}" font-size="11" fill="#666" font-family="sans-serif">'
               f'{-(n - 1)}</text>',
               f'<text x="{_W - _PAD}" y="{_H - 10}" font-size="11" fill="#666" text-anchor="end" '
               f'font-family="sans-serif">0 (decision)</text>',
               f'<text x="{_LEFT - 4}" y="{_PAD + 4}" font-size="11" fill="#666" '
-              f'text-anchor="end" font-family="sans-serif">{html.escape(_fmt(hi))}</text>',
+              f'text-anchor="end" font-family="sans-serif">{html.escape(format_value(hi))}</text>',
               f'<text x="{_LEFT - 4}" y="{_H - _PAD:.1f}" font-size="11" fill="#666" text-anchor="end" '
-              f'font-family="sans-serif">{html.escape(_fmt(lo))}</text>',
+              f'font-family="sans-serif">{html.escape(format_value(lo))}</text>',
               "</svg>"]
     return "".join(parts)
 
@@ -156,7 +159,7 @@ def render_html(report: dict) -> str:
         alert = alerts_by_metric.get(metric, {})
         evidence = alert.get("evidence", {})
         band = (evidence["lower"], evidence["upper"]) if "lower" in evidence and "upper" in evidence else None
-        values = [v if _finite(v) else str(v) for v in window.get("values", [])]
+        values = [v if is_finite_number(v) else str(v) for v in window.get("values", [])]
         plots.append(f'<figure>{svg_plot(metric, values, band=band, alert_value=alert.get("value"))}'
                      f'<figcaption>{esc(metric)} from {esc(window.get("source", ""))}, the last '
                      f'{len(values)} values before the decision</figcaption></figure>')

@@ -33,6 +33,7 @@ import orjson
 
 from trainguard.kafka import KafkaSettings, topic_reader
 from trainguard.schemas import events as ev
+from trainguard.sinks.reports import format_value, is_finite_number
 from trainguard.sinks.reports import render_html as render_report
 from trainguard.streams.rules import RuleSet
 
@@ -40,14 +41,6 @@ log = logging.getLogger("trainguard.ui")
 
 REFRESH_S = 5
 _W, _H, _LEFT, _PAD = 720, 200, 64, 18
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def _fmt(v) -> str:
-    return f"{v:.4g}" if _finite(v) else str(v)
 
 
 class Board:
@@ -141,7 +134,8 @@ class Board:
             c["step"] = decisions.get(c["id"], ack.get("step"))
         return {"run_id": run_id, "status": self.statuses.get(run_id), "alerts": alerts, "commands": commands,
                 "reports": sorted(self.reports.get(run_id, {}).values(), key=lambda r: r.get("ts") or 0.0),
-                "series": {name: {"steps": list(steps), "values": [v if _finite(v) else str(v) for v in values]}
+                "series": {name: {"steps": list(steps),
+                                  "values": [v if is_finite_number(v) else str(v) for v in values]}
                            for name, (steps, values) in self.series.get(run_id, {}).items()}}
 
 
@@ -170,9 +164,9 @@ def svg_steps_plot(name: str, steps: list, values: list, *, band=None, alert_ste
     """A series by step: the values, the baseline band (a shaded area), non-finite values as
     red ticks on the top edge, an alert as a red circle at its step, a breaker decision as a
     dashed vertical line."""
-    finite = [v for v in values if _finite(v)]
+    finite = [v for v in values if is_finite_number(v)]
     if band is not None:
-        finite += [float(b) for b in (*band[0], *band[1]) if _finite(float(b))]
+        finite += [float(b) for b in (*band[0], *band[1]) if is_finite_number(float(b))]
     lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
@@ -192,8 +186,8 @@ def svg_steps_plot(name: str, steps: list, values: list, *, band=None, alert_ste
              f'<rect x="{_LEFT}" y="{_PAD}" width="{_W - _LEFT - _PAD}" height="{_H - 2 * _PAD}" fill="#fafafa" '
              f'stroke="#ddd"/>']
     if band is not None:
-        upper = [(s, b) for s, b in zip(steps, band[1], strict=True) if _finite(float(b))]
-        lower = [(s, b) for s, b in zip(steps, band[0], strict=True) if _finite(float(b))]
+        upper = [(s, b) for s, b in zip(steps, band[1], strict=True) if is_finite_number(float(b))]
+        lower = [(s, b) for s, b in zip(steps, band[0], strict=True) if is_finite_number(float(b))]
         if len(upper) > 1:
             points = [f"{x(s):.1f},{y(b):.1f}" for s, b in upper] + \
                      [f"{x(s):.1f},{y(b):.1f}" for s, b in reversed(lower)]
@@ -201,7 +195,7 @@ def svg_steps_plot(name: str, steps: list, values: list, *, band=None, alert_ste
                          f'<title>baseline band</title></polygon>')
     segment: list[str] = []
     for s, v in zip(steps, values, strict=True):
-        if _finite(v):
+        if is_finite_number(v):
             segment.append(f"{x(s):.1f},{y(v):.1f}")
             continue
         if len(segment) > 1:
@@ -222,19 +216,19 @@ def svg_steps_plot(name: str, steps: list, values: list, *, band=None, alert_ste
                          f'<title>breaker decision at step {s}</title></line>')
     for s in sorted(set(alert_steps)):
         v = by_step.get(s)
-        cy = y(v) if _finite(v) else _PAD + 5
+        cy = y(v) if is_finite_number(v) else _PAD + 5
         if first <= s <= last:
             parts.append(f'<circle class="marker alert" data-step="{s}" cx="{x(s):.1f}" cy="{cy:.1f}" r="5" '
                          f'fill="none" stroke="#d62728" stroke-width="2"><title>alert at step {s}: '
-                         f'{esc(_fmt(v))}</title></circle>')
+                         f'{esc(format_value(v))}</title></circle>')
     parts += [f'<text x="{_LEFT}" y="{_PAD - 5}" font-size="13" font-family="sans-serif">{esc(name)}</text>',
               f'<text x="{_LEFT}" y="{_H - 3}" font-size="11" fill="#666" font-family="sans-serif">step {first}</text>',
               f'<text x="{_W - _PAD}" y="{_H - 3}" font-size="11" fill="#666" text-anchor="end" '
               f'font-family="sans-serif">step {steps[-1] if steps else ""}</text>',
               f'<text x="{_LEFT - 4}" y="{_PAD + 4}" font-size="11" fill="#666" text-anchor="end" '
-              f'font-family="sans-serif">{esc(_fmt(hi))}</text>',
+              f'font-family="sans-serif">{esc(format_value(hi))}</text>',
               f'<text x="{_LEFT - 4}" y="{_H - _PAD:.1f}" font-size="11" fill="#666" text-anchor="end" '
-              f'font-family="sans-serif">{esc(_fmt(lo))}</text>', "</svg>"]
+              f'font-family="sans-serif">{esc(format_value(lo))}</text>', "</svg>"]
     return "".join(parts)
 
 
@@ -293,7 +287,7 @@ def render_run(board: Board, run_id: str) -> str:
     alert_rows = "".join(
         f'<tr class="alert {esc(a.get("status", ""))}" data-step="{a.get("step")}"><td>{esc(str(a.get("step")))}</td>'
         f'<td>{esc(a.get("status", ""))}</td><td>{esc(a.get("severity", ""))}</td><td>{esc(a.get("rule", ""))}</td>'
-        f'<td>{esc(a.get("metric", ""))}</td><td>{esc(_fmt(a.get("value")))}</td>'
+        f'<td>{esc(a.get("metric", ""))}</td><td>{esc(format_value(a.get("value")))}</td>'
         f'<td>{"silenced" if a.get("silenced") else ""}</td></tr>' for a in view["alerts"])
     command_rows = "".join(
         f'<tr class="command"><td>{esc(str(c.get("step", "")))}</td><td>{esc(c["action"])}</td>'
