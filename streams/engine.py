@@ -959,8 +959,9 @@ class Engine:
     def forget(self, run_key: bytes) -> None:
         """Delete a run's state, its sources' and their windows (tombstones in the changelogs)."""
         run = self._run(run_key)
+        run_id = run_key.decode()
         for sid in run.sources:
-            key = keys.source_key_of(run_key, sid)
+            key = keys.source_key(run_id, sid)
             state = self.store.get(key)
             if state is None:
                 continue

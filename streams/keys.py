@@ -25,10 +25,6 @@ def source_key(run_id: str, source_id: str) -> bytes:
     return f"{run_id}|{source_id}".encode()
 
 
-def source_key_of(run_key: bytes, source_id: str) -> bytes:
-    return run_key + b"|" + source_id.encode()
-
-
 def is_run_key(key: bytes) -> bool:
     """A run's own entry (not one of its sources', nor the flush marker)."""
     return b"|" not in key
