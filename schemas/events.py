@@ -449,10 +449,43 @@ def _loads(raw: bytes | str) -> Any:
     except orjson.JSONDecodeError as exc:
         # Python's json writes bare NaN/Infinity tokens; accept them, refuse anything else.
         try:
-            return json.loads(raw)
+            event = json.loads(raw)
         except (ValueError, TypeError, RecursionError):
-            pass
-        raise SchemaError(f"not valid JSON: {exc}") from None
+            raise SchemaError(f"not valid JSON: {exc}") from None
+        # json also takes lone surrogate escapes ("\ud800") that orjson refuses: a string that
+        # cannot be written back as UTF-8 would fail later, when the state holding it is saved.
+        _check_utf8(event)
+        return event
+
+
+def _check_utf8(obj: Any) -> None:
+    """SchemaError naming the first string (key or value) that is not valid UTF-8."""
+    todo: list[tuple[str, Any]] = [("", obj)]
+    while todo:  # no recursion: json.loads accepts nesting deeper than the stack allows here
+        path, v = todo.pop()
+        if type(v) is dict:
+            for k, item in v.items():
+                field = f"{path}.{k}" if path else k
+                if not _utf8(k):
+                    raise _fail(_shown(field), "the name is not valid UTF-8 (a lone surrogate escape)")
+                todo.append((field, item))
+        elif type(v) is list:
+            todo.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+        elif type(v) is str and not _utf8(v):
+            raise _fail(_shown(path), "not valid UTF-8 (a lone surrogate escape such as \\ud800)")
+
+
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _shown(field: str) -> str:
+    """A field path fit for a log line and a DLQ record (itself valid UTF-8, bounded)."""
+    return field.encode("utf-8", "backslashreplace").decode("ascii", "replace")[:200]
 
 
 def validate(event: dict) -> dict:

@@ -140,3 +140,50 @@ def test_signatures_detect_forgery_and_unknown_keys():
     assert "unknown signing key" in verify(command, {"other": SigningKey("other", b"x")})
     assert verify(VALID[5], {"ops": key}) == "unsigned command"
     ev.decode(ev.encode(command))  # a signed command is still a valid command
+
+
+WORKER_READS = [e for e in VALID if e["schema"] in (ev.METRICS, ev.CHECKPOINT, ev.LIFECYCLE, ev.ACK)] + [
+    ev.operator_event("run-1", "silence", rule="kl_explosion", until=2e9, reason="flaky", by="ops", ts=1.5e9)]
+
+
+def _string_fields(obj, path=()):
+    """Every string value of an event, and every object key, as paths: (path, is_key)."""
+    if type(obj) is dict:
+        for k, v in obj.items():
+            yield (*path, k), True
+            yield from _string_fields(v, (*path, k))
+    elif type(obj) is str:
+        yield path, False
+
+
+def _with_surrogate(event: dict, path: tuple, is_key: bool) -> bytes:
+    """The event as JSON with a lone surrogate escape in that string (json writes it, orjson
+    would refuse to)."""
+    event = json.loads(json.dumps(event))
+    *parents, last = path
+    holder = event
+    for p in parents:
+        holder = holder[p]
+    if is_key:
+        holder[last + "\ud800"] = holder.pop(last)
+    else:
+        holder[last] = holder[last] + "\ud800"
+    return json.dumps(event).encode()
+
+
+@pytest.mark.parametrize("event", WORKER_READS, ids=lambda e: e["schema"])
+def test_a_lone_surrogate_in_any_string_of_an_event_the_worker_reads_is_refused(event):
+    """orjson refuses ``\\ud800``, Python's json takes it; a string the state cannot write back as
+    UTF-8 must be a schema error (a dead letter), never a value kept in the state."""
+    fields = list(_string_fields(event))
+    assert len(fields) >= 4
+    for path, is_key in fields:
+        if path == ("schema",) and not is_key:
+            continue  # an unknown kind: refused for that already
+        raw = _with_surrogate(event, path, is_key)
+        with pytest.raises(ev.SchemaError, match="UTF-8") as info:
+            ev.decode(raw)
+        assert str(info.value).encode("utf-8"), "the reason itself goes into a DLQ record"
+        with pytest.raises(ev.SchemaError, match="UTF-8"):
+            ev.decode(raw.decode())  # a str given to decode is checked the same way
+    assert ev.encode(ev.decode(json.dumps(event).encode())) == ev.encode(event)  # without it, it decodes
