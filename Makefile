@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 FRAMEWORKS := $(VENV)/.frameworks
 
-.PHONY: setup frameworks system demo test test-unit eval bench chaos clean
+.PHONY: setup frameworks system kafka demo test test-unit eval bench chaos clean
 
 # The project's Python environment, rebuilt when pyproject.toml changes: what the demo,
 # the evaluation, the benchmarks and chaos need (worker, node agent, embedded broker, test tools).
@@ -31,6 +31,18 @@ setup: $(STAMP)
 
 frameworks: $(FRAMEWORKS)
 
+# Apache Kafka's broker (KRaft) for the integration tests: the release pinned in
+# deploy/kafka/pom.xml and its runtime jars, resolved with Maven (cached in ~/.m2) into .kafka/lib.
+KAFKA_LIB := .kafka/lib
+$(KAFKA_LIB)/.resolved: deploy/kafka/pom.xml
+	@echo "setup: Apache Kafka's broker jars with Maven into $(KAFKA_LIB) (once; needs Java 17 and mvn)"
+	@command -v mvn >/dev/null || { echo "make kafka: Maven (mvn) is not installed: apt-get install maven" >&2; exit 1; }
+	@rm -rf $(KAFKA_LIB)
+	@mvn -q -B -f deploy/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/$(KAFKA_LIB)
+	@touch $@
+
+kafka: $(KAFKA_LIB)/.resolved
+
 # Real Prometheus and Alertmanager for the sink tests (Debian packages).
 system:
 	bash scripts/setup-system.sh
@@ -39,7 +51,7 @@ system:
 demo:
 	@start=$$(date +%s); $(MAKE) --no-print-directory setup && TRAINGUARD_DEMO_SETUP_STARTED=$$start $(BIN)/trainguard demo
 
-test: setup frameworks system
+test: setup frameworks system kafka
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-unit: setup frameworks
