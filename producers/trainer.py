@@ -5,6 +5,12 @@
 >>> logger.checkpoint_saved(12, "/ckpt/global_step_12")
 >>> logger.close()
 
+``close()`` reports that the run finished (lifecycle ``finished``; nothing more when a
+``stopped`` was reported when a stop command was applied), so the worker does not take the
+silence after the last step for a hung trainer. A run that crashes reports nothing: leaving a
+``with TrainerLogger(...)`` block by an exception closes without a report, and the worker's
+staleness rule pages once.
+
 ``log()`` sends all metrics of one step and source as one event; the seed's
 ``log_metric(name, value, step=...)`` gathers single values and sends them together
 when the step moves on. Nothing here raises into the training loop or waits on the
@@ -54,6 +60,8 @@ class TrainerLogger:
         self._pending_tags: dict[str, str] = {}
         self._topic = self.settings.topics.events
         self._closed = False
+        self._last_step: int | None = None
+        self.ended: str | None = None      # "finished" / "stopped" once reported
 
     # -- metrics -------------------------------------------------------------------
 
@@ -74,6 +82,7 @@ class TrainerLogger:
                 values["trainguard/dropped_events"] = float(lost)
             event = ev.metrics_event(self.run_id, int(step), values, src=self.source,
                                      ts=time.time() if ts is None else ts, tags=tags)
+            self._last_step = event["step"]
             return self.publisher.publish(self._topic, self.run_id, ev.encode(event))
         except Exception as exc:
             self.publisher.dropped += 1
@@ -116,7 +125,10 @@ class TrainerLogger:
         """started / finished / heartbeat / rolled_back / paused / resumed / stopped."""
         try:
             event = ev.lifecycle_event(self.run_id, what, step=step, src=self.source, detail=detail)
-            return self.publisher.publish(self._topic, self.run_id, ev.encode(event))
+            queued = self.publisher.publish(self._topic, self.run_id, ev.encode(event))
+            if queued and what in ("finished", "stopped"):
+                self.ended = what
+            return queued
         except Exception:
             self.publisher.dropped += 1
             return False
@@ -126,14 +138,20 @@ class TrainerLogger:
     def stats(self) -> dict:
         return {**self.publisher.stats(), "skipped_values": self.skipped_values}
 
-    def close(self, timeout: float = 10.0, *, quiet: bool = False) -> dict:
-        """Deliver what can be delivered within ``timeout`` (never longer: a training job must
-        exit), give up the rest, and return what happened to every event: ``sent``, ``lost``
-        and its causes (``dropped``, ``delivery_failed``, ``purged_at_close``, ``lost_fatal``)."""
+    def close(self, timeout: float = 10.0, *, quiet: bool = False, end: str | None = "finished",
+              step: int | None = None) -> dict:
+        """Report the run's ``end`` (``finished``, ``stopped``; None: nothing, as for a crash)
+        unless a ``stopped`` or ``finished`` was reported already, deliver what can be delivered
+        within ``timeout`` (never longer: a training job must exit), give up the rest, and
+        return what happened to every event: ``sent``, ``lost`` and its causes (``dropped``,
+        ``delivery_failed``, ``purged_at_close``, ``lost_fatal``). ``step``: the step the run
+        ended at (default: the last one logged)."""
         if self._closed:
             return self.stats()
         self._closed = True
         self.flush_step()
+        if end is not None and self.ended is None and self.source["kind"] == "trainer":  # a node's is no run's end
+            self.lifecycle(end, step=self._last_step if step is None else step)
         given_up = self.publisher.close(timeout)
         stats = self.stats()
         stats["undelivered_at_close"] = given_up
@@ -147,6 +165,11 @@ class TrainerLogger:
     def __enter__(self) -> "TrainerLogger":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *_exc) -> None:
+        # An exception out of the block is a crash: no report, so the worker pages it as silent.
+        # Ctrl-C is someone ending the run on purpose.
+        if exc_type is None:
+            self.close()
+        else:
+            self.close(end="stopped" if issubclass(exc_type, KeyboardInterrupt) else None)
 

@@ -36,6 +36,7 @@ class ScriptedListener:
 class RecordingLogger:
     def __init__(self):
         self.events: list[tuple] = []
+        self.ended = None
 
     def log(self, metrics, step, tags=None):
         self.events.append(("metrics", step, dict(metrics)))
@@ -47,9 +48,11 @@ class RecordingLogger:
 
     def lifecycle(self, what, step=None, detail=None):
         self.events.append(("lifecycle", what, step))
+        if what in ("finished", "stopped"):
+            self.ended = what
         return True
 
-    def close(self, timeout=0):
+    def close(self, timeout=0, end=None):
         return {}
 
 

@@ -179,7 +179,7 @@ def test_the_worker_finds_a_hung_trainer_on_its_own_clock(kafka, tmp_path):
         logger = TrainerLogger("hung-1", kafka, host="h")
         for step in range(1, 4):
             logger.log({"actor/pg_loss": -0.01}, step)
-        logger.close(quiet=True)  # then silence: no further event will ever arrive
+        logger.close(quiet=True, end=None)  # gone without a word, as a crash: no event will ever arrive
         alerts = TopicReader(kafka, kafka.topics.alerts)
         alert = alerts.wait_for(lambda a: a["rule"] == "trainer_hung", timeout=30, what="the hung alert",
                                 worker=worker)

@@ -266,11 +266,13 @@ class GuardBase:
     # -- shutdown ---------------------------------------------------------------------------
 
     def close(self, what: str | None = None, step: int | None = None, timeout: float = 10.0) -> dict:
-        """Report ``what`` (finished / stopped) if given, flush, stop listening. Never raises."""
+        """Report ``what`` (finished / stopped; None after a crash: nothing, so the worker's
+        staleness rule pages once) unless the run's end was reported already (a stop command
+        reports ``stopped`` when applied), flush, stop listening. Never raises."""
         if self._closed:
             return {}
         self._closed = True
-        if what and not (self.stopped and what == "stopped"):  # "stopped" was reported when applied
+        if what and self.logger.ended is None:  # before the listener closes the shared producer
             self.lifecycle(what, step=step)
         stats = {}
         try:
@@ -279,9 +281,29 @@ class GuardBase:
         except Exception as exc:
             self._failed("closing the listener failed", exc)
         try:
-            stats = self.logger.close(timeout)
+            stats = self.logger.close(timeout, end=None)
         except Exception as exc:
             self._failed("closing the publisher failed", exc)
         stats["failures"] = self.failures
         stats["rollbacks"] = self.rollbacks
         return stats
+
+
+def reporting_end(fit, backend: "GuardBase"):
+    """``fit`` that reports how it ended: ``finished`` when it returns, ``stopped`` on a stop
+    command (reported when applied) or Ctrl-C, and nothing when it crashes, so the worker's
+    staleness rule pages the crash once instead of a finished run being taken for a hang."""
+
+    def fit_and_report(*args, **kwargs):
+        try:
+            result = fit(*args, **kwargs)
+        except KeyboardInterrupt:
+            backend.close("stopped")
+            raise
+        except BaseException:
+            backend.close(None)
+            raise
+        backend.close("stopped" if backend.stopped else "finished")
+        return result
+
+    return fit_and_report

@@ -229,7 +229,10 @@ class TrainguardCallback(TrainerCallback):
         if self.guard is None:
             return
         self._flush_rolled_back()
-        self.guard.close("stopped" if self.guard.stopped else "finished", step=state.global_step)
+        # on_train_end comes only when train() returns: a crash reports nothing, and the
+        # worker's staleness rule pages it once.
+        stopped = self.guard.stopped or self.stopped_by_guard
+        self.guard.close("stopped" if stopped else "finished", step=state.global_step)
 
     # -- publishing -----------------------------------------------------------------------
 

@@ -24,7 +24,9 @@ What it does after OpenRLHF's own call (checked against OpenRLHF 0.11's
   ``--ckpt.load_enable`` from the checkpoint the command names; the breaker then stops the
   run when the incident comes back.
 
-``fit()`` runs on the driver, so one backend per run sees every step.
+``fit()`` runs on the driver, so one backend per run sees every step. ``attach`` wraps it: the
+run reports ``finished`` when it returns (``stopped`` after a stop), nothing when it raises
+(the worker's staleness rule pages the crash once).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import atexit
 import os
 
 from trainguard.kafka import KafkaSettings
-from trainguard.producers.integrations._core import GuardBase, Unsupported
+from trainguard.producers.integrations._core import GuardBase, Unsupported, reporting_end
 
 __all__ = ["OpenRLHFBackend", "attach", "StopTraining"]
 
@@ -99,11 +101,13 @@ def attach(trainer, run_id: str, settings: KafkaSettings | None = None, **kwargs
         return result
 
     trainer.save_logs_and_checkpoints = save_logs_and_checkpoints
+    trainer.fit = reporting_end(trainer.fit, backend)
 
     def detach():
         trainer.__dict__.pop("save_logs_and_checkpoints", None)
+        trainer.__dict__.pop("fit", None)
         backend.close("finished")
 
     backend.detach = detach
-    atexit.register(backend.close, "finished")
+    atexit.register(backend.close)  # flush only: a fit() that never returned did not finish
     return backend

@@ -27,8 +27,9 @@ What :func:`attach` relies on (verl's ``RayPPOTrainer``, checked against its sou
   with ``actor/`` (and ``critic/``) inside; ``attach`` wraps it to report each checkpoint.
 * a rollback does what verl's resume does (``_load_checkpoint()`` for
   ``resume_mode=resume_path``, then ``checkpoint_manager.update_weights`` to push the weights
-  to the rollout engine, verl 0.8+), minus the dataloader: ``actor_rollout_wg.load_checkpoint(path/actor)`` (weights, optimizer and
-  LR scheduler, as verl's checkpoint managers save them), ``critic_wg.load_checkpoint``
+  to the rollout engine, verl 0.8+), minus the dataloader:
+  ``actor_rollout_wg.load_checkpoint(path/actor)`` (weights, optimizer and LR scheduler, as
+  verl's checkpoint managers save them), ``critic_wg.load_checkpoint``
   when the run has a critic, and ``global_steps = target step`` (``fit`` then adds one).
   The dataloader is left where it is: the batches since the checkpoint are not replayed.
   ``skip_batches`` cannot be honoured beyond that (``fit`` owns the iterator); the ack says so.
@@ -37,6 +38,9 @@ What :func:`attach` relies on (verl's ``RayPPOTrainer``, checked against its sou
   ``total_training_steps`` so that the next step is verl's last (it validates and saves
   as a last step does, then returns).
 * ``checkpoint_now`` calls ``trainer._save_checkpoint()``; ``pause`` waits in ``log``.
+* ``attach`` wraps ``fit()`` too: the run reports ``finished`` when it returns (or
+  ``stopped``), and nothing when it raises, so a crash is paged once by the worker's staleness
+  rule and a finished run never is.
 
 verl runs ``fit()`` on the single-controller driver, so one backend per run sees every
 step; nothing runs on the Ray workers.
@@ -48,7 +52,7 @@ import atexit
 import os
 
 from trainguard.kafka import KafkaSettings
-from trainguard.producers.integrations._core import GuardBase, Unsupported
+from trainguard.producers.integrations._core import GuardBase, Unsupported, reporting_end
 
 __all__ = ["VerlBackend", "attach", "StopTraining"]
 
@@ -177,12 +181,15 @@ def attach(trainer, run_id: str, settings: KafkaSettings | None = None, *, track
         return result
 
     trainer._save_checkpoint = save_and_report
+    trainer.fit = reporting_end(trainer.fit, backend)
 
     def detach():
         tracking_cls.__init__ = original_init
         trainer.__dict__.pop("_save_checkpoint", None)
+        trainer.__dict__.pop("fit", None)
         backend.finish()
 
     backend.detach = detach
-    atexit.register(backend.finish)
+    atexit.register(backend.close)  # flush only: a fit() that never returned did not finish
     return backend
+
