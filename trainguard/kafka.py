@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import threading
 import uuid
 from dataclasses import dataclass, field
 
@@ -162,6 +164,88 @@ def topic_reader(settings: KafkaSettings, topics, *, start: str = "beginning", t
     return consumer, missing
 
 
+class TopicDecoder:
+    """Decodes each record strictly for the topic it was read from: the events topic carries
+    metrics, checkpoint, lifecycle and operator events only; alerts alert and report; control
+    commands; acks acks; status statuses (a tombstone there removes a run). A record that does
+    not belong is skipped and counted by cause, each cause logged once: one bad record must
+    blind no reader, and a forged alert on the events topic shows nowhere."""
+
+    MAX_CAUSES = 64  # distinct causes kept; the rest are counted under "other"
+
+    def __init__(self, topics: Topics, who: str = "trainguard"):
+        from trainguard.schemas import events as ev
+
+        kinds = {"events": (ev.METRICS, ev.CHECKPOINT, ev.LIFECYCLE, ev.OPERATOR), "alerts": (ev.ALERT, ev.REPORT),
+                 "control": (ev.COMMAND,), "acks": (ev.ACK,), "status": (ev.STATUS,)}
+        self.roles = {getattr(topics, role): role for role in kinds}
+        self.expect = {getattr(topics, role): k for role, k in kinds.items()}
+        self.who = who
+        self.skipped = 0
+        self.causes: dict[str, int] = {}
+        self._lock = threading.Lock()  # a reader thread counts while a page reads the counts
+
+    def decode(self, topic: str, raw: bytes | None) -> tuple[str, dict | None] | None:
+        """``(role, event)``; ``event`` None for a status tombstone; None for a skipped record."""
+        from trainguard.schemas import events as ev
+
+        role = self.roles.get(topic)
+        if role is None:
+            self.skip("unknown topic", f"{topic} is none of the project's topics")
+            return None
+        if raw is None and role == "status":
+            return role, None
+        try:
+            return role, ev.decode(raw, expect=self.expect[topic])
+        except ev.SchemaError as exc:
+            self.skip(f"{role}: {_cause(str(exc))}", str(exc))
+            return None
+
+    def skip(self, cause: str, detail: str = "") -> None:
+        """Count one skipped record; the first of each cause is logged."""
+        from trainguard.terminal import safe
+
+        cause = safe(cause)
+        with self._lock:
+            self.skipped += 1
+            if cause not in self.causes and len(self.causes) >= self.MAX_CAUSES:
+                cause = "other"
+            first = cause not in self.causes
+            self.causes[cause] = self.causes.get(cause, 0) + 1
+        if first:
+            log.warning("%s: skipping a record (%s): %s; further ones of this cause are counted, not logged",
+                        self.who, cause, safe(detail[:300]))
+
+    def summary(self) -> str:
+        """``3 records skipped (events: schema 2, alerts: step 1)``, or "" when none were."""
+        skipped, causes = self.counts()
+        if not skipped:
+            return ""
+        top = sorted(causes.items(), key=lambda kv: -kv[1])[:5]
+        return (f"{skipped} record(s) skipped ("
+                + ", ".join(f"{c} {n}" for c, n in top) + (", ..." if len(causes) > 5 else "") + ")")
+
+    def counts(self) -> tuple[int, dict[str, int]]:
+        """How many records were skipped, and how many of each cause (a copy)."""
+        with self._lock:
+            return self.skipped, dict(self.causes)
+
+
+def _cause(message: str) -> str:
+    """A SchemaError's message as a short, bounded cause: the field it names (``metrics``, not
+    ``metrics.<the name>``), or the kind of problem."""
+    if "on this topic" in message:
+        return "wrong kind for the topic"
+    for start, cause in (("payload of", "oversized"), ("an event must be", "not a JSON object"),
+                         ("empty message", "no value")):
+        if message.startswith(start):
+            return cause
+    head = message.split(":", 1)[0]
+    if ":" in message and " " not in head:
+        return head.split(".", 1)[0][:40]
+    return re.sub(r"\d+", "N", " ".join(head.split()[:4]))[:40]
+
+
 # Per topic (by its last name part): the status topic keeps only the latest record of each run.
 TOPIC_CONFIG = {"status": {"cleanup.policy": "compact"}}
 
@@ -175,8 +259,10 @@ def create_topics(settings: KafkaSettings, timeout: float = 15.0) -> list[str]:
     wanted = [t for t in settings.topics.all() if t not in existing]
     if not wanted:
         return []
+    # replication_factor -1: the cluster's default.replication.factor (1 on one broker, 3 on a
+    # production cluster), not one copy wherever the cluster has more brokers.
     futures = admin.create_topics(
-        [NewTopic(t, num_partitions=settings.partitions, replication_factor=1,
+        [NewTopic(t, num_partitions=settings.partitions, replication_factor=-1,
                   config=TOPIC_CONFIG.get(t.rsplit(".", 1)[-1], {})) for t in wanted],
         operation_timeout=timeout, request_timeout=timeout)
     created = []
