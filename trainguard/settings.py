@@ -88,6 +88,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_TEMPLATES_DIR", None, _SINKS, "a copy of `sinks/templates/` with your edits"),
     Setting("TRAINGUARD_UI_URL", None, _SINKS,
             "where `trainguard ui` is served, e.g. `http://trainguard:8321`: chat messages link the run's page"),
+    Setting("TRAINGUARD_UI_ALLOWED_HOSTS", None, "ui",
+            "more names the `Host` header of a `trainguard ui` request may give, comma-separated (`*`: any; by "
+            "default loopback names, the bound address, and this host's name when bound to all addresses)"),
+    Setting("TRAINGUARD_UI_TOKEN", None, "ui",
+            "the token every `trainguard ui` request must carry (`?token=` once, then a cookie); made and "
+            "printed at start when bound beyond loopback and not set"),
     Setting("TRAINGUARD_ALERTS_JSONL", None, _SINKS, "append events to this file (same as `--jsonl`)"),
     Setting("TRAINGUARD_REPORTS_DIR", None, _SINKS,
             "write each breaker decision's diagnosis report under this folder (JSON, text, an HTML page with plots)"),
