@@ -28,7 +28,8 @@ import time
 from collections import OrderedDict
 from datetime import datetime, timezone
 
-from trainguard.sinks.webhooks import WebhookSink
+from trainguard.sinks.paging import muted
+from trainguard.sinks.webhooks import WebhookSink, alert_fields
 
 log = logging.getLogger("trainguard.sinks.alertmanager")
 
@@ -72,12 +73,18 @@ class AlertmanagerSink(WebhookSink):
                 labels[name] = str(value)
         return labels
 
+    def accepts(self, event: dict) -> bool:
+        # every alert (Alertmanager groups and routes itself), but not those the engine muted
+        return str(event.get("schema", "")).startswith("alert/") and not (
+            event.get("status") != "resolved" and muted(event))
+
     def annotations(self, alert: dict) -> dict[str, str]:
-        notes = {"summary": self.templates.render("title.txt", alert),
-                 "root_cause": alert.get("diagnosis"), "suggestion": alert.get("suggestion"),
-                 "report": alert.get("report"), "incident": alert.get("incident"),
-                 "value": alert.get("value"), "step": alert.get("step"), "alert_id": alert.get("id")}
-        return {k: str(v) for k, v in notes.items() if v not in (None, "")}
+        # Alertmanager's templates put these into messages we do not see: escaped like markdown
+        fields = alert_fields(alert)
+        notes = {"summary": self.templates.render("title.txt", alert), "root_cause": fields["root_cause"],
+                 "suggestion": fields["suggestion"], "report": fields["report"], "incident": fields["incident"],
+                 "value": fields["value"], "step": fields["step"], "alert_id": fields["id"]}
+        return {k: v for k, v in notes.items() if v}
 
     def postable(self, alert: dict, now: float | None = None) -> dict:
         now = time.time() if now is None else now

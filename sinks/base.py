@@ -26,6 +26,9 @@ class Sink(ABC):
     def close(self) -> None:
         """Release resources; pending output is flushed."""
 
+    def tick(self, now: float) -> None:
+        """Called by the runner at every poll, with or without events (time-driven output)."""
+
     def deliver(self, batch: list[dict]) -> None:
         """Write ``batch``, never raising: failures are logged and counted."""
         if not batch:

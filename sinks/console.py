@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from typing import TextIO
@@ -10,6 +9,8 @@ from typing import TextIO
 import orjson
 
 from trainguard.sinks.base import Sink
+from trainguard.sinks.reports import format_value
+from trainguard.terminal import safe_event
 
 _SEVERITY_COLOUR = {"P0": "\033[1;97;41m", "P1": "\033[1;31m", "P2": "\033[33m", "P3": "\033[36m"}
 _RESET = "\033[0m"
@@ -17,12 +18,6 @@ _DIM = "\033[2m"
 _BOLD = "\033[1m"
 _GREEN = "\033[32m"
 _MAGENTA = "\033[1;35m"
-
-
-def _value(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}" if math.isfinite(v) else str(v)
-    return str(v)
 
 
 def _clock(ts: float | None) -> str:
@@ -42,6 +37,7 @@ class ConsoleSink(Sink):
         return f"{code}{text}{_RESET}" if self.colour else text
 
     def format(self, event: dict) -> str:
+        event = safe_event(event)  # a terminal runs escape sequences: none from a topic reach it
         kind = event.get("schema", "")
         if kind.startswith("alert/"):
             return self.format_alert(event)
@@ -67,9 +63,14 @@ class ConsoleSink(Sink):
         ev = alert.get("evidence", {})
         bounds = ""
         if "lower" in ev and "upper" in ev:
-            bounds = f" window [{_value(ev['lower'])}, {_value(ev['upper'])}]"
-        line = (f"{_clock(alert.get('ts'))} {head} {self._c(_BOLD, alert['rule'])} run={alert['run_id']} "
-                f"step={alert.get('step')} {alert.get('metric', '')}={_value(alert.get('value'))}{bounds}"
+            bounds = f" window [{format_value(ev['lower'])}, {format_value(ev['upper'])}]"
+        # what the alert has, never "step=None ack=None"
+        where = f" step={alert['step']}" if alert.get("step") is not None else ""
+        metric, value = alert.get("metric") or "", alert.get("value")
+        reading = f" {metric}={format_value(value)}" if metric and value is not None else f" {metric}" if metric else ""
+        flapping = " (flapping)" if alert.get("flapping") else ""
+        line = (f"{_clock(alert.get('ts'))} {head} {self._c(_BOLD, alert['rule'])}{flapping} run={alert['run_id']}"
+                f"{where}{reading}{bounds}"
                 f" {self._c(_DIM, alert.get('resolution') or alert.get('diagnosis', ''))}")
         silence = alert.get("silenced")
         if silence:

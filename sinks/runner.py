@@ -4,9 +4,14 @@ each decoded batch to every sink.
 Two ways to read:
 
 - ``group_id`` (default ``trainguard-sinks``): a consumer group of its own, offsets
-  committed after every sink got the batch (at-least-once; the sinks deduplicate by id);
+  committed after every sink got the batch (at-least-once; the sinks deduplicate by id).
+  A group with no committed offsets starts at the alerts published from its start on (not
+  at the topic's beginning: a first start must not replay the history into a chat), and a
+  group skips alerts published more than ``max_age_s`` ago (``TRAINGUARD_SINKS_MAX_AGE_S``),
+  saying how many in one line;
 - ``start="beginning"`` or ``"end"``: no group, every partition assigned from that end,
-  nothing committed (a one-off replay, a test, a process that must not wait on a rebalance).
+  nothing committed, nothing skipped (a deliberate replay, a test, a process that must not
+  wait on a rebalance).
 
 Messages that do not decode are logged and skipped (the worker owns the DLQ).
 
@@ -23,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from trainguard.kafka import KafkaSettings
@@ -42,12 +48,46 @@ def _topic_names(settings: KafkaSettings, topics) -> list[str]:
     return names
 
 
+def _start_at(started_ms: int):
+    """``on_assign`` for a group: a partition the group has no committed offset for starts at
+    the first record published at or after ``started_ms``, not at either end (so neither the
+    history nor what was published while the group joined is lost or replayed)."""
+    from confluent_kafka import OFFSET_END, TopicPartition
+
+    def on_assign(consumer, partitions) -> None:
+        try:
+            committed = consumer.committed(partitions, timeout=10)
+            fresh = [tp for tp in committed if tp.offset < 0]
+            if fresh:
+                # the ends first: where no record is as new as the start, the end as it was then
+                ends = {(tp.topic, tp.partition): consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1]
+                        for tp in fresh}
+                found = consumer.offsets_for_times([TopicPartition(tp.topic, tp.partition, started_ms)
+                                                    for tp in fresh], timeout=10)
+                at = {(tp.topic, tp.partition): tp.offset if tp.offset >= 0 else ends[(tp.topic, tp.partition)]
+                      for tp in found}
+                for tp in partitions:
+                    if (tp.topic, tp.partition) in at:
+                        tp.offset = at[(tp.topic, tp.partition)]
+        except Exception as exc:  # the broker cannot say: what comes next, never the history
+            log.warning("trainguard: sinks cannot find the offsets at their start (%s); "
+                        "new partitions start at their end", exc)
+            for tp in partitions:
+                if tp.offset < 0:
+                    tp.offset = OFFSET_END
+        consumer.assign(partitions)
+
+    return on_assign
+
+
 def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event, topics=("alerts",), *,
               group_id: str | None = DEFAULT_GROUP, start: str | None = None, batch_size: int = 500,
-              poll_s: float = 0.5, consumer_config: dict | None = None) -> dict:
+              poll_s: float = 0.5, consumer_config: dict | None = None, max_age_s: float | None = None) -> dict:
     """Deliver every event of ``topics`` (names in ``settings.topics`` or full topic names) to
-    every sink until ``stop`` is set; return counts ``{"delivered": n, "invalid": m}``."""
-    from confluent_kafka import Consumer, KafkaError
+    every sink until ``stop`` is set; return counts ``{"delivered": n, "invalid": m, "skipped":
+    k}``. With a group, records published more than ``max_age_s`` ago (default
+    ``TRAINGUARD_SINKS_MAX_AGE_S``) are skipped."""
+    from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError
 
     from trainguard.kafka import topic_reader
 
@@ -55,10 +95,11 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
     if start not in (None, "beginning", "end"):
         raise ValueError(f"start must be 'beginning', 'end' or None, not {start!r}")
     assign = start is not None or group_id is None
+    max_age_s = number("TRAINGUARD_SINKS_MAX_AGE_S") if max_age_s is None else max_age_s
     config = {
         "group.id": group_id or DEFAULT_GROUP,
         "enable.auto.commit": False,
-        "auto.offset.reset": "earliest",
+        "auto.offset.reset": "latest",  # only if the start-time lookup could not place a partition
         "enable.partition.eof": False,
         # librdkafka's 45 s would keep a dead sinks process's partitions (and, on the embedded
         # broker, every join) waiting that long
@@ -66,27 +107,37 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
         "heartbeat.interval.ms": 1000,
         **(consumer_config or {}),
     }
+    started_ms = int(time.time() * 1000)
     if assign:
         consumer, missing = topic_reader(settings, names, start=start or "beginning",
                                          **(consumer_config or {}))
         if len(missing) == len(names):
             consumer.close()
             raise RuntimeError(f"no partitions found for {names}; are the topics created?")
+        how = f"from the {start or 'beginning'} of every partition, no group"
     else:
         consumer = Consumer(settings.confluent(**config))
-        consumer.subscribe(names)
-    counts = {"delivered": 0, "invalid": 0}
+        consumer.subscribe(names, on_assign=_start_at(started_ms))
+        how = (f"in group {group_id} (a new group starts at its start time; "
+               f"alerts published over {max_age_s:.0f} s ago are skipped)")
+    counts = {"delivered": 0, "invalid": 0, "skipped": 0}
+    skipped = 0  # old records skipped since the last line that said so
     try:
-        log.info("trainguard: sinks %s reading %s", [s.name for s in sinks], names)
+        log.info("trainguard: sinks %s reading %s %s", [s.name for s in sinks], names, how)
         while not stop.is_set():
             messages = consumer.consume(num_messages=batch_size, timeout=poll_s)
-            if not messages:
-                continue
-            batch = []
+            now = time.time()
+            for sink in sinks:
+                sink.tick(now)
+            batch, old = [], 0
             for msg in messages:
                 if msg.error():
                     if msg.error().code() != KafkaError._PARTITION_EOF:
                         log.warning("trainguard: consumer error: %s", msg.error())
+                    continue
+                kind, ts_ms = msg.timestamp()
+                if not assign and kind != TIMESTAMP_NOT_AVAILABLE and now - ts_ms / 1000 > max_age_s:
+                    old += 1
                     continue
                 try:
                     batch.append(decode(msg.value()))
@@ -94,6 +145,14 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
                     counts["invalid"] += 1
                     log.warning("trainguard: skipping invalid message at %s[%d]@%d: %s",
                                 msg.topic(), msg.partition(), msg.offset(), exc)
+            skipped += old
+            counts["skipped"] += old
+            if skipped and not old:  # the old records are behind us: one line for all of them
+                log.warning("trainguard: sinks skipped %d alert(s) published over %.0f s ago "
+                            "(TRAINGUARD_SINKS_MAX_AGE_S)", skipped, max_age_s)
+                skipped = 0
+            if not messages:
+                continue
             for sink in sinks:
                 sink.deliver(batch)
             counts["delivered"] += len(batch)
@@ -104,6 +163,9 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
                     log.debug("trainguard: offset commit failed: %s", exc)
     finally:
         consumer.close()
+    if skipped:
+        log.warning("trainguard: sinks skipped %d alert(s) published over %.0f s ago (TRAINGUARD_SINKS_MAX_AGE_S)",
+                    skipped, max_age_s)
     return counts
 
 
@@ -114,13 +176,18 @@ def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
 
 
-def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str | Path | None = None) -> list[Sink]:
-    """The sinks the environment configures (variables in docs/sinks.md)."""
+def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str | Path | None = None,
+                group: str = DEFAULT_GROUP) -> list[Sink]:
+    """The sinks the environment configures (variables in docs/sinks.md). The chat and generic
+    webhooks sit behind one :class:`~trainguard.sinks.webhooks.PagingSink`; every webhook sink
+    keeps its outbox in :func:`~trainguard.sinks.webhooks.outbox_dir` (per ``group``)."""
     env = os.environ if env is None else env
     from trainguard.sinks.alertmanager import AlertmanagerSink
     from trainguard.sinks.console import ConsoleSink
     from trainguard.sinks.jsonl import JsonlSink
-    from trainguard.sinks.webhooks import DingTalkSink, GenericWebhookSink, SlackSink, Templates, WeComSink
+    from trainguard.sinks.paging import PagingSettings
+    from trainguard.sinks.webhooks import (DingTalkSink, GenericWebhookSink, PagingSink, SlackSink, Templates,
+                                           WeComSink, lock_outbox_dir, outbox_dir)
 
     sinks: list[Sink] = []
     if console:
@@ -133,30 +200,36 @@ def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str |
 
         sinks.append(ReportSink(env["TRAINGUARD_REPORTS_DIR"]))
 
-    templates = Templates(env.get("TRAINGUARD_TEMPLATES_DIR") or None)
-    outbox_dir = env.get("TRAINGUARD_OUTBOX_DIR")
-    severities = _csv(env.get("TRAINGUARD_NOTIFY_SEVERITIES")) or None
+    templates = Templates(env.get("TRAINGUARD_TEMPLATES_DIR") or None, ui_url=env.get("TRAINGUARD_UI_URL") or "")
+    folder: Path | None = None
 
     def common(name: str) -> dict:
-        return {"templates": templates, "severities": severities,
-                "outbox_path": Path(outbox_dir) / f"{name}.json" if outbox_dir else None}
+        nonlocal folder
+        if folder is None:
+            folder, default = outbox_dir(env, group)
+            if default:  # shared by every process of the group on this host: one holds it
+                folder = lock_outbox_dir(folder)
+            log.info("trainguard: sinks keep their outboxes in %s", folder)
+        return {"templates": templates, "outbox_path": folder / f"{name}.json"}
 
+    chat: list[Sink] = []
     if env.get("TRAINGUARD_DINGTALK_WEBHOOK"):
-        sinks.append(DingTalkSink(env["TRAINGUARD_DINGTALK_WEBHOOK"], env.get("TRAINGUARD_DINGTALK_SECRET"),
-                                  at_mobiles=_csv(env.get("TRAINGUARD_DINGTALK_AT_MOBILES")),
-                                  at_all_severities=_csv(env.get("TRAINGUARD_DINGTALK_AT_ALL_SEVERITIES")),
-                                  **common("dingtalk")))
+        chat.append(DingTalkSink(env["TRAINGUARD_DINGTALK_WEBHOOK"], env.get("TRAINGUARD_DINGTALK_SECRET"),
+                                 at_mobiles=_csv(env.get("TRAINGUARD_DINGTALK_AT_MOBILES")),
+                                 at_all_severities=_csv(env.get("TRAINGUARD_DINGTALK_AT_ALL_SEVERITIES")),
+                                 **common("dingtalk")))
     if env.get("TRAINGUARD_WECOM_WEBHOOK"):
-        sinks.append(WeComSink(env["TRAINGUARD_WECOM_WEBHOOK"], **common("wecom")))
+        chat.append(WeComSink(env["TRAINGUARD_WECOM_WEBHOOK"], **common("wecom")))
     if env.get("TRAINGUARD_SLACK_WEBHOOK"):
-        sinks.append(SlackSink(env["TRAINGUARD_SLACK_WEBHOOK"], **common("slack")))
+        chat.append(SlackSink(env["TRAINGUARD_SLACK_WEBHOOK"], **common("slack")))
     if env.get("TRAINGUARD_WEBHOOK_URL"):
         headers = json.loads(env["TRAINGUARD_WEBHOOK_HEADERS"]) if env.get("TRAINGUARD_WEBHOOK_HEADERS") else None
-        sinks.append(GenericWebhookSink(env["TRAINGUARD_WEBHOOK_URL"], headers=headers, **common("webhook")))
+        chat.append(GenericWebhookSink(env["TRAINGUARD_WEBHOOK_URL"], headers=headers, **common("webhook")))
+    if chat:
+        sinks.append(PagingSink(chat, PagingSettings.from_env(env), state_path=folder / "pager.json"))
     if env.get("TRAINGUARD_ALERTMANAGER_URL"):
-        # Alertmanager routes by severity itself: it gets every alert.
-        sinks.append(AlertmanagerSink(env["TRAINGUARD_ALERTMANAGER_URL"],
-                                      **{**common("alertmanager"), "severities": None}))
+        # Alertmanager groups, routes and silences itself: it gets every alert, past no pager.
+        sinks.append(AlertmanagerSink(env["TRAINGUARD_ALERTMANAGER_URL"], **common("alertmanager")))
     if env.get("TRAINGUARD_PROMETHEUS_PORT"):
         from trainguard.sinks.prometheus import PrometheusSink
 
@@ -181,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
-    sinks = build_sinks(console=not args.no_console, jsonl_path=args.jsonl)
+    sinks = build_sinks(console=not args.no_console, jsonl_path=args.jsonl, group=args.group)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

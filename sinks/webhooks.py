@@ -41,50 +41,104 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainguard.sinks.base import Sink
+from trainguard.sinks.paging import DIGEST_SCHEMA, Message, Pager, PagingSettings
+from trainguard.sinks.reports import format_value
+from trainguard.terminal import safe
 
 log = logging.getLogger("trainguard.sinks.webhooks")
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 
 # --------------------------------------------------------------------------- templates
+#
+# Every field that comes from an event is escaped for the markup it lands in: anyone who can
+# write to the events topic chooses run ids, hosts and metric names, and must not be able to
+# plant a link, a mention or a forged line in a chat message.
+
+# Markdown (DingTalk, WeCom; the generic webhook's text and Alertmanager's annotations, which
+# end up in receivers we do not know): the characters that open links, images, HTML, autolinks,
+# emphasis and code become look-alikes, inert in every renderer (DingTalk and WeCom honour no
+# backslash escapes). Underscores stay: metric names are full of them and CommonMark leaves
+# intraword ones alone.
+_MARKDOWN = str.maketrans({"[": "\uff3b", "]": "\uff3d", "<": "\uff1c", ">": "\uff1e", "*": "\u2217",
+                           "`": "\u02cb", "~": "\uff5e", "|": "\uff5c", "#": "\uff03"})
+# Slack mrkdwn: &, < and > as entities (Slack's own rule: no <!channel>, no <url|text>), and the
+# look-alikes for the characters that would close our code spans or add emphasis.
+_SLACK = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", "`": "\u02cb", "*": "\u2217", "~": "\uff5e"})
+
+
+def escape_plain(text) -> str:
+    """One line of plain text: control characters and escape sequences out, newlines as spaces."""
+    return safe("" if text is None else str(text))
+
+
+def escape_markdown(text) -> str:
+    """One line for DingTalk/WeCom markdown (see ``_MARKDOWN``)."""
+    return escape_plain(text).translate(_MARKDOWN)
+
+
+def escape_slack(text) -> str:
+    """One line for Slack mrkdwn (see ``_SLACK``)."""
+    return escape_plain(text).translate(_SLACK)
 
 
 def _clock(ts) -> str:
-    if not isinstance(ts, (int, float)):
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         return ""
     return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(ts))
 
 
 def _fmt(v) -> str:
+    """A field as people read it: numbers with 4 significant digits, nothing for None."""
     if v is None:
         return ""
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return str(v)
+    return format_value(v)
 
 
-def alert_fields(alert: dict, ui_url: str | None = None) -> dict[str, str]:
-    """The placeholders a template can use, all strings (empty when the alert has no such field).
-    With ``ui_url`` (where `trainguard ui` is served) the run's page and the report's are links."""
+# Words a rule name spells in lower case that people write otherwise.
+_WORDS = {"kl": "KL", "gpu": "GPU", "cpu": "CPU", "nan": "NaN", "oom": "OOM", "pcie": "PCIe", "ecc": "ECC",
+          "nvlink": "NVLink", "ppo": "PPO", "grpo": "GRPO", "rm": "RM"}
+
+
+def title_of(event: dict) -> str:
+    """What a person reads as the alert's name: its title, else its rule's summary (from the
+    rules file: "KL spike"), else the rule name in words."""
+    rule = str(event.get("rule", ""))
+    for text in (event.get("title"), event.get("summary")):
+        if isinstance(text, str) and text.strip() and text != rule:
+            return text
+    words = rule.replace("-", "_").split("_")
+    words = [_WORDS.get(w.lower(), w) for w in words if w]
+    if words and words[0] == words[0].lower():
+        words[0] = words[0][:1].upper() + words[0][1:]
+    return " ".join(words)
+
+
+def alert_fields(alert: dict, ui_url: str | None = None, escape=escape_markdown) -> dict[str, str]:
+    """The placeholders a template can use, all strings (empty when the alert has no such field),
+    each escaped with ``escape`` for the template's markup. With ``ui_url`` (where `trainguard
+    ui` is served) the run's page and the report's are links."""
     onset = alert.get("onset") or {}
     src = alert.get("source") or {}
-    source = " ".join(f"{k}={src[k]}" for k in ("kind", "host", "rank", "gpu") if src.get(k) not in (None, ""))
-    rule = str(alert.get("rule", ""))
+    source = " ".join(f"{k}={_fmt(src[k])}" for k in ("kind", "host", "rank", "gpu") if src.get(k) not in (None, ""))
     status = str(alert.get("status", "firing"))
-    return {
+    metric, value = _fmt(alert.get("metric")), _fmt(alert.get("value"))
+    fields = {
         "id": _fmt(alert.get("id")),
         "severity": _fmt(alert.get("severity")),
-        "rule": rule,
-        "title": _fmt(alert.get("title")) or rule.replace("_", " ").replace("-", " ").title(),
+        "rule": _fmt(alert.get("rule")),
+        "title": title_of(alert),
         "status": status,
         "resolved": " (resolved)" if status == "resolved" else "",
+        "flapping": " (flapping)" if alert.get("flapping") else "",
         "run": _fmt(alert.get("run_id")),
         "time": _clock(alert.get("ts")),
         "step": _fmt(alert.get("step")),
         "onset_step": _fmt(onset.get("step")),
         "onset_time": _clock(onset.get("ts")),
-        "metric": _fmt(alert.get("metric")),
-        "value": _fmt(alert.get("value")),
+        "metric": metric,
+        "value": value,
+        "metric_value": f"{metric} = {value}" if metric and value else metric,
         "root_cause": _fmt(alert.get("diagnosis")),
         "suggestion": _fmt(alert.get("suggestion")),
         "incident": _fmt(alert.get("incident")),
@@ -95,6 +149,30 @@ def alert_fields(alert: dict, ui_url: str | None = None) -> dict[str, str]:
         "run_page": _page_url(ui_url, alert.get("run_id")),
         "report_page": _page_url(ui_url, alert.get("run_id"), alert.get("report")) if alert.get("report") else "",
     }
+    return {k: escape(v) for k, v in fields.items()}
+
+
+def _steps(first, last) -> str:
+    if first is None:
+        return ""
+    return f"step {first}" if last in (None, first) else f"steps {first}-{last}"
+
+
+def digest_fields(digest: dict, ui_url: str | None, escape, line: string.Template) -> dict[str, str]:
+    """The placeholders of the digest templates; ``entries`` is ``line`` rendered once per rule
+    that warned (placeholders ``title``, ``rule``, ``severity``, ``count``, ``steps``, ``metric``,
+    ``flapping``)."""
+    entries = []
+    for e in digest.get("entries", []):
+        values = {"title": title_of(e), "rule": _fmt(e.get("rule")), "severity": _fmt(e.get("severity")),
+                  "count": _fmt(e.get("count")), "steps": _steps(e.get("first_step"), e.get("last_step")),
+                  "metric": _fmt(e.get("metric")), "flapping": " (flapping)" if e.get("flapping") else ""}
+        entries.append(render(line, {k: escape(v) for k, v in values.items()}))
+    fields = {"severity": _fmt(digest.get("severity")), "run": _fmt(digest.get("run_id")),
+              "count": _fmt(digest.get("count")), "rules": _fmt(len(entries)),
+              "since": _clock(digest.get("since")), "until": _clock(digest.get("until")),
+              "run_page": _page_url(ui_url, digest.get("run_id"))}
+    return {**{k: escape(v) for k, v in fields.items()}, "entries": "\n".join(entries)}
 
 
 def _page_url(ui_url: str | None, run_id, report_id=None) -> str:
@@ -103,6 +181,12 @@ def _page_url(ui_url: str | None, run_id, report_id=None) -> str:
         return ""
     url = f"{ui_url.rstrip('/')}/run/{urllib.parse.quote(str(run_id), safe='')}"
     return f"{url}/report/{urllib.parse.quote(str(report_id), safe='')}" if report_id else url
+
+
+# The template a digest is rendered with instead of an alert's, and its per-rule line.
+DIGEST_TEMPLATES = {"title.txt": ("digest_title.txt", "digest_line.md"),
+                    "markdown.md": ("digest.md", "digest_line.md"),
+                    "slack.md": ("digest_slack.md", "digest_line_slack.md")}
 
 
 class Templates:
@@ -122,8 +206,13 @@ class Templates:
             self._cache[name] = string.Template(path.read_text(encoding="utf-8"))
         return self._cache[name]
 
-    def render(self, name: str, alert: dict) -> str:
-        return render(self.get(name), alert_fields(alert, self.ui_url))
+    def render(self, name: str, event: dict, escape=escape_markdown) -> str:
+        """``event`` (an alert, or a digest: then ``name``'s digest form) rendered with ``name``,
+        every field escaped with ``escape``."""
+        if event.get("schema") == DIGEST_SCHEMA:
+            name, line = DIGEST_TEMPLATES[name]
+            return render(self.get(name), digest_fields(event, self.ui_url, escape, self.get(line)))
+        return render(self.get(name), alert_fields(event, self.ui_url, escape))
 
 
 def render(template: string.Template, values: dict[str, str]) -> str:
@@ -251,8 +340,7 @@ class WebhookSink(Sink):
 
     def __init__(self, url: str, *, timeout_s: float = 10.0, backoff_s: float = 0.5, max_backoff_s: float = 60.0,
                  max_items: int = 1000, max_age_s: float = 86_400.0, outbox_path: str | Path | None = None,
-                 templates: Templates | str | Path | None = None, headers: dict | None = None,
-                 severities: tuple[str, ...] | None = None):
+                 templates: Templates | str | Path | None = None, headers: dict | None = None):
         super().__init__()
         if not url:
             raise ValueError(f"{self.name}: a webhook URL is required")
@@ -262,7 +350,6 @@ class WebhookSink(Sink):
         self.max_backoff_s = max_backoff_s
         self.headers = {"Content-Type": "application/json", "User-Agent": "trainguard", **(headers or {})}
         self.templates = templates if isinstance(templates, Templates) else Templates(templates)
-        self.severities = severities
         self.outbox = Outbox(max_items=max_items, max_age_s=max_age_s, path=outbox_path)
         self.sent = 0
         self.retries = 0
@@ -296,19 +383,17 @@ class WebhookSink(Sink):
 
     # -- Sink
 
+    def accepts(self, event: dict) -> bool:
+        """Which events this sink sends: alerts and digests (which ones page is the
+        :class:`~trainguard.sinks.paging.Pager`'s decision, made before)."""
+        return str(event.get("schema", "")).startswith("alert/") or event.get("schema") == DIGEST_SCHEMA
+
     def write(self, batch: list[dict]) -> None:
         added = False
         with self._cond:
             for event in batch:
-                if not str(event.get("schema", "")).startswith("alert/"):
-                    continue
-                if self.severities and event.get("severity") not in self.severities:
-                    continue
-                if event.get("inhibited_by"):  # an open P0 incident already pages for this one
-                    continue
-                if event.get("silenced"):  # an operator silenced the run or the rule: no page
-                    continue
-                added |= self.outbox.add(event)
+                if self.accepts(event):
+                    added |= self.outbox.add(event)
             if added:
                 self.outbox.save()
                 self._cond.notify_all()
@@ -479,10 +564,11 @@ class DingTalkSink(WebhookSink):
         text = self.templates.render("markdown.md", alert)
         if self.at_mobiles:
             text += "\n\n" + " ".join(f"@{m}" for m in self.at_mobiles)
+        digest = alert.get("schema") == DIGEST_SCHEMA  # warnings gathered: nobody is woken for them
         return {"msgtype": "markdown",
                 "markdown": {"title": self.templates.render("title.txt", alert), "text": text},
                 "at": {"atMobiles": self.at_mobiles,
-                       "isAtAll": alert.get("severity") in self.at_all_severities}}
+                       "isAtAll": not digest and alert.get("severity") in self.at_all_severities}}
 
     def check_response(self, status: int, body: bytes) -> None:
         _errcode_check(status, body)
@@ -511,18 +597,118 @@ class SlackSink(WebhookSink):
     name = "slack"
 
     def payload(self, alert: dict) -> dict:
-        title = self.templates.render("title.txt", alert)
-        body = self.templates.render("slack.md", alert)
-        return {"text": title,
-                "blocks": [{"type": "header", "text": {"type": "plain_text", "text": title[:150]}},
+        # the header is plain_text (shown as is); the fallback text and the section are mrkdwn
+        header = self.templates.render("title.txt", alert, escape_plain)
+        body = self.templates.render("slack.md", alert, escape_slack)
+        return {"text": self.templates.render("title.txt", alert, escape_slack),
+                "blocks": [{"type": "header", "text": {"type": "plain_text", "text": header[:150]}},
                            {"type": "section", "text": {"type": "mrkdwn", "text": body[:3000]}}]}
 
 
 class GenericWebhookSink(WebhookSink):
-    """POST the alert itself as JSON, plus ``text`` (the rendered title) for chat-like receivers."""
+    """POST the alert (or digest) itself as JSON, plus ``text`` (the rendered title, escaped as
+    markdown) for chat-like receivers."""
 
     name = "webhook"
 
     def payload(self, alert: dict) -> dict:
         return {**alert, "text": self.templates.render("title.txt", alert)}
 
+
+
+# --------------------------------------------------------------------------- the paging stage
+
+
+class PagingSink(Sink):
+    """The chat and generic-webhook sinks behind one :class:`~trainguard.sinks.paging.Pager`:
+    it decides what pages (mute, dedup, digest), they render and send. With ``state_path`` the
+    pager's state (digests being gathered, alerts paged) survives a restart, saved before the
+    runner commits the batch."""
+
+    name = "paging"
+
+    def __init__(self, sinks: list[Sink], settings: PagingSettings | None = None,
+                 state_path: str | Path | None = None):
+        super().__init__()
+        self.sinks = list(sinks)
+        self.state_path = Path(state_path) if state_path else None
+        self.pager = Pager(settings, self._load())
+
+    def _load(self) -> dict | None:
+        if not self.state_path or not self.state_path.exists():
+            return None
+        try:
+            return json.loads(self.state_path.read_text())
+        except (OSError, ValueError) as exc:
+            log.error("trainguard: paging state %s unreadable, starting empty: %s", self.state_path, exc)
+            return None
+
+    def save(self) -> None:
+        if not self.state_path or not self.pager.changed:
+            return
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(self.state_path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.pager.state(), default=str))
+        os.replace(tmp, self.state_path)
+        self.pager.changed = False
+
+    def write(self, batch: list[dict]) -> None:
+        self._send([m for event in batch for m in self.pager.feed(event)])
+
+    def tick(self, now: float) -> None:
+        self._send(self.pager.flush(now))
+
+    def _send(self, messages: list[Message]) -> None:
+        if messages:
+            events = [m.event for m in messages]
+            for sink in self.sinks:
+                sink.deliver(events)
+        self.save()
+
+    def close(self, timeout: float = 5.0) -> None:
+        for sink in self.sinks:
+            sink.close(timeout=timeout)
+        self.save()
+
+
+def outbox_dir(env=None, group: str = "trainguard-sinks") -> tuple[Path, bool]:
+    """Where the sinks keep their outboxes (and the pager its state), and whether the folder is
+    the default one: ``TRAINGUARD_OUTBOX_DIR`` as given, else ``<TRAINGUARD_DATA_DIR>/sinks-outbox``
+    or ``~/.local/state/trainguard/sinks-outbox`` (``$XDG_STATE_HOME``), one folder per topic
+    prefix and group there."""
+    from trainguard.settings import value
+
+    env = os.environ if env is None else env
+    if env.get("TRAINGUARD_OUTBOX_DIR"):
+        return Path(env["TRAINGUARD_OUTBOX_DIR"]), False
+    if env.get("TRAINGUARD_DATA_DIR"):
+        base = Path(env["TRAINGUARD_DATA_DIR"]) / "sinks-outbox"
+    else:
+        state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+        base = Path(state) / "trainguard" / "sinks-outbox"
+    return base / f"{value('TRAINGUARD_TOPIC_PREFIX', env)}.{group}", True
+
+
+_LOCKS: dict[Path, object] = {}  # the outbox folders this process holds, and their lock files
+
+
+def lock_outbox_dir(path: Path) -> Path:
+    """``path``, held by this process; when another live process holds it (a second sinks
+    process of the same group on this host), a folder of this process's own, said in the log."""
+    import fcntl
+
+    for candidate in (path, path.with_name(f"{path.name}.{os.getpid()}")):
+        if candidate in _LOCKS:
+            return candidate
+        candidate.mkdir(parents=True, exist_ok=True)
+        handle = open(candidate / "lock", "w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            log.warning("trainguard: outbox folder %s is held by another sinks process; this one keeps its "
+                        "own (set TRAINGUARD_OUTBOX_DIR per process)", candidate)
+            continue
+        _LOCKS[candidate] = handle
+        return candidate
+    raise RuntimeError(f"no outbox folder to hold near {path}")

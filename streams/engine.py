@@ -45,6 +45,7 @@ MAX_SNAPSHOT_HOSTS = 16
 MAX_RECENT_ALERTS = 32
 MAX_UNWATCHED = 50  # metric names no rule judges, kept per run for `trainguard status`
 MAX_SILENCES = 32  # per run: the newest are kept
+MAX_SNAPSHOT_METRICS = 256  # per host in the node snapshot alerts carry
 DLQ_EXCERPT_BYTES = 64 * 1024  # base64 makes it 88 KB: far under a broker's 1 MB message limit
 _STATE_MAGIC = b"TGS1"  # source state: magic, header length, JSON header, raw float64 arrays
 STATE_VERSION = 1      # of the run state and the source state's header (0: before versions were written)
@@ -221,6 +222,9 @@ class RunState:
     silences: list = field(default_factory=list)        # {id, rule, until, reason, by}: an operator's
     acknowledged: dict = field(default_factory=dict)    # alert id -> {by, reason, ts}, while it is open
     unwatched: list = field(default_factory=list)       # metric names no rule judges (MAX_UNWATCHED)
+    events: int | None = None                           # events applied (None: counted by no release yet)
+    rows: int = 0                                       # metric rows of its sources, all together
+    limits: dict = field(default_factory=dict)          # cap -> {cap, left_out, of}: what it left out
 
     def to_bytes(self) -> bytes:
         d = self.__dict__.copy()
@@ -249,6 +253,32 @@ def known_fields(cls, d: dict, what: str) -> dict:
         log.warning("trainguard: %s written by state version %s (this build writes %d); dropped the fields this "
                     "build does not know: %s", what, version, STATE_VERSION, ", ".join(unknown) or "none")
     return {k: v for k, v in d.items() if k in names}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one run may hold, so that no state record outgrows a broker's message and nobody who
+    can write to the events topic grows the worker without bound. Past a cap the engine leaves
+    the rest out, counts it, and says so once in the log and in the run's status (``limits``)."""
+    sources_per_run: int = 1024
+    rows_per_source: int = 1000   # metric names judged per source
+    rows_per_run: int = 20_000
+    tiny_run_events: int = 3      # a run with at most this many events ...
+    tiny_run_ttl_s: float = 1800.0  # ... is forgotten this long after its last one
+    record_bytes: int = (1 << 20) - (64 << 10)  # a broker's message limit, less headroom
+
+    @classmethod
+    def from_settings(cls) -> "Limits":
+        from trainguard.settings import integer, number
+
+        record = integer("TRAINGUARD_MAX_MESSAGE_BYTES") - (64 << 10)
+        if record < 64 << 10:
+            raise ValueError(f"TRAINGUARD_MAX_MESSAGE_BYTES={record + (64 << 10)} is too small (at least 131072)")
+        return cls(sources_per_run=integer("TRAINGUARD_MAX_SOURCES_PER_RUN"),
+                   rows_per_source=integer("TRAINGUARD_MAX_ROWS_PER_SOURCE"),
+                   rows_per_run=integer("TRAINGUARD_MAX_ROWS_PER_RUN"),
+                   tiny_run_events=integer("TRAINGUARD_TINY_RUN_EVENTS"),
+                   tiny_run_ttl_s=number("TRAINGUARD_TINY_RUN_TTL_S"), record_bytes=record)
 
 
 class OutputKind(str, Enum):
@@ -303,8 +333,9 @@ class EventContext:
 class Engine:
     def __init__(self, rules: RuleSet, store: MutableMapping[bytes, Any] | None = None, *,
                  windows: MutableMapping[Any, Any] | None = None, signing_key: SigningKey | None = None,
-                 finished_grace_s: float = 600.0, idle_ttl_s: float = 7 * 86400.0):
+                 finished_grace_s: float = 600.0, idle_ttl_s: float = 7 * 86400.0, limits: Limits | None = None):
         self.rules = rules
+        self.limits = limits or Limits()
         # A run's state is forgotten (tombstoned) this long after it finished or was stopped, and
         # after this long without any event: without an end, state grew by every run ever seen.
         self.finished_grace_s = float(finished_grace_s)
@@ -329,6 +360,8 @@ class Engine:
                                      for r in self._cross_rules), default=0)
         self._fired = False  # an alert fired while handling the current event (incidents listen)
         self._cross_pairs: dict[tuple, list] = {}
+        self._judged: dict[tuple[str, str], bool] = {}  # (source kind, name) -> whether a rule judges it
+        self._kept: dict[bytes, tuple] = {}  # source key -> (event shape, the names of it that are rows)
         # Callables given every decoded event that is applied (not replays), before detection:
         # e.g. the worker's Prometheus exporter. Empty by default; keep them cheap.
         self.on_event: list = []
@@ -338,7 +371,7 @@ class Engine:
     def _run(self, key: bytes) -> RunState:
         state = self.store.get(key)
         if state is None:
-            state = RunState()
+            state = RunState(events=0)
             self.store[key] = state
         elif type(state) is bytes:  # restored from the changelog: decode once, on first use
             state = RunState.from_bytes(state)
@@ -438,6 +471,11 @@ class Engine:
         self.dirty[run_key] = partition
         self.touched.add(run_key)
         self.processed += 1
+        if run.events is not None:
+            run.events += 1
+        admitted = "source" not in event or self._admit(run, run_id, event["source"])
+        if not admitted and event["schema"] == ev.METRICS:
+            return []  # over the run's source cap: counted in its status, its state stays bounded
         if self.on_event:
             for callback in self.on_event:
                 try:
@@ -446,7 +484,7 @@ class Engine:
                     log.exception("trainguard: on_event callback failed")
         outputs: list[Output] = []
         self._fired = False
-        if "source" in event:
+        if "source" in event and admitted:
             self._seen(run, run_id, event, outputs)
         kind = event["schema"]
         if kind == ev.METRICS:
@@ -662,33 +700,100 @@ class Engine:
         sid = ev.source_id(src)
         key = keys.source_key(run_id, sid)
         state = self._source(key, src["kind"])
-        if sid not in run.sources:
-            run.sources.append(sid)
         self.dirty[key] = partition
         metrics = event["metrics"]
         names = tuple(metrics)
+        x = np.fromiter(metrics.values(), float, len(names))
+        self.samples += len(names)
+        kept = self._rows_kept(state, key, run, run_id, sid, names)
+        if kept is not None:  # names no rule judges, or past a cap: no rows of the baseline
+            names, x = kept[0], x[kept[1]]
         block = state.block
         before = len(block)
         rows = block.rows(names, self._baseline_params)
         if len(block) != before:
             state.bind(self.rules)
-            unwatched = self.rules.unwatched(names[i] for i in range(len(names)) if rows[i] >= before)
-            if unwatched:
-                log.info("trainguard: run %s, %s: %d metric(s) no rule watches: %s%s", run_id, sid, len(unwatched),
-                         ", ".join(unwatched[:20]), " ..." if len(unwatched) > 20 else "")
-                known = set(run.unwatched)
-                run.unwatched += [n for n in unwatched if n not in known][:MAX_UNWATCHED - len(run.unwatched)]
-        x = np.fromiter(metrics.values(), float, len(names))
-        self.samples += len(names)
+            run.rows += len(block) - before
         stats = block.update(rows, x)
         if state.given_rows:
             state.remember(rows, x)
         if src["kind"] == "node":
             # The decoded dict as it is (NaN becomes null in JSON): no per-metric work per node event.
+            if len(metrics) > MAX_SNAPSHOT_METRICS:
+                metrics = dict(list(metrics.items())[:MAX_SNAPSHOT_METRICS])
             run.nodes[src.get("host") or sid] = {"ts": event["ts"], "step": event["step"], "metrics": metrics}
             if len(run.nodes) > MAX_SNAPSHOT_HOSTS:
                 run.nodes.pop(min(run.nodes, key=lambda h: run.nodes[h]["ts"]))
         return EventContext(event, run, run_id, partition, outputs, sid, key, state, names, rows, x, stats)
+
+    def _admit(self, run: RunState, run_id: str, src: dict) -> bool:
+        """Whether the run keeps state for this source (False past its source cap)."""
+        sid = ev.source_id(src)
+        if sid in run.sources:
+            return True
+        if len(run.sources) < self.limits.sources_per_run:
+            run.sources.append(sid)
+            return True
+        self._left_out(run, run_id, "sources_per_run", self.limits.sources_per_run, 1, "events",
+                       f"events of source {sid} and every further source are counted, not judged")
+        return False
+
+    def _rows_kept(self, state: SourceState, key: bytes, run: RunState, run_id: str, sid: str,
+                   names: tuple) -> tuple | None:
+        """Which of an event's names are rows of the source's baseline, as ``(names, positions)``;
+        None when all are. A name no rule judges takes no row (it is named once in the log and
+        in the status), nor does one past the source's or the run's row cap. Worked out once per
+        shape of event (a trainer logs the same names every step)."""
+        shape = (len(names), hash(names))
+        cached = self._kept.get(key)
+        if cached is not None and cached[0] == shape:
+            return cached[1]
+        index = state.block.index
+        new = [n for n in names if n not in index]
+        result = None
+        if new:
+            judged, rules, kind = self._judged, self.rules, state.kind
+            if len(judged) > 100_000:
+                judged.clear()
+            given = rules.given_signals
+            wanted, unwatched = [], []
+            for n in new:
+                j = judged.get((kind, n))
+                if j is None:
+                    j = judged[(kind, n)] = not rules.unwatched((n,), kind) or signal_of(base_name(n)) in given
+                (wanted if j else unwatched).append(n)
+            if unwatched:
+                known = set(run.unwatched)
+                fresh = [n for n in unwatched if n not in known]
+                if fresh:
+                    log.info("trainguard: run %s, %s: %d metric(s) no rule watches: %s%s", run_id, sid, len(fresh),
+                             ", ".join(fresh[:20]), " ..." if len(fresh) > 20 else "")
+                    run.unwatched += fresh[:max(0, MAX_UNWATCHED - len(run.unwatched))]
+            lim = self.limits
+            source_room, run_room = lim.rows_per_source - len(index), lim.rows_per_run - run.rows
+            over = wanted[max(0, min(source_room, run_room)):]
+            if over:
+                cap, limit = (("rows_per_source", lim.rows_per_source) if source_room <= run_room
+                              else ("rows_per_run", lim.rows_per_run))
+                self._left_out(run, run_id, cap, limit, len(over), "names",
+                               f"{sid}: metric names past it ({over[0][:80]!r} ...) are counted, not judged")
+            if unwatched or over:
+                drop = {*unwatched, *over}
+                positions = [i for i, n in enumerate(names) if n not in drop]
+                result = (tuple(names[i] for i in positions), np.array(positions, dtype=np.intp))
+        if len(self._kept) > 100_000:
+            self._kept.clear()
+        self._kept[key] = (shape, result)
+        return result
+
+    def _left_out(self, run: RunState, run_id: str, cap: str, limit: int, count: int, of: str, what: str) -> None:
+        """Count what a cap left out; the first time for the run, say so."""
+        entry = run.limits.get(cap)
+        if entry is None:
+            entry = run.limits[cap] = {"cap": limit, "left_out": 0, "of": of}
+            log.warning("trainguard: run %s reached its %s cap (%d, TRAINGUARD_MAX_%s): %s", run_id, cap, limit,
+                        cap.upper(), what)
+        entry["left_out"] += count
 
     def _judge_baselines(self, ctx: "EventContext") -> None:
         """Rules judged against the rolling baseline. Only rows that some rule could fire on get
@@ -935,8 +1040,9 @@ class Engine:
         for key in [k for k in list(self.store.keys()) if keys.is_run_key(k)]:
             run = self._run(key)
             last = max((seen[0] for seen in run.last_seen.values()), default=None)
+            tiny = run.events is not None and run.events <= self.limits.tiny_run_events
             if (run.finished and now - (run.finished_at or last or now) > self.finished_grace_s) or \
-                    (last is not None and now - last > self.idle_ttl_s):
+                    (last is not None and now - last > (self.limits.tiny_run_ttl_s if tiny else self.idle_ttl_s)):
                 self.forget(key)
                 continue
             if run.finished:
@@ -967,6 +1073,7 @@ class Engine:
                 continue
             if type(state) is bytes:
                 state = self._source(key, "")
+            self._kept.pop(key, None)
             for start in [*state.windows, *([] if state.minute is None else [state.minute])]:
                 self.windows.delete(key, start, run.partition)
             del self.store[key]
@@ -1013,6 +1120,7 @@ class Engine:
             "dropped_events": run.dropped_events, "worker": self.worker_name,
             "silences": [dict(s) for s in run.silences if s["until"] > self.clock()],
             "unwatched_metrics": list(run.unwatched),
+            "limits": {cap: dict(entry) for cap, entry in run.limits.items()},
         }
 
     def status_outputs(self) -> list[Output]:

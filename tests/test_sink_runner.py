@@ -16,9 +16,13 @@ from trainguard.sinks.console import ConsoleSink
 from trainguard.sinks.jsonl import JsonlSink
 from trainguard.sinks.prometheus import PrometheusSink
 from trainguard.sinks.runner import build_sinks, run_sinks
-from trainguard.sinks.webhooks import DingTalkSink, GenericWebhookSink, SlackSink, WeComSink
+from trainguard.sinks.paging import PagingSettings
+from trainguard.sinks.webhooks import DingTalkSink, GenericWebhookSink, PagingSink, SlackSink, WeComSink
 
 pytestmark = pytest.mark.integration
+
+# a short poll interval: the embedded broker waits the whole rebalance timeout on a join
+FAST_JOIN = {"session.timeout.ms": 6000, "max.poll.interval.ms": 6000}
 
 
 def _alert(run: str, i: int, status: str = "firing") -> dict:
@@ -42,7 +46,8 @@ def _lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _run_until(kafka, sinks, done, timeout=60.0, **kwargs):
+def _run_until(kafka, sinks, done, timeout=60.0, then=None, **kwargs):
+    """``run_sinks`` in a thread until ``done()``; ``then()`` runs once it has started."""
     stop = threading.Event()
     result = {}
 
@@ -52,6 +57,9 @@ def _run_until(kafka, sinks, done, timeout=60.0, **kwargs):
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     try:
+        if then is not None:
+            time.sleep(0.5)
+            then()
         deadline = time.monotonic() + timeout
         while not done():
             assert thread.is_alive(), "run_sinks ended early"
@@ -76,19 +84,19 @@ def test_alerts_reach_a_jsonl_sink_without_a_group(kafka, tmp_path):
     assert sorted(a["id"] for a in got) == sorted(a["id"] for a in alerts)
     for run in runs:  # one run's alerts keep their order (one partition per run)
         assert [a["id"] for a in got if a["run_id"] == run] == [a["id"] for a in alerts if a["run_id"] == run]
-    assert counts == {"delivered": len(alerts), "invalid": 1}
+    assert counts == {"delivered": len(alerts), "invalid": 1, "skipped": 0}
 
 
 def test_alerts_reach_a_jsonl_sink_through_a_consumer_group(kafka, tmp_path):
     run = f"ppo-{uuid.uuid4().hex[:6]}"
+    history = [_alert(run, 90 + i) for i in range(3)]
+    _produce(kafka, [(run, encode(a)) for a in history])  # before the group's first start
     alerts = [_alert(run, i) for i in range(3)] + [_alert(run, 0, "resolved")]
-    _produce(kafka, [(run, encode(a)) for a in alerts])
     path = tmp_path / "alerts.jsonl"
     sink = JsonlSink(path)
-    # a short poll interval: the embedded broker waits the whole rebalance timeout on a join
-    fast_join = {"session.timeout.ms": 6000, "max.poll.interval.ms": 6000}
+    # produced while the new group is still joining: from its start on, nothing is missed
     _run_until(kafka, [sink], lambda: len(_lines(path)) >= 4, group_id=f"g-{uuid.uuid4().hex[:6]}",
-               consumer_config=fast_join)
+               consumer_config=FAST_JOIN, then=lambda: _produce(kafka, [(run, encode(a)) for a in alerts]))
     sink.close()
     assert [(a["id"], a["status"]) for a in _lines(path)] == [(a["id"], a["status"]) for a in alerts]
 
@@ -101,22 +109,47 @@ def test_build_sinks_from_the_environment(tmp_path):
            "TRAINGUARD_WEBHOOK_URL": "http://127.0.0.1:9/hook",
            "TRAINGUARD_WEBHOOK_HEADERS": '{"Authorization": "Bearer t"}',
            "TRAINGUARD_ALERTMANAGER_URL": "http://127.0.0.1:9",
-           "TRAINGUARD_NOTIFY_SEVERITIES": "P0,P1",
+           "TRAINGUARD_DIGEST_INTERVAL_S": "60",
            "TRAINGUARD_OUTBOX_DIR": str(tmp_path / "outbox"),
            "TRAINGUARD_PROMETHEUS_PORT": "0"}
     sinks = build_sinks(env, console=True, jsonl_path=tmp_path / "a.jsonl")
     try:
         kinds = [type(s) for s in sinks]
-        assert kinds == [ConsoleSink, JsonlSink, DingTalkSink, WeComSink, SlackSink, GenericWebhookSink,
-                         AlertmanagerSink, PrometheusSink]
-        ding = sinks[2]
-        assert ding.secret == "SECx" and ding.at_mobiles == ["138", "139"] and ding.severities == ("P0", "P1")
-        assert sinks[5].headers["Authorization"] == "Bearer t"
-        assert sinks[6].severities is None and sinks[6].webhook == "http://127.0.0.1:9/api/v2/alerts"
+        assert kinds == [ConsoleSink, JsonlSink, PagingSink, AlertmanagerSink, PrometheusSink]
+        paging = sinks[2]
+        assert [type(s) for s in paging.sinks] == [DingTalkSink, WeComSink, SlackSink, GenericWebhookSink]
+        assert paging.pager.settings == PagingSettings(page=("P0", "P1"), digest=("P2",), digest_interval_s=60)
+        ding = paging.sinks[0]
+        assert ding.secret == "SECx" and ding.at_mobiles == ["138", "139"]
+        assert paging.sinks[3].headers["Authorization"] == "Bearer t"
+        assert sinks[3].webhook == "http://127.0.0.1:9/api/v2/alerts"
         assert ding.outbox.path == tmp_path / "outbox" / "dingtalk.json"
-        ding.deliver([_alert("r", 0, "firing") | {"severity": "P3"}])  # below the notify threshold
+        assert paging.state_path == tmp_path / "outbox" / "pager.json"
+        paging.deliver([_alert("r", 0, "firing") | {"severity": "P3"}])  # below every paging severity
         assert ding.pending() == 0
     finally:
         for s in sinks:
             s.close(timeout=0.1) if hasattr(s, "outbox") else s.close()
     assert build_sinks({}, console=False) == []
+
+
+def test_the_outbox_is_on_by_default_in_the_data_folder(tmp_path):
+    env = {"TRAINGUARD_WEBHOOK_URL": "http://127.0.0.1:9/hook", "TRAINGUARD_DATA_DIR": str(tmp_path),
+           "TRAINGUARD_TOPIC_PREFIX": "team-a"}
+    first = build_sinks(env, console=False, group="sinks-1")
+    folder = tmp_path / "sinks-outbox" / "team-a.sinks-1"
+    try:
+        assert first[0].sinks[0].outbox.path == folder / "webhook.json"
+        # another process of the same group on this host cannot share it: it gets its own
+        import subprocess
+        import sys
+        code = ("from trainguard.sinks.runner import build_sinks; import os, sys; "
+                f"s = build_sinks({env!r}, console=False, group='sinks-1'); "
+                "print(s[0].sinks[0].outbox.path); [x.close() for x in s]")
+        other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert other.returncode == 0, other.stderr
+        assert other.stdout.strip().startswith(str(folder) + ".")
+        assert "held by another sinks process" in other.stderr
+    finally:
+        for s in first:
+            s.close()

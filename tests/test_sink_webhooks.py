@@ -14,8 +14,8 @@ import pytest
 
 from tests.integration import Receiver
 from trainguard.broker import free_port
-from trainguard.sinks.webhooks import (DingTalkSink, GenericWebhookSink, SlackSink, Templates, WeComSink,
-                                       alert_fields, dingtalk_sign, render)
+from trainguard.sinks.webhooks import (DingTalkSink, GenericWebhookSink, PagingSink, SlackSink, Templates,
+                                       WeComSink, alert_fields, dingtalk_sign, render)
 
 
 def _alert(i: int = 0, status: str = "firing", **extra) -> dict:
@@ -171,7 +171,7 @@ def test_dingtalk_message_signed_markdown_and_retried_on_errcode(servers):
     assert abs(int(timestamp) / 1000 - time.time()) < 60
     assert query["sign"][0] == _independent_sign(secret, timestamp)
     assert body["msgtype"] == "markdown"
-    assert body["markdown"]["title"] == "[trainguard] P0: Dataflow Collapse"
+    assert body["markdown"]["title"] == "[trainguard] P0: Dataflow collapse"
     text = body["markdown"]["text"]
     assert "Run:** ppo-7b" in text and "Root cause:** Reward model OOM on node gpu-08" in text
     assert "Suggestion:** Reduce reward_batch_size" in text and "reports.example" in text
@@ -191,11 +191,14 @@ def test_wecom_and_slack_payloads(servers):
     wecom_body, slack_body = receiver.bodies()
     assert wecom_body["msgtype"] == "markdown"
     content = wecom_body["markdown"]["content"]
-    assert content.startswith("### [trainguard] P0: Dataflow Collapse")
+    assert content.startswith("### [trainguard] P0: Dataflow collapse")
     assert "Report" not in content  # the alert has no report: the line is dropped
-    assert slack_body["text"] == "[trainguard] P0: Dataflow Collapse (resolved)"
-    assert slack_body["blocks"][0]["type"] == "header"
-    assert "*Root cause:* Reward model OOM" in slack_body["blocks"][1]["text"]["text"]
+    assert slack_body["text"] == "[trainguard] P0: Dataflow collapse (resolved)"
+    assert slack_body["blocks"][0] == {"type": "header", "text": {"type": "plain_text", "text": slack_body["text"]}}
+    section = slack_body["blocks"][1]["text"]["text"]
+    assert "*Root cause:* Reward model OOM" in section
+    assert "Dataflow collapse" not in section  # the header says it once
+    assert "*Metric:* `rollout/latency_ms = 9120`" in section  # 4 significant digits
 
 
 def test_templates_are_files_a_user_can_override(tmp_path):
@@ -205,7 +208,9 @@ def test_templates_are_files_a_user_can_override(tmp_path):
     assert templates.render("title.txt", alert) == "ALERT P0 dataflow_collapse on ppo-7b costs $0 ${unknown}"
     assert "Root cause" in templates.render("markdown.md", alert)  # falls back to the packaged file
     fields = alert_fields({"rule": "kl_explosion", "status": "firing"})
-    assert fields["title"] == "Kl Explosion" and fields["report"] == ""
+    assert fields["title"] == "KL explosion" and fields["report"] == ""  # no summary: the rule in words
+    assert alert_fields({"rule": "kl_spike", "summary": "KL spike"})["title"] == "KL spike"
+    assert alert_fields({"rule": "x", "metric": "ack", "value": None, "step": None})["metric_value"] == "ack"
     import string
     assert render(string.Template("a\nx ${report}\nb ${run}"), {"report": "", "run": "r"}) == "a\nb r"
 
@@ -214,11 +219,13 @@ def test_a_silenced_alert_pages_nobody(servers):
     receiver = servers()
     sink = GenericWebhookSink(receiver.url, **FAST)
     servers.sinks.append(sink)
+    paging = PagingSink([sink])
     quiet = {**_alert(1), "silenced": {"id": "s1", "until": 2e9, "reason": "known bad shard", "by": "ops"}}
+    inhibited = {**_alert(3), "inhibited_by": "incident-1"}
     loud = _alert(2)
-    sink.deliver([quiet, loud])
+    paging.deliver([quiet, inhibited, loud, {**quiet, "status": "resolved"}])
     assert sink.flush(timeout=30)
-    assert [b["id"] for b in receiver.bodies()] == [loud["id"]]
+    assert [b["id"] for b in receiver.bodies()] == [loud["id"]]  # and no resolution of what never paged
 
 
 def test_messages_link_the_run_page_and_the_report_where_the_ui_is_served():

@@ -52,10 +52,10 @@ SETTINGS: tuple[Setting, ...] = (
             "static group membership id (give each worker its own): on Kafka a worker restarted with the same "
             "id takes its partitions back without a rebalance. Without it, a worker restarted on the same host "
             "ends its dead predecessor's membership itself"),
-    Setting("TRAINGUARD_DATA_DIR", None, _WORKER,
+    Setting("TRAINGUARD_DATA_DIR", None, "worker, sinks",
             "where the worker's Faust folder goes (default: the temp folder). The state lives in changelogs; "
             "the folder only records this host's group memberships, so that a restarted worker can end a "
-            "dead one's"),
+            "dead one's. The sinks keep their outboxes under it (`sinks-outbox/`)"),
     Setting("TRAINGUARD_FINISHED_GRACE_S", "600", _WORKER, "a finished run's state is forgotten this long after"),
     Setting("TRAINGUARD_RUN_TTL_S", "604800", _WORKER, "a run's state is forgotten this long after its last event"),
     Setting("TRAINGUARD_REBALANCE_TIMEOUT_S", "3", _WORKER, "the consumer group's rebalance timeout"),
@@ -82,9 +82,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_WEBHOOK_URL", None, _SINKS, "any HTTP endpoint; gets the alert JSON plus `text`"),
     Setting("TRAINGUARD_WEBHOOK_HEADERS", None, _SINKS, "JSON object of extra headers for the generic webhook"),
     Setting("TRAINGUARD_ALERTMANAGER_URL", None, _SINKS, "Alertmanager base URL, e.g. `http://alertmanager:9093`"),
-    Setting("TRAINGUARD_NOTIFY_SEVERITIES", None, _SINKS, "chat and generic webhooks get only these, e.g. `P0,P1`"),
+    Setting("TRAINGUARD_NOTIFY_SEVERITIES", "P0,P1", _SINKS,
+            "chat and generic webhooks page these at once, each alert and its resolution"),
+    Setting("TRAINGUARD_DIGEST_SEVERITIES", "P2", _SINKS,
+            "chat and generic webhooks gather these into one digest per run per interval (resolutions not sent)"),
+    Setting("TRAINGUARD_DIGEST_INTERVAL_S", "900", _SINKS, "how often a run's digest of warnings is sent"),
+    Setting("TRAINGUARD_SINKS_MAX_AGE_S", "3600", _SINKS,
+            "a sinks group skips alerts published longer ago than this (a new group starts at its start)"),
     Setting("TRAINGUARD_OUTBOX_DIR", None, _SINKS,
-            "keep each sink's outbox in `<dir>/<sink>.json` (pending alerts and delivered ids survive a restart)"),
+            "keep each webhook sink's outbox in `<dir>/<sink>.json` (pending alerts and delivered ids survive a "
+            "restart); default `<TRAINGUARD_DATA_DIR>/sinks-outbox/<prefix>.<group>`, or "
+            "`~/.local/state/trainguard/sinks-outbox/<prefix>.<group>` without a data dir"),
     Setting("TRAINGUARD_TEMPLATES_DIR", None, _SINKS, "a copy of `sinks/templates/` with your edits"),
     Setting("TRAINGUARD_UI_URL", None, _SINKS,
             "where `trainguard ui` is served, e.g. `http://trainguard:8321`: chat messages link the run's page"),

@@ -1,0 +1,195 @@
+"""The paging stage: which alerts become chat messages, and when. Pure code, no I/O.
+
+Alertmanager's model, shared by every chat and generic-webhook sink (they only render and send):
+
+- **mute**: a firing alert that is silenced, inhibited by an open incident, acknowledged, or
+  kept for incidents only pages nobody;
+- **dedup**: an alert id + status is considered once (the worker replays a few after a restart);
+- **page** (``page`` severities, P0/P1 by default): each firing at once, and its resolution,
+  when its firing was paged here;
+- **digest** (``digest`` severities, P2 by default): one message per run per
+  ``digest_interval_s``, listing what warned (rule, count, first and last step); their
+  resolutions are not sent. Other severities are not sent at all;
+- **flapping**: an alert with ``"flapping": true`` (a rule changing state too often) is shown
+  as flapping; while its rule keeps flapping on the same run and metric, its further changes
+  are folded into the first message, until an alert without the flag says it settled.
+
+Time moves with the alerts' ``ts`` (and with ``flush(now)``), so replaying a recorded alert
+log through ``Pager`` gives the messages a live sinks process would have sent::
+
+    pager = Pager(PagingSettings(digest_interval_s=900))
+    messages = [m for alert in alerts for m in pager.feed(alert)] + pager.flush()
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+PAGE = "page"
+DIGEST = "digest"
+DIGEST_SCHEMA = "digest/1"
+_RANK = {"P0": 0, "P1": 1, "P2": 2, "P3": 3}
+
+
+@dataclass(frozen=True)
+class PagingSettings:
+    page: tuple[str, ...] = ("P0", "P1")    # sent at once, each
+    digest: tuple[str, ...] = ("P2",)       # gathered per run, one message per interval
+    digest_interval_s: float = 900.0
+    max_keys: int = 100_000                  # alert ids remembered for dedup
+
+    @classmethod
+    def from_env(cls, env=None) -> "PagingSettings":
+        from trainguard.settings import number, value
+
+        page = _csv(value("TRAINGUARD_NOTIFY_SEVERITIES", env))
+        digest = tuple(s for s in _csv(value("TRAINGUARD_DIGEST_SEVERITIES", env)) if s not in page)
+        interval = number("TRAINGUARD_DIGEST_INTERVAL_S", env)
+        if interval <= 0:
+            raise ValueError(f"TRAINGUARD_DIGEST_INTERVAL_S must be above 0, not {interval}")
+        return cls(page=page, digest=digest, digest_interval_s=interval)
+
+
+def _csv(text: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (text or "").split(",") if v.strip())
+
+
+@dataclass(frozen=True)
+class Message:
+    """One notification: ``kind`` "page" (``event`` is the alert) or "digest" (``event`` is a
+    ``digest/1`` document: run_id, severity, since, until, count, entries)."""
+
+    kind: str
+    run_id: str
+    ts: float       # when it is due: the alert's time, or the end of the digest's interval
+    event: dict = field(compare=False)
+
+
+def muted(alert: dict) -> bool:
+    """True when a firing alert must page nobody (the engine's silences, inhibitions, acks)."""
+    return bool(alert.get("silenced") or alert.get("inhibited_by") or alert.get("acknowledged")
+                or alert.get("incident_only"))
+
+
+def _num(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
+
+
+def _flap_key(alert: dict) -> str:
+    src = alert.get("source") or {}
+    return "|".join(str(x) for x in (alert.get("run_id"), alert.get("rule"), alert.get("metric"),
+                                     src.get("host"), src.get("rank")))
+
+
+class Pager:
+    """``feed(alert) -> list[Message]``, ``flush(now=None) -> list[Message]``; ``state()`` is
+    JSON and ``Pager(settings, state)`` resumes from it."""
+
+    def __init__(self, settings: PagingSettings | None = None, state: dict | None = None):
+        self.settings = settings or PagingSettings()
+        state = state or {}
+        self._seen: OrderedDict[str, None] = OrderedDict.fromkeys(state.get("seen", ()))
+        self._paged: OrderedDict[str, None] = OrderedDict.fromkeys(state.get("paged", ()))
+        self._flapping: dict[str, str] = dict(state.get("flapping", {}))
+        self._digests: dict[str, dict] = dict(state.get("digests", {}))
+        self.changed = False  # state changed since the owner last saved it
+
+    def state(self) -> dict:
+        return {"seen": list(self._seen), "paged": list(self._paged), "flapping": self._flapping,
+                "digests": self._digests}
+
+    def feed(self, alert: dict) -> list[Message]:
+        """The messages due once ``alert`` arrived: digests whose interval ended by its time,
+        then its page, if it pages."""
+        if not str(alert.get("schema", "")).startswith("alert/"):
+            return []
+        key = f"{alert.get('id')}:{alert.get('status', 'firing')}"
+        if key in self._seen:
+            return []
+        self._remember(self._seen, key)
+        self.changed = True
+        ts = _num(alert.get("ts"))
+        out = self.flush(ts) if ts is not None else []
+        severity = alert.get("severity")
+        if severity in self.settings.page:
+            page = self._page(alert)
+            if page is not None:
+                out.append(page)
+        elif severity in self.settings.digest and alert.get("status") != "resolved" and not muted(alert):
+            self._gather(alert, ts)
+        return out
+
+    def flush(self, now: float | None = None) -> list[Message]:
+        """The digests whose interval has ended by ``now``; with ``None``, every open one."""
+        out = []
+        for run_id in list(self._digests):
+            digest = self._digests[run_id]
+            due = digest["since"] + self.settings.digest_interval_s
+            if now is None or now >= due:
+                del self._digests[run_id]
+                self.changed = True
+                out.append(Message(DIGEST, run_id, due, self._digest_event(run_id, digest, due)))
+        return out
+
+    # -- pages
+
+    def _page(self, alert: dict) -> Message | None:
+        aid, fkey = str(alert.get("id")), _flap_key(alert)
+        flapping = bool(alert.get("flapping"))
+        message = Message(PAGE, str(alert.get("run_id")), _num(alert.get("ts")) or 0.0, alert)
+        if alert.get("status") == "resolved":
+            if fkey in self._flapping:
+                if flapping:  # still flapping: folded into the episode's first message
+                    return None
+                del self._flapping[fkey]  # settled: the episode's resolution
+                self._paged.pop(aid, None)
+                return message
+            if aid not in self._paged:  # its firing paged nobody here (muted, or before our start)
+                return None
+            del self._paged[aid]
+            return message
+        if muted(alert):
+            return None
+        if flapping:
+            if fkey in self._flapping:
+                return None
+            self._flapping[fkey] = aid
+            while len(self._flapping) > self.settings.max_keys:
+                del self._flapping[next(iter(self._flapping))]
+        else:
+            self._flapping.pop(fkey, None)
+        self._remember(self._paged, aid)
+        return message
+
+    def _remember(self, keys: OrderedDict, key: str) -> None:
+        keys[key] = None
+        while len(keys) > self.settings.max_keys:
+            keys.popitem(last=False)
+
+    # -- digests
+
+    def _gather(self, alert: dict, ts: float | None) -> None:
+        run_id = str(alert.get("run_id"))
+        ts = ts if ts is not None else 0.0
+        digest = self._digests.setdefault(run_id, {"since": ts, "until": ts, "entries": {}})
+        digest["until"] = max(digest["until"], ts)
+        rule = str(alert.get("rule", ""))
+        step = alert.get("step") if isinstance(alert.get("step"), int) else None
+        entry = digest["entries"].setdefault(rule, {
+            "rule": rule, "summary": alert.get("summary"), "severity": alert.get("severity"), "count": 0,
+            "first_step": step, "last_step": step, "metric": alert.get("metric"), "flapping": False})
+        entry["count"] += 1
+        if step is not None:
+            entry["first_step"] = step if entry["first_step"] is None else min(entry["first_step"], step)
+            entry["last_step"] = step if entry["last_step"] is None else max(entry["last_step"], step)
+        entry["flapping"] = entry["flapping"] or bool(alert.get("flapping"))
+
+    @staticmethod
+    def _digest_event(run_id: str, digest: dict, due: float) -> dict:
+        entries = list(digest["entries"].values())
+        worst = min((e.get("severity") for e in entries), key=lambda s: _RANK.get(s, 9), default="P2")
+        return {"schema": DIGEST_SCHEMA, "id": f"digest-{run_id}-{int(digest['since'] * 1000)}",
+                "status": DIGEST, "run_id": run_id, "severity": worst, "since": digest["since"],
+                "until": digest["until"], "ts": due, "count": sum(e["count"] for e in entries),
+                "entries": entries}
