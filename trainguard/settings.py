@@ -110,7 +110,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_DEMO_SETUP_STARTED", None, "demo", "set by `make demo`: its start, to count the setup's time"),
     # tests
     Setting("TRAINGUARD_TEST_BOOTSTRAP", None, "tests", "run the integration tests on this cluster"),
-    Setting("TRAINGUARD_TEST_BROKER", None, "tests", "`embedded`: the embedded broker even where Docker answers"),
+    Setting("TRAINGUARD_TEST_BROKER", None, "tests",
+            "`embedded`: the embedded broker even where Apache Kafka is at hand (`make kafka`, Docker)"),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
