@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any, Callable
 
 from trainguard.kafka import KafkaSettings
 
@@ -123,19 +124,27 @@ class Publisher:
 
     # -- the caller's side ----------------------------------------------------------------
 
-    def publish(self, topic: str, key: str | None, value: bytes | None, partition: int | None = None) -> bool:
-        """Queue one message; False (and counted) when it could not be queued."""
+    def publish(self, topic: str, key: str | None, value: bytes | None, partition: int | None = None,
+                on_delivery: Callable[[Any], None] | None = None) -> bool:
+        """Queue one message; False (and counted) when it could not be queued. ``on_delivery``
+        is called with the error if delivery fails (and with None once delivered, where
+        ``report_success`` asks for those reports)."""
         if self._fatal is not None:
             self._replace_dead_producer()
         producer = self._producer
         if len(producer) >= self._queue_max:  # full: drop without paying for an exception
             self.dropped += 1
             return False
+        report = self._on_delivery
+        if on_delivery is not None:
+            def report(err, msg, counted=self._on_delivery):
+                counted(err, msg)
+                on_delivery(err)
         try:
             if partition is None:
-                producer.produce(topic, value, key, on_delivery=self._on_delivery)
+                producer.produce(topic, value, key, on_delivery=report)
             else:
-                producer.produce(topic, value, key, partition=partition, on_delivery=self._on_delivery)
+                producer.produce(topic, value, key, partition=partition, on_delivery=report)
             self.queued += 1
             return True
         except BufferError:

@@ -33,7 +33,7 @@ from trainguard.settings import integer, number
 from trainguard.settings import value as setting
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.checkpoint import Checkpoint, OutputRouter
-from trainguard.streams.engine import Engine
+from trainguard.streams.engine import Engine, Limits
 from trainguard.streams.transport import (
     BULK_LANE_SUPPORTED,
     BytesTable,
@@ -167,7 +167,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     state_table, window_table = _tables(app, settings, ruleset)
     engine = Engine(ruleset, state_table.data, windows=window_table.data, signing_key=signing_key,
                     finished_grace_s=number("TRAINGUARD_FINISHED_GRACE_S"),
-                    idle_ttl_s=number("TRAINGUARD_RUN_TTL_S"))
+                    idle_ttl_s=number("TRAINGUARD_RUN_TTL_S"), limits=Limits.from_settings())
     window_table.decode_key = engine.windows.decode_key
     app.trainguard_engine = engine  # for tests and the status line
     if not app.conf.consumer_group_instance_id:  # static members are replaced by the broker itself
@@ -178,7 +178,8 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     # batches, and a command waited for a state write it has nothing to do with.
     output_producer = Publisher(settings, linger_ms=1)
     atexit.register(output_producer.flush, 5.0)
-    router = OutputRouter(output_producer, settings.topics, control_partitions_of(settings))
+    router = OutputRouter(output_producer, settings.topics, control_partitions_of(settings),
+                          max_bytes=engine.limits.record_bytes)
     message_out = app.sensors.on_message_out
 
     async def ack(item) -> None:
@@ -196,7 +197,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         [(engine, _TableChangelog(state_table), lambda key: key),
          (engine.windows, _TableChangelog(window_table), engine.windows.encode_key)],
         deliver_outputs=router.delivered, deliver_changelogs=lambda: app.producer.flush(), ack=ack,
-        every_s=state_flush_s, max_held=20 * batch_max)
+        every_s=state_flush_s, max_held=20 * batch_max, max_record_bytes=engine.limits.record_bytes)
     exporter, feed = _serve_prometheus(app, engine, prometheus_port, prometheus_addr)
     detection = Detection(engine, router, checkpoint, exporter, feed)
     _agents_and_timers(app, detection, settings, batch_max, batch_within_s)
@@ -313,12 +314,17 @@ class Detection:
             except Exception:  # the exporter must never stop detection
                 log.exception("trainguard: exporter update failed")
 
-    def ack(self, message) -> None:
-        """A trainer's ack: a failed or refused command re-arms the breaker at once."""
+    def ack(self, message, held) -> None:
+        """A trainer's ack: a failed or refused command re-arms the breaker at once. ``held`` is
+        acknowledged, as events are, once the breaker's change and the outputs are delivered."""
         outputs = self.engine.handle_ack(message.value, message.partition, message.offset, message.topic)
         if outputs:
             self.router.route(outputs)
+        self.checkpoint.hold([held])
+        if outputs:
             self.checkpoint.flush()
+        else:
+            self.flush_if_due()
 
     def tick(self) -> None:
         """Sources gone silent and runs to forget, then each touched run's status."""
@@ -361,7 +367,8 @@ def _agents_and_timers(app: WorkerApp, detection: Detection, settings: KafkaSett
     async def read_acks(stream):
         """The trainer's acks, keyed by run like its events (so co-partitioned with the state)."""
         async for event in stream.events():
-            detection.ack(event.message)
+            event.message.incref()  # held like an event: acked once the breaker's change is flushed
+            detection.ack(event.message, (stream, event))
 
     @app.timer(0.5)
     async def flush_when_idle() -> None:

@@ -12,14 +12,17 @@ A :class:`Checkpoint` goes through three steps, as Quix Streams' checkpoint does
    entry as a tombstone), to its table's changelog; then, in a task, so detection never waits
    on the round trip:
 
-   a. wait until the outputs (alerts, commands) are delivered,
+   a. wait until the outputs (alerts, commands) are delivered: while some are not (the broker
+      is gone, or refuses them), keep the events held and try again, as long as it takes,
    b. wait until the changelog writes are delivered, and end each written partition's log
       with a one-record marker (some brokers, the embedded Tansu among them, report a
       partition's end from its last batch's base, so recovery would stop short),
    c. acknowledge the held events.
 
 One flush at a time: while one finishes, changes and events accumulate for the next. A flush
-that fails leaves its events unacknowledged (read again), and says so.
+that fails leaves its events unacknowledged (read again), and says so. A state entry that
+cannot be written (it fails to serialise, or is larger than a broker takes in one message) is
+left out of the changelog and said in the log; it never ends the flush.
 
 Kafka and Faust stay outside: the checkpoint gets the engine's dirty maps, the changelogs
 and the delivery waits as small objects, so its protocol is tested without a broker.
@@ -30,12 +33,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Literal, Protocol
 
 import orjson
 
 from trainguard.kafka import Topics, partition_for
 from trainguard.producers.publisher import Publisher
+from trainguard.streams.engine import Engine
 from trainguard.streams.keys import FLUSH_MARKER
 
 log = logging.getLogger("trainguard.worker")
@@ -66,6 +70,7 @@ class Checkpoint:
     def __init__(self, changelogs: list[tuple[DirtyEntries, Changelog, Callable[[Any], bytes]]], *,
                  deliver_outputs: Callable[[], Awaitable[int]], deliver_changelogs: Callable[[], Awaitable[None]],
                  ack: Callable[[Any], Awaitable[None]], every_s: float = 0.5, max_held: int = 20_000,
+                 max_record_bytes: int = 1_000_000, retry_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic):
         self.changelogs = changelogs
         self.deliver_outputs = deliver_outputs
@@ -78,6 +83,10 @@ class Checkpoint:
         self.last_flush = clock()
         self.in_flight: asyncio.Future | None = None
         self.failures = 0
+        self.max_record_bytes = max_record_bytes  # a broker's message limit, less headroom
+        self.retry_s = retry_s                    # between delivery attempts of held outputs
+        self.undelivered = 0                      # outputs of the flush in flight not yet delivered
+        self.unwritable = 0                       # state entries left out of the changelog
 
     # 1. hold
     def hold(self, events) -> None:
@@ -96,25 +105,58 @@ class Checkpoint:
         written: set = set()  # (changelog, partition)
         for entries, changelog, encode_key in self.changelogs:
             for key, partition in entries.dirty.items():  # serialised now: exactly the events held
-                changelog.send(partition, encode_key(key), entries.serialize(key))
-                written.add((changelog, partition))
+                value = self._record(entries, key)
+                if value is not False:
+                    changelog.send(partition, encode_key(key), value)
+                    written.add((changelog, partition))
             entries.dirty.clear()
         self.last_flush = self.clock()
         self.in_flight = asyncio.ensure_future(self._finish(held, written))
         self.in_flight.add_done_callback(self._finished)
         return True
 
+    def _record(self, entries: DirtyEntries, key: Any) -> bytes | None | Literal[False]:
+        """The entry's changelog value, or False when it cannot be written (said in the log)."""
+        try:
+            value = entries.serialize(key)
+        except Exception as exc:  # a bug or a value the state should never have taken
+            problem = f"cannot be serialised ({type(exc).__name__}: {exc})"
+        else:
+            if value is None or len(value) <= self.max_record_bytes:
+                return value
+            problem = f"is {len(value)} bytes, over the {self.max_record_bytes}-byte limit of one message"
+        self.unwritable += 1
+        log.error("trainguard: the state of %r %s: left out of the changelog (a restarted worker starts it "
+                  "from its last saved value)", key, problem)
+        return False
+
     async def _finish(self, held: list, written: set) -> None:
-        undelivered = await self.deliver_outputs()  # a. the alerts and commands of these events
-        if undelivered:
-            log.error("trainguard: %d alerts/commands not yet delivered after 30 s; the broker is "
-                      "unreachable or refusing them (they stay queued and are retried)", undelivered)
+        await self._outputs_delivered(len(held))  # a. the alerts and commands of these events
         if written:  # b. the state, then a marker ending each written partition's log
             await self.deliver_changelogs()
             for changelog, partition in written:
                 changelog.send(partition, FLUSH_MARKER, b"")
         for event in held:  # c.
             await self.ack(event)
+
+    async def _outputs_delivered(self, events: int) -> None:
+        """Return once every output routed so far is delivered; until then the events stay
+        held (unacknowledged) and delivery is tried again every ``retry_s``."""
+        self.undelivered = await self.deliver_outputs()
+        if not self.undelivered:
+            return
+        started = said = self.clock()
+        log.error("trainguard: %d alerts/commands not delivered (the broker is unreachable or refuses them); "
+                  "%d events stay unacknowledged until they are, retrying", self.undelivered, events)
+        while self.undelivered:
+            await asyncio.sleep(self.retry_s)
+            self.undelivered = await self.deliver_outputs()
+            if self.undelivered and self.clock() - said >= 60.0:
+                said = self.clock()
+                log.error("trainguard: %d alerts/commands still not delivered after %.0f s; %d events held",
+                          self.undelivered, said - started, events)
+        log.warning("trainguard: the held alerts/commands are delivered after %.0f s; acknowledging %d events",
+                    self.clock() - started, events)
 
     def _finished(self, task: asyncio.Future) -> None:
         if not task.cancelled() and task.exception() is not None:  # its events stay unacked: read again
@@ -125,32 +167,64 @@ class Checkpoint:
 class OutputRouter:
     """Where each kind of engine output goes, in one place: alerts and reports to the alerts
     topic, commands to their run's partition of the control topic (by the topic's own count),
-    statuses to the compacted status topic (None: a tombstone), dead letters to the DLQ."""
+    statuses to the compacted status topic (None: a tombstone), dead letters to the DLQ.
 
-    def __init__(self, publisher: Publisher, topics: Topics, control_partitions: int):
+    Nothing routed is given up: an output the producer could not queue, or whose delivery
+    failed, is kept and sent again by :meth:`delivered`, which counts it undelivered until it
+    is; the checkpoint holds the events behind it meanwhile. One larger than a broker takes
+    (``max_bytes``) could never be delivered: it goes to the DLQ as a dead letter instead."""
+
+    def __init__(self, publisher: Publisher, topics: Topics, control_partitions: int,
+                 max_bytes: int = 1_000_000):
         self.publisher = publisher
         self.topics = topics
         self.control_partitions = control_partitions
+        self.max_bytes = max_bytes
+        self.retry: list[tuple] = []  # (kind, topic, key, value, partition) to send again
+        self._last_failure = ""
 
     def route(self, outputs) -> None:
-        topics, publish = self.topics, self.publisher.publish
+        topics = self.topics
         for out in outputs:
             value = None if out.value is None else orjson.dumps(out.value)
+            if value is not None and len(value) > self.max_bytes and out.kind != "dlq":
+                log.error("trainguard: a %s for run %s is %d bytes, over the %d-byte message limit: sent to the "
+                          "DLQ instead", out.kind, out.key, len(value), self.max_bytes)
+                out = Engine.dead_letter(value, f"{out.kind} of {len(value)} bytes is over the {self.max_bytes}-byte "
+                                                f"message limit", topics.alerts if out.kind != "command"
+                                         else topics.control)
+                value = orjson.dumps(out.value)
             if out.kind == "status":
-                sent = publish(topics.status, out.key, value)
+                topic, partition = topics.status, None
             elif out.kind in ("alert", "report"):  # diagnosis reports travel with the alerts
-                sent = publish(topics.alerts, out.key, value)
+                topic, partition = topics.alerts, None
             elif out.kind == "command":
-                sent = publish(topics.control, out.key, value,
-                               partition=partition_for(out.key, self.control_partitions))
+                topic, partition = topics.control, partition_for(out.key, self.control_partitions)
                 log.warning("trainguard: %s command %s for run %s", out.value["action"], out.value["id"], out.key)
             else:
                 log.warning("trainguard: dead letter: %s", out.value["reason"])
-                sent = publish(topics.dlq, out.key or None, value)
-            if not sent:
-                log.error("trainguard: could not queue a %s for run %s (the producer's queue is full or "
-                          "the broker refused it); see the Kafka client warnings above", out.kind, out.key)
+                topic, partition = topics.dlq, None
+            self._send((out.kind, topic, out.key or None, value, partition))
+
+    def _send(self, message: tuple) -> None:
+        kind, topic, key, value, partition = message
+
+        def failed(err, message=message) -> None:  # on the thread that serves delivery reports
+            if err is not None:
+                self._last_failure = str(err)
+                self.retry.append(message)
+
+        if not self.publisher.publish(topic, key, value, partition=partition, on_delivery=failed):
+            self._last_failure = "the producer's queue is full or it refused the message"
+            self.retry.append(message)
 
     async def delivered(self, timeout_s: float = 30.0) -> int:
-        """Wait (off the event loop) until what was routed is delivered; how many are not."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.publisher.flush, timeout_s)
+        """Send again what failed, wait (off the event loop) until what was routed is
+        delivered; how many are not (queued, or failed and waiting to be sent again)."""
+        retry, self.retry = self.retry, []
+        if retry:
+            log.warning("trainguard: sending %d alerts/commands again (%s)", len(retry), self._last_failure)
+            for message in retry:
+                self._send(message)
+        pending = await asyncio.get_running_loop().run_in_executor(None, self.publisher.flush, timeout_s)
+        return pending + len(self.retry)

@@ -30,8 +30,9 @@ import numpy as np
 import orjson
 
 from trainguard.schemas import events as ev
-from trainguard.schemas.signing import SigningKey, sign
+from trainguard.schemas.signing import SigningKey, sign, verify, verify_trainer
 from trainguard.streams import keys, policy, trackers
+from trainguard.streams.alerts import LOUD, Track
 from trainguard.streams.baseline import BaselineBlock
 from trainguard.streams.detectors import CrossRank, detector_from_state
 from trainguard.streams.minutes import MinuteWindows
@@ -41,6 +42,8 @@ from trainguard.streams.signals import signal_of
 log = logging.getLogger("trainguard.engine")
 
 MAX_CHECKPOINTS = 64
+# Lifecycle events that change what the breaker does: only the run's trainer key may send them.
+STEERING_LIFECYCLE = ("started", "finished", "stopped", "rolled_back")
 MAX_SNAPSHOT_HOSTS = 16
 MAX_RECENT_ALERTS = 32
 MAX_UNWATCHED = 50  # metric names no rule judges, kept per run for `trainguard status`
@@ -61,7 +64,7 @@ class SourceState:
 
     __slots__ = ("kind", "block", "rule_rows", "det_rows", "gate_hi", "gate_lo", "always", "streaks", "firing",
                  "detectors", "minute", "windows", "res_rows", "gate_cv", "any_cv", "gate_eq", "eq_tol", "any_eq",
-                 "given_rows", "known", "_det_cache", "_given_cache")
+                 "given_rows", "known", "tracks", "points", "_det_cache", "_given_cache")
 
     def __init__(self, kind: str, block: BaselineBlock | None = None):
         self.kind = kind
@@ -81,6 +84,8 @@ class SourceState:
         self.known: dict[str, float] = {}      # those signals' latest values from this source
         self.streaks: dict[tuple[int, int], list] = {}   # slot -> [samples holding, since ts]
         self.firing: dict[tuple[int, int], dict] = {}    # slot -> the open alert
+        self.tracks: dict[tuple[int, int], Track] = {}   # slot -> its episodes' lifecycle (streams/alerts.py)
+        self.points = 0                                  # events of this source: the lifecycle's clock
         self.detectors: dict[tuple[int, int], Any] = {}  # slot -> the rule's detector for that metric
         self.minute: float | None = None                 # start of the open per-minute window (resample_s)
         self.windows: list[float] = []                   # starts of the closed windows still held
@@ -169,6 +174,8 @@ class SourceState:
             "kind": self.kind, "block": self.block.header(),
             "streaks": [[rnames[r], names[w], v] for (r, w), v in self.streaks.items()],
             "firing": [[rnames[r], names[w], a] for (r, w), a in self.firing.items()],
+            "tracks": [[rnames[r], names[w], t.to_state()] for (r, w), t in self.tracks.items()],
+            "points": self.points,
             "detectors": [[rnames[r], names[w], d.to_state()] for (r, w), d in self.detectors.items()],
             "minute": self.minute, "windows": self.windows, "known": self.known, "v": STATE_VERSION,
         })
@@ -192,6 +199,8 @@ class SourceState:
 
         state.streaks = dict(slots(d["streaks"]))
         state.firing = dict(slots(d["firing"]))
+        state.tracks = {slot: Track.from_state(v) for slot, v in slots(d.get("tracks", []))}
+        state.points = int(d.get("points", 0))
         state.detectors = {slot: detector_from_state(v) for slot, v in slots(d["detectors"])}
         state.minute = d.get("minute")
         state.windows = d.get("windows", [])
@@ -333,6 +342,7 @@ class EventContext:
 class Engine:
     def __init__(self, rules: RuleSet, store: MutableMapping[bytes, Any] | None = None, *,
                  windows: MutableMapping[Any, Any] | None = None, signing_key: SigningKey | None = None,
+                 verify_keys: dict[str, SigningKey] | None = None, require_signed: bool | None = None,
                  finished_grace_s: float = 600.0, idle_ttl_s: float = 7 * 86400.0, limits: Limits | None = None):
         self.rules = rules
         self.limits = limits or Limits()
@@ -345,6 +355,13 @@ class Engine:
         # Per-interval aggregates of the resampled metrics (a windowed table in the worker).
         self.windows = MinuteWindows(rules.window_s, windows, keep_s=rules.window_keep_s)
         self.signing_key = signing_key
+        # Trainer and operator events that steer the breaker are accepted only when signed under
+        # one of these secrets (all configured ones: rotation); without keys (replay, evaluation,
+        # local opt-in) they are taken as they come.
+        self.verify_keys = verify_keys if verify_keys is not None else (
+            {signing_key.key_id: signing_key} if signing_key is not None else {})
+        self.require_signed = bool(self.verify_keys) if require_signed is None else require_signed
+        self.forged = 0  # steering events and acks refused as unsigned or forged
         self.dirty: dict[bytes, int] = {}
         self.touched: set[bytes] = set()  # runs whose status changed since status_outputs()
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
@@ -429,10 +446,20 @@ class Engine:
         run_key = ack["run_id"].encode()
         if ack["status"] == "applied" or run_key not in self.store:
             return []
+        problem = self._unauthentic(ack, raw, topic, partition, offset)
+        if problem is not None:
+            return [problem]
+        if ack.get("cause") in ("unauthenticated", "replayed"):
+            # The trainer refused a forged copy or a second delivery under this id: the command
+            # the breaker waits for is untouched by it.
+            log.warning("trainguard: run %s: the trainer refused a %s copy of command %s: %s", ack["run_id"],
+                        ack["cause"], ack["command_id"], ack.get("detail", ""))
+            return []
         run = self._run(run_key)
         handled, stop = policy.on_command_refused(run.breaker, self.rules.policy, run_id=ack["run_id"],
                                                   command_id=ack["command_id"], status=ack["status"],
-                                                  detail=ack.get("detail", ""), ts=ack["ts"])
+                                                  detail=ack.get("detail", ""), ts=ack["ts"], now=self.clock(),
+                                                  ids=self._command_id)
         if not handled:
             return []
         self.dirty[run_key] = run.partition
@@ -458,7 +485,39 @@ class Engine:
             outputs.append(Output(OutputKind.COMMAND, ack["run_id"], stop))
         return outputs
 
+    def _command_id(self, stable: str) -> str:
+        return self.signing_key.command_id(stable) if self.signing_key is not None else stable
+
+    def _unauthentic(self, event: dict, raw: bytes | None, topic: str = "", partition: int = -1,
+                     offset: int = -1) -> Output | None:
+        """The dead letter of a steering event or ack that its sender's key did not sign (None
+        when it is signed, or does not need to be): a checkpoint, a lifecycle change or an ack by
+        the run's trainer key, an operator event by an operator key."""
+        kind = event["schema"]
+        if kind == ev.OPERATOR:
+            who = "an operator"
+        elif kind in (ev.CHECKPOINT, ev.ACK) or (kind == ev.LIFECYCLE and event["event"] in STEERING_LIFECYCLE):
+            who = "the run's trainer"
+        else:
+            return None
+        if not self.require_signed:
+            return None
+        if kind == ev.OPERATOR:
+            problem = verify(event, self.verify_keys, operators_only=True)
+        else:
+            problem = verify_trainer(event, self.verify_keys)
+        if problem is None:
+            return None
+        self.forged += 1
+        what = kind + (f" {event['event']}" if kind == ev.LIFECYCLE else "")
+        reason = f"refused {what}: not signed by {who}'s key ({problem}); it changes nothing"
+        log.warning("trainguard: run %s: %s", event.get("run_id"), reason)
+        return self.dead_letter(raw if raw is not None else ev.encode(event), reason, topic, partition, offset)
+
     def apply(self, event: dict, partition: int = 0, offset: int = -1) -> list[Output]:
+        forged = self._unauthentic(event, None, "", partition, offset)
+        if forged is not None:
+            return [forged]
         run_id = event["run_id"]
         run_key = run_id.encode()
         run = self._run(run_key)
@@ -495,9 +554,9 @@ class Engine:
         elif kind == ev.OPERATOR:
             self._operator(event, run, run_id, outputs)
         elif kind == ev.CHECKPOINT:
-            # Only a checkpoint saved while no critical alert was open is a rollback target.
+            # Only a checkpoint saved while no critical alert and no page was open is a rollback target.
             run.checkpoints.append({"step": event["step"], "path": event["path"], "ts": event["ts"],
-                                    "healthy": not run.open_critical})
+                                    "healthy": not run.open_critical and not self._paging(run)})
             del run.checkpoints[:-MAX_CHECKPOINTS]
         elif event["event"] == "rolled_back":
             self._rolled_back(event, run, run_id, partition, outputs)
@@ -553,11 +612,16 @@ class Engine:
                     for slot in slots:
                         del src.firing[slot]
                         src.streaks.pop(slot, None)
+                        src.tracks.pop(slot, None)
                     self.dirty[key] = run.partition
         for table in (run.stale, run.cross_firing, run.incidents):
             for k in [k for k, a in table.items() if a["id"] == alert_id]:
                 found = table.pop(k) if close else table[k]
         return found
+
+    def _paging(self, run: RunState) -> bool:
+        """Whether a P0/P1 alert of the run is open."""
+        return any(a["open"] > 0 and self._severity.get(rule) in LOUD for rule, a in run.active.items())
 
     def _silence_for(self, run: RunState, rule: str) -> dict | None:
         if not run.silences:
@@ -617,6 +681,10 @@ class Engine:
         if not holds or (rule.given and not rule.given_holds(state.known)):
             return
         ctx.holding.add(slot)
+        if slot in state.firing:  # the open episode holds again: its clean points start over
+            track = state.tracks.get(slot)
+            if track is not None:
+                track.held(value)
         ts = ctx.event["ts"]
         streak = state.streaks.get(slot)
         if streak is None:
@@ -631,11 +699,20 @@ class Engine:
                 run = ctx.run
                 alert = self._alert(ctx.event, run, ctx.run_id, ctx.sid, rule, metric, value, evidence(),
                                     run.breaker.attempt)
+                track = state.tracks.get(slot)
+                if track is None:
+                    track = state.tracks[slot] = Track()
+                if track.open(rule.lifecycle, state.points, value, self._healthy_level(ctx, slot[1])) == "flapping":
+                    alert["flapping"] = True
                 ctx.opened[rule.name] = alert
                 self._add(ctx.outputs, self._fire(run, alert, rule))
             else:  # the alert this step already opened for the rule names this metric too
                 alert["metrics"].append(metric)
                 alert["values"][metric] = _json_value(value)
+                track = state.tracks.get(slot)
+                if track is None:
+                    track = state.tracks[slot] = Track()
+                track.open(rule.lifecycle, state.points, value, self._healthy_level(ctx, slot[1]))
             state.firing[slot] = alert
         if rule.critical:
             if rule.immediate:
@@ -666,6 +743,7 @@ class Engine:
                 src.block.reset()
                 src.streaks.clear()
                 src.firing.clear()
+                src.tracks.clear()
                 src.detectors.clear()
                 for start in [*src.windows, *([] if src.minute is None else [src.minute])]:
                     self.windows.delete(key, start, partition)
@@ -700,6 +778,7 @@ class Engine:
         sid = ev.source_id(src)
         key = keys.source_key(run_id, sid)
         state = self._source(key, src["kind"])
+        state.points += 1
         self.dirty[key] = partition
         metrics = event["metrics"]
         names = tuple(metrics)
@@ -878,17 +957,42 @@ class Engine:
         """Episodes of this event's metrics that no longer hold are resolved; streaks that broke
         start again."""
         state = ctx.state
-        if not state.streaks:
+        if not state.streaks and not state.firing:
             return
         present = set(ctx.rows.tolist())
         for slot in [s for s in state.streaks if s not in ctx.holding and s[1] in present]:
             del state.streaks[slot]
+        rules = self.rules.rules
         for slot in [s for s in state.firing if s not in ctx.holding and s[1] in present]:
+            if not self._clean_point(state, slot, rules[slot[0]], ctx.event):
+                continue  # keep_firing_for, flapping, or still far from the healthy level
             opened = state.firing.pop(slot)
             if any(a["id"] == opened["id"] for a in state.firing.values()):
                 continue  # the alert still holds on another of its metrics
             value = float(ctx.event["metrics"].get(opened["metric"], math.nan))
             self._add(ctx.outputs, self._resolve(ctx.run, opened, ctx.event, value=_json_value(value)))
+
+    @staticmethod
+    def _healthy_level(ctx: "EventContext", row: int) -> float | None:
+        """The baseline's window mean of a row before this event, where the window is ready."""
+        positions = np.flatnonzero(ctx.rows == row)
+        if not len(positions):
+            return None
+        j = int(positions[0])
+        _, _, mean, _, _, _, ready = ctx.stats
+        return float(mean[j]) if ready[j] else None
+
+    @staticmethod
+    def _clean_point(state: SourceState, slot, rule: Rule, event: dict) -> bool:
+        """A point where the open episode's condition does not hold: True when the episode
+        resolves with it (``streams/alerts.py``: keep_firing_for, flapping, and for rules that
+        judge against the run's own history, recovery: a threshold rule's threshold says itself
+        when it is over)."""
+        track = state.tracks.get(slot)
+        if track is None:  # an episode from state written before lifecycles: resolves as it did
+            return True
+        value = event["metrics"].get(state.block.names[slot[1]]) if rule.anomalous else None
+        return track.clean(rule.lifecycle, state.points, None if value is None else float(value))
 
     def _correlate(self, ctx: "EventContext") -> None:
         """Stragglers (one rank far from its peers) and incidents (rules that fire together)."""
@@ -907,7 +1011,8 @@ class Engine:
         decision = policy.on_step(ctx.run.breaker, self.rules.policy, run_id=ctx.run_id, step=event["step"],
                                   ts=event["ts"], critical=bool(critical), immediate=ctx.immediate,
                                   alert_ids=[c[0] for c in critical], rules=[c[1] for c in critical],
-                                  checkpoints=ctx.run.checkpoints, diagnosis=critical[0][2] if critical else "")
+                                  checkpoints=ctx.run.checkpoints, diagnosis=critical[0][2] if critical else "",
+                                  now=self.clock(), ids=self._command_id)
         if decision is None:
             return
         report = self._report(ctx.run, ctx.run_id, decision, event)
@@ -1116,6 +1221,9 @@ class Engine:
                         "restored_step": breaker.restored_step,
                         "pending_command": breaker.command_id if breaker.status == policy.AWAITING else None},
             "open_alerts": open_alerts, "checkpoints": len(run.checkpoints),
+            # what `trainguard command RUN rollback --to STEP` may restore: only what the trainer reported
+            "saved_checkpoints": [{"step": c["step"], "path": c["path"], "healthy": c["healthy"]}
+                                  for c in run.checkpoints],
             "last_healthy_checkpoint": {"step": healthy["step"], "path": healthy["path"]} if healthy else None,
             "dropped_events": run.dropped_events, "worker": self.worker_name,
             "silences": [dict(s) for s in run.silences if s["until"] > self.clock()],

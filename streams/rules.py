@@ -19,12 +19,16 @@ import yaml
 
 from trainguard.schemas.events import SEVERITIES
 from trainguard.streams import policy as policy_mod
+from trainguard.streams.alerts import DEFAULTS as LIFECYCLE_DEFAULTS
+from trainguard.streams.alerts import Lifecycle
 from trainguard.streams.signals import COMPUTE, SIGNALS, signal_of
 
 LAYERS = ("data", "compute", "resource")
 _RULE_KEYS = {"name", "metric", "signal", "anomalous", "above", "below", "equals", "non_finite", "for",
               "for_seconds", "severity", "critical", "immediate", "summary", "diagnosis", "suggestion", "sources",
-              "detector", "resample_s", "above_ratio", "below_ratio", "cv_above", "given", "emit"}
+              "detector", "resample_s", "above_ratio", "below_ratio", "cv_above", "given", "emit", "keep_firing_for",
+              "flap_window", "flap_episodes"}
+_LIFECYCLE_KEYS = ("keep_firing_for", "flap_window", "flap_episodes")
 _CONDITION_KEYS = ("above", "below", "equals")
 _INCIDENT_KEYS = {"name", "all", "within_s", "severity", "critical", "summary", "diagnosis", "suggestion", "inhibit"}
 
@@ -102,6 +106,7 @@ class Rule:
     below_ratio: float | None = None   # value < ratio x the baseline's window mean
     cv_above: float | None = None      # the window's std / |mean| above this: "fluctuating"
     emit: bool = True                  # False: a signal that only feeds incidents, never pages alone
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)  # keep_firing_for, flap damping
     line: int = 0
 
     @property
@@ -324,7 +329,38 @@ def _known_keys(path: str, line: int, m: dict, allowed, what: str) -> None:
                                f"allowed: {', '.join(sorted(allowed))}")
 
 
-def _rule(path: str, m: dict, seen: set) -> Rule:
+def _lifecycle(path: str, line: int, m: dict, base: Lifecycle, what: str) -> Lifecycle:
+    """``keep_firing_for``, ``flap_window`` and ``flap_episodes`` of a rule (or a severity's
+    defaults in ``alerting:``) over ``base``."""
+    given = {k: _number(path, line, m, k, integer=True, minimum=0 if k == "keep_firing_for" else 1)
+             for k in _LIFECYCLE_KEYS if k in m}
+    if not given:
+        return base
+    values = {k: given.get(k, getattr(base, k)) for k in _LIFECYCLE_KEYS}
+    if values["flap_episodes"] < 2:
+        raise _err(path, line, f"{what}: flap_episodes must be at least 2 (one episode is not flapping)")
+    return Lifecycle(**values)
+
+
+def _alerting(path: str, doc: dict) -> dict[str, Lifecycle]:
+    """The ``alerting:`` section: lifecycle defaults per severity over the built-in ones."""
+    raw = doc.get("alerting", {}) or {}
+    if not isinstance(raw, dict):
+        raise _err(path, doc.get("__line__", 0), "'alerting' maps severities to keep_firing_for / flap settings")
+    defaults = dict(LIFECYCLE_DEFAULTS)
+    for severity, m in raw.items():
+        if severity == "__line__":
+            continue
+        line = m.get("__line__", raw.get("__line__", 0)) if isinstance(m, dict) else raw.get("__line__", 0)
+        if severity not in SEVERITIES or not isinstance(m, dict):
+            raise _err(path, line, f"'alerting' keys are severities ({', '.join(SEVERITIES)}) with a mapping of "
+                                   f"{', '.join(_LIFECYCLE_KEYS)}; got {severity!r}")
+        _known_keys(path, line, m, set(_LIFECYCLE_KEYS), f"alerting.{severity}")
+        defaults[severity] = _lifecycle(path, line, m, defaults[severity], f"alerting.{severity}")
+    return defaults
+
+
+def _rule(path: str, m: dict, seen: set, lifecycles: dict[str, Lifecycle] = LIFECYCLE_DEFAULTS) -> Rule:
     line = m.get("__line__", 0)
     _known_keys(path, line, m, _RULE_KEYS, "a rule")
     name = m.get("name")
@@ -359,7 +395,8 @@ def _rule(path: str, m: dict, seen: set) -> Rule:
         sources=tuple(m.get("sources", ())), detector=detector,
         above_ratio=_number(path, line, m, "above_ratio", minimum=0),
         below_ratio=_number(path, line, m, "below_ratio", minimum=0),
-        cv_above=_number(path, line, m, "cv_above", minimum=0), emit=bool(m.get("emit", True)), line=line)
+        cv_above=_number(path, line, m, "cv_above", minimum=0), emit=bool(m.get("emit", True)),
+        lifecycle=_lifecycle(path, line, m, lifecycles[severity], f"rule {name!r}"), line=line)
     if rule.relative and detector is not None:
         raise _err(path, line, f"rule {name!r}: above_ratio, below_ratio and cv_above compare with the "
                                f"baseline window; they do not combine with a detector")
@@ -436,6 +473,7 @@ def parse(text: str, path: str = "<rules>") -> RuleSet:
     if doc.get("version") != 1:
         raise _err(path, doc.get("__line__", 1), f"'version' must be 1, got {doc.get('version')!r}")
     baselines, layers, policy = _baselines(path, doc), _layers(path, doc), _policy(path, doc)
+    lifecycles = _alerting(path, doc)
     raw_rules = doc.get("rules")
     if not isinstance(raw_rules, list) or not raw_rules:
         raise _err(path, doc.get("__line__", 1), "'rules' must be a non-empty list")
@@ -444,7 +482,7 @@ def parse(text: str, path: str = "<rules>") -> RuleSet:
     for m in raw_rules:
         if not isinstance(m, dict):
             raise _err(path, 0, f"each rule must be a mapping, got {m!r}")
-        rules.append(_rule(path, m, seen))
+        rules.append(_rule(path, m, seen, lifecycles))
     names = {r.name for r in rules}
     incidents: list[Incident] = []
     seen_incidents: set[str] = set()

@@ -1,13 +1,18 @@
-"""The checkpoint protocol without a broker: no event is acknowledged before the state it
-changed and the outputs it caused are delivered (streams/checkpoint.py)."""
+"""The checkpoint protocol, without a broker (and the output router with one): no event is
+acknowledged before the state it changed and the outputs it caused are delivered
+(streams/checkpoint.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import orjson
 import pytest
 
-from trainguard.streams.checkpoint import Checkpoint
+from tests.integration import TopicReader
+from trainguard.producers.publisher import Publisher
+from trainguard.streams.checkpoint import Checkpoint, OutputRouter
+from trainguard.streams.engine import Output, OutputKind
 from trainguard.streams.keys import FLUSH_MARKER
 
 
@@ -176,3 +181,113 @@ def test_a_flush_without_changed_state_writes_no_marker_but_still_acks():
         return world.log
 
     assert run(scenario()) == [("outputs delivered",), ("ack", "replayed")]
+
+
+class Undelivered(World):
+    """A broker that confirms the outputs only after a few attempts: the counts it reports."""
+
+    def __init__(self, counts):
+        super().__init__()
+        self.counts = list(counts)
+
+    async def deliver_outputs(self):
+        left = self.counts.pop(0) if self.counts else 0
+        self.log.append(("outputs undelivered", left))
+        return left
+
+
+def test_events_stay_held_while_outputs_are_undelivered_and_are_acked_once_they_are(caplog):
+    async def scenario():
+        world = Undelivered([3, 1, 0])
+        cp = world.checkpoint(retry_s=0.01)
+        world.state.change(b"run-1", b"s")
+        cp.hold(["e1", "e2"])
+        cp.flush()
+        for _ in range(100):
+            await asyncio.sleep(0.001)
+            if cp.undelivered == 1:
+                break
+        acked_while_undelivered = [e for e in world.log if e[0] == "ack"]
+        await cp.in_flight
+        return world.log, acked_while_undelivered, cp
+
+    log, acked_early, cp = run(scenario())
+    assert acked_early == [], "nothing acked while an output it caused is undelivered"
+    assert [e for e in log if e[0] == "outputs undelivered"] == [("outputs undelivered", n) for n in (3, 1, 0)]
+    first_ack = log.index(("ack", "e1"))
+    assert log.index(("outputs undelivered", 0)) < log.index(("changelogs delivered",)) < first_ack
+    assert log[-2:] == [("ack", "e1"), ("ack", "e2")]
+    assert cp.undelivered == 0 and cp.failures == 0
+    assert "3 alerts/commands not delivered" in caplog.text and "delivered after" in caplog.text
+
+
+def test_a_state_entry_that_cannot_be_written_is_left_out_and_the_flush_goes_on(caplog):
+    class Bad(Entries):
+        def serialize(self, key):
+            if key == b"bad":
+                "\ud800".encode()  # what a lone surrogate in the state did to orjson.dumps
+            return super().serialize(key)
+
+    async def scenario():
+        world = World()
+        world.state = Bad()
+        cp = world.checkpoint(max_record_bytes=100)
+        world.state.change(b"good", b"v")
+        world.state.change(b"bad", b"v")
+        world.state.change(b"huge", b"x" * 101)
+        cp.hold(["e"])
+        assert cp.flush()
+        await cp.in_flight
+        return world.log, cp
+
+    log, cp = run(scenario())
+    assert [e[3] for e in log if e[0] == "send" and e[3] != FLUSH_MARKER] == [b"good"]
+    assert log[-1] == ("ack", "e") and cp.unwritable == 2 and cp.failures == 0
+    assert "cannot be serialised (UnicodeEncodeError" in caplog.text
+    assert "is 101 bytes, over the 100-byte limit" in caplog.text
+
+
+def _alert(i: int, pad: int = 0) -> Output:
+    return Output(OutputKind.ALERT, "run-1", {
+        "schema": "alert/1", "id": f"a{i}", "run_id": "run-1", "rule": "non_finite", "severity": "P0",
+        "status": "firing", "ts": 1.5e9, "onset": {"step": i, "ts": 1.5e9}, "step": i,
+        "evidence": {"pad": "x" * pad}})
+
+
+@pytest.mark.integration
+def test_outputs_the_producer_refused_are_sent_again_before_their_events_are_acked(kafka, caplog):
+    """A queue of one message: most alerts are refused when routed, and sent again by the
+    checkpoint, which acknowledges the events only once every one is on the topic. One larger
+    than a broker takes becomes a dead letter (delivered) instead of blocking every later ack."""
+    publisher = Publisher(kafka, queue_max=1, linger_ms=50)
+    router = OutputRouter(publisher, kafka.topics, kafka.partitions, max_bytes=20_000)
+    acked: list = []
+    on_topic: list = []
+    alerts = TopicReader(kafka, kafka.topics.alerts)
+    dlq = TopicReader(kafka, kafka.topics.dlq, decode=orjson.loads)
+
+    async def ack(event):
+        on_topic.append(len(alerts.drain(quiet_s=1.0)))
+        acked.append(event)
+
+    async def scenario():
+        cp = Checkpoint([], deliver_outputs=lambda: router.delivered(5.0), deliver_changelogs=asyncio.sleep,
+                        ack=ack, retry_s=0.05)
+        router.route([_alert(i) for i in range(5)] + [_alert(99, pad=30_000)])
+        refused = len(router.retry)
+        cp.hold(["e1"])
+        cp.flush()
+        await cp.in_flight
+        return refused
+
+    try:
+        refused = run(scenario())
+        dead = dlq.wait_for(lambda r: True, timeout=20, what="the oversized alert's dead letter")
+    finally:
+        alerts.close()
+        dlq.close()
+    assert refused >= 4, "the producer's queue of one refused the rest"
+    assert acked == ["e1"] and on_topic == [5], "acked only once all five alerts were delivered"
+    assert sorted(a["id"] for a in alerts.seen) == [f"a{i}" for i in range(5)]
+    assert "over the 20000-byte message limit" in dead["reason"] and dead["size"] > 30_000
+    assert "sending" in caplog.text and "again" in caplog.text

@@ -233,6 +233,8 @@ rules:
     equals: 0
     given: {learning_rate: {above: 0}}
     severity: P2
+    keep_firing_for: 0   # per point: each clean point ends the episode, and no flap damping
+    flap_episodes: 100
 """
 
 
@@ -384,8 +386,10 @@ def test_a_silence_marks_the_runs_alerts_until_it_ends_and_the_breaker_still_act
     assert engine.status("sil")["silences"][0]["by"] == "ops@h"
 
     now[0] += 61  # the silence ran out by itself
-    step(3, -0.01)  # the loss is finite again: the open alert resolves
-    later = [o.value for o in step(4, -math.inf) if o.kind == "alert" and o.value["status"] == "firing"]
+    step(3, -0.01)  # the loss is finite again: the open alert keeps firing for one clean point (P0)
+    resolved = [o.value for o in step(4, -0.01) if o.kind == "alert"]
+    assert [a["status"] for a in resolved] == ["resolved"]
+    later = [o.value for o in step(5, -math.inf) if o.kind == "alert" and o.value["status"] == "firing"]
     assert later and all("silenced" not in a for a in later)
     assert engine.status("sil")["silences"] == []
 

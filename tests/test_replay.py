@@ -51,13 +51,15 @@ def test_verl_log_through_the_cli_lists_the_alerts_and_the_breakers_rollback():
     kl = [r for r in rows if " kl_explosion " in r]
     assert len(kl) == 1 and "FIRING" in kl[0] and f"step={kl_step} " in kl[0] and "actor/kl_loss=" in kl[0]
     nan = [(r.split()[1], "FIRING" in r) for r in rows if " non_finite " in r]
-    assert nan == [("198", True), ("199", False), ("205", True), ("206", False)]
+    # each NaN episode keeps firing for one clean point (P0's keep_firing_for), then resolves
+    assert nan == [("198", True), ("200", False), ("205", True), ("207", False)]
     assert "301 steps (steps 0..300)" in out
     assert "skipped 1 unreadable record(s):" in out and "verl_kl_blowup.log:132:" in out
     assert "kl_explosion                 1 firing, 0 resolved" in out
-    # The log saved checkpoints every 50 steps: the newest before the onset is step 150.
+    # The log saved checkpoints every 50 steps. The blow-up begins at step 150 with a loss spike (a
+    # P1 page) that is open when step 150's checkpoint is saved: that one is not healthy, 100 is.
     assert "checkpoints known: 6 (steps 50, 100, 150, 200, 250, 300)" in out
-    assert "at step 198 would roll back to checkpoint at step 150" in out
+    assert "at step 198 would roll back to checkpoint at step 100" in out
     assert f"from step {kl_step}" in out
     assert "\r" not in proc.stderr, "no progress line when stderr is not a terminal"
 

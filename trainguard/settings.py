@@ -58,6 +58,21 @@ SETTINGS: tuple[Setting, ...] = (
             "dead one's. The sinks keep their outboxes under it (`sinks-outbox/`)"),
     Setting("TRAINGUARD_FINISHED_GRACE_S", "600", _WORKER, "a finished run's state is forgotten this long after"),
     Setting("TRAINGUARD_RUN_TTL_S", "604800", _WORKER, "a run's state is forgotten this long after its last event"),
+    Setting("TRAINGUARD_TINY_RUN_TTL_S", "1800", _WORKER,
+            "a run that never sent more than `TRAINGUARD_TINY_RUN_EVENTS` events is forgotten this long after "
+            "its last one (anyone who can write to the events topic can invent run ids)"),
+    Setting("TRAINGUARD_TINY_RUN_EVENTS", "3", _WORKER, "at most this many events: a tiny run"),
+    Setting("TRAINGUARD_MAX_MESSAGE_BYTES", "1048576", _WORKER,
+            "the largest message the brokers take (`message.max.bytes`). The worker keeps every state record and "
+            "output 64 KiB under it: a larger output goes to the DLQ, a larger state record is left out of the "
+            "changelog (said in the log)"),
+    Setting("TRAINGUARD_MAX_SOURCES_PER_RUN", "1024", _WORKER,
+            "sources (ranks, hosts) kept per run; events of further sources are counted, not judged (said in "
+            "the log once and in the run's status)"),
+    Setting("TRAINGUARD_MAX_ROWS_PER_SOURCE", "1000", _WORKER,
+            "metric names judged per source (names no rule watches take none); further names are counted, "
+            "not judged (said in the log once and in the run's status)"),
+    Setting("TRAINGUARD_MAX_ROWS_PER_RUN", "20000", _WORKER, "metric names judged per run, all its sources together"),
     Setting("TRAINGUARD_REBALANCE_TIMEOUT_S", "3", _WORKER, "the consumer group's rebalance timeout"),
     Setting("TRAINGUARD_SESSION_TIMEOUT_S", "6", "worker, sinks",
             "how long a silent worker or sinks process keeps its partitions before another takes them "
