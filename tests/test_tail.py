@@ -129,3 +129,51 @@ def test_sinks_subcommand_delivers_to_the_configured_jsonl(kafka, tmp_path):
         proc.wait(15)
     assert proc.returncode == 0, proc.stdout.read().decode()[-2000:]
     assert b"run=sink-1" in proc.stdout.read(), "the console sink printed it too"
+
+
+# Escape sequences a topic writer could plant: an OSC 8 link, clear screen and cursor home, a C1
+# CSI (0x9b), a title change ended by BEL, a bidirectional override, and a newline that forges a line.
+HOSTILE = ("\x1b]8;;https://evil.example/\x1b\\click\x1b]8;;\x1b\\ \x1b[2J\x1b[H\x9b31m\x1b]0;owned\x07"
+           "\u202e\n12:00:00 P0 RESOLVED all clear")
+
+
+def _run_tail(kafka, run: str, **kw) -> tuple[str, str]:
+    out, err, stop = io.StringIO(), io.StringIO(), threading.Event()
+    result = {}
+    t = threading.Thread(target=lambda: result.update(rc=tail(kafka, start="beginning", run=run, stop=stop,
+                                                                stdout=out, stderr=err, **kw)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and out.getvalue().count("\n") < 3:
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        t.join(15)
+    assert result.get("rc") == 0, err.getvalue()
+    return out.getvalue(), err.getvalue()
+
+
+def test_tail_strips_escape_sequences_from_every_string_and_skips_bad_records(kafka):
+    run = "tail-escapes"
+    alert = {**_alert(run, 5), "metric": "actor/pg_loss" + HOSTILE, "diagnosis": HOSTILE, "rule": "kl" + HOSTILE}
+    command = {"schema": ev.COMMAND, "id": "esc-1" + HOSTILE, "run_id": run, "action": "pause", "target": None,
+               "reason": [], "issued": 1.7e9, "expires": 1.7e9 + 300, "detail": HOSTILE}
+    produce(kafka, kafka.topics.alerts, run, [b'{"schema":"ack/1"}', ev.encode(alert),
+                                               b'{"schema":"alert/1","run_id":"' + run.encode() + b'"}'])
+    produce(kafka, kafka.topics.control, run, [ev.encode(command)])
+    produce(kafka, kafka.topics.acks, run, [ev.encode(ev.ack_event("esc-1", run, "applied", HOSTILE))])
+    text, err = _run_tail(kafka, run)
+    lines = text.splitlines()
+    assert len(lines) == 3, f"one line per event, none forged: {lines!r}"
+    for bad in ("\x1b", "\x9b", "\x07", "\u202e"):
+        assert bad not in text, f"{bad!r} reached the terminal: {text!r}"
+    assert all("click" in line and "P0 RESOLVED all clear" in line for line in lines), "the text itself stays"
+    assert sorted(next(k for k in ("FIRING", "COMMAND PAUSE", "ACK applied") if k in line) for line in lines) == \
+        ["ACK applied", "COMMAND PAUSE", "FIRING"], lines
+    assert "skipping a record (alerts: wrong kind for the topic)" in err and "2 record(s) skipped" in err, err
+
+    as_json, _ = _run_tail(kafka, run, as_json=True)
+    assert "\x1b" not in as_json and "\x9b" not in as_json and "\u202e" not in as_json
+    [shown] = [ev.decode(line.encode()) for line in as_json.splitlines() if '"alert/1"' in line]
+    assert shown["diagnosis"] == HOSTILE, "the JSON keeps the event as it was sent"

@@ -173,7 +173,7 @@ class TopicDecoder:
 
     MAX_CAUSES = 64  # distinct causes kept; the rest are counted under "other"
 
-    def __init__(self, topics: Topics, who: str = "trainguard"):
+    def __init__(self, topics: Topics, who: str = "trainguard", report=None):
         from trainguard.schemas import events as ev
 
         kinds = {"events": (ev.METRICS, ev.CHECKPOINT, ev.LIFECYCLE, ev.OPERATOR), "alerts": (ev.ALERT, ev.REPORT),
@@ -181,6 +181,7 @@ class TopicDecoder:
         self.roles = {getattr(topics, role): role for role in kinds}
         self.expect = {getattr(topics, role): k for role, k in kinds.items()}
         self.who = who
+        self.report = report  # called with the first message of each cause; default: the log
         self.skipped = 0
         self.causes: dict[str, int] = {}
         self._lock = threading.Lock()  # a reader thread counts while a page reads the counts
@@ -213,8 +214,12 @@ class TopicDecoder:
             first = cause not in self.causes
             self.causes[cause] = self.causes.get(cause, 0) + 1
         if first:
-            log.warning("%s: skipping a record (%s): %s; further ones of this cause are counted, not logged",
-                        self.who, cause, safe(detail[:300]))
+            message = (f"{self.who}: skipping a record ({cause}): {safe(detail[:300])}; further ones of this cause "
+                       f"are counted, not shown")
+            if self.report is None:
+                log.warning("%s", message)
+            else:
+                self.report(message)
 
     def summary(self) -> str:
         """``3 records skipped (events: schema 2, alerts: step 1)``, or "" when none were."""

@@ -6,6 +6,10 @@ assigned from the chosen end (``--from end``, the default, shows what happens fr
 people can tail the same cluster without disturbing the sinks' group. Runs until Ctrl-C
 (or SIGTERM). When nothing arrives, a status line says what it is waiting on (on a terminal;
 otherwise it is said once, on stderr).
+
+Each record is decoded for the topic it came from; an invalid one is skipped, the first of each
+cause said on stderr and the count at the end. Strings from the topics are printed without
+their control characters and escape sequences (``trainguard.terminal``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import threading
 import time
 from typing import TextIO
 
-from trainguard.kafka import KafkaSettings, topic_reader
+from trainguard.kafka import KafkaSettings, TopicDecoder, topic_reader
 
 TOPICS = ("alerts", "control", "acks")
 
@@ -28,11 +32,10 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
     coloured line each, or with ``as_json`` the events themselves, one JSON object a line
     (for ``jq`` and scripts; status then goes to stderr only)."""
     import orjson
-
     from confluent_kafka import KafkaError, KafkaException
 
-    from trainguard.schemas.events import SchemaError, decode
     from trainguard.sinks.console import ConsoleSink
+    from trainguard.terminal import safe_event, safe_json
 
     if start not in ("beginning", "end"):
         raise ValueError(f"start must be 'beginning' or 'end', not {start!r}")
@@ -42,6 +45,7 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
     console = ConsoleSink(stdout, detail=detail)
     status_on_tty = _isatty(stdout) and not as_json
     names = [getattr(settings.topics, t) if hasattr(settings.topics, t) else t for t in topics]
+    decoder = TopicDecoder(settings.topics, "trainguard tail", report=lambda m: print(m, file=stderr, flush=True))
 
     try:
         consumer, missing = topic_reader(settings, names, start=start)
@@ -70,15 +74,18 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
                     if msg.error().code() != KafkaError._PARTITION_EOF:
                         print(f"trainguard tail: consumer error: {msg.error()}", file=stderr)
                     continue
-                try:
-                    event = decode(msg.value())
-                except SchemaError as exc:
-                    print(f"trainguard tail: skipping an invalid message on {msg.topic()}[{msg.partition()}]"
-                          f"@{msg.offset()}: {exc}", file=stderr)
+                decoded = decoder.decode(msg.topic(), msg.value())
+                if decoded is None or decoded[1] is None:
                     continue
-                if run is not None and event.get("run_id") != run:
+                event = decoded[1]
+                if run is not None and event["run_id"] != run:
                     continue
-                lines.append(orjson.dumps(event).decode() if as_json else console.format(event))
+                try:  # every string from the topic made terminal-safe; the JSON keeps its meaning
+                    lines.append(safe_json(orjson.dumps(event).decode()) if as_json
+                                 else console.format(safe_event(event)))
+                except Exception as exc:  # a valid event of a shape the line cannot show: count it, go on
+                    decoder.skip(f"{decoded[0]}: not shown ({type(exc).__name__})",
+                                 f"{msg.topic()}[{msg.partition()}]@{msg.offset()}: {exc!r}")
             if lines:
                 if status_shown:
                     stdout.write("\r\033[K")
@@ -88,12 +95,15 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
                 shown += len(lines)
                 last_event = time.monotonic()
             elif status_on_tty and not status_shown and time.monotonic() - last_event >= idle_s:
-                stdout.write(f"\r\033[2m{waiting}\033[0m")
+                skipped = f" ({decoder.skipped} invalid record(s) skipped)" if decoder.skipped else ""
+                stdout.write(f"\r\033[2m{waiting}{skipped}\033[0m")
                 stdout.flush()
                 status_shown = True
         if status_shown:
             stdout.write("\r\033[K")
             stdout.flush()
+        if decoder.skipped:
+            print(f"trainguard tail: {decoder.summary()}", file=stderr)
     finally:
         consumer.close()
     return 0

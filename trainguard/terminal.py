@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 
 # ESC sequences: CSI (ESC [ ... final), OSC / DCS / SOS / PM / APC strings up to BEL or ST,
-# and two-character ones (ESC c, ESC 7 ...). Their 8-bit C1 forms are caught by _CONTROL.
-_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]?|[\]PX^_][^\x07\x1b]*(?:\x07|\x1b\\)?|.?)", re.S)
+# two-character ones (ESC c, ESC 7 ...), and the 8-bit CSI and string introducers (0x9b, 0x90 ...).
+_ESCAPE = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?"
+                     r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                     r"|\x1b.?", re.S)
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 _SPACE = re.compile("[\t\n]")
 _C1_RAW = re.compile("[\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
@@ -25,8 +27,8 @@ def safe(text: str) -> str:
 
     >>> safe("loss\\x1b]8;;http://evil\\x1b\\\\click\\x1b]8;;\\x1b\\\\ \\x1b[2Jnow\\nP0 FIRING")
     'lossclick now P0 FIRING'
-    >>> safe("a\\x00b\\x9bc\\u202ed")
-    'a?b?c?d'
+    >>> safe("a\\x00b\\x9b31mc\\u202ed\\x85")
+    'a?bc?d?'
     """
     if text.isprintable():  # the common case: nothing to do
         return text
