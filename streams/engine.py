@@ -24,7 +24,7 @@ import socket
 import time
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, MutableMapping, cast
+from typing import Any, ClassVar, MutableMapping, cast
 
 import numpy as np
 import orjson
@@ -275,6 +275,9 @@ class Limits:
     tiny_run_events: int = 3      # a run with at most this many events ...
     tiny_run_ttl_s: float = 1800.0  # ... is forgotten this long after its last one
     record_bytes: int = (1 << 20) - (64 << 10)  # a broker's message limit, less headroom
+    SETTINGS: ClassVar[dict] = {"sources_per_run": "TRAINGUARD_MAX_SOURCES_PER_RUN",
+                                "rows_per_source": "TRAINGUARD_MAX_ROWS_PER_SOURCE",
+                                "rows_per_run": "TRAINGUARD_MAX_ROWS_PER_RUN"}
 
     @classmethod
     def from_settings(cls) -> "Limits":
@@ -870,8 +873,8 @@ class Engine:
         entry = run.limits.get(cap)
         if entry is None:
             entry = run.limits[cap] = {"cap": limit, "left_out": 0, "of": of}
-            log.warning("trainguard: run %s reached its %s cap (%d, TRAINGUARD_MAX_%s): %s", run_id, cap, limit,
-                        cap.upper(), what)
+            log.warning("trainguard: run %s reached its %s cap (%d, %s): %s", run_id, cap, limit,
+                        Limits.SETTINGS[cap], what)
         entry["left_out"] += count
 
     def _judge_baselines(self, ctx: "EventContext") -> None:
