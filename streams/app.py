@@ -328,7 +328,10 @@ class Detection:
 
     def tick(self) -> None:
         """Sources gone silent and runs to forget, then each touched run's status."""
+        forgotten = self.engine.forgotten
         outputs = self.engine.tick()
+        if self.engine.forgotten - forgotten >= 100:
+            release_memory()
         if outputs:
             self.router.route(outputs)
         if outputs or self.engine.dirty:  # alerts, or runs forgotten: their tombstones
@@ -338,6 +341,18 @@ class Detection:
     def flush_if_due(self) -> None:
         if self.checkpoint.due():
             self.checkpoint.flush()
+
+
+def release_memory() -> None:
+    """Give the memory of forgotten runs back to the system: glibc keeps freed small blocks for
+    the process, so a worker that once held many runs stayed that large (measured: 20,000
+    forgotten tiny runs left 170 MB). Nothing where the C library is not glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _agents_and_timers(app: WorkerApp, detection: Detection, settings: KafkaSettings, batch_max: int,

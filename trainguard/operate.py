@@ -38,17 +38,42 @@ def build_command(run_id: str, action: str, *, reason: str, to_step: int | None 
         raise ValueError("a rollback needs --to STEP: the checkpoint step to restore")
     if action != "rollback" and (to_step is not None or path):
         raise ValueError(f"--to and --path only go with rollback, not {action}")
+    if action == "rollback" and not path:
+        raise ValueError("a rollback needs the checkpoint's path, as the trainer reported it "
+                         "(resolve_rollback finds it in the run's status)")
     if not reason.strip():
         raise ValueError("--reason must say why (it is kept with the command and shown to the trainer)")
     who = f"{getpass.getuser()}@{socket.gethostname()}"
-    target = {"step": to_step, "path": path or f"global_step_{to_step}"} if action == "rollback" else None
+    target = {"step": to_step, "path": path} if action == "rollback" else None
     try:
         command = ev.command_event(run_id, action, target=target, ttl_s=ttl_s,
                                    detail=f"sent by hand by {who}: {reason.strip()}")
     except ev.SchemaError as exc:
         raise ValueError(str(exc)) from None
-    key = signing_key_for_worker(load_keys(env), env)
-    return sign(command, key) if key is not None else command
+    return operator_signed(command, env)
+
+
+def resolve_rollback(run_id: str, status: dict | None, step: int, path: str | None = None) -> str:
+    """The path of the checkpoint ``run_id``'s trainer reported at ``step``, from the run's
+    status: a rollback goes only where the trainer itself saved (its own path, absolute as it
+    reported it, in the layout its framework loads). ValueError, with the steps it knows, when
+    there is none (or ``path`` is not that checkpoint's)."""
+    if status is None:
+        raise ValueError(f"no status for run {run_id}: no worker watches it now, so its checkpoints are unknown "
+                         f"(`trainguard runs` lists the runs the workers know)")
+    known = status.get("saved_checkpoints")
+    if known is None:  # a worker of an earlier release publishes only the newest healthy one
+        known = [status["last_healthy_checkpoint"]] if status.get("last_healthy_checkpoint") else []
+    at_step = [c["path"] for c in known if c.get("step") == step]
+    if not at_step:
+        steps = sorted({c["step"] for c in known if type(c.get("step")) is int})
+        listed = ", ".join(map(str, steps)) if steps else "none reported yet"
+        raise ValueError(f"run {run_id} reported no checkpoint at step {step}; checkpoints it reported: {listed}")
+    if path is None:
+        return at_step[-1]  # saved again at the same step: the newest
+    if path not in at_step:
+        raise ValueError(f"run {run_id}'s checkpoint at step {step} is {at_step[-1]}, not {path}")
+    return path
 
 
 def send_command(settings: KafkaSettings, command: dict, *, wait_s: float = 60.0,
@@ -122,13 +147,25 @@ def _await_ack(acks, command: dict, wait_s: float, out: TextIO, err: TextIO) -> 
 
 def main(args) -> int:
     """``trainguard command`` (args from the CLI's parser)."""
+    from confluent_kafka import KafkaException
+
+    settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
+    path = args.path
     try:
-        command = build_command(args.run, args.action, reason=args.reason, to_step=args.to, path=args.path,
+        if args.action == "rollback" and args.to is not None:
+            try:
+                statuses = read_statuses(settings)
+            except KafkaException as exc:
+                print(f"trainguard command: cannot read run {args.run}'s checkpoints from Kafka at "
+                      f"{settings.bootstrap}: {exc}", file=sys.stderr)
+                return EXIT_BAD_INPUT
+            path = resolve_rollback(args.run, statuses.get(args.run), args.to, args.path)
+        command = build_command(args.run, args.action, reason=args.reason, to_step=args.to, path=path,
                                 ttl_s=args.ttl)
     except ValueError as exc:
         print(f"trainguard command: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return send_command(KafkaSettings.from_env(bootstrap=args.bootstrap), command, wait_s=args.wait)
+    return send_command(settings, command, wait_s=args.wait)
 
 
 # --------------------------------------------------------------------------- runs and status
