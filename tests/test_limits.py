@@ -1,0 +1,88 @@
+"""What one run may hold (streams/engine.py: Limits): a producer with thousands of metric names
+or sources, or thousands of invented run ids, meets a documented cap, said in the log once and
+in the run's status, and every state record stays under a broker's message limit."""
+
+from __future__ import annotations
+
+import logging
+
+from trainguard.schemas import events as ev
+from trainguard.streams import keys, rules as rules_mod
+from trainguard.streams.engine import MAX_SNAPSHOT_METRICS, MAX_UNWATCHED, Engine, Limits
+
+RULES = rules_mod.load(None)
+
+
+def feed(engine: Engine, run_id: str, steps: int, metrics: dict, src=None, first_offset: int = 0) -> list:
+    src = src or ev.source("trainer", "h", 0)
+    outputs = []
+    for step in range(steps):
+        raw = ev.encode(ev.metrics_event(run_id, step, metrics, src=src, ts=1_000.0 + step))
+        outputs += engine.handle(raw, 0, first_offset + step)
+    return outputs
+
+
+def records(engine: Engine) -> dict[bytes, int]:
+    """Every changed entry, serialised as the checkpoint writes it: its size."""
+    return {key: len(engine.serialize(key) or b"") for key in engine.dirty}
+
+
+def test_thousands_of_metric_names_keep_every_record_under_the_message_limit(caplog):
+    caplog.set_level(logging.INFO, logger="trainguard.engine")
+    engine = Engine(RULES, limits=Limits(rows_per_source=1000))
+    per_layer = {f"layer{i}/grad_norm": 0.5 for i in range(1500)}      # watched (a gradient-norm rule)
+    unwatched = {f"layer{i}/act_mean": 0.1 for i in range(2500)}       # no rule judges these
+    feed(engine, "wide", 30, {**per_layer, **unwatched})
+    sizes = records(engine)
+    assert max(sizes.values()) < engine.limits.record_bytes, sizes
+    state = engine._source(keys.source_key("wide", "trainer:h:0:-"), "trainer")
+    assert len(state.block) == 1000, "names no rule judges take no row; the judged ones stop at the cap"
+    status = engine.status("wide")
+    assert status["limits"] == {"rows_per_source": {"cap": 1000, "left_out": 500, "of": "names"}}
+    assert len(status["unwatched_metrics"]) == MAX_UNWATCHED
+    said = [r.getMessage() for r in caplog.records if "rows_per_source cap" in r.getMessage()]
+    assert len(said) == 1 and "TRAINGUARD_MAX_ROWS_PER_SOURCE" in said[0], said
+    # A NaN in a judged name is still paged: the cap leaves the rest of the source working.
+    nan = feed(engine, "wide", 1, {**per_layer, "layer3/grad_norm": float("nan"), **unwatched}, first_offset=30)
+    assert any(o.kind == "alert" and o.value["rule"] == "non_finite" for o in nan), [o.value for o in nan]
+
+
+def test_the_rows_of_a_run_are_capped_over_all_its_sources():
+    engine = Engine(RULES, limits=Limits(rows_per_source=100, rows_per_run=250))
+    for rank in range(4):
+        feed(engine, "ranks", 2, {f"layer{i}/grad_norm": 0.5 for i in range(100)}, src=ev.source("trainer", "h", rank),
+             first_offset=10 * rank)
+    run = engine._run(b"ranks")
+    assert run.rows == 250
+    assert engine.status("ranks")["limits"]["rows_per_run"] == {"cap": 250, "left_out": 150, "of": "names"}
+
+
+def test_sources_past_the_cap_are_counted_not_kept():
+    engine = Engine(RULES, limits=Limits(sources_per_run=8))
+    for rank in range(20):
+        feed(engine, "many", 1, {"actor/kl_loss": 0.01}, src=ev.source("trainer", f"host-{rank}", rank),
+             first_offset=rank)
+    status = engine.status("many")
+    assert status["sources"] == 8
+    assert status["limits"]["sources_per_run"] == {"cap": 8, "left_out": 12, "of": "events"}
+    assert sum(1 for k in engine.store if k.startswith(b"many|")) == 8
+    assert max(records(engine).values()) < 64 * 1024
+
+
+def test_a_node_snapshot_keeps_a_bounded_number_of_values_per_host():
+    engine = Engine(RULES)
+    feed(engine, "node", 1, {f"gpu{i}/util": 50.0 for i in range(5000)}, src=ev.source("node", "n1"))
+    assert len(engine._run(b"node").nodes["n1"]["metrics"]) == MAX_SNAPSHOT_METRICS
+
+
+def test_tiny_runs_are_forgotten_sooner_than_runs_that_logged():
+    engine = Engine(RULES, idle_ttl_s=7 * 86400, limits=Limits(tiny_run_events=3, tiny_run_ttl_s=60))
+    now = [10_000.0]
+    engine.clock = lambda: now[0]
+    feed(engine, "tiny", 1, {"actor/kl_loss": 0.01})
+    feed(engine, "real", 10, {"actor/kl_loss": 0.01})
+    now[0] += 61
+    engine.tick()
+    assert b"tiny" not in engine.store and b"tiny|trainer:h:0:-" not in engine.store
+    assert b"real" in engine.store, "a run past a few events keeps the usual idle time"
+    assert engine.dirty.get(b"tiny") is not None, "forgotten with a tombstone in the changelog"
