@@ -1,88 +1,251 @@
-"""The README's training loop, run as written: its code block, a worker, a fault in the data.
+"""The README's training loop, run as written: its code block, a worker, a toy model.
 
-The loop gets a toy model (one weight) whose training turns NaN on a poisoned batch. The first
-poisoned batch makes the worker roll the run back at once (NaN is immediate) and skip the
-batches that led into it; the second, soon after, is the same incident coming back after a
-rollback, so the worker stops the run. The loop must rewind its step and its data, and leave
-the training loop itself on the stop.
+The loop gets a toy model (one weight) whose training turns NaN on a poisoned batch, and
+checkpoints that are real files. With a fault: the first poisoned batch makes the worker roll
+the run back at once (NaN is immediate) and skip the batches that led into it; the second, soon
+after, is the same incident coming back after a rollback, so the worker stops the run. The
+loop must rewind its step and its data, and leave the training loop itself on the stop.
+Run to its end, the loop says it finished and is never paged as hung; killed, it is paged
+once. Steered by hand (`trainguard command`), it rolls back to the checkpoint it reported,
+acks a checkpoint that does not load as `failed` and trains on, and refuses `pause`.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration import WorkerProcess
+from tests.integration import TopicReader, WorkerProcess, wait_until
+from trainguard.operate import read_statuses
+from trainguard.schemas import events as ev
 
 pytestmark = pytest.mark.integration
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+RUN = "ppo-7b-0412"  # the README's run id
 
 
-def readme_loop() -> str:
+def readme_loop(run_id: str = RUN) -> str:
     text = README.read_text()
     section = text[text.index("## Hook a real training loop"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert code.count(f'"{RUN}"') == 2, "the README's loop names its run id twice"
+    return code.replace(f'"{RUN}"', json.dumps(run_id))
 
 
 class ToyTrainer:
-    """A one-weight model; ``train_one_step`` on a poisoned batch makes it NaN."""
+    """A one-weight model; ``train_one_step`` on a poisoned batch makes it NaN. Checkpoints
+    are JSON files in ``ckpt_dir``, reported by their absolute paths."""
 
-    def __init__(self, poisoned: set[int]):
+    def __init__(self, poisoned: set[int], ckpt_dir: str | os.PathLike, step_s: float = 0.05):
         self.weight, self.poisoned = 1.0, poisoned
-        self.checkpoints: dict[str, tuple[int, float]] = {}
+        self.ckpt_dir = Path(ckpt_dir).resolve()
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.step_s = step_s               # a real step takes seconds; here 50 ms
         self.batches: list[int] = []
-        self.steps_seen: list[int] = []
+        self.loaded: list[str] = []
 
     def batch_for(self, index: int) -> int:
         self.batches.append(index)
         return index
 
     def train_one_step(self, batch: int) -> dict:
+        time.sleep(self.step_s)
         self.weight = math.nan if batch in self.poisoned else self.weight * 0.999
         return {"actor/pg_loss": self.weight - 1.0, "actor/grad_norm": 0.5 if self.weight == self.weight else math.nan}
 
     def save_checkpoint(self, step: int) -> str:
-        path = f"/ckpt/global_step_{step}"
-        self.checkpoints[path] = (step, self.weight)
-        return path
+        path = self.ckpt_dir / f"global_step_{step}.json"
+        path.write_text(json.dumps({"step": step, "weight": self.weight}))
+        return str(path)
 
     def load_checkpoint(self, path: str) -> int:
-        step, self.weight = self.checkpoints[path]
-        return step
+        state = json.loads(Path(path).read_text())  # FileNotFoundError when it is gone
+        self.weight = state["weight"]
+        self.loaded.append(path)
+        return state["step"]
+
+    def namespace(self, total_steps: int, save_every: int = 10) -> dict:
+        return {"start": 0, "total_steps": total_steps, "save_every": save_every, "batch_for": self.batch_for,
+                "train_one_step": self.train_one_step, "save_checkpoint": self.save_checkpoint,
+                "load_checkpoint": self.load_checkpoint}
+
+
+def run_readme_loop(namespace: dict, run_id: str = RUN) -> dict:
+    exec(compile(readme_loop(run_id), str(README), "exec"), namespace)
+    return namespace
+
+
+def _env(kafka, monkeypatch=None) -> dict:
+    prefix = kafka.topics.events.rsplit(".", 1)[0]
+    env = {"TRAINGUARD_BOOTSTRAP": kafka.bootstrap, "TRAINGUARD_TOPIC_PREFIX": prefix,
+           "TRAINGUARD_PARTITIONS": str(kafka.partitions)}
+    if monkeypatch is not None:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+    return {**os.environ, **env}
+
+
+def _lifecycles(events: TopicReader, run_id: str) -> list[str]:
+    return [e["event"] for e in events.drain(1.0) if e["schema"] == ev.LIFECYCLE and e["run_id"] == run_id]
 
 
 def test_the_readme_loop_rolls_back_skips_the_bad_data_and_stops(kafka, tmp_path, monkeypatch):
-    monkeypatch.setenv("TRAINGUARD_BOOTSTRAP", kafka.bootstrap)
-    monkeypatch.setenv("TRAINGUARD_TOPIC_PREFIX", kafka.topics.events.rsplit(".", 1)[0])
-    monkeypatch.setenv("TRAINGUARD_PARTITIONS", str(kafka.partitions))
+    _env(kafka, monkeypatch)
     worker = WorkerProcess(kafka, tmp_path).start()
     try:
         worker.wait_ready()
-        toy = ToyTrainer(poisoned={30, 45})
-        namespace = {"start": 0, "total_steps": 400, "save_every": 10, "batch_for": toy.batch_for,
-                     "train_one_step": toy.train_one_step, "save_checkpoint": toy.save_checkpoint,
-                     "load_checkpoint": toy.load_checkpoint}
-        step_time = __import__("time").sleep
-        original = toy.train_one_step
-
-        def paced(batch):                     # a real step takes seconds; here 50 ms
-            step_time(0.05)
-            return original(batch)
-
-        namespace["train_one_step"] = paced
-        exec(compile(readme_loop(), str(README), "exec"), namespace)
+        toy = ToyTrainer(poisoned={30, 45}, ckpt_dir=tmp_path / "ckpt")
+        namespace = run_readme_loop(toy.namespace(total_steps=400))
 
         step, skipped = namespace["step"], namespace["skipped"]
         # Batch 30 turned step 31 NaN: rolled back at once to the checkpoint of step 30, skipping it.
         assert skipped == 1 and toy.batches.count(30) == 1, (skipped, toy.batches)
+        assert toy.loaded and toy.loaded[0].endswith("global_step_30.json"), toy.loaded
         assert 45 in toy.batches
         rewound = [i for i in range(1, len(toy.batches)) if toy.batches[i] <= toy.batches[i - 1]]
         assert len(rewound) >= 1, "the data rewound with the step (the restore undid those batches)"
         assert namespace["stop"] is True and step < 100, "the stop left the training loop long before 400 steps"
         assert namespace["logger"]._closed
+        events = TopicReader(kafka, kafka.topics.events)
+        ends = _lifecycles(events, RUN)
+        assert "rolled_back" in ends and ends[-1] == "stopped" and "finished" not in ends, ends
+        events.close()
     finally:
+        worker.kill()
+
+
+STALE_S = 4
+HUNG_RULES = f"""
+version: 1
+rules:
+  - name: trainer_hung
+    metric: "*"
+    detector: {{kind: stale, timeout_s: {STALE_S}}}
+    sources: [trainer]
+    severity: P1
+    summary: Trainer hung
+"""
+
+# The README loop in a process of its own, training until it is killed.
+CHILD = """
+import sys
+from tests.test_readme_loop import ToyTrainer, run_readme_loop
+run_readme_loop(ToyTrainer(set(), sys.argv[2]).namespace(total_steps=10**6), run_id=sys.argv[1])
+"""
+
+
+def test_a_finished_run_is_never_paged_as_hung_and_a_killed_one_once(kafka, tmp_path, monkeypatch):
+    env = _env(kafka, monkeypatch)
+    rules = tmp_path / "hung.yaml"
+    rules.write_text(HUNG_RULES)
+    worker = WorkerProcess(kafka, tmp_path, rules_path=rules).start()
+    killed = None
+    try:
+        worker.wait_ready()
+        events = TopicReader(kafka, kafka.topics.events)
+        killed = subprocess.Popen([sys.executable, "-c", CHILD, "killed-1", str(tmp_path / "killed")], cwd=ROOT,
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        toy = ToyTrainer(set(), tmp_path / "ckpt")
+        namespace = run_readme_loop(toy.namespace(total_steps=30))
+        assert namespace["step"] == 30 and namespace["stop"] is False
+        events.wait_for(lambda e: e["run_id"] == "killed-1" and e["schema"] == ev.METRICS and e["step"] >= 20,
+                        timeout=60, what="the other trainer's 20th step", worker=worker)
+        os.killpg(killed.pid, signal.SIGKILL)  # a crash: nothing more, not even a word
+        killed.wait(10)
+        ended_at = time.monotonic()
+
+        alerts = TopicReader(kafka, kafka.topics.alerts)
+        alerts.wait_for(lambda a: a["rule"] == "trainer_hung" and a["run_id"] == "killed-1", timeout=30,
+                        what="the killed trainer's hung alert", worker=worker)
+        time.sleep(max(0.0, 3 * STALE_S + 5 - (time.monotonic() - ended_at)))  # 3x the timeout, and a tick
+        hung = [a for a in alerts.drain(2.0) if a["rule"] == "trainer_hung"]
+        assert {a["run_id"] for a in hung} == {"killed-1"}, "the finished run was paged as hung"
+        assert len({a["id"] for a in hung if a["status"] == "firing"}) == 1, hung
+        assert _lifecycles(events, RUN)[-1] == "finished"
+        assert "finished" not in _lifecycles(events, "killed-1")
+        events.close()
+        alerts.close()
+    finally:
+        if killed is not None and killed.poll() is None:
+            os.killpg(killed.pid, signal.SIGKILL)
+        worker.kill()
+
+
+def _command(env: dict, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainguard.cli", "command", RUN, *args], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=120)
+
+
+def test_commands_by_hand_roll_back_to_a_reported_checkpoint_fail_loudly_and_refuse_pause(kafka, tmp_path,
+                                                                                          monkeypatch):
+    env = _env(kafka, monkeypatch)
+    worker = WorkerProcess(kafka, tmp_path).start()
+    elsewhere = tmp_path / "elsewhere"  # the operator's shell is not in the trainer's directory
+    elsewhere.mkdir()
+    outcome: dict = {}
+    toy = ToyTrainer(set(), tmp_path / "ckpt", step_s=0.1)
+
+    def train():
+        try:
+            outcome["namespace"] = run_readme_loop(toy.namespace(total_steps=100_000))
+        except BaseException as exc:  # the test fails on it below
+            outcome["error"] = exc
+
+    loop = threading.Thread(target=train, daemon=True)
+    try:
+        worker.wait_ready()
+        loop.start()
+
+        def known_steps():
+            status = read_statuses(kafka, timeout_s=5).get(RUN) or {}
+            steps = [c["step"] for c in status.get("saved_checkpoints", [])]
+            return steps if {10, 20} <= set(steps) else None
+
+        wait_until(known_steps, timeout=60, what="checkpoints 10 and 20 in the run's status")
+
+        unknown = _command(env, "rollback", "--to", "15", "--reason", "no such checkpoint", cwd=elsewhere)
+        assert unknown.returncode == 2, unknown.stdout + unknown.stderr
+        assert "no checkpoint at step 15" in unknown.stderr and "10, 20" in unknown.stderr, unknown.stderr
+
+        rollback = _command(env, "rollback", "--to", "20", "--reason", "bad shard after 20", cwd=elsewhere)
+        assert rollback.returncode == 0, rollback.stdout + rollback.stderr
+        assert "applied at step" in rollback.stdout and "restored step 20" in rollback.stdout, rollback.stdout
+        assert toy.loaded == [str(toy.ckpt_dir / "global_step_20.json")]
+
+        (toy.ckpt_dir / "global_step_10.json").unlink()  # reported, then lost (a cleaned disk)
+        gone = _command(env, "rollback", "--to", "10", "--reason", "further back", cwd=elsewhere)
+        assert gone.returncode == 1, gone.stdout + gone.stderr
+        assert "failed at step" in gone.stdout and "FileNotFoundError" in gone.stdout, gone.stdout
+        batches = len(toy.batches)
+        wait_until(lambda: len(toy.batches) > batches + 5, timeout=30, what="training going on after the failure")
+
+        pause = _command(env, "pause", "--reason", "read the samples", cwd=elsewhere)
+        assert pause.returncode == 1, pause.stdout + pause.stderr
+        assert "rejected" in pause.stdout and "does not handle pause" in pause.stdout, pause.stdout
+
+        stop = _command(env, "stop", "--reason", "enough", cwd=elsewhere)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        loop.join(30)
+        assert not loop.is_alive() and "error" not in outcome, outcome
+        assert outcome["namespace"]["stop"] is True
+        events = TopicReader(kafka, kafka.topics.events)
+        ends = _lifecycles(events, RUN)
+        assert ends.count("rolled_back") == 1 and ends[-1] == "stopped" and "finished" not in ends, ends
+        events.close()
+    finally:
+        if loop.is_alive():
+            _command(env, "stop", "--reason", "test over", "--wait", "0", cwd=elsewhere)
+            loop.join(10)
         worker.kill()

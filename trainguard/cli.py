@@ -240,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="the run id")
     p.add_argument("action", choices=("pause", "resume", "stop", "rollback"), help="what the trainer should do")
     p.add_argument("--reason", required=True, help="why (kept with the command, shown to the trainer)")
-    p.add_argument("--to", type=int, metavar="STEP", help="rollback: the checkpoint step to restore")
-    p.add_argument("--path", help="rollback: the checkpoint's path (default: global_step_STEP)")
+    p.add_argument("--to", type=int, metavar="STEP",
+                   help="rollback: the step of a checkpoint the run's trainer reported (`trainguard status RUN`)")
+    p.add_argument("--path", help="rollback: the checkpoint's path (default: the one the trainer reported at STEP)")
     p.add_argument("--wait", type=float, default=60.0,
                    help="seconds to wait for the trainer's ack; 0 sends and returns (default: %(default)s)")
     p.add_argument("--ttl", type=float, default=300.0,
