@@ -266,3 +266,41 @@ def test_an_alert_acknowledged_and_resolved_by_hand_end_to_end(kafka, tmp_path):
         logger.close(quiet=True)
         worker.kill()
         other.kill()
+
+
+def test_runs_and_status_print_no_escape_sequence_and_count_bad_statuses(kafka):
+    """Whoever writes to the status topic chooses the strings `runs` and `status` print: escape
+    sequences are stripped, a status of odd shape is shown as far as it can be, and records that
+    are not a run's valid status are skipped and counted."""
+    import orjson
+
+    from tests.integration import produce
+    from tests.test_tail import HOSTILE
+
+    def status(run_id, **fields):
+        return {"schema": "status/1", "run_id": run_id, "ts": 1.7e9, "last_step": 7, "last_event_ts": 1.7e9,
+                "breaker": {"status": "closed", "rollbacks": 0}, "open_alerts": [], **fields}
+
+    hostile = status("esc-1", worker="w" + HOSTILE, breaker={"status": "closed" + HOSTILE, "rollbacks": 1},
+                     open_alerts=[{"rule": "kl" + HOSTILE, "severity": 5, "metric": "m" + HOSTILE, "value": 0.1,
+                                   "id": HOSTILE}, {"rule": "nan", "severity": "P0", "acknowledged": HOSTILE}],
+                     silences=[{"id": "s1", "until": 1.7e9, "reason": HOSTILE}],
+                     unwatched_metrics=["x" + HOSTILE, 3], last_healthy_checkpoint={"step": 5, "path": HOSTILE})
+    odd = status("odd-1", silences=[{"until": "soon"}], dropped_events="many", last_step=None)
+    produce(kafka, kafka.topics.status, "esc-1", [orjson.dumps(hostile)])
+    produce(kafka, kafka.topics.status, "odd-1", [orjson.dumps(odd), b'{"schema":"ack/1"}'])
+    produce(kafka, kafka.topics.status, "esc-2", [orjson.dumps(status("not-esc-2"))])
+
+    table, shown, shown_odd = _runs(kafka, "runs"), _runs(kafka, "status", "esc-1"), _runs(kafka, "status", "odd-1")
+    for result in (table, shown, shown_odd):
+        assert result.returncode == 0, result.stderr
+        for bad in ("\x1b", "\x9b", "\x07", "\u202e"):
+            assert bad not in result.stdout + result.stderr, f"{bad!r} reached the terminal: {result.stdout!r}"
+        assert "2 record(s) skipped" in result.stderr, result.stderr
+    rows = {line.split()[0]: line for line in table.stdout.splitlines()[1:]}
+    assert set(rows) == {"esc-1", "odd-1"}, "no run invented by a record keyed for another"
+    assert "5 kl" in rows["esc-1"] and "P0 nan" in rows["esc-1"]
+    assert all(line.startswith("  ") for line in shown.stdout.splitlines()[1:]), "no line forged"
+    assert "run esc-1: closedclick" in shown.stdout and "P0 RESOLVED all clear" in shown.stdout
+    assert "silenced (every rule) until ? by ?" in shown_odd.stdout
+    assert "last step -" in shown_odd.stdout and "dropped many event(s)" in shown_odd.stdout

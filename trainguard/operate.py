@@ -18,8 +18,10 @@ import time
 import uuid
 from typing import TextIO
 
-from trainguard.kafka import KafkaSettings, control_partitions_of, partition_for, topic_reader
+from trainguard.kafka import KafkaSettings, TopicDecoder, control_partitions_of, partition_for, topic_reader
 from trainguard.schemas import events as ev
+from trainguard.sinks.reports import format_value
+from trainguard.terminal import safe, safe_event, safe_json
 from trainguard.schemas.signing import load_keys, sign, signing_key_for_worker
 
 # Actions an operator sends by hand (the worker's own also include skip_data, checkpoint_now).
@@ -136,7 +138,7 @@ def _await_ack(acks, command: dict, wait_s: float, out: TextIO, err: TextIO) -> 
             if ack["command_id"] != command["id"]:
                 continue
             step = f" at step {ack['step']}" if ack.get("step") is not None else ""
-            print(f"{ack['status']}{step}: {ack.get('detail') or '(no detail)'}", file=out, flush=True)
+            print(f"{ack['status']}{step}: {safe(ack.get('detail') or '(no detail)')}", file=out, flush=True)
             return EXIT_APPLIED if ack["status"] == "applied" else EXIT_REFUSED
     expires = time.strftime("%H:%M:%S", time.localtime(command["expires"]))
     print(f"trainguard command: no ack from run {command['run_id']} within {wait_s:.0f} s. Is its trainer "
@@ -171,12 +173,15 @@ def main(args) -> int:
 # --------------------------------------------------------------------------- runs and status
 
 
-def read_statuses(settings: KafkaSettings, timeout_s: float = 15.0) -> dict[str, dict]:
+def read_statuses(settings: KafkaSettings, timeout_s: float = 15.0,
+                  decoder: TopicDecoder | None = None) -> dict[str, dict]:
     """The latest status of every run the workers know, from the compacted status topic (read
-    to its current end; a tombstone removes a run). KafkaException when the broker cannot be
-    reached or the topic is missing."""
+    to its current end; a tombstone removes a run). A record that is not a valid status of the
+    run it is keyed by is skipped and counted in ``decoder``. KafkaException when the broker
+    cannot be reached or the topic is missing."""
     from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+    decoder = decoder or TopicDecoder(settings.topics, "trainguard status")
     topic = settings.topics.status
     consumer = Consumer(settings.confluent(**{"group.id": f"trainguard-status-{uuid.uuid4().hex[:8]}",
                                               "enable.auto.commit": False, "log_level": 2}))
@@ -202,13 +207,14 @@ def read_statuses(settings: KafkaSettings, timeout_s: float = 15.0) -> dict[str,
                 if msg.error():
                     continue
                 run_id = (msg.key() or b"").decode("utf-8", "replace")
-                if msg.value() is None:
+                decoded = decoder.decode(topic, msg.value())  # a status from another release: skipped
+                if decoded is not None and decoded[1] is None:
                     statuses.pop(run_id, None)
-                else:
-                    try:
-                        statuses[run_id] = ev.decode(msg.value(), expect=(ev.STATUS,))
-                    except ev.SchemaError:
-                        pass  # a status from another release: the next one replaces it
+                elif decoded is not None and decoded[1]["run_id"] != run_id:
+                    decoder.skip("status: keyed by another run", f"key {run_id[:80]!r}, run_id "
+                                                                 f"{decoded[1]['run_id'][:80]!r}")
+                elif decoded is not None:
+                    statuses[run_id] = decoded[1]
                 if msg.offset() + 1 >= ends.get(msg.partition(), 0):
                     ends.pop(msg.partition(), None)
         if ends:
@@ -219,10 +225,14 @@ def read_statuses(settings: KafkaSettings, timeout_s: float = 15.0) -> dict[str,
 
 
 def _ago(ts: float | None, now: float) -> str:
-    if ts is None:
+    if type(ts) not in (int, float):
         return "never"
     s = max(0.0, now - ts)
     return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
+
+
+def _clock(ts, fmt: str = "%H:%M:%S") -> str:
+    return time.strftime(fmt, time.localtime(ts)) if type(ts) in (int, float) else "?"
 
 
 def _state(status: dict) -> str:
@@ -235,74 +245,100 @@ def _state(status: dict) -> str:
     return state + (" (silenced)" if status.get("silences") else "")
 
 
+def _by_severity(alerts: list) -> list:
+    return sorted(alerts, key=lambda a: (str(a.get("severity") or "P9"), a["rule"]))
+
+
 def _alerts_brief(status: dict) -> str:
-    alerts = sorted(status["open_alerts"], key=lambda a: (a.get("severity") or "P9", a["rule"]))
-    return ", ".join(f"{a.get('severity') or '?'} {a['rule']}" for a in alerts) or "-"
+    return ", ".join(f"{a.get('severity') or '?'} {a['rule']}" for a in _by_severity(status["open_alerts"])) or "-"
+
+
+def _shown(v) -> str:
+    return "-" if v is None else format_value(v)
 
 
 def format_runs(statuses: dict[str, dict], now: float | None = None) -> str:
-    """One line per run, the most recently active first."""
+    """One line per run, the most recently active first. Every string from the topic is made
+    terminal-safe; a status whose fields this release cannot show gets a line saying so."""
     now = time.time() if now is None else now
     rows = [("RUN", "STEP", "LAST EVENT", "STATE", "ROLLBACKS", "HEALTHY CKPT", "OPEN ALERTS")]
-    for s in sorted(statuses.values(), key=lambda s: s.get("last_event_ts") or 0, reverse=True):
-        ckpt = s.get("last_healthy_checkpoint")
-        rows.append((s["run_id"], "-" if s.get("last_step") is None else str(s["last_step"]),
-                     _ago(s.get("last_event_ts"), now), _state(s), str(s["breaker"]["rollbacks"]),
-                     str(ckpt["step"]) if ckpt else "-", _alerts_brief(s)))
+    order = sorted(statuses.values(), key=lambda s: s.get("last_event_ts") or 0, reverse=True)
+    for s in (safe_event(s) for s in order):
+        try:
+            ckpt = s.get("last_healthy_checkpoint")
+            rows.append((s["run_id"], _shown(s.get("last_step")), _ago(s.get("last_event_ts"), now), _state(s),
+                         _shown(s["breaker"]["rollbacks"]), _shown(ckpt.get("step")) if ckpt else "-",
+                         _alerts_brief(s)))
+        except Exception as exc:  # valid, but of a shape this release cannot show: say so, show the rest
+            rows.append((s["run_id"], "?", "?", f"unreadable status ({type(exc).__name__})", "?", "?", "?"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
 
 
 def format_status(s: dict, now: float | None = None) -> str:
-    """A run's state, a few lines."""
+    """A run's state, a few lines, every string from the topic made terminal-safe."""
     now = time.time() if now is None else now
+    s = safe_event(s)
     breaker = s["breaker"]
     lines = [f"run {s['run_id']}: {_state(s)} (as of {_ago(s['ts'], now)}, worker {s.get('worker', '?')})",
-             f"  last step {s.get('last_step', '-')}, last event {_ago(s.get('last_event_ts'), now)}, "
-             f"{s.get('sources', 0)} source(s)"]
-    rolled = f", the last to step {breaker['restored_step']}" if breaker.get("restored_step") is not None else ""
+             f"  last step {_shown(s.get('last_step'))}, last event {_ago(s.get('last_event_ts'), now)}, "
+             f"{_shown(s.get('sources', 0))} source(s)"]
+    rolled = f", the last to step {_shown(breaker['restored_step'])}" if breaker.get("restored_step") is not None \
+        else ""
     lines.append(f"  breaker {breaker['status']}; {breaker['rollbacks']} rollback(s){rolled}")
     if s["open_alerts"]:
         lines.append("  open alerts:")
-        for a in sorted(s["open_alerts"], key=lambda a: (a.get("severity") or "P9", a["rule"])):
-            where = f" at step {a['step']}" if a.get("step") is not None else ""
-            value = f" {a['metric']}={a['value']}" if a.get("metric") else ""
+        for a in _by_severity(s["open_alerts"]):
+            where = f" at step {_shown(a['step'])}" if a.get("step") is not None else ""
+            value = f" {a['metric']}={_shown(a.get('value'))}" if a.get("metric") else ""
             acked = a.get("acknowledged")
-            on_it = f"  acknowledged by {acked.get('by') or '?'}: {acked.get('reason', '')}" if acked else ""
-            lines.append(f"    {a.get('severity') or '?'} {a['rule']}{value}{where}  ({a.get('id')}){on_it}")
+            on_it = (f"  acknowledged by {acked.get('by') or '?'}: {acked.get('reason', '')}"
+                     if isinstance(acked, dict) else "")
+            lines.append(f"    {a.get('severity') or '?'} {a['rule']}{value}{where}  ({a.get('id') or '-'}){on_it}")
     else:
         lines.append("  open alerts: none")
     for silence in s.get("silences") or ():
         scope = f"rule {silence['rule']}" if silence.get("rule") else "every rule"
-        lines.append(f"  silenced ({scope}) until {time.strftime('%H:%M:%S', time.localtime(silence['until']))} "
-                     f"by {silence.get('by') or '?'}: {silence.get('reason', '')}  ({silence['id']})")
+        lines.append(f"  silenced ({scope}) until {_clock(silence.get('until'))} by {silence.get('by') or '?'}: "
+                     f"{silence.get('reason', '')}  ({silence.get('id')})")
     ckpt = s.get("last_healthy_checkpoint")
-    lines.append("  newest healthy checkpoint: " + (f"step {ckpt['step']} ({ckpt['path']})" if ckpt else "none")
-                 + f"; {s.get('checkpoints', 0)} checkpoint(s) seen")
-    unwatched = s.get("unwatched_metrics") or []
+    lines.append("  newest healthy checkpoint: "
+                 + (f"step {_shown(ckpt.get('step'))} ({ckpt.get('path')})" if ckpt else "none")
+                 + f"; {_shown(s.get('checkpoints', 0))} checkpoint(s) seen")
+    unwatched = [n for n in s.get("unwatched_metrics") or [] if isinstance(n, str)]
     if unwatched:
         shown = ", ".join(unwatched[:10]) + (f" (+{len(unwatched) - 10} more)" if len(unwatched) > 10 else "")
         lines.append(f"  logged but judged by no rule: {shown} (add a rule, or map the name to a signal: "
                      f"docs/rules.md)")
     if s.get("dropped_events"):
-        lines.append(f"  the trainer's client dropped {s['dropped_events']:.0f} event(s) (broker unreachable "
+        lines.append(f"  the trainer's client dropped {_shown(s['dropped_events'])} event(s) (broker unreachable "
                      f"or its queue full): detection saw gaps")
     return "\n".join(lines)
 
 
-def runs_main(args) -> int:
-    """``trainguard runs``."""
+def _read_statuses_for(name: str, settings: KafkaSettings) -> tuple[dict[str, dict] | None, TopicDecoder]:
+    """The statuses (None when Kafka cannot be read, said on stderr) and what was skipped."""
     from confluent_kafka import KafkaException
 
-    settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
+    decoder = TopicDecoder(settings.topics, name, report=lambda m: print(m, file=sys.stderr))
     try:
-        statuses = read_statuses(settings)
+        return read_statuses(settings, decoder=decoder), decoder
     except KafkaException as exc:
-        print(f"trainguard runs: cannot read run status from Kafka at {settings.bootstrap}: {exc}", file=sys.stderr)
+        print(f"{name}: cannot read run status from Kafka at {settings.bootstrap}: {exc}", file=sys.stderr)
+        return None, decoder
+
+
+def runs_main(args) -> int:
+    """``trainguard runs``."""
+    settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
+    statuses, decoder = _read_statuses_for("trainguard runs", settings)
+    if statuses is None:
         return EXIT_BAD_INPUT
+    if decoder.skipped:
+        print(f"trainguard runs: {decoder.summary()}", file=sys.stderr)
     if args.json:
         for s in sorted(statuses.values(), key=lambda s: s.get("last_event_ts") or 0, reverse=True):
-            print(ev.encode(s).decode())
+            print(safe_json(ev.encode(s).decode()))
         return 0
     if not statuses:
         print(f"no runs: the workers on {settings.bootstrap} watch none now (finished runs are forgotten "
@@ -314,22 +350,27 @@ def runs_main(args) -> int:
 
 def status_main(args) -> int:
     """``trainguard status RUN``."""
-    from confluent_kafka import KafkaException
-
     settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
-    try:
-        statuses = read_statuses(settings)
-    except KafkaException as exc:
-        print(f"trainguard status: cannot read run status from Kafka at {settings.bootstrap}: {exc}",
-              file=sys.stderr)
+    statuses, decoder = _read_statuses_for("trainguard status", settings)
+    if statuses is None:
         return EXIT_BAD_INPUT
+    if decoder.skipped:
+        print(f"trainguard status: {decoder.summary()}", file=sys.stderr)
     status = statuses.get(args.run)
     if status is None:
-        known = ", ".join(sorted(statuses)[:10]) or "none"
-        print(f"trainguard status: no status for run {args.run}: no worker watches it now (not started, or "
+        known = ", ".join(safe(r) for r in sorted(statuses)[:10]) or "none"
+        print(f"trainguard status: no status for run {safe(args.run)}: no worker watches it now (not started, or "
               f"finished and forgotten). Runs known: {known}", file=sys.stderr)
         return EXIT_REFUSED
-    print(ev.encode(status).decode() if args.json else format_status(status))
+    if args.json:
+        print(safe_json(ev.encode(status).decode()))
+        return 0
+    try:
+        print(format_status(status))
+    except Exception as exc:  # valid, but of a shape this release cannot show
+        print(f"trainguard status: run {safe(args.run)}'s status has fields this release cannot show "
+              f"({type(exc).__name__}: {safe(str(exc))[:200]}); --json prints it as it is", file=sys.stderr)
+        return EXIT_BAD_INPUT
     return 0
 
 
@@ -457,7 +498,7 @@ def alert_main(args) -> int:
                 except ev.SchemaError:
                     continue
                 if alert.get("id") == args.alert and alert.get("status") == "resolved":
-                    print(f"resolved {args.alert} of run {run_id}: {alert.get('resolution', '')}")
+                    print(f"resolved {args.alert} of run {run_id}: {safe(str(alert.get('resolution', '')))}")
                     return EXIT_APPLIED
     finally:
         alerts.close()
