@@ -91,3 +91,31 @@ def test_alerting_defaults_apply_to_rules_of_that_severity():
     for step in range(1, 21):
         statuses += [a["status"] for a in send(step, {"kl": 0.2 if step % 2 else 0.05})]
     assert statuses == ["firing", "resolved"] * 10
+
+
+def test_a_sparse_reward_run_with_a_dead_step_in_eight_warns_once_and_never_pages():
+    """Zero gradients now and then are this run's normal: judged against its own history."""
+    send = _driver(Engine(rules_mod.default()), "sparse")
+    alerts = []
+    for step in range(1, 801):
+        dead = step % 8 == 0 or step % 97 in (1, 2)  # one step in eight, and a streak of 3 now and then
+        alerts += send(step, {"actor/grad_norm": 0.0 if dead else 0.4 + 0.01 * (step % 7)})
+    firing = [(a["rule"], a["severity"]) for a in alerts if a["status"] == "firing"]
+    assert not [f for f in firing if f[1] in ("P0", "P1")], firing
+    assert len(firing) <= 2, firing
+
+
+def test_a_run_dead_from_its_first_points_pages_and_a_streak_far_past_its_own_pages_too():
+    send = _driver(Engine(rules_mod.default()), "dead")
+    first = [a["rule"] for step in range(1, 6) for a in send(step, {"actor/grad_norm": 0.0})
+             if a["status"] == "firing"]
+    assert first == ["zero_gradient", "no_update"], "a warning at the first dead point, a page at the fifth"
+    send2 = _driver(Engine(rules_mod.default()), "later")
+    alerts = []
+    for step in range(1, 200):
+        alerts += send2(step, {"actor/grad_norm": 0.0 if step % 10 == 0 else 0.5})  # streaks of one
+    assert not [a for a in alerts if a["rule"] == "no_update"]
+    pages = [a for step in range(200, 206) for a in send2(step, {"actor/grad_norm": 0.0})
+             if a["rule"] == "no_update" and a["status"] == "firing"]
+    assert [a["step"] for a in pages] == [204], "a streak of 5 against the run's longest of 1"
+    assert pages[0]["evidence"]["longest_earlier_streak"] == 1

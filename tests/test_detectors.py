@@ -18,6 +18,7 @@ from trainguard.streams.detectors import (
     EWMA,
     Collapse,
     CrossRank,
+    DeadSteps,
     Detector,
     DistributionShift,
     Leak,
@@ -50,6 +51,7 @@ def factories():
         "level_early": lambda: Level(recent=3, reference=10, below=0.5, above=2.0),
         "level_peak": lambda: Level(recent=3, reference=5, mode="peak", below=0.6),
         "level_trailing": lambda: Level(recent=2, reference=5, mode="trailing", above=2.0),
+        "dead_steps": lambda: DeadSteps(target=0.0, from_start=1, min_streak=3, max_fraction=0.5),
     }
 
 

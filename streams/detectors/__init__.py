@@ -11,6 +11,7 @@ classes. Silence (a hung trainer) and non-finite values are the engine's own, no
 from .base import REGISTRY, Detector, Stateful, detector_from_state, is_finite
 from .changepoint import CUSUM, PageHinkley
 from .collapse import Collapse
+from .dead import DeadSteps
 from .ewma import EWMA
 from .leak import Leak
 from .level import Level
@@ -36,6 +37,7 @@ __all__ = [
     "Leak",
     "DistributionShift",
     "Collapse",
+    "DeadSteps",
     "Spike",
     "Level",
     "CrossRank",
