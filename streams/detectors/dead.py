@@ -105,5 +105,5 @@ class DeadSteps(Detector):
             return {"detector": self.kind, "ready": False, "points": self.points}
         value, dead, streak, need, fraction, base_rate, why = self.last
         return {"detector": self.kind, "value": value, "anomalous": bool(why), "dead": dead, "streak": streak,
-                "streak_needed": need, "longest_earlier_streak": self.longest, "dead_fraction": fraction, "window": self.window,
-                "dead_rate_before": base_rate, "points": self.points, "why": why}
+                "streak_needed": need, "longest_earlier_streak": self.longest, "dead_fraction": fraction,
+                "window": self.window, "dead_rate_before": base_rate, "points": self.points, "why": why}
