@@ -48,33 +48,36 @@ def _topic_names(settings: KafkaSettings, topics) -> list[str]:
     return names
 
 
-def _start_at(started_ms: int):
+def _start_at(started_ms: int, attempts: int = 5):
     """``on_assign`` for a group: a partition the group has no committed offset for starts at
     the first record published at or after ``started_ms``, not at either end (so neither the
     history nor what was published while the group joined is lost or replayed)."""
-    from confluent_kafka import OFFSET_END, TopicPartition
+    from confluent_kafka import TopicPartition
+
+    def offsets(consumer, fresh) -> dict:
+        # the ends first: where no record is as new as the start, the end as it was then
+        ends = {(tp.topic, tp.partition): consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1]
+                for tp in fresh}
+        found = consumer.offsets_for_times([TopicPartition(tp.topic, tp.partition, started_ms) for tp in fresh],
+                                           timeout=10)
+        return {(tp.topic, tp.partition): tp.offset if tp.offset >= 0 else ends[(tp.topic, tp.partition)]
+                for tp in found}
 
     def on_assign(consumer, partitions) -> None:
-        try:
-            committed = consumer.committed(partitions, timeout=10)
-            fresh = [tp for tp in committed if tp.offset < 0]
-            if fresh:
-                # the ends first: where no record is as new as the start, the end as it was then
-                ends = {(tp.topic, tp.partition): consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1]
-                        for tp in fresh}
-                found = consumer.offsets_for_times([TopicPartition(tp.topic, tp.partition, started_ms)
-                                                    for tp in fresh], timeout=10)
-                at = {(tp.topic, tp.partition): tp.offset if tp.offset >= 0 else ends[(tp.topic, tp.partition)]
-                      for tp in found}
+        error = None
+        for attempt in range(attempts):  # a topic just created may not have its leaders yet
+            try:
+                fresh = [tp for tp in consumer.committed(partitions, timeout=10) if tp.offset < 0]
+                at = offsets(consumer, fresh) if fresh else {}
                 for tp in partitions:
-                    if (tp.topic, tp.partition) in at:
-                        tp.offset = at[(tp.topic, tp.partition)]
-        except Exception as exc:  # the broker cannot say: what comes next, never the history
+                    tp.offset = at.get((tp.topic, tp.partition), tp.offset)
+                break
+            except Exception as exc:
+                error = exc
+                time.sleep(0.5 * (attempt + 1))
+        else:  # the broker cannot say: committed offsets, else what comes next (auto.offset.reset)
             log.warning("trainguard: sinks cannot find the offsets at their start (%s); "
-                        "new partitions start at their end", exc)
-            for tp in partitions:
-                if tp.offset < 0:
-                    tp.offset = OFFSET_END
+                        "new partitions start at their end", error)
         consumer.assign(partitions)
 
     return on_assign
@@ -253,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-console", action="store_true", help="do not print to stdout")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the start line (where it reads from, where the outbox is) even under `trainguard`'s WARNING
+    logging.getLogger("trainguard.sinks").setLevel(logging.INFO)
     settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
     sinks = build_sinks(console=not args.no_console, jsonl_path=args.jsonl, group=args.group)
     stop = threading.Event()

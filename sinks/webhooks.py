@@ -24,6 +24,7 @@ Message text comes from the editable templates in ``sinks/templates/`` (see its 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import json
@@ -63,8 +64,10 @@ TEMPLATES_DIR = Path(__file__).parent / "templates"
 _MARKDOWN = str.maketrans({"[": "\uff3b", "]": "\uff3d", "<": "\uff1c", ">": "\uff1e", "*": "\u2217",
                            "`": "\u02cb", "~": "\uff5e", "|": "\uff5c", "#": "\uff03"})
 # Slack mrkdwn: &, < and > as entities (Slack's own rule: no <!channel>, no <url|text>), and the
-# look-alikes for the characters that would close our code spans or add emphasis.
-_SLACK = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", "`": "\u02cb", "*": "\u2217", "~": "\uff5e"})
+# look-alikes for the characters that would close our code spans, add emphasis, or make a
+# markdown link of what a client or a bridge might render as one.
+_SLACK = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", "`": "\u02cb", "*": "\u2217", "~": "\uff5e",
+                        "[": "\uff3b", "]": "\uff3d"})
 
 
 def escape_plain(text) -> str:
@@ -100,11 +103,25 @@ _WORDS = {"kl": "KL", "gpu": "GPU", "cpu": "CPU", "nan": "NaN", "oom": "OOM", "p
           "nvlink": "NVLink", "ppo": "PPO", "grpo": "GRPO", "rm": "RM"}
 
 
+@functools.lru_cache(maxsize=1)
+def _default_summaries() -> dict[str, str]:
+    """Rule name -> summary in the packaged rules file, for alerts that carry none."""
+    try:
+        import yaml
+
+        doc = yaml.safe_load((Path(__file__).resolve().parents[1] / "rules" / "default.yaml").read_text())
+        return {str(r["name"]): str(r["summary"]) for key in ("rules", "incidents") for r in doc.get(key) or ()
+                if isinstance(r, dict) and r.get("name") and r.get("summary")}
+    except Exception as exc:  # a title in words is still a title
+        log.debug("trainguard: no rule summaries from the default rules: %s", exc)
+        return {}
+
+
 def title_of(event: dict) -> str:
-    """What a person reads as the alert's name: its title, else its rule's summary (from the
-    rules file: "KL spike"), else the rule name in words."""
+    """What a person reads as the alert's name: its title, else its rule's summary ("KL spike",
+    from the alert or the default rules file), else the rule name in words."""
     rule = str(event.get("rule", ""))
-    for text in (event.get("title"), event.get("summary")):
+    for text in (event.get("title"), event.get("summary"), _default_summaries().get(rule)):
         if isinstance(text, str) and text.strip() and text != rule:
             return text
     words = rule.replace("-", "_").split("_")
@@ -597,8 +614,9 @@ class SlackSink(WebhookSink):
     name = "slack"
 
     def payload(self, alert: dict) -> dict:
-        # the header is plain_text (shown as is); the fallback text and the section are mrkdwn
-        header = self.templates.render("title.txt", alert, escape_plain)
+        # the header is plain_text, shown as is: look-alikes there too, so that nothing in it reads
+        # as a link or a mention; the fallback text and the section are mrkdwn
+        header = self.templates.render("title.txt", alert, escape_markdown)
         body = self.templates.render("slack.md", alert, escape_slack)
         return {"text": self.templates.render("title.txt", alert, escape_slack),
                 "blocks": [{"type": "header", "text": {"type": "plain_text", "text": header[:150]}},

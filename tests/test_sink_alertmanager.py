@@ -130,7 +130,7 @@ def test_firing_then_resolved_through_a_real_alertmanager(alertmanager):
         assert am["annotations"]["root_cause"] == "KL divergence exploded"
         assert am["annotations"]["suggestion"].startswith("lower the learning rate")
         assert am["annotations"]["report"] == "https://reports.example/r/130"
-        assert am["annotations"]["summary"] == "[trainguard] P1: KL explosion"
+        assert am["annotations"]["summary"] == "[trainguard] P1: KL divergence exploded"
         assert am["generatorURL"] == "https://reports.example/r/130"
         [note] = wait_until(lambda: hook.alerts(run, "firing"), what="the firing notification at the webhook")
         assert note["labels"]["alertname"] == "kl_explosion"

@@ -10,6 +10,8 @@ import uuid
 import pytest
 from confluent_kafka import Producer
 
+from tests.integration import Receiver, SinksProcess, wait_until
+from trainguard.broker import free_port
 from trainguard.schemas.events import encode
 from trainguard.sinks.alertmanager import AlertmanagerSink
 from trainguard.sinks.console import ConsoleSink
@@ -153,3 +155,113 @@ def test_the_outbox_is_on_by_default_in_the_data_folder(tmp_path):
     finally:
         for s in first:
             s.close()
+
+
+# --------------------------------------------------------------------------- the sinks process
+
+
+def _sinks_env(receiver_url: str, tmp_path, **extra) -> dict:
+    # the outbox is on by default: in the data folder here, as a user's would be
+    return {"TRAINGUARD_WEBHOOK_URL": receiver_url, "TRAINGUARD_DATA_DIR": str(tmp_path / "data"),
+            "TRAINGUARD_KAFKA_MAX_POLL_INTERVAL_MS": "6000", "TRAINGUARD_KAFKA_SESSION_TIMEOUT_MS": "6000",
+            **extra}
+
+
+def _started(sinks: SinksProcess) -> SinksProcess:
+    """Until the process says it reads (its start time is fixed then)."""
+    wait_until(lambda: "reading" in sinks.log() or sinks.proc.poll() is not None, 60, "the sinks to start")
+    assert sinks.proc.poll() is None, sinks.log()
+    return sinks
+
+
+def _quiet(receiver: Receiver, n: int, what: str, settle_s: float = 3.0) -> list[dict]:
+    """The bodies once ``n`` arrived and nothing more came for ``settle_s``."""
+    wait_until(lambda: len(receiver.bodies()) >= n, 60, what)
+    time.sleep(settle_s)
+    return receiver.bodies()
+
+
+def test_a_flapping_rule_pages_once_and_a_p2_burst_is_one_digest(kafka, tmp_path):
+    receiver = Receiver()
+    sinks = _started(SinksProcess(kafka, tmp_path, _sinks_env(receiver.url, tmp_path,
+                                                              TRAINGUARD_DIGEST_INTERVAL_S="3")).start())
+    try:
+        run, noisy = f"ppo-{uuid.uuid4().hex[:6]}", f"grpo-{uuid.uuid4().hex[:6]}"
+        flaps = []
+        for i in range(10):  # the engine's flapping rule: firing, resolved, firing ... each flagged
+            fire = _alert(run, i) | {"flapping": True}
+            flaps += [fire, fire | {"status": "resolved"}]
+        warnings = [_alert(noisy, i) | {"severity": "P2", "rule": "kl_spike", "summary": "KL spike"}
+                    for i in range(12)]
+        _produce(kafka, [(a["run_id"], encode(a)) for a in flaps + warnings + [w | {"status": "resolved"}
+                                                                             for w in warnings]])
+        bodies = _quiet(receiver, 2, "the page and the digest", settle_s=5.0)
+    finally:
+        sinks.stop()
+        receiver.stop()
+    assert len(bodies) == 2, [b.get("text") for b in bodies]
+    page = next(b for b in bodies if b.get("schema") == "alert/1")
+    assert page["id"] == flaps[0]["id"] and page["flapping"] is True
+    assert page["text"] == "[trainguard] P1: KL divergence exploded (flapping)"
+    digest = next(b for b in bodies if b.get("schema") == "digest/1")
+    assert digest["run_id"] == noisy and digest["count"] == 12
+    assert [(e["rule"], e["count"], e["first_step"], e["last_step"]) for e in digest["entries"]] == [
+        ("kl_spike", 12, 100, 111)]
+    assert digest["text"] == f"[trainguard] P2 digest: 12 warning(s) on {noisy}"
+
+
+def test_a_new_group_sends_nothing_from_before_its_start_and_old_alerts_are_skipped(kafka, tmp_path):
+    receiver = Receiver()
+    run = f"ppo-{uuid.uuid4().hex[:6]}"
+    history = [_alert(run, i) for i in range(5)]
+    _produce(kafka, [(run, encode(a)) for a in history])
+    group = f"sinks-{uuid.uuid4().hex[:6]}"
+    env = _sinks_env(receiver.url, tmp_path, TRAINGUARD_SINKS_MAX_AGE_S="600")
+    sinks = _started(SinksProcess(kafka, tmp_path, env, group=group).start())
+    try:
+        fresh = [_alert(run, 10 + i) for i in range(2)]
+        _produce(kafka, [(run, encode(a)) for a in fresh])
+        bodies = _quiet(receiver, 2, "the alerts published after the start")
+        assert [b["id"] for b in bodies] == [a["id"] for a in fresh]  # none of the history
+        assert "a new group starts at its start time" in sinks.log()
+        sinks.stop()
+        # while the group is away: alerts published two hours ago (a backlog), and one now
+        producer = Producer(kafka.confluent())
+        old = [_alert(run, 20 + i) for i in range(3)]
+        two_hours_ago = int((time.time() - 7200) * 1000)
+        for a in old:
+            producer.produce(kafka.topics.alerts, key=run.encode(), value=encode(a), timestamp=two_hours_ago)
+        now = _alert(run, 30)
+        producer.produce(kafka.topics.alerts, key=run.encode(), value=encode(now))
+        assert producer.flush(30) == 0
+        sinks = _started(SinksProcess(kafka, tmp_path, env, group=group).start())
+        bodies = _quiet(receiver, 3, "the alert published while the group was away")
+        assert [b["id"] for b in bodies] == [a["id"] for a in fresh] + [now["id"]]
+        wait_until(lambda: "skipped 3 alert(s) published over 600 s ago" in sinks.log(), 30, "the skip line")
+    finally:
+        sinks.stop()
+        receiver.stop()
+
+
+def test_a_restart_after_a_receiver_outage_delivers_what_was_pending_exactly_once(kafka, tmp_path):
+    port = free_port()  # the receiver is down: connections are refused
+    env = _sinks_env(f"http://127.0.0.1:{port}/hook", tmp_path)
+    group = f"sinks-{uuid.uuid4().hex[:6]}"
+    sinks = _started(SinksProcess(kafka, tmp_path, env, group=group).start())
+    run = f"ppo-{uuid.uuid4().hex[:6]}"
+    alerts = [_alert(run, i) for i in range(3)]
+    receiver = None
+    try:
+        _produce(kafka, [(run, encode(a)) for a in alerts])
+        wait_until(lambda: "delivery of" in sinks.log(), 60, "a refused delivery")
+        sinks.stop()
+        folder = tmp_path / "data" / "sinks-outbox"
+        assert "closed with 3 alert(s) not delivered, kept in " + str(folder) in sinks.log()
+        receiver = Receiver(port=port)
+        sinks = _started(SinksProcess(kafka, tmp_path, env, group=group).start())
+        bodies = _quiet(receiver, 3, "the pending alerts")
+    finally:
+        sinks.stop()
+        if receiver:
+            receiver.stop()
+    assert sorted(b["id"] for b in bodies) == sorted(a["id"] for a in alerts)  # 3 of 3, none twice

@@ -208,8 +208,9 @@ def test_templates_are_files_a_user_can_override(tmp_path):
     assert templates.render("title.txt", alert) == "ALERT P0 dataflow_collapse on ppo-7b costs $0 ${unknown}"
     assert "Root cause" in templates.render("markdown.md", alert)  # falls back to the packaged file
     fields = alert_fields({"rule": "kl_explosion", "status": "firing"})
-    assert fields["title"] == "KL explosion" and fields["report"] == ""  # no summary: the rule in words
+    assert fields["title"] == "KL divergence exploded" and fields["report"] == ""  # the default rules' summary
     assert alert_fields({"rule": "kl_spike", "summary": "KL spike"})["title"] == "KL spike"
+    assert alert_fields({"rule": "gpu_nan_storm"})["title"] == "GPU NaN storm"  # unknown rule: in words
     assert alert_fields({"rule": "x", "metric": "ack", "value": None, "step": None})["metric_value"] == "ack"
     import string
     assert render(string.Template("a\nx ${report}\nb ${run}"), {"report": "", "run": "r"}) == "a\nb r"

@@ -1,0 +1,112 @@
+"""The paging stage on its own: alert events in (with their times), the messages a chat sink
+would send out."""
+
+from __future__ import annotations
+
+import json
+
+from trainguard.sinks.paging import DIGEST, PAGE, Pager, PagingSettings
+
+T0 = 1_764_400_000.0
+
+
+def _alert(i: int, severity: str = "P2", status: str = "firing", rule: str = "kl_spike", run: str = "ppo-7b",
+           ts: float | None = None, **extra) -> dict:
+    return {"schema": "alert/1", "id": extra.pop("id", f"{run}-{rule}-{i}"), "run_id": run, "rule": rule,
+            "summary": "KL spike", "severity": severity, "status": status, "metric": "actor/kl_loss",
+            "value": 0.5, "step": 100 + i, "ts": T0 + i * 10 if ts is None else ts,
+            "source": {"kind": "trainer", "host": "gpu-1", "rank": 0}, **extra}
+
+
+def _run(pager: Pager, alerts) -> list:
+    return [m for a in alerts for m in pager.feed(a)]
+
+
+def test_p0_and_p1_page_at_once_and_their_resolutions_follow():
+    pager = Pager()
+    fire = _alert(0, "P1")
+    [page] = pager.feed(fire)
+    assert (page.kind, page.run_id, page.ts, page.event) == (PAGE, "ppo-7b", fire["ts"], fire)
+    assert pager.feed(fire) == []  # a replay of the same id and status
+    [resolved] = pager.feed({**fire, "status": "resolved", "ts": T0 + 50})
+    assert resolved.event["status"] == "resolved"
+    # the resolution of an alert whose firing was never paged here says nothing to anyone
+    assert pager.feed({**_alert(1, "P0"), "status": "resolved"}) == []
+
+
+def test_a_p2_burst_becomes_one_digest_per_run_per_interval():
+    pager = Pager(PagingSettings(digest_interval_s=900))
+    burst = [_alert(i) for i in range(30)]  # 30 KL warnings over 300 s
+    burst += [_alert(i, rule="entropy_drop", summary="Entropy collapsed") for i in range(30, 35)]
+    burst += [_alert(i, status="resolved") for i in range(10)]  # P2 resolutions are not sent
+    burst += [_alert(i, run="grpo-1") for i in range(3)]
+    assert _run(pager, burst) == []  # nothing until the interval ends
+    assert pager.flush(T0 + 899) == []
+    digests = pager.flush(T0 + 900)
+    assert [(m.kind, m.run_id, m.ts) for m in digests] == [(DIGEST, "ppo-7b", T0 + 900), (DIGEST, "grpo-1", T0 + 900)]
+    event = digests[0].event
+    assert event["count"] == 35 and event["severity"] == "P2"
+    assert [(e["rule"], e["count"], e["first_step"], e["last_step"]) for e in event["entries"]] == [
+        ("kl_spike", 30, 100, 129), ("entropy_drop", 5, 130, 134)]
+    assert pager.flush(T0 + 10_000) == []  # sent once
+    # the next warning opens the next interval; time moves with the alerts too
+    assert pager.feed(_alert(40, ts=T0 + 1000)) == []
+    [late] = pager.feed(_alert(41, ts=T0 + 1950))
+    assert late.kind == DIGEST and late.event["count"] == 1 and late.ts == T0 + 1900
+    assert [m.event["count"] for m in pager.flush()] == [1]  # flush(): every open digest
+
+
+def test_muted_alerts_page_nobody():
+    pager = Pager()
+    silenced = _alert(0, "P0", silenced={"id": "s1", "until": T0 + 3600})
+    inhibited = _alert(1, "P1", inhibited_by="incident-1")
+    acked = _alert(2, "P1", acknowledged={"by": "ops"})
+    warned = _alert(3, "P2", silenced={"id": "s1"})
+    assert _run(pager, [silenced, inhibited, acked, warned]) == [] and pager.flush() == []
+    assert _run(pager, [{**a, "status": "resolved"} for a in (silenced, inhibited, acked)]) == []
+    assert pager.feed(_alert(9, "P3")) == [] and pager.flush() == []  # below every paging severity
+
+
+def test_a_flapping_rule_pages_once_until_it_settles():
+    pager = Pager()
+    flaps = []
+    for i in range(20):  # firing and resolved over and over, each firing a new alert id
+        fire = _alert(i, "P1", flapping=True)
+        flaps += [fire, {**fire, "status": "resolved", "ts": fire["ts"] + 5}]
+    messages = _run(pager, flaps)
+    assert len(messages) == 1 and messages[0].event["flapping"] is True
+    [settled] = pager.feed({**_alert(20, "P1"), "status": "resolved"})  # the rule settled: said once
+    assert settled.event["status"] == "resolved"
+    [again] = pager.feed(_alert(21, "P1"))  # a later firing pages as usual
+    assert again.event["id"] == _alert(21)["id"]
+
+
+def test_flapping_warnings_are_marked_in_the_digest():
+    pager = Pager(PagingSettings(digest_interval_s=60))
+    _run(pager, [_alert(i, flapping=i % 2 == 0) for i in range(4)])
+    [digest] = pager.flush()
+    assert digest.event["entries"][0]["flapping"] is True and digest.event["count"] == 4
+
+
+def test_the_state_survives_a_restart_as_json():
+    settings = PagingSettings(digest_interval_s=900)
+    first = Pager(settings)
+    fire = _alert(0, "P0")
+    first.feed(fire)
+    _run(first, [_alert(i) for i in range(1, 4)])
+    second = Pager(settings, json.loads(json.dumps(first.state())))
+    assert second.feed(fire) == []  # already considered
+    assert [m.event["status"] for m in second.feed({**fire, "status": "resolved"})] == ["resolved"]
+    [digest] = second.flush(T0 + 10_000)
+    assert digest.event["count"] == 3
+
+
+def test_settings_from_the_environment():
+    assert PagingSettings.from_env({}) == PagingSettings(page=("P0", "P1"), digest=("P2",), digest_interval_s=900)
+    s = PagingSettings.from_env({"TRAINGUARD_NOTIFY_SEVERITIES": "P0,P1,P2", "TRAINGUARD_DIGEST_SEVERITIES": "P2,P3",
+                                 "TRAINGUARD_DIGEST_INTERVAL_S": "60"})
+    assert s.page == ("P0", "P1", "P2") and s.digest == ("P3",) and s.digest_interval_s == 60
+    import pytest
+
+    with pytest.raises(ValueError, match="TRAINGUARD_DIGEST_INTERVAL_S"):
+        PagingSettings.from_env({"TRAINGUARD_DIGEST_INTERVAL_S": "soon"})
