@@ -28,7 +28,7 @@ import faust
 
 from trainguard.kafka import KafkaSettings, control_partitions_of
 from trainguard.producers.publisher import Publisher
-from trainguard.schemas.signing import load_keys, signing_key_for_worker
+from trainguard.schemas.signing import load_keys, signing_key_for_worker, unsigned_allowed
 from trainguard.settings import integer, number
 from trainguard.settings import value as setting
 from trainguard.streams import rules as rules_mod
@@ -162,10 +162,11 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     bound to ``prometheus_addr`` (or ``TRAINGUARD_PROMETHEUS_ADDR``, default 127.0.0.1)."""
     settings = settings or KafkaSettings.from_env()
     ruleset = rules_mod.load(rules_path)
-    signing_key = _signing_key()
+    signing_key, verify_keys, require_signed = _keys()
     app = _faust_app(settings, app_id, rebalance_timeout_s)
     state_table, window_table = _tables(app, settings, ruleset)
     engine = Engine(ruleset, state_table.data, windows=window_table.data, signing_key=signing_key,
+                    verify_keys=verify_keys, require_signed=require_signed,
                     finished_grace_s=number("TRAINGUARD_FINISHED_GRACE_S"),
                     idle_ttl_s=number("TRAINGUARD_RUN_TTL_S"), limits=Limits.from_settings())
     window_table.decode_key = engine.windows.decode_key
@@ -204,16 +205,22 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     return app
 
 
-def _signing_key():
-    """The key the worker signs commands with, said in the log (ValueError: several keys and
-    no choice among them)."""
-    signing_key = signing_key_for_worker(load_keys())
+def _keys():
+    """The secret the worker signs commands with, every secret it verifies trainer and operator
+    events with (rotation), and whether unsigned ones are refused; said in the log (ValueError:
+    several secrets and no choice among them)."""
+    keys = load_keys()
+    signing_key = signing_key_for_worker(keys)
+    require_signed = bool(keys) or not unsigned_allowed()
     if signing_key is None:
         log.warning("trainguard: no command key (TRAINGUARD_COMMAND_KEY): commands go out unsigned and "
-                    "listeners refuse them unless TRAINGUARD_ALLOW_UNSIGNED=1")
+                    "listeners refuse them unless TRAINGUARD_ALLOW_UNSIGNED=1; %s",
+                    "checkpoints, lifecycle changes, operator events and refusals are refused too"
+                    if require_signed else "unsigned checkpoints and operator events are trusted (opted in)")
     else:
-        log.warning("trainguard: signing commands with key id %r", signing_key.key_id)
-    return signing_key
+        log.warning("trainguard: signing commands with key id %r; trainer and operator events must be signed",
+                    signing_key.key_id)
+    return signing_key, keys, require_signed
 
 
 def _faust_app(settings: KafkaSettings, app_id: str, rebalance_timeout_s: float | None) -> WorkerApp:

@@ -11,12 +11,18 @@ checkpoint and the last critical step). With no safe checkpoint, with more than
 It then waits for the trainer to report the rollback (a ``rolled_back`` lifecycle event)
 before it counts again, so one incident yields one command, and a replayed event yields
 the same command id.
+
+The breaker counts in event time (a replay decides the same); a command is stamped with the
+worker's clock (``now``: issued now, expires a TTL later), so a worker catching up on old events
+never issues a command born expired. With the worker's key, command ids are keyed MACs of the
+stable ids (``ids``): the same across a replay, unpredictable to anyone without the key.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 from trainguard.schemas.events import command_event
 
@@ -37,6 +43,10 @@ ON_COMMAND_FAILURE = ("rearm", "stop")
 
 def stable_id(*parts) -> str:
     return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=10).hexdigest()
+
+
+def _plain(stable: str) -> str:
+    return stable
 
 
 @dataclass
@@ -96,7 +106,8 @@ def safe_checkpoint(checkpoints: list[dict], onset_step: int, onset_ts: float | 
 
 def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: float, critical: bool,
             alert_ids: list[str], rules: list[str], checkpoints: list[dict], diagnosis: str,
-            immediate: bool = False) -> Decision | None:
+            immediate: bool = False, now: float | None = None,
+            ids: Callable[[str], str] = _plain) -> Decision | None:
     """Feed one trainer step; return a decision (with an unsigned command) when the breaker trips.
 
     ``immediate``: a critical rule that cannot wait holds (a NaN loss, which the next optimiser
@@ -130,10 +141,12 @@ def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: fl
         if not immediate or safe_checkpoint(checkpoints, state.onset_step, state.onset_ts,
                                             int(policy.get("rollback_min_steps_before_onset", 0)))[0] is None:
             return None
-    return _decide(state, policy, run_id=run_id, step=step, ts=ts, checkpoints=checkpoints, diagnosis=diagnosis)
+    return _decide(state, policy, run_id=run_id, step=step, ts=ts, checkpoints=checkpoints, diagnosis=diagnosis,
+                   now=ts if now is None else now, ids=ids)
 
 
-def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints, diagnosis) -> Decision:
+def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints, diagnosis, now,
+            ids) -> Decision:
     onset = state.onset_step
     assert onset is not None  # on_step set it with the streak's first step
     recent = [t for t in state.rollback_ts if ts - t < 3600]
@@ -155,7 +168,7 @@ def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints,
         skip = policy.get("skip_batches", "auto")
         skip = step - target["step"] if skip == "auto" else int(skip)
     command = command_event(
-        run_id, action, command_id=stable_id(run_id, action, onset, state.attempt), issued=ts,
+        run_id, action, command_id=ids(stable_id(run_id, action, onset, state.attempt)), issued=now,
         ttl_s=float(policy["command_ttl_s"]), reason=state.alert_ids[-20:],
         target={"step": target["step"], "path": target["path"]} if target else None,
         skip_batches=skip if skip and skip > 0 else None,
@@ -163,7 +176,7 @@ def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints,
                 f"a critical step that cannot wait at step {onset}") + f": {diagnosis}. {why}.")
     candidates = [c for c in checkpoints][-10:]
     state.command_id = command["id"]
-    state.command_expires = command["expires"]
+    state.command_expires = ts + float(policy["command_ttl_s"])  # event time: replays wait the same
     if action == "rollback":
         state.status = AWAITING
         state.rollback_ts = recent + [ts]
@@ -175,7 +188,8 @@ def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints,
 
 
 def on_command_refused(state: BreakerState, policy: dict, *, run_id: str, command_id: str, status: str,
-                       detail: str, ts: float) -> tuple[bool, dict | None]:
+                       detail: str, ts: float, now: float | None = None,
+                       ids: Callable[[str], str] = _plain) -> tuple[bool, dict | None]:
     """The trainer acked the breaker's command ``failed`` or ``rejected``: without this the run
     would have no breaker until the command expired. Returns ``(handled, stop command or None)``:
     not handled when it is not the command the breaker waits for (an old one, a hand-sent one,
@@ -189,7 +203,8 @@ def on_command_refused(state: BreakerState, policy: dict, *, run_id: str, comman
         state.status = ARMED
         return True, None
     state.status = STOPPED
-    command = command_event(run_id, "stop", command_id=stable_id(run_id, "stop", command_id), issued=ts,
+    command = command_event(run_id, "stop", command_id=ids(stable_id(run_id, "stop", command_id)),
+                            issued=ts if now is None else now,
                             ttl_s=float(policy["command_ttl_s"]),
                             detail=f"the trainer {status} command {command_id} ({detail}); on_command_failure is stop")
     state.command_id = command["id"]

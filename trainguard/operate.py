@@ -1,9 +1,10 @@
 """``trainguard command``: an operator steers a run by hand.
 
 The command goes where the worker's commands go (the run's partition of the control topic),
-signed with the operator's key when one is configured (``TRAINGUARD_COMMAND_KEY`` or
-``_FILE``), and the trainer acks it like any other. By default the command waits for that
-ack and says what the trainer did; ``tail`` shows the command and the ack as well.
+signed with the operator's key when one is configured (``TRAINGUARD_OPERATOR_KEY``, or derived
+from the secret ``TRAINGUARD_COMMAND_KEY``/``_FILE``), and the trainer acks it like any other.
+By default the command waits for that ack and says what the trainer did; ``tail`` shows the
+command and the ack as well.
 
 Exit status: 0 applied, 1 rejected or failed by the trainer, 2 bad input or no broker,
 3 no ack within ``--wait`` seconds (the command stays valid until it expires).
@@ -22,7 +23,7 @@ from trainguard.kafka import KafkaSettings, TopicDecoder, control_partitions_of,
 from trainguard.schemas import events as ev
 from trainguard.sinks.reports import format_value
 from trainguard.terminal import safe, safe_event, safe_json
-from trainguard.schemas.signing import load_keys, sign, signing_key_for_worker
+from trainguard.schemas.signing import operator_signed
 
 # Actions an operator sends by hand (the worker's own also include skip_data, checkpoint_now).
 MANUAL_ACTIONS = ("pause", "resume", "stop", "rollback")
@@ -116,7 +117,8 @@ def send_command(settings: KafkaSettings, command: dict, *, wait_s: float = 60.0
     if acks is None:
         return EXIT_APPLIED
     if "signature" not in command:
-        print("trainguard command: no command key (TRAINGUARD_COMMAND_KEY): listeners refuse unsigned commands "
+        print("trainguard command: no command key (TRAINGUARD_OPERATOR_KEY, or TRAINGUARD_COMMAND_KEY locally): "
+              "listeners refuse unsigned commands "
               "unless TRAINGUARD_ALLOW_UNSIGNED=1", file=err)
     try:
         return _await_ack(acks, command, wait_s, out, err)
@@ -416,7 +418,7 @@ def silence_main(args) -> int:
     publisher = Publisher(settings, linger_ms=0)
     try:
         # Keyed by the run, on the events topic: the worker that owns the run applies it in order.
-        publisher.publish(settings.topics.events, args.run, ev.encode(event))
+        publisher.publish(settings.topics.events, args.run, ev.encode(operator_signed(event)))
         if publisher.flush(10) or publisher.dropped or publisher.delivery_failed:
             print(f"trainguard silence: it did not reach Kafka at {settings.bootstrap} within 10 s; nothing "
                   f"changed (is the broker running?)", file=sys.stderr)
@@ -476,7 +478,8 @@ def alert_main(args) -> int:
         return EXIT_BAD_INPUT
     publisher = Publisher(settings, linger_ms=0)
     try:
-        publisher.publish(settings.topics.events, run_id, ev.encode(event))  # in order with the run's events
+        # In order with the run's events; signed, or the worker refuses it.
+        publisher.publish(settings.topics.events, run_id, ev.encode(operator_signed(event)))
         if publisher.flush(10) or publisher.dropped or publisher.delivery_failed:
             print(f"{name}: it did not reach Kafka at {settings.bootstrap} within 10 s (is the broker running?)",
                   file=sys.stderr)

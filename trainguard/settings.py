@@ -35,16 +35,27 @@ SETTINGS: tuple[Setting, ...] = (
             "`TRAINGUARD_KAFKA_SASL_PASSWORD=...`, `TRAINGUARD_KAFKA_SSL_CA_LOCATION=/etc/ssl/ca.pem` "
             "(the worker maps them to Faust's credentials)"),
     # commands
-    Setting("TRAINGUARD_COMMAND_KEY", None, "worker, trainer side, operator",
-            "`key_id:secret` for signing control commands (HMAC-SHA256). Listeners refuse unsigned commands "
-            "unless `TRAINGUARD_ALLOW_UNSIGNED=1`; `trainguard broker` makes a local key file and prints its "
-            "export, the demo makes its own key"),
-    Setting("TRAINGUARD_COMMAND_KEY_FILE", None, "worker, trainer side, operator",
-            "a file of keys, one `key_id:secret` per line (listeners accept any; rotation)"),
+    Setting("TRAINGUARD_COMMAND_KEY", None, "worker (local use: every side)",
+            "`key_id:secret`: the worker's secret. It signs commands (Ed25519) and every other key derives "
+            "from it; whoever holds it can sign for every side, so on a cluster only the worker does "
+            "(docs/security.md). `trainguard broker` makes a local key file and prints its export, the demo "
+            "makes its own key"),
+    Setting("TRAINGUARD_COMMAND_KEY_FILE", None, "worker (local use: every side)",
+            "a file of secrets, one `key_id:secret` per line (all verify; rotation)"),
     Setting("TRAINGUARD_COMMAND_KEY_ID", None, "worker, operator",
-            "which key to sign with when several are configured"),
-    Setting("TRAINGUARD_ALLOW_UNSIGNED", None, _TRAINER,
-            "`1`: listeners accept unsigned commands (local use only; refused by default)"),
+            "which secret to sign with when several are configured"),
+    Setting("TRAINGUARD_COMMAND_PUBLIC_KEYS", None, _TRAINER,
+            "`key_id:public,...`: the worker's and the operators' public keys, which listeners verify "
+            "commands with (`python -m trainguard.schemas.signing trainer SCOPE` prints them)"),
+    Setting("TRAINGUARD_TRAINER_KEY", None, _TRAINER,
+            "`key_id|scope|secret`: signs this trainer's checkpoints, lifecycle changes and acks, for one run "
+            "id or a team's prefix (`nlp-*`); printed by `python -m trainguard.schemas.signing trainer SCOPE`"),
+    Setting("TRAINGUARD_OPERATOR_KEY", None, "operator",
+            "`key_id:private`: signs `trainguard silence`/`ack`/`resolve` and `trainguard command` "
+            "(`python -m trainguard.schemas.signing operator` prints it)"),
+    Setting("TRAINGUARD_ALLOW_UNSIGNED", None, "worker, trainer side",
+            "`1`: listeners accept unsigned commands and workers unsigned checkpoints, lifecycle changes, "
+            "operator events and acks (local use without any key; refused by default)"),
     Setting("TRAINGUARD_RUN_ID", None, "node agent", "the run id `trainguard node` reports under (or `--run-id`)"),
     # worker
     Setting("TRAINGUARD_APP_ID", "trainguard", _WORKER, "consumer group and state-topic prefix (or `--app-id`)"),
@@ -161,7 +172,8 @@ README_NAMES = ("TRAINGUARD_BOOTSTRAP", "TRAINGUARD_PARTITIONS", "TRAINGUARD_TOP
                 "TRAINGUARD_KAFKA_<SETTING>", "TRAINGUARD_SESSION_TIMEOUT_S", "TRAINGUARD_INSTANCE_ID",
                 "TRAINGUARD_DATA_DIR",
                 "TRAINGUARD_FINISHED_GRACE_S", "TRAINGUARD_RUN_TTL_S", "TRAINGUARD_COMMAND_KEY",
-                "TRAINGUARD_COMMAND_KEY_FILE", "TRAINGUARD_COMMAND_KEY_ID")
+                "TRAINGUARD_COMMAND_KEY_FILE", "TRAINGUARD_COMMAND_KEY_ID", "TRAINGUARD_COMMAND_PUBLIC_KEYS",
+                "TRAINGUARD_TRAINER_KEY", "TRAINGUARD_OPERATOR_KEY")
 README_BEGIN = "<!-- settings table: python -m trainguard.settings --readme -->"
 README_END = "<!-- end of settings table -->"
 
