@@ -23,6 +23,11 @@ Scenarios (``chaos/scenarios.py``), each on its own embedded broker on loopback:
   and started again (it ends its dead predecessor's group membership, then joins); a sinks
   process pages a real HTTP receiver and is restarted once: seconds until the new worker pages
   the run's next NaN, alerts missed, pages received twice, commands issued twice.
+- ``forged``: someone with write access to every topic and no key forges a checkpoint path, a
+  30-day silence, a ``finished``, a ``failed`` ack, an unsigned copy of the pending rollback,
+  and signs a rollback to a path the trainer never reported: how many took effect.
+- ``listener_reset``: the broker restarts empty under a control listener: commands sent after
+  it that were never applied.
 
 Prints a table, then one JSON line with the figures and their targets' verdicts.
 """
@@ -56,6 +61,8 @@ TARGETS = {
     "worker_kill_duplicate_commands": (0, "le"),
     "hostile_crashes": (0, "le"),
     "hostile_dead_letters_missing": (0, "le"),
+    "forged_inputs_applied": (0, "le"),
+    "listener_reset_lost_commands": (0, "le"),
 }
 
 
@@ -83,6 +90,13 @@ def run(only: set[str], quick: bool) -> dict:
     if "worker_kill" in only:
         print("worker_kill: kill -9 a worker and start it again, three times ...", file=sys.stderr, flush=True)
         out["worker_kill"] = scenarios.worker_kill()
+    if "forged" in only:
+        print("forged: forged checkpoints, silences, acks and commands against a worker ...", file=sys.stderr,
+              flush=True)
+        out["forged"] = scenarios.forged_inputs_applied()
+    if "listener_reset" in only:
+        print("listener_reset: the broker restarts empty under a listener ...", file=sys.stderr, flush=True)
+        out["listener_reset"] = scenarios.listener_reset_lost_commands()
     return out
 
 
@@ -113,6 +127,10 @@ def summary(results: dict) -> dict:
         s["worker_recovery_s"] = results["worker_kill"]["worker_recovery_s"]
         for k in ("worker_kill_missed_alerts", "worker_kill_duplicate_pages", "worker_kill_duplicate_commands"):
             s[k] = results["worker_kill"][k]
+    if "forged" in results:
+        s["forged_inputs_applied"] = results["forged"]["forged_inputs_applied"]
+    if "listener_reset" in results:
+        s["listener_reset_lost_commands"] = results["listener_reset"]["listener_reset_lost_commands"]
     s["passed"] = all(s[k] is not None and (s[k] >= t if how == "ge" else s[k] <= t)
                       for k, (t, how) in TARGETS.items() if k in s)
     return s
@@ -134,10 +152,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="an 8 s outage instead of 25 s, 200 runs instead of 1,000")
     ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener, lifecycle, "
-                                               "shutdown, hostile, worker_kill")
+                                               "shutdown, hostile, worker_kill, forged, listener_reset")
     args = ap.parse_args(argv)
     only = set(filter(None, args.only.split(","))) or {"broker_restart", "close", "listener", "lifecycle", "shutdown",
-                                                       "hostile", "worker_kill"}
+                                                       "hostile", "worker_kill", "forged", "listener_reset"}
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     started = time.monotonic()
     results = run(only, args.quick)

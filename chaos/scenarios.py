@@ -473,3 +473,175 @@ def hostile_input(bad_per_kind: int = 20, log_dir=None) -> dict:
     return {"bad_messages": sent_bad, "dead_letters": records,
             "hostile_dead_letters_missing": max(0, sent_bad - records), "hostile_crashes": 0 if alive else 1,
             "nan_alert_step": nan["step"], "reasons": reasons}
+
+@contextmanager
+def _environment(**values: str):
+    """Environment variables for the duration (the trainer side reads its keys from there)."""
+    import os
+
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _applied_until(listener: ControlListener, wanted: set[str], seconds: float) -> tuple[list[dict], float | None]:
+    """Apply and ack what the listener hands over until every id in ``wanted`` was applied (or
+    ``seconds`` pass); the commands applied and how long the last of them took."""
+    applied, started = [], time.monotonic()
+    while time.monotonic() - started < seconds:
+        for command in listener.poll_all():
+            listener.ack(command, "applied", "chaos")
+            applied.append(command)
+        if wanted <= {c["id"] for c in applied}:
+            return applied, time.monotonic() - started
+        time.sleep(0.05)
+    return applied, None
+
+
+def listener_reset_lost_commands(before: int = 3, after: int = 3, down_s: float = 3.0) -> dict:
+    """A listener applies signed commands; the broker restarts on the same port with empty topics
+    (memory storage: offsets start at 0 again) and more commands come. A listener that kept its old
+    position never saw them: each one not applied within 20 s counts as lost."""
+    from trainguard.schemas.signing import SigningKey, new_key_line, sign
+
+    port = free_port()
+    settings = _settings(port)
+    run_id = f"chaos-reset-{uuid.uuid4().hex[:6]}"
+    key_id, secret = new_key_line("chaos").split(":", 1)
+    key = SigningKey(key_id, secret.encode())
+    broker = EmbeddedBroker(port=port, topics=False).start()
+    listener = None
+    try:
+        create_topics(settings)
+        listener = ControlListener(run_id, settings, keys={key_id: key}, lookback_s=60.0).start()
+        listener.wait_ready(10)
+        first = [sign(_command(run_id, "checkpoint_now", time.time()), key) for _ in range(before)]
+        _produce(settings, settings.topics.control, run_id, first)
+        applied_before, _ = _applied_until(listener, {c["id"] for c in first}, 10.0)
+        broker.stop()
+        time.sleep(down_s)
+        broker = EmbeddedBroker(port=port, topics=False).start()
+        create_topics(settings)
+        second = [sign(_command(run_id, "checkpoint_now", time.time()), key) for _ in range(after)]
+        for command in second:  # one by one, as a worker sends them
+            _produce(settings, settings.topics.control, run_id, [command])
+        applied_after, took = _applied_until(listener, {c["id"] for c in second}, 20.0)
+    finally:
+        if listener is not None:
+            listener.close()
+        broker.stop()
+    got = {c["id"] for c in applied_after}
+    return {"applied_before": len(applied_before), "sent_after_restart": after,
+            "listener_reset_lost_commands": sum(1 for c in second if c["id"] not in got),
+            "applied_twice": sum(1 for c in applied_after if c["id"] in {f["id"] for f in first}),
+            "seconds_to_apply_after_restart": None if took is None else round(took, 2),
+            "resets_noticed": getattr(listener, "resets", 0)}
+
+
+def forged_inputs_applied(log_dir=None) -> dict:
+    """A real worker holding the secret, a trainer holding only its part (the public keys and its
+    run's trainer key), and someone with write access to every topic and no key. They try: a
+    checkpoint with their own path, a 30-day silence, a ``finished``, a ``failed`` ack of the
+    pending rollback, an unsigned copy of that rollback, and (with a stolen signature) a rollback
+    to a path the trainer never reported. Counts how many took effect (target 0)."""
+    import tempfile
+    from pathlib import Path
+
+    from confluent_kafka import Producer
+
+    from tests.integration import TopicReader, WorkerProcess
+    from trainguard.operate import read_statuses
+    from trainguard.schemas.signing import Keyring, SigningKey, exports, new_key_line, sign
+
+    port = free_port()
+    settings = _settings(port)
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-"))
+    run_id = f"chaos-forged-{uuid.uuid4().hex[:6]}"
+    line = new_key_line("chaos")
+    key_id, secret = line.split(":", 1)
+    master = SigningKey(key_id, secret.encode())
+    trainer_env = {k: v.strip("'") for k, _, v in (e.removeprefix("export ").partition("=")
+                                                   for e in exports(master, "trainer", run_id))}
+    genuine_path = f"/ckpt/{run_id}/global_step_20"
+    evil_path = "/tmp/attacker/evil_weights.pt"
+    src = ev.source("trainer", "chaos", 0)
+
+    def forge(p, topic: str, event: dict) -> None:
+        p.produce(topic, ev.encode(event), run_id)
+
+    with broker_on(port), _environment(**trainer_env):
+        create_topics(settings)
+        worker = WorkerProcess(settings, log_dir, extra_env={"TRAINGUARD_COMMAND_KEY": line}).start()
+        logger = TrainerLogger(run_id, settings, host="chaos")
+        listener = ControlListener(run_id, settings, keys=Keyring.from_env().command_keys(),
+                                   publisher=logger.publisher).start()
+        attacker = Producer(settings.confluent(**{"partitioner": "murmur2_random", "log_level": 0}))
+        control = TopicReader(settings, settings.topics.control)
+        alerts = TopicReader(settings, settings.topics.alerts)
+        dlq = TopicReader(settings, settings.topics.dlq, decode=orjson.loads)
+        try:
+            worker.wait_ready()
+            listener.wait_ready(10)
+            logger.lifecycle("started", step=0)
+            for step in range(1, 21):
+                logger.log({"actor/pg_loss": -0.01, "actor/kl_loss": 0.001}, step)
+            logger.checkpoint_saved(20, genuine_path)
+            logger.publisher.flush(10)
+            now = time.time()
+            forge(attacker, settings.topics.events, ev.checkpoint_event(run_id, 22, evil_path, src=src))
+            forge(attacker, settings.topics.events, ev.operator_event(run_id, "silence", until=now + 30 * 86400,
+                                                                      reason="maintenance", by="mallory"))
+            forge(attacker, settings.topics.events, ev.lifecycle_event(run_id, "finished", step=22, src=src))
+            attacker.flush(10)
+            for step in range(21, 25):
+                logger.log({"actor/pg_loss": -0.01, "actor/kl_loss": 0.001}, step)
+            logger.log({"actor/pg_loss": float("nan"), "actor/kl_loss": 0.001}, 25)
+            logger.publisher.flush(10)
+            rollback = control.wait_for(lambda c: c["run_id"] == run_id and c["action"] == "rollback",
+                                        timeout=60, what="the worker's rollback", worker=worker)
+            # With the pending command's id in hand (read from the control topic):
+            forge(attacker, settings.topics.acks, ev.ack_event(rollback["id"], run_id, "failed", "disk full"))
+            copy = {k: v for k, v in rollback.items() if k not in ("signature", "nonce")}
+            forge(attacker, settings.topics.control, {**copy, "target": {"step": 20, "path": evil_path}})
+            stolen = sign(ev.command_event(run_id, "rollback", target={"step": 20, "path": evil_path},
+                                           detail="signed, but to a path the trainer never reported"), master)
+            forge(attacker, settings.topics.control, stolen)
+            attacker.flush(10)
+            applied, _ = _applied_until(listener, {"never"}, 6.0)
+            for command in applied:
+                if command["action"] == "rollback":
+                    logger.lifecycle("rolled_back", step=command["target"]["step"],
+                                     detail={"command_id": command["id"]})
+            logger.publisher.flush(10)
+            time.sleep(2.0)
+            seen_alerts = alerts.drain(2.0)
+            worker_commands = [c for c in control.drain(1.0) if c["run_id"] == run_id
+                               and (c.get("signature") or {}).get("key_id") == key_id and c["id"] != stolen["id"]]
+            dead = [r for r in dlq.drain(1.0) if "not signed by" in r.get("reason", "")]
+            status = read_statuses(settings).get(run_id) or {}
+        finally:
+            for reader in (control, alerts, dlq):
+                reader.close()
+            listener.close()
+            logger.close(5, quiet=True)
+            worker.kill()
+    nan = [a for a in seen_alerts if a.get("rule") == "non_finite" and a.get("status") == "firing"]
+    effects = {
+        "forged_checkpoint_used": int(rollback["target"]["path"] != genuine_path),
+        "forged_silence_applied": sum(1 for a in nan if a.get("silenced")),
+        "forged_finished_applied": int(bool(status.get("finished"))),
+        "forged_ack_applied": sum(1 for a in seen_alerts if a.get("rule") == "command_failed"),
+        "unsigned_duplicate_applied": sum(1 for c in applied if c.get("signature") is None)
+                                      + sum(1 for c in worker_commands if c["action"] == "stop"),
+        "unreported_path_applied": sum(1 for c in applied if (c.get("target") or {}).get("path") == evil_path),
+    }
+    return {**effects, "forged_inputs_applied": sum(effects.values()),
+            "genuine_rollback_applied": sum(1 for c in applied if c["id"] == rollback["id"]),
+            "nan_paged": len(nan), "forged_dead_letters": len(dead), "worker_commands": len(worker_commands)}

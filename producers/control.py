@@ -15,11 +15,18 @@ ready, between steps::
 
 or with a callback: ``listener.dispatch(handler)`` calls ``handler(command)`` for each
 ready command and acks ``applied`` (or ``failed`` with the exception) for you.
+
+A rollback is only handed to the loop when its target is a checkpoint this process's trainer
+reported (``TrainerLogger.checkpoint_saved`` records into :data:`REPORTED`), with the path the
+trainer reported: a signed command proves who sent it, not that its path came from the trainer.
+Acks and the trainer's checkpoint and lifecycle events are signed with the trainer's key
+(:func:`authored`), so the worker can tell them from forgeries.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -30,22 +37,86 @@ from typing import Callable
 from trainguard.kafka import KafkaSettings, partition_for
 from trainguard.producers.publisher import Publisher
 from trainguard.schemas import events as ev
-from trainguard.schemas.signing import SigningKey, load_keys, unsigned_allowed, verify
+from trainguard.schemas.signing import Keyring, TrainerKey, sign_trainer, unsigned_allowed, verify
 
 log = logging.getLogger("trainguard.control")
+
+# Why an authentic command was refused, in the ack's ``cause``: the worker re-arms (or stops) only
+# for causes that say the command itself cannot be applied, never for a forgery or a second copy.
+UNAUTHENTICATED, REPLAYED = "unauthenticated", "replayed"
+
+
+class ReportedCheckpoints:
+    """The checkpoints this process's trainer reported, per run: the only rollback targets a
+    listener hands to the loop. Bounded (the newest are kept); safe across threads."""
+
+    def __init__(self, keep: int = 256):
+        self.keep = keep
+        self._runs: dict[str, OrderedDict[int, str]] = {}
+        self._lock = threading.Lock()
+
+    def record(self, run_id: str, step: int, path: str) -> None:
+        with self._lock:
+            saved = self._runs.setdefault(run_id, OrderedDict())
+            saved.pop(step, None)
+            saved[step] = path
+            while len(saved) > self.keep:
+                saved.popitem(last=False)
+
+    def problem(self, run_id: str, target: dict | None) -> tuple[str | None, dict | None]:
+        """``(None, target as reported)`` for a reported checkpoint, else ``(the reason, None)``.
+        A command may name the reported path or its last component (``trainguard command --to 40``
+        names ``global_step_40``); the loop always gets the path the trainer reported."""
+        if not target:
+            return "a rollback without a target checkpoint", None
+        with self._lock:
+            saved = dict(self._runs.get(run_id, {}))
+        path = saved.get(target["step"])
+        if path is not None and target["path"] in (path, os.path.basename(path.rstrip("/"))):
+            return None, {"step": target["step"], "path": path}
+        known = ", ".join(str(s) for s in sorted(saved)[-10:]) or "none"
+        return (f"not a checkpoint this trainer reported: step {target['step']} at {target['path']!r}; "
+                f"known: step {known}"), None
+
+
+REPORTED = ReportedCheckpoints()
+_TRAINER_KEYS: dict[str, TrainerKey | None] = {}
+
+
+def _trainer_key(run_id: str) -> TrainerKey | None:
+    """The key this process signs ``run_id``'s events and acks with (read once per run)."""
+    if run_id not in _TRAINER_KEYS:
+        try:
+            _TRAINER_KEYS[run_id] = Keyring.from_env().trainer_key_for(run_id)
+        except ValueError as exc:  # a malformed key: said once; the events go unsigned
+            log.warning("trainguard: %s; run %s's checkpoints and acks go unsigned", exc, run_id)
+            _TRAINER_KEYS[run_id] = None
+    return _TRAINER_KEYS[run_id]
+
+
+def authored(event: dict) -> bytes:
+    """A trainer event or ack as it goes out: a checkpoint recorded as a rollback target for this
+    process's listeners, and the event signed with the trainer's key when there is one."""
+    if event["schema"] == ev.CHECKPOINT:
+        REPORTED.record(event["run_id"], event["step"], event["path"])
+    key = _trainer_key(event["run_id"])
+    return ev.encode(sign_trainer(event, key) if key is not None else event)
 
 
 class ControlListener:
     def __init__(self, run_id: str, settings: KafkaSettings | None = None, *,
-                 keys: dict[str, SigningKey] | None = None, require_signature: bool | None = None,
+                 keys: dict | None = None, require_signature: bool | None = None,
                  lookback_s: float = 60.0, publisher: Publisher | None = None,
-                 remember: int = 10_000, clock: Callable[[], float] = time.time):
+                 remember: int = 10_000, clock: Callable[[], float] = time.time,
+                 checkpoints: ReportedCheckpoints | None = None):
         try:
             self.run_id = ev.check_run_id(run_id)
         except ev.SchemaError as exc:
             raise ValueError(str(exc)) from None
         self.settings = settings or KafkaSettings.from_env()
-        self.keys = load_keys() if keys is None else keys
+        # Key id -> a worker secret or a public key (TRAINGUARD_COMMAND_PUBLIC_KEYS).
+        self.keys = Keyring.from_env().command_keys() if keys is None else keys
+        self.checkpoints = REPORTED if checkpoints is None else checkpoints
         # With a key, only commands signed with it; without one, unsigned commands only if the
         # operator opted in (TRAINGUARD_ALLOW_UNSIGNED=1, local use).
         if require_signature is None:
@@ -53,13 +124,14 @@ class ControlListener:
         self.require_signature = require_signature
         if self.require_signature and not self.keys:
             log.warning("trainguard: control listener for run %s has no command key, so it refuses every "
-                        "command: set TRAINGUARD_COMMAND_KEY (or _FILE) to the worker's key, or "
-                        "TRAINGUARD_ALLOW_UNSIGNED=1 for local use", run_id)
+                        "command: set TRAINGUARD_COMMAND_PUBLIC_KEYS to the worker's public key (or "
+                        "TRAINGUARD_COMMAND_KEY locally), or TRAINGUARD_ALLOW_UNSIGNED=1 for local use", run_id)
         self.lookback_s = lookback_s
         self.publisher = publisher or Publisher(self.settings)
         self.clock = clock
         self.received = 0
         self.rejected = 0
+        self.resets = 0         # times the partition was found reset (a broker restart) and read again
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._seen: OrderedDict[str, None] = OrderedDict()  # ids and nonces: at most once
         self._remember = remember
@@ -117,10 +189,18 @@ class ControlListener:
             commands.append(command)
         return commands
 
-    def ack(self, command: dict, status: str, detail: str = "", step: int | None = None) -> None:
-        """Acknowledge a command: applied, rejected or failed (with detail)."""
+    def ack(self, command: dict, status: str, detail: str = "", step: int | None = None,
+            cause: str | None = None) -> None:
+        """Acknowledge a command: applied, rejected or failed (with detail), signed as the trainer."""
         event = ev.ack_event(command["id"], self.run_id, status, detail, step=step)
-        self.publisher.publish(self.settings.topics.acks, self.run_id, ev.encode(event))
+        if cause:
+            event["cause"] = cause
+        self.publisher.publish(self.settings.topics.acks, self.run_id, authored(event))
+
+    def checkpoint_saved(self, step: int, path: str) -> None:
+        """Record a rollback target the trainer did not report through a ``TrainerLogger`` of this
+        process (e.g. the checkpoint a restarted trainer resumed from)."""
+        self.checkpoints.record(self.run_id, int(step), str(path))
 
     def dispatch(self, handler: Callable[[dict], str | None], step: int | None = None) -> int:
         """Apply every ready command through ``handler``; ack each. Returns how many ran."""
@@ -136,11 +216,11 @@ class ControlListener:
 
     # -- the background side ------------------------------------------------------------
 
-    def _reject(self, command: dict, reason: str) -> None:
+    def _reject(self, command: dict, reason: str, cause: str | None = None) -> None:
         self.rejected += 1
         log.warning("trainguard: rejected command %s (%s): %s", command.get("id"), command.get("action"), reason)
         if command.get("id") and command.get("run_id") == self.run_id:
-            self.ack(command, "rejected", reason)
+            self.ack(command, "rejected", reason, cause=cause)
 
     def _remember_id(self, key: str) -> bool:
         """False if ``key`` was seen before (a duplicate delivery or a replay)."""
@@ -167,9 +247,10 @@ class ControlListener:
             problem = verify(command, self.keys)
             if problem:
                 if problem == "unsigned command":
-                    problem = ("unsigned command: this listener only applies commands signed with its key "
-                               "(TRAINGUARD_COMMAND_KEY); TRAINGUARD_ALLOW_UNSIGNED=1 accepts unsigned ones")
-                self._reject(command, problem)
+                    problem = ("unsigned command: this listener only applies commands signed by the worker or an "
+                               "operator (TRAINGUARD_COMMAND_PUBLIC_KEYS); TRAINGUARD_ALLOW_UNSIGNED=1 accepts "
+                               "unsigned ones")
+                self._reject(command, problem, UNAUTHENTICATED)
                 return None
         if command["id"] in self._acked:
             log.debug("trainguard: command %s was acked before this listener started; not applied again", command["id"])
@@ -184,12 +265,18 @@ class ControlListener:
             return None
         if not self._remember_id("id:" + command["id"]):
             # A second delivery (or a captured command sent again): never applied twice.
-            self._reject(command, "replayed: this command was already received (applied at most once)")
+            self._reject(command, "replayed: this command was already received (applied at most once)", REPLAYED)
             return None
         nonce = command.get("nonce")
         if nonce and not self._remember_id("nonce:" + nonce):
-            self._reject(command, "replayed command (nonce already used)")
+            self._reject(command, "replayed command (nonce already used)", REPLAYED)
             return None
+        if command["action"] == "rollback":
+            problem, target = self.checkpoints.problem(self.run_id, command.get("target"))
+            if problem:
+                self._reject(command, problem)
+                return None
+            command = {**command, "target": target}
         return command
 
     def _remember_acked(self, timeout: float = 5.0) -> None:
@@ -233,11 +320,65 @@ class ControlListener:
         finally:
             consumer.close()
 
+    def _seek_lookback(self, consumer, topic: str, partition: int) -> None:
+        """Read from the start of the lookback window (the end when nothing is that recent)."""
+        from confluent_kafka import OFFSET_END, TopicPartition
+
+        since_ms = int((self.clock() - self.lookback_s) * 1000)
+        found = consumer.offsets_for_times([TopicPartition(topic, partition, since_ms)], timeout=5)
+        offset = found[0].offset if found and found[0].offset >= 0 else OFFSET_END
+        consumer.assign([TopicPartition(topic, partition, offset)])
+
+    def _log_replaced(self, consumer, topic: str, partition: int, position: int,
+                      last_read: tuple[int, bytes] | None) -> bool:
+        """Whether the message before ``position`` is gone or another one (the log was replaced).
+        Asked only when the broker's end is below the position: some brokers (the embedded one)
+        report the end of the last record batch's first record, below the true end."""
+        from confluent_kafka import KafkaError, TopicPartition
+
+        probe = position - 1
+        consumer.assign([TopicPartition(topic, partition, probe)])
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.1)
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+                    return True  # nothing there any more
+                continue
+            if msg.offset() == probe and (last_read is None or last_read == (probe, msg.value())):
+                consumer.assign([TopicPartition(topic, partition, position)])  # the same log: carry on
+                return False
+            return True
+        return True
+
+    def _reset(self, consumer, topic: str, partition: int, why: str) -> None:
+        """The partition was reset under the listener (a broker restarted on memory storage, a
+        topic recreated): its old position points past the new log, where the next commands
+        would wait unread. Said once per reset; the lookback window is read again (what was
+        received already is known by id and not applied twice)."""
+        self.resets += 1
+        log.warning("trainguard: control partition %s[%d] of run %s was reset (%s): the broker restarted or the "
+                    "topic was recreated; reading the last %.0f s again", topic, partition, self.run_id, why,
+                    self.lookback_s)
+        self._seek_lookback(consumer, topic, partition)
+
     def _run(self) -> None:
-        from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
+        from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
         topic = self.settings.topics.control
         consumer = None
+        partition = 0
+        next_offset = -1            # the offset after the last message read (-1: none yet)
+        last_read: tuple[int, bytes] | None = None
+        checked = time.monotonic()
+        bounced = threading.Event()  # the connection to a broker dropped: it may come back empty
+
+        def on_error(err) -> None:
+            if err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN):
+                bounced.set()
+
         while not self._stop.is_set():
             try:
                 if consumer is None:
@@ -245,6 +386,10 @@ class ControlListener:
                         "group.id": f"trainguard-listener-{uuid.uuid4().hex[:8]}",  # never joined
                         "enable.auto.commit": False,
                         "enable.partition.eof": False,
+                        # A position out of range is an error here, not a silent jump to the end
+                        # (which skipped the first command after a broker restart).
+                        "auto.offset.reset": "error",
+                        "error_cb": on_error,
                         # A broker that does not answer a waiting fetch when data arrives (the
                         # embedded one) would hold a command back for the whole wait (500 ms by
                         # default); one partition polled every 50 ms costs the trainer nothing.
@@ -257,20 +402,49 @@ class ControlListener:
                         raise KafkaException(f"topic {topic} has no partitions yet")
                     partition = partition_for(self.run_id, len(parts))
                     self._remember_acked()
-                    since_ms = int((self.clock() - self.lookback_s) * 1000)
-                    found = consumer.offsets_for_times([TopicPartition(topic, partition, since_ms)], timeout=5)
-                    offset = found[0].offset if found and found[0].offset >= 0 else OFFSET_END
-                    consumer.assign([TopicPartition(topic, partition, offset)])
+                    self._seek_lookback(consumer, topic, partition)
+                    next_offset, last_read = -1, None
+                    bounced.clear()
                     self._assigned.set()
                     if self._unreachable:
                         self._unreachable = False
-                        log.warning("trainguard: control listener for run %s reads commands again", self.run_id)
+                        log.warning("trainguard: control listener for run %s reads commands again, from the last "
+                                    "%.0f s (what it received already is not applied twice)", self.run_id,
+                                    self.lookback_s)
                 msg = consumer.poll(0.2)
+                due = msg is None and time.monotonic() - checked >= 2.0
+                if bounced.is_set() or due:
+                    # Is the log still the one the listener was reading? After a dropped connection
+                    # at once (the broker may be back empty and filling up again), else every 2 s
+                    # when quiet. Raises while the broker is down, which rebuilds the consumer below.
+                    checked = time.monotonic()
+                    suspect, why = bounced.is_set(), "the connection to the broker dropped"
+                    bounced.clear()
+                    tp = TopicPartition(topic, partition)
+                    position = max(consumer.position([tp])[0].offset, next_offset)
+                    if position > 0:
+                        if not suspect:
+                            _low, high = consumer.get_watermark_offsets(tp, timeout=2, cached=False)
+                            suspect = 0 <= high < position
+                            why = f"its end, offset {high}, is below this listener's position {position}"
+                        if suspect:
+                            # A message in hand comes again: from the same position, or in the re-read.
+                            if self._log_replaced(consumer, topic, partition, position, last_read):
+                                self._reset(consumer, topic, partition, why)
+                                next_offset, last_read = -1, None
+                            continue
                 if msg is None:
                     continue
                 if msg.error():
-                    log.debug("trainguard: control consumer: %s", msg.error())
+                    code = msg.error().code()
+                    if code in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+                        self._reset(consumer, topic, partition, f"offset out of range: {msg.error().str()}")
+                        next_offset, last_read = -1, None
+                    else:
+                        log.debug("trainguard: control consumer: %s", msg.error())
                     continue
+                next_offset = msg.offset() + 1
+                last_read = (msg.offset(), msg.value())
                 kind, ms = msg.timestamp()
                 command = self.check(msg.value(), ms / 1000.0 if kind != 0 and ms > 0 else None)
                 if command is not None:

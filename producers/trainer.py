@@ -27,6 +27,7 @@ import sys
 import time
 
 from trainguard.kafka import KafkaSettings
+from trainguard.producers.control import authored
 from trainguard.producers.publisher import Publisher
 from trainguard.schemas import events as ev
 
@@ -116,7 +117,8 @@ class TrainerLogger:
         try:
             self.flush_step()
             event = ev.checkpoint_event(self.run_id, int(step), str(path), src=self.source)
-            return self.publisher.publish(self._topic, self.run_id, ev.encode(event))
+            # Signed, and recorded as a rollback target for this process's listeners.
+            return self.publisher.publish(self._topic, self.run_id, authored(event))
         except Exception:
             self.publisher.dropped += 1
             return False
@@ -125,7 +127,7 @@ class TrainerLogger:
         """started / finished / heartbeat / rolled_back / paused / resumed / stopped."""
         try:
             event = ev.lifecycle_event(self.run_id, what, step=step, src=self.source, detail=detail)
-            queued = self.publisher.publish(self._topic, self.run_id, ev.encode(event))
+            queued = self.publisher.publish(self._topic, self.run_id, authored(event))
             if queued and what in ("finished", "stopped"):
                 self.ended = what
             return queued

@@ -89,6 +89,7 @@ def test_forged_unsigned_expired_and_replayed_commands_are_rejected_and_acked_wi
     run_id = "sec-1"
     with ControlListener(run_id, kafka, keys={"ops": KEY}) as listener:
         assert listener.wait_ready(10)
+        listener.checkpoint_saved(20, "/ckpt/20")  # what its trainer reported
         good = sign(_command(run_id, "rollback", target={"step": 20, "path": "/ckpt/20"}), KEY)
         forged = {**sign(_command(run_id), KEY)}
         forged["action"] = "rollback"                                 # changed after signing
@@ -122,6 +123,59 @@ def test_forged_unsigned_expired_and_replayed_commands_are_rejected_and_acked_wi
     assert "bad signature" in by_id[altered_id["id"]][0]["detail"]
     assert all(a["status"] == "rejected" for cid, acks_ in by_id.items() if cid != good["id"] for a in acks_)
     assert other_run["id"] not in by_id, "another run's command is not ours to answer"
+    # The worker re-arms on none of these: they say nothing about a command it sent.
+    assert {cid: a[0].get("cause") for cid, a in by_id.items() if cid not in (good["id"], expired["id"])} == {
+        forged["id"]: "unauthenticated", wrong_key["id"]: "unauthenticated", unsigned["id"]: "unauthenticated",
+        altered_id["id"]: "unauthenticated"}
+    assert next(a for a in by_id[good["id"]] if a["status"] == "rejected")["cause"] == "replayed"
+
+
+@pytest.mark.integration
+def test_a_signed_rollback_to_a_path_the_trainer_never_reported_is_refused(kafka):
+    """The signature proves who signed, not where the path came from: only checkpoints this
+    process's TrainerLogger reported are handed to the loop, with the path it reported."""
+    run_id = "sec-path"
+    logger = TrainerLogger(run_id, kafka, host="h")
+    logger.checkpoint_saved(20, "/ckpt/sec-path/global_step_20")
+    logger.checkpoint_saved(40, "/ckpt/sec-path/global_step_40")
+    with ControlListener(run_id, kafka, keys={"ops": KEY}) as listener:
+        assert listener.wait_ready(10)
+        evil = sign(_command(run_id, "rollback", target={"step": 40, "path": "/tmp/attacker/evil_weights.pt"}), KEY)
+        by_hand = sign(_command(run_id, "rollback", target={"step": 20, "path": "global_step_20"}), KEY)
+        _publish(kafka, run_id, [evil, by_hand])
+        applied: list = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not applied:
+            listener.dispatch(lambda c: applied.append(c) or "restored")
+            time.sleep(0.05)
+    logger.close(quiet=True)
+    assert [c["target"] for c in applied] == [{"step": 20, "path": "/ckpt/sec-path/global_step_20"}]
+    acks = TopicReader(kafka, kafka.topics.acks)
+    ack = acks.wait_for(lambda a: a["command_id"] == evil["id"], what="the refusal")
+    assert ack["status"] == "rejected" and ack.get("cause") is None, "a cause the breaker acts on"
+    assert ack["detail"] == ("not a checkpoint this trainer reported: step 40 at '/tmp/attacker/evil_weights.pt'; "
+                             "known: step 20, 40")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("down_s, said", [
+    (0.0, "was reset (the connection to the broker dropped)"),   # back at once, its log filling up again
+    (3.0, "reads commands again, from the last 60 s"),          # gone long enough to be missed
+])
+def test_a_listener_reads_again_when_the_broker_restarts_empty(caplog, down_s, said):
+    """Memory storage: the broker comes back with empty topics, offsets from 0 again, and as many
+    commands come as the listener had read (the old position is reached again: nothing looks
+    wrong from the offsets). Every command after the restart is applied, once, and the log says
+    what happened."""
+    import logging
+
+    from chaos.scenarios import listener_reset_lost_commands
+
+    caplog.set_level(logging.WARNING, logger="trainguard.control")
+    r = listener_reset_lost_commands(before=3, after=3, down_s=down_s)
+    assert r["applied_before"] == 3 and r["listener_reset_lost_commands"] == 0 and r["applied_twice"] == 0, r
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "trainguard.control"]
+    assert any(said in m for m in lines), lines
 
 
 @pytest.mark.integration

@@ -1,0 +1,202 @@
+"""Nothing unsigned or forged steers a run: rollback targets are checkpoints the trainer itself
+reported, trainer and operator events that change the breaker are signed by their senders, and
+commands are signed by a key trainers cannot sign with."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from trainguard.producers.control import REPLAYED, UNAUTHENTICATED, ReportedCheckpoints
+from trainguard.schemas import events as ev
+from trainguard.schemas.signing import (
+    Keyring,
+    SigningKey,
+    exports,
+    public_keys,
+    sign,
+    sign_trainer,
+    verify,
+    verify_trainer,
+)
+from trainguard.streams import rules as rules_mod
+from trainguard.streams.engine import Engine
+
+MASTER = SigningKey("prod", b"the-worker-secret-nobody-else-has")
+TRAINER = ev.source("trainer", "h", 0)
+RUN = "nlp-ppo-1"
+
+
+def _env_from_exports(lines: list[str]) -> dict:
+    env = {}
+    for line in lines:
+        name, _, value = line.removeprefix("export ").partition("=")
+        env[name] = value.strip("'")
+    return env
+
+
+TRAINER_ENV = _env_from_exports(exports(MASTER, "trainer", "nlp-*"))
+OPERATOR_ENV = _env_from_exports(exports(MASTER, "operator"))
+
+
+def _engine(**policy) -> Engine:
+    rules = rules_mod.load(None)
+    rules.policy = {**rules.policy, **policy}
+    return Engine(rules, signing_key=MASTER)
+
+
+class Trainer:
+    """A trainer host holding only its part: the public keys and its team's trainer key."""
+
+    def __init__(self, engine: Engine, run_id: str = RUN):
+        self.keyring = Keyring.from_env(TRAINER_ENV)
+        self.key = self.keyring.trainer_key_for(run_id)
+        self.engine, self.run_id, self.offset, self.ts = engine, run_id, 0, time.time() - 3600
+
+    def send(self, event: dict, signed: bool = True) -> list:
+        if signed:
+            event = sign_trainer(event, self.key)
+        self.offset += 1
+        return self.engine.handle(ev.encode(event), 0, self.offset)
+
+    def steps(self, first: int, last: int, loss: float = 0.5) -> list:
+        outs = []
+        for step in range(first, last + 1):
+            self.ts += 1
+            outs += self.send(ev.metrics_event(self.run_id, step, {"actor/pg_loss": loss, "actor/kl_loss": 0.01},
+                                               src=TRAINER, ts=self.ts), signed=False)
+        return outs
+
+
+def _commands(outs):
+    return [o.value for o in outs if o.kind == "command"]
+
+
+def _dead(outs):
+    return [o.value["reason"] for o in outs if o.kind == "dlq"]
+
+
+def test_the_worker_rolls_back_only_to_a_checkpoint_its_trainer_signed():
+    engine = _engine()
+    t = Trainer(engine)
+    t.steps(1, 20)
+    t.send(ev.checkpoint_event(RUN, 20, "/ckpt/nlp-ppo-1/global_step_20", ts=t.ts))
+    t.steps(21, 24)
+    forged = t.send(ev.checkpoint_event(RUN, 24, "/tmp/attacker/evil_weights.pt", ts=t.ts), signed=False)
+    other_team = SigningKey("prod", MASTER.secret).trainer_key("vision-*")
+    stolen_scope = t.engine.handle(ev.encode(sign_trainer(ev.checkpoint_event(RUN, 24, "/tmp/attacker/b.pt",
+                                                                              ts=t.ts), other_team)), 0, 99)
+    [command] = _commands(t.steps(25, 25, loss=float("nan")))
+    assert command["action"] == "rollback"
+    assert command["target"] == {"step": 20, "path": "/ckpt/nlp-ppo-1/global_step_20"}
+    assert "refused checkpoint/1: not signed by the run's trainer's key (unsigned)" in _dead(forged)[0]
+    assert "signed for 'vision-*', not for run 'nlp-ppo-1'" in _dead(stolen_scope)[0]
+    assert engine.forged == 2
+
+
+def test_commands_are_stamped_by_the_worker_clock_with_ids_only_its_key_can_predict():
+    """The trainer's events are an hour old (a worker catching up): the command is still fresh."""
+    first, second = _engine(), _engine()
+    for engine in (first, second):
+        t = Trainer(engine)
+        t.steps(1, 20)
+        t.send(ev.checkpoint_event(RUN, 20, "/ckpt/20", ts=t.ts))
+        [command] = _commands(t.steps(21, 21, loss=float("nan")))
+        engine.command = command
+    a, b = first.command, second.command
+    assert a["id"] == b["id"], "the same events give the same id: a replay issues no second command"
+    assert time.time() - 5 < a["issued"] <= time.time() and a["expires"] - a["issued"] == 300
+    unkeyed = Engine(rules_mod.load(None))
+    t = Trainer(unkeyed)
+    t.steps(1, 20)
+    t.send(ev.checkpoint_event(RUN, 20, "/ckpt/20", ts=t.ts))
+    [plain] = _commands(t.steps(21, 21, loss=float("nan")))
+    assert plain["id"] != a["id"], "without the key the id cannot be worked out from the events"
+    assert verify(a, public_keys({"prod": MASTER})) is None
+
+
+def test_forged_silence_finished_and_acks_change_nothing_and_signed_ones_do():
+    engine = _engine(on_command_failure="stop")
+    t = Trainer(engine)
+    t.steps(1, 20)
+    t.send(ev.checkpoint_event(RUN, 20, "/ckpt/20", ts=t.ts))
+    month = time.time() + 30 * 86400
+    silence = ev.operator_event(RUN, "silence", until=month, reason="quiet", by="mallory")
+    assert "not signed by an operator's key" in _dead(t.engine.handle(ev.encode(silence), 0, 500))[0]
+    as_trainer = sign_trainer(silence, t.key)  # a trainer's key is not an operator's
+    assert _dead(t.engine.handle(ev.encode(as_trainer), 0, 501))
+    assert _dead(t.send(ev.lifecycle_event(RUN, "finished", step=20, ts=t.ts), signed=False))
+    outs = t.steps(21, 21, loss=float("nan"))
+    [alert] = [o.value for o in outs if o.kind == "alert" and o.value["rule"] == "non_finite"]
+    assert "silenced" not in alert, "a forged silence hides no page"
+    assert engine.status(RUN)["finished"] is False, "a forged finished ends no run"
+    [command] = _commands(outs)
+    for cause in (None, UNAUTHENTICATED, REPLAYED):
+        ack = ev.ack_event(command["id"], RUN, "rejected", "whatever")
+        if cause:
+            ack = sign_trainer({**ack, "cause": cause}, t.key)
+        assert [o.kind for o in engine.handle_ack(ev.encode(ack))] == ([] if cause else ["dlq"])
+    assert engine.status(RUN)["breaker"]["pending_command"] == command["id"], "still waiting for its rollback"
+    genuine = sign_trainer(ev.ack_event(command["id"], RUN, "rejected", "not a checkpoint this trainer reported"),
+                           t.key)
+    outs = engine.handle_ack(ev.encode(genuine))
+    assert [o.value["rule"] for o in outs if o.kind == "alert"] == ["command_failed"]
+    [stop] = _commands(outs)
+    assert stop["action"] == "stop" and verify(stop, public_keys({"prod": MASTER})) is None
+    operator = Keyring.from_env(OPERATOR_ENV).operator_signer()
+    signed = sign(ev.operator_event(RUN, "silence", until=month, reason="on it", by="ops"), operator)
+    assert engine.handle(ev.encode(signed), 0, 600) == []
+    assert engine.status(RUN)["silences"][0]["by"] == "ops"
+
+
+def test_trainers_verify_commands_but_cannot_sign_one():
+    trainer = Keyring.from_env(TRAINER_ENV)
+    keys = trainer.command_keys()
+    assert trainer.masters == {} and trainer.signer is None, "no secret on a trainer host"
+    command = ev.command_event(RUN, "stop", detail="x")
+    assert verify(sign(command, MASTER), keys) is None
+    assert verify(sign(command, Keyring.from_env(OPERATOR_ENV).operator_signer()), keys) is None
+    key = trainer.trainer_key_for(RUN)
+    assert "bad signature" in verify(sign_trainer(command, key), keys), "a trainer MAC is no command signature"
+    assert "bad signature" in verify({**sign(command, MASTER), "action": "rollback"}, keys)
+    assert trainer.trainer_key_for("vision-1") is None, "its key covers nlp-* only"
+    assert verify_trainer(sign_trainer(ev.ack_event("c", RUN, "failed"), key), {"prod": MASTER}) is None
+
+
+def test_a_listener_hands_over_only_checkpoints_its_trainer_reported():
+    reported = ReportedCheckpoints()
+    reported.record(RUN, 20, "/ckpt/nlp-ppo-1/global_step_20")
+    reported.record(RUN, 40, "/ckpt/nlp-ppo-1/global_step_40")
+    assert reported.problem(RUN, {"step": 40, "path": "/ckpt/nlp-ppo-1/global_step_40"}) == (
+        None, {"step": 40, "path": "/ckpt/nlp-ppo-1/global_step_40"})
+    assert reported.problem(RUN, {"step": 40, "path": "global_step_40"})[1]["path"] == \
+        "/ckpt/nlp-ppo-1/global_step_40", "`trainguard command --to 40` gets the path the trainer reported"
+    problem, target = reported.problem(RUN, {"step": 40, "path": "/tmp/attacker/evil_weights.pt"})
+    assert target is None and problem == ("not a checkpoint this trainer reported: step 40 at "
+                                          "'/tmp/attacker/evil_weights.pt'; known: step 20, 40")
+    assert reported.problem(RUN, {"step": 30, "path": "global_step_30"})[0].startswith("not a checkpoint")
+    assert reported.problem("other-run", {"step": 20, "path": "/ckpt/nlp-ppo-1/global_step_20"})[0].endswith(
+        "known: step none")
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("prod|nlp-*", "key_id|scope|secret"),
+    ("", None),
+])
+def test_a_malformed_trainer_key_is_named(line, problem):
+    if problem is None:
+        assert Keyring.from_env({"TRAINGUARD_TRAINER_KEY": line}).trainer is None
+        return
+    with pytest.raises(ValueError, match=problem.replace("|", r"\|")):
+        Keyring.from_env({"TRAINGUARD_TRAINER_KEY": line})
+
+
+@pytest.mark.integration
+def test_forged_inputs_against_a_real_worker_and_listener_take_no_effect(tmp_path):
+    from chaos.scenarios import forged_inputs_applied
+
+    r = forged_inputs_applied(log_dir=tmp_path)
+    assert r["forged_inputs_applied"] == 0, r
+    assert r["genuine_rollback_applied"] == 1 and r["nan_paged"] >= 1, r
+    assert r["forged_dead_letters"] >= 4, r  # checkpoint, silence, finished, failed ack
