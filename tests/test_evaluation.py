@@ -242,7 +242,7 @@ def test_run_quick_prints_the_summary_json_last():
     assert set(summary) == {"min_recall", "false_alerts_per_10k_steps", "median_delay_steps_sudden",
                             "drift_caught_before_kl", "real_caught", "real_failures", "real_healthy_silent",
                             "real_healthy", "real_false_alarms", "real_added", "nab"}
-    assert summary["real_added"] == {"caught": 8, "failures": 8, "healthy_silent": 11, "healthy": 11,
+    assert summary["real_added"] == {"caught": 8, "failures": 8, "healthy_silent": 12, "healthy": 12,
                                      "false_alarms": 0}
     assert any(line.startswith("real traces, added set:") for line in lines)
     assert set(summary["nab"]) == {"standard", "reward_low_FP", "reward_low_FN"}
