@@ -10,7 +10,10 @@ import threading
 
 import pytest
 
+from tests.integration import WorkerProcess, wait_until
+from trainguard.operate import read_statuses
 from trainguard.producers.control import ControlListener
+from trainguard.producers.trainer import TrainerLogger
 from trainguard.schemas.signing import load_keys, new_key_line
 
 pytestmark = pytest.mark.integration
@@ -54,17 +57,28 @@ def _command(kafka, *args, env=None, timeout=90):
                           text=True, env=env, timeout=timeout)
 
 
-def test_a_rollback_sent_by_hand_is_applied_acked_and_reported(kafka):
+def test_a_rollback_sent_by_hand_goes_to_the_checkpoint_the_trainer_reported(kafka, tmp_path):
+    worker = WorkerProcess(kafka, tmp_path).start().wait_ready()
     trainer = Trainer(kafka, "ops-1")
+    logger = TrainerLogger("ops-1", kafka, host="h")
     try:
+        logger.log({"actor/pg_loss": -0.01}, 40)
+        logger.checkpoint_saved(40, "/ckpt/ops-1/global_step_40")
+        logger.publisher.flush(10)
+        wait_until(lambda: (read_statuses(kafka, timeout_s=5).get("ops-1") or {}).get("saved_checkpoints"),
+                   timeout=30, what="the checkpoint in the run's status")
+        unknown = _command(kafka, "ops-1", "rollback", "--to", "30", "--reason", "x")
         result = _command(kafka, "ops-1", "rollback", "--to", "40", "--reason", "reward hacking seen in samples")
     finally:
         trainer.close()
+        logger.close(quiet=True)
+        worker.kill()
+    assert unknown.returncode == 2 and "no checkpoint at step 30; checkpoints it reported: 40" in unknown.stderr
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sent rollback to run ops-1" in result.stdout
-    assert "applied at step" in result.stdout and "restored global_step_40" in result.stdout
+    assert "applied at step" in result.stdout and "restored /ckpt/ops-1/global_step_40" in result.stdout
     [command] = trainer.applied
-    assert command["target"] == {"step": 40, "path": "global_step_40"}
+    assert command["target"] == {"step": 40, "path": "/ckpt/ops-1/global_step_40"}
     assert "reward hacking seen in samples" in command["detail"] and "sent by hand by" in command["detail"]
 
 
