@@ -23,6 +23,10 @@ Scenarios (``chaos/scenarios.py``), each on its own embedded broker on loopback:
   and started again (it ends its dead predecessor's group membership, then joins); a sinks
   process pages a real HTTP receiver and is restarted once: seconds until the new worker pages
   the run's next NaN, alerts missed, pages received twice, commands issued twice.
+- ``ui``: records with an injection payload in every string field of every record kind, and
+  malformed or misplaced ones, beside a run a real worker judges; every page of ``trainguard
+  ui`` rendered in Debian's chromium: markup a record put on a page (``ui_injections``), the
+  reader alive after each malformed record, a restarted UI reading past them.
 - ``forged``: someone with write access to every topic and no key forges a checkpoint path, a
   30-day silence, a ``finished``, a ``failed`` ack, an unsigned copy of the pending rollback,
   and signs a rollback to a path the trainer never reported: how many took effect.
@@ -61,6 +65,7 @@ TARGETS = {
     "worker_kill_duplicate_commands": (0, "le"),
     "hostile_crashes": (0, "le"),
     "hostile_dead_letters_missing": (0, "le"),
+    "ui_injections": (0, "le"),
     "forged_inputs_applied": (0, "le"),
     "listener_reset_lost_commands": (0, "le"),
 }
@@ -90,6 +95,10 @@ def run(only: set[str], quick: bool) -> dict:
     if "worker_kill" in only:
         print("worker_kill: kill -9 a worker and start it again, three times ...", file=sys.stderr, flush=True)
         out["worker_kill"] = scenarios.worker_kill()
+    if "ui" in only:
+        print("ui: hostile records on every topic, every page of trainguard ui in chromium ...", file=sys.stderr,
+              flush=True)
+        out["ui"] = scenarios.ui_injections()
     if "forged" in only:
         print("forged: forged checkpoints, silences, acks and commands against a worker ...", file=sys.stderr,
               flush=True)
@@ -127,6 +136,8 @@ def summary(results: dict) -> dict:
         s["worker_recovery_s"] = results["worker_kill"]["worker_recovery_s"]
         for k in ("worker_kill_missed_alerts", "worker_kill_duplicate_pages", "worker_kill_duplicate_commands"):
             s[k] = results["worker_kill"][k]
+    if "ui" in results:
+        s["ui_injections"] = results["ui"]["ui_injections"]
     if "forged" in results:
         s["forged_inputs_applied"] = results["forged"]["forged_inputs_applied"]
     if "listener_reset" in results:
@@ -152,10 +163,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="an 8 s outage instead of 25 s, 200 runs instead of 1,000")
     ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener, lifecycle, "
-                                               "shutdown, hostile, worker_kill, forged, listener_reset")
+                                               "shutdown, hostile, worker_kill, forged, listener_reset, ui")
     args = ap.parse_args(argv)
     only = set(filter(None, args.only.split(","))) or {"broker_restart", "close", "listener", "lifecycle", "shutdown",
-                                                       "hostile", "worker_kill", "forged", "listener_reset"}
+                                                       "hostile", "worker_kill", "forged", "listener_reset",
+                                                       "ui"}
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     started = time.monotonic()
     results = run(only, args.quick)

@@ -645,3 +645,257 @@ def forged_inputs_applied(log_dir=None) -> dict:
     return {**effects, "forged_inputs_applied": sum(effects.values()),
             "genuine_rollback_applied": sum(1 for c in applied if c["id"] == rollback["id"]),
             "nan_paged": len(nan), "forged_dead_letters": len(dead), "worker_commands": len(worker_commands)}
+
+
+# --------------------------------------------------------------------------- the run page under hostile records
+
+# Markup the UI's pages are made of; any other element in a rendered page came from a record.
+_UI_TAGS = frozenset("html head meta title style body p a b h1 h2 table tbody tr th td figure figcaption section ul li "
+                     "pre svg rect polygon polyline g line circle text".split())
+_UI_PAYLOADS = ('"><script>document.title="XSS-{i}"</script>', "</svg><img/src=x/onerror=document.title='XSS-{i}'>",
+                "javascript:document.title='XSS-{i}'", "'><svg/onload=document.title='XSS-{i}'>",
+                "</title></style></textarea><script>document.title='XSS-{i}'</script>")
+
+
+def _ui_injections_in(dom: str) -> tuple[list[str], set[str]]:
+    """What a rendered page holds that a record put there as markup (elements the UI does not
+    write, event handlers, ``javascript:`` links, a title a payload set), and the payload ids
+    shown as text."""
+    import re
+    from html.parser import HTMLParser
+
+    found: list[str] = []
+    shown: set[str] = set()
+
+    class Scan(HTMLParser):
+        in_title = False
+
+        def handle_starttag(self, tag, attrs):
+            self.in_title = tag == "title"
+            if tag not in _UI_TAGS:
+                found.append(f"<{tag}>")
+            for name, value in attrs:
+                if name.startswith("on"):
+                    found.append(f"{tag} {name}=")
+                if name in ("href", "src", "xlink:href", "action") and (value or "").strip().lower().startswith(
+                        ("javascript:", "data:")):
+                    found.append(f"{tag} {name}={value[:40]}")
+
+        def handle_endtag(self, tag):
+            self.in_title = False
+
+        def handle_data(self, data):
+            if self.in_title and re.fullmatch(r"\s*XSS-\d+\s*", data):
+                found.append(f"title set to {data.strip()}")
+            shown.update(re.findall(r"XSS-(\d+)", data))
+
+    Scan(convert_charrefs=True).feed(dom)
+    return found, shown
+
+
+def _ui_hostile_records(good_run: str) -> tuple[list[tuple[str, str, bytes]], list[tuple[str, str, bytes]]]:
+    """(valid records with an injection payload in every string field they have, on their own
+    topics; malformed or misplaced records, each of which the UI must skip), as (topic role,
+    key, value)."""
+    count = iter(range(1, 100_000))
+
+    def p() -> str:
+        n = next(count)
+        return _UI_PAYLOADS[n % len(_UI_PAYLOADS)].format(i=n)
+
+    now = time.time()
+    valid: list[tuple[str, str, bytes]] = []
+    for run in (p(), p(), good_run):
+        alert_id, command_id = p(), p()
+        node = {"kind": "node", "host": p(), "rank": 0, "gpu": 0}
+        records = [
+            ("events", {"schema": ev.METRICS, "run_id": run, "source": node, "step": 3, "ts": now, "layer": "resource",
+                        "metrics": {"gpu/utilization_pct": 50.0, p(): 1.0}, "tags": {p(): p()}}),
+            ("events", {"schema": ev.CHECKPOINT, "run_id": run, "step": 3, "path": p(), "ts": now, "source": node}),
+            ("events", {"schema": ev.LIFECYCLE, "run_id": run, "event": "started", "ts": now, "detail": {p(): p()}}),
+            ("events", {"schema": ev.OPERATOR, "run_id": run, "action": "silence", "id": p(), "rule": p(),
+                        "reason": p(), "by": p(), "ts": now, "until": now + 60}),
+            ("alerts", {"schema": ev.ALERT, "id": alert_id, "run_id": run, "rule": p(), "severity": "P0",
+                        "status": "firing", "step": 3, "ts": now, "onset": {"step": 3, "ts": now}, "metric": p(),
+                        "metrics": [p(), "gpu/utilization_pct"], "value": p(), "evidence": {p(): p()},
+                        "diagnosis": p(), "suggestion": p(), "silenced": {"until": p(), "by": p()}}),
+            ("alerts", {"schema": ev.REPORT, "id": p(), "run_id": run, "action": "rollback", "command_id": command_id,
+                        "ts": now, "step": 3, "summary": p(), "incident": {"rules": [p()], "layers": [p()],
+                                                                           "onset_step": p()},
+                        "checkpoint": {"chosen": {"step": 3, "path": p()}, "why": p()},
+                        "alerts": [{"rule": p(), "severity": p(), "metric": p(), "value": p(), "step": p(),
+                                    "diagnosis": p(), "suggestion": p(), "evidence": {"lower": p(), "upper": p(),
+                                                                                      "mean": p()}}],
+                        "windows": {p(): {"source": p(), "values": [1.0, "NaN", 2.0]}},
+                        "resource_snapshot": {p(): {"metrics": {"gpu/utilization_pct" + p(): 1.0}}},
+                        "history": {"rollbacks": p()}}),
+            ("control", {"schema": ev.COMMAND, "id": command_id, "run_id": run, "action": "rollback",
+                         "target": {"step": 3, "path": p()}, "reason": [alert_id, p()], "issued": now,
+                         "expires": now + 60, "detail": p(), "signature": {"key_id": p(), "nonce": p(), "mac": p()}}),
+            ("acks", {"schema": ev.ACK, "command_id": command_id, "run_id": run, "status": "rejected", "detail": p(),
+                      "ts": now, "step": 3}),
+        ]
+        if run != good_run:  # the good run's status is the worker's
+            records.append(("status", {"schema": ev.STATUS, "run_id": run, "ts": now, "last_step": 3,
+                                       "last_event_ts": now, "worker": p(),
+                                       "breaker": {"status": p(), "rollbacks": 2, "pending_command": p()},
+                                       "open_alerts": [{"rule": p(), "severity": p(), "metric": p(), "id": p()}],
+                                       "last_healthy_checkpoint": {"step": 3, "path": p()},
+                                       "unwatched_metrics": [p(), p()], "silences": [{"id": p(), "reason": p()}]}))
+        valid += [(role, run, orjson.dumps(value)) for role, value in records]
+    odd = [  # valid for their topic, of shapes a page does not expect
+        ("alerts", {"schema": ev.ALERT, "id": "odd-1", "run_id": good_run, "rule": "odd", "severity": "P3",
+                    "status": "firing", "ts": now, "onset": {"ts": now}, "evidence": {}, "value": {"a": [1]},
+                    "metrics": 5, "metric": 7, "silenced": "yes"}),
+        ("control", {"schema": ev.COMMAND, "id": "odd-2", "run_id": good_run, "action": "pause", "target": None,
+                     "reason": [], "issued": now, "expires": now + 60, "detail": 12}),
+        ("status", {"schema": ev.STATUS, "run_id": "odd-status", "ts": now, "breaker": {"status": "closed",
+                                                                                      "rollbacks": 0},
+                    "open_alerts": [], "unwatched_metrics": "many", "last_healthy_checkpoint": {"step": "x"},
+                    "finished": "no"}),
+        ("alerts", {"schema": ev.REPORT, "id": "odd-3", "run_id": good_run, "action": "stop", "command_id": "odd-2",
+                    "ts": now, "step": "late", "incident": {}, "checkpoint": {}, "alerts": [1, "x"],
+                    "windows": []}),
+    ]
+    valid += [(role, value["run_id"], orjson.dumps(value)) for role, value in odd]
+    alert = {"schema": ev.ALERT, "id": "forged", "run_id": good_run, "rule": "forged", "severity": "P0",
+             "status": "firing", "step": '"><script>document.title="XSS-0"</script>', "ts": now,
+             "onset": {"ts": now}, "evidence": {}}
+    status = {"schema": ev.STATUS, "run_id": good_run, "ts": now, "open_alerts": [],
+              "breaker": {"status": "closed", "rollbacks": '"><script>document.title="XSS-0"</script>'}}
+    malformed = [("events", b'{"schema":"ack/1"}'), ("events", b'{"schema":"report/1","run_id":"r"}'),
+                 ("events", orjson.dumps({"schema": ev.METRICS, "run_id": good_run, "source": node, "step": 1,
+                                          "ts": now, "metrics": [1.0]})),
+                 ("events", orjson.dumps({"schema": ev.METRICS, "run_id": good_run, "source": "trainer", "step": 1,
+                                          "ts": now, "metrics": {}})),
+                 ("events", orjson.dumps({"schema": ev.METRICS, "run_id": [good_run], "source": node, "step": 1,
+                                          "ts": now, "metrics": {}})),
+                 ("events", orjson.dumps(alert)), ("alerts", orjson.dumps(alert)), ("status", orjson.dumps(status)),
+                 ("events", orjson.dumps({**alert, "step": 3})),  # a valid alert, on the events topic
+                 ("events", valid[6][2]),  # a command on the events topic
+                 ("control", b"\x00\xff not json"), ("acks", b"[1, 2]"), ("alerts", b"null"),
+                 ("status", b'{"schema":"status/1"}')]
+    return valid, [(role, good_run, raw) for role, raw in malformed]
+
+
+def ui_injections(settings: KafkaSettings | None = None, log_dir=None) -> dict:
+    """A real worker judges a run whose loss turns NaN; beside it, records with an injection
+    payload in every string field of every record kind, and malformed or misplaced records, go
+    to every topic. After each malformed record the UI's reader must be alive and the good run's
+    page served; then every page (the index, each run, each report, a missing page) is rendered
+    in Debian's chromium and checked for markup a record put there; a restarted UI must read past
+    the same records. ``settings``: the topics to use (a broker of its own when not given)."""
+    import contextlib
+    import tempfile
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+    from pathlib import Path
+
+    from tests.integration import CHROMIUM, WorkerProcess, browser, produce, wait_until
+    from trainguard.streams import rules as rules_mod
+    from trainguard.ui import UiServer
+
+    if CHROMIUM is None:
+        raise RuntimeError("ui_injections needs Debian's chromium (make system / scripts/setup-system.sh)")
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-ui-"))
+    with contextlib.ExitStack() as stack:
+        if settings is None:
+            port = free_port()
+            stack.enter_context(broker_on(port))
+            settings = _settings(port)
+        create_topics(settings)
+        topics = {"events": settings.topics.events, "alerts": settings.topics.alerts,
+                  "control": settings.topics.control, "acks": settings.topics.acks, "status": settings.topics.status}
+        good_run = f"ui-good-{uuid.uuid4().hex[:6]}"
+        worker = WorkerProcess(settings, log_dir, extra_env={"TRAINGUARD_ALLOW_UNSIGNED": "1"}).start()
+        stack.callback(worker.kill)
+        worker.wait_ready()
+        logger = TrainerLogger(good_run, settings, host="chaos-ui")
+        try:
+            for step in range(1, 42):
+                logger.log({"actor/pg_loss": float("nan") if step == 41 else 0.5 + 0.01 * (step % 5),
+                            "actor/kl_loss": 0.01 + 0.0005 * step}, step)
+                if step == 30:
+                    logger.checkpoint_saved(30, "/ckpt/global_step_30")
+        finally:
+            logger.close(10, quiet=True)
+        ui = stack.enter_context(contextlib.closing(_UiClosing(UiServer(settings, rules_mod.default(), port=0))))
+        board = ui.server.board
+        wait_until(lambda: (board.snapshot(good_run) or {}).get("reports"), 60, "the good run's decision on the page")
+
+        def get(url: str) -> tuple[int, str]:
+            try:
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    return response.status, response.read().decode()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read().decode()
+
+        good_url = f"{ui.server.url}run/{good_run}"
+        valid, malformed = _ui_hostile_records(good_run)
+        alive_after_each = skipped_each = 0
+        for role, key, raw in malformed:
+            before = board.skipped()[0]
+            produce(settings, topics[role], key, [raw])
+            deadline = time.monotonic() + 15
+            while board.skipped()[0] == before and time.monotonic() < deadline:
+                time.sleep(0.1)
+            skipped_each += board.skipped()[0] > before
+            status, page = get(good_url)
+            served = status == 200 and 'data-metric="actor/pg_loss"' in page
+            alive_after_each += ui.server.follower.is_alive() and served
+        for role, key, raw in valid:
+            produce(settings, topics[role], key, [raw])
+        total = _records_on(settings, list(topics.values()))
+        wait_until(lambda: board.records >= total, 60, "the UI reading every record")
+        runs = [r["run_id"] for r in board.runs()]
+        pages = [ui.server.url, good_url, f"{ui.server.url}nothing/{urllib.parse.quote(_UI_PAYLOADS[0], safe='')}"]
+        pages += [f"{ui.server.url}run/{urllib.parse.quote(run, safe='')}" for run in runs if run != good_run]
+        for run in runs:
+            quoted = urllib.parse.quote(run, safe="")
+            pages += [f"{ui.server.url}run/{quoted}/report/{urllib.parse.quote(r['id'], safe='')}"
+                      for r in (board.snapshot(run) or {}).get("reports", [])]
+        injections: list[str] = []
+        shown: set[str] = set()
+        for url in pages:
+            found, ids = _ui_injections_in(browser("--dump-dom", url))
+            injections += [f"{url}: {f}" for f in found]
+            shown |= ids
+        skipped = board.skipped()[0]
+        alive = ui.server.follower.is_alive()
+        ui.close()
+        again = stack.enter_context(contextlib.closing(_UiClosing(UiServer(settings, rules_mod.default(), port=0))))
+        wait_until(lambda: again.server.board.records >= total, 60, "a restarted UI reading every record")
+        status, page = get(f"{again.server.url}run/{good_run}")
+        restarted = again.server.follower.is_alive() and status == 200 and 'data-metric="actor/pg_loss"' in page
+    return {"ui_pages_checked": len(pages), "ui_injections": len(injections), "ui_injection_details": injections[:20],
+            "ui_payloads_shown_as_text": len(shown), "ui_malformed_records": len(malformed),
+            "ui_malformed_skipped": skipped_each,
+            "ui_reader_alive_after_each_malformed": alive_after_each, "ui_records_skipped": skipped,
+            "ui_reader_alive": alive, "ui_restarted_reader_alive": restarted}
+
+
+class _UiClosing:
+    """A started UiServer, stopped once by ``close()`` (with ``contextlib.closing``)."""
+
+    def __init__(self, server):
+        self.server = server.start()
+        self._closed = False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.server.stop()
+
+
+def _records_on(settings: KafkaSettings, topics: list[str]) -> int:
+    """How many records ``topics`` hold now (the sum of their partitions' high watermarks)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer(settings.confluent(**{"group.id": uuid.uuid4().hex, "log_level": 0}))
+    try:
+        meta = consumer.list_topics(timeout=10).topics
+        return sum(consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)[1]
+                   for t in topics for p in meta[t].partitions)
+    finally:
+        consumer.close()

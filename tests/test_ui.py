@@ -7,6 +7,7 @@ Screenshots go under out/screenshots (paths printed at the end of the test run).
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -88,3 +89,58 @@ def test_the_run_page_shows_signals_alert_decision_and_report(kafka, tmp_path):
             SCREENSHOTS.append(shot)
     finally:
         ui.stop()
+
+
+def test_hostile_records_inject_nothing_and_blind_nothing(kafka, tmp_path):
+    """Records with an injection payload in every string field of every record kind, on every
+    topic, beside a real run a real worker judges; malformed and misplaced records one at a time.
+    Every page is rendered in chromium: nothing a record holds becomes markup, the reader lives
+    through each malformed record while the good run's page is served, and a restarted UI reads
+    past them all (chaos/scenarios.py's ui_injections, also run by `make chaos`)."""
+    from chaos import scenarios
+
+    r = scenarios.ui_injections(kafka, log_dir=tmp_path)
+    assert r["ui_injections"] == 0, r["ui_injection_details"]
+    assert r["ui_pages_checked"] >= 8, r
+    assert r["ui_payloads_shown_as_text"] >= 20, f"the payloads reach the pages, as text: {r}"
+    assert r["ui_malformed_skipped"] == r["ui_malformed_records"], f"each malformed record skipped: {r}"
+    assert r["ui_reader_alive_after_each_malformed"] == r["ui_malformed_records"], r
+    assert r["ui_records_skipped"] >= r["ui_malformed_records"], r
+    assert r["ui_reader_alive"] and r["ui_restarted_reader_alive"], r
+
+
+def _status_of(url: str, headers: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, dict(response.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers)
+
+
+def test_pages_answer_only_their_own_host_and_need_the_token_beyond_loopback(kafka):
+    local = UiServer(kafka, rules_mod.default(), port=0).start()
+    try:
+        port = local.server.server_address[1]
+        assert _status_of(local.url, {})[0] == 200
+        assert _status_of(local.url, {"Host": f"localhost:{port}"})[0] == 200
+        code, headers = _status_of(local.url, {"Host": f"rebound.example:{port}"})
+        assert code == 403, "a page on another site whose name now points here reads nothing"
+        assert "script-src" not in headers.get("Content-Security-Policy", "x") and \
+            "default-src 'none'" in headers["Content-Security-Policy"]
+    finally:
+        local.stop()
+
+    wide = UiServer(kafka, rules_mod.default(), addr="0.0.0.0", port=0, allowed_hosts=["trainguard.internal"]).start()
+    try:
+        assert wide.token and wide.login_url.endswith(f"?token={wide.token}")
+        host = {"Host": f"trainguard.internal:{wide.server.server_address[1]}"}
+        assert _status_of(wide.url, host)[0] == 401, "bound beyond loopback: no page without the token"
+        assert _status_of(wide.url + "?token=wrong", host)[0] == 401
+        code, headers = _status_of(wide.login_url, host)
+        assert code == 200 and "HttpOnly" in headers["Set-Cookie"]
+        cookie = headers["Set-Cookie"].split(";", 1)[0]
+        assert _status_of(wide.url + "api/runs", {**host, "Cookie": cookie})[0] == 200, "then the cookie will do"
+        assert _status_of(wide.login_url, {"Host": "evil.example"})[0] == 403
+    finally:
+        wide.stop()
