@@ -111,6 +111,7 @@ DIALECTS: dict[str, dict[str, str]] = {
         "entropy": "entropy",
         "loss": "policy_loss",
         "policy_loss": "policy_loss",                   # 1.7+, with an entropy coefficient
+        "total_loss": "loss",                           # a plain (SFT, DPO) Trainer's loss: the callback's name
         "grad_norm": "grad_norm",
         "learning_rate": "learning_rate",
         "reward": "reward_mean",

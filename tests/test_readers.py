@@ -514,7 +514,7 @@ def test_errors_name_the_file(tmp_path):
     assert str(odd) in str(exc.value) and "cannot tell the format" in str(exc.value)
     with pytest.raises(ReadError, match="unknown format 'parquet'"):
         open_reader(data("sample.csv"), fmt="parquet")
-    assert set(FORMATS) == {"jsonl", "csv", "hf", "tensorboard", "verl"}
+    assert set(FORMATS) == {"jsonl", "csv", "hf", "tensorboard", "verl", "hflog"}
 
 
 def test_forced_format_with_alias():
@@ -528,3 +528,42 @@ def test_a_resumed_run_yields_the_repeated_steps_in_file_order(tmp_path):
                  "step:3 - a:30\nresuming from global_step_2\nstep:3 - a:300\n")
     assert list(read_steps(p)) == [(1, {"a": 1.0}), (2, {"a": 2.0}), (3, {"a": 3.0}), (2, {"a": 20.0}),
                                    (3, {"a": 30.0}), (3, {"a": 300.0})]
+
+
+# -- Hugging Face / TRL console logs -------------------------------------------------------
+
+
+def test_console_logs_dicts_are_read_as_literals_never_evaluated(tmp_path):
+    from trainguard.readers.hfconsole import parse_logs
+
+    metrics, bad = parse_logs("{'loss': nan, 'grad_norm': -inf, 'lr': 1e-05, 'x': None, 'y': np.float64(0.5), "
+                              "'z': tensor(2.0, device='cuda:0'), 'name': 'sft', 'epoch': 1}")
+    assert math.isnan(metrics["loss"]) and metrics["grad_norm"] == -math.inf and metrics["lr"] == 1e-05
+    assert math.isnan(metrics["x"]) and metrics["y"] == 0.5 and metrics["z"] == 2.0 and metrics["epoch"] == 1.0
+    assert "name" not in metrics and bad == 0
+    marker = tmp_path / "ran"
+    evil = "{'loss': __import__('pathlib').Path(%r).touch(), 'ok': 1.0}" % str(marker)
+    metrics, bad = parse_logs(evil)
+    assert metrics == {"ok": 1.0} and bad == 1 and not marker.exists()
+    assert parse_logs("{'a': " * 10_000 + "}" * 10_000) is None  # too deep: not a logs dict, no crash
+    assert parse_logs("{**x}") is None and parse_logs("['a']") is None
+
+
+def test_console_log_detection_and_steps(tmp_path):
+    path = tmp_path / "out.txt"
+    path.write_text("\x1b[32mINFO\x1b[0m starting\n"
+                    "{'loss': 2.0, 'grad_norm': 1.0, 'epoch': 0.1}\n"
+                    "{'eval_loss': 2.5, 'eval_runtime': 0.3, 'epoch': 0.1}\n"
+                    " 50%|#####     | 2/4\r{'loss': 1.9, 'grad_norm': 0.9, 'epoch': 0.2}\n"
+                    "{'loss': 1.8, 'grad_norm'\n"
+                    "{'loss': 1.7, 'step': 40}\n")
+    assert detect_format(path) == "hflog"
+    reader = open_reader(path)
+    steps = list(reader)
+    # A plain Trainer (no RL keys): its loss is a training loss; an eval line joins its step.
+    assert steps == [(1, {"total_loss": 2.0, "grad_norm": 1.0, "epoch": 0.1, "eval_loss": 2.5, "eval_runtime": 0.3}),
+                     (2, {"total_loss": 1.9, "grad_norm": 0.9, "epoch": 0.2}), (40, {"total_loss": 1.7})]
+    assert reader.skipped == 1 and "out.txt:5" in reader.problems[0]
+    jsonl = tmp_path / "run.log"
+    jsonl.write_text('{"step": 1, "loss": 0.5, "note": "{\'a\': 1}"}\n')
+    assert detect_format(jsonl) == "jsonl"

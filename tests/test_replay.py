@@ -150,6 +150,43 @@ def test_unreadable_input_exits_2_naming_the_file_and_the_problem(tmp_path, name
     assert str(path) in err and problem in err
 
 
+@pytest.mark.parametrize("name, content", [
+    ("hello.txt", "hello\n"),                                     # taken for a verl log by its name
+    ("train.log", "Epoch 1: 100%|##########| 10/10\nsaving model\n"),  # a console log of nothing we read
+    ("state.json", '{"log_history": []}'),                          # a trainer state with no entry
+])
+def test_a_file_nothing_was_read_from_exits_2_naming_the_formats_replay_reads(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    result = _cli(str(path))
+    rc, out, err = result.returncode, result.stdout, result.stderr
+    assert rc == 2 and "no alerts" not in out, out
+    assert str(path) in err and "no step read as" in err, err
+    for fmt in ("jsonl", "csv", "hf", "tensorboard", "verl", "hflog"):
+        assert f"  {fmt}: " in err, err
+
+
+def test_a_trl_console_log_with_nan_loss_pages(tmp_path):
+    """TRL's GRPO logs as the Trainer prints them: Python dicts, nan as Python prints it, None for
+    an all-NaN metric, a numpy scalar's repr; TRL's keys make its loss the policy loss."""
+    path = tmp_path / "grpo.out"
+    path.write_text(
+        "  0%|          | 0/3 [00:00<?, ?it/s]\r 33%|###3      | 1/3 [00:01<00:02]"
+        "{'loss': 0.0123, 'grad_norm': 0.51, 'learning_rate': 1e-06, 'num_tokens': 512.0, "
+        "'completions/mean_length': 31.5, 'reward': 0.62, 'reward_std': 0.3, 'kl': 0.0, 'epoch': 0.01}\n"
+        "{'loss': nan, 'grad_norm': nan, 'learning_rate': 1e-06, 'completions/mean_length': 32.0, "
+        "'reward': None, 'reward_std': np.float64(0.28), 'kl': inf, 'epoch': 0.02}\n"
+        "{'train_runtime': 3.2, 'train_samples_per_second': 4.1, 'train_loss': nan, 'epoch': 0.02}\n")
+    result = replay(path)
+    assert result.format == "hflog" and result.steps == 2 and result.framework == "trl"
+    steps = dict(read_steps(path))
+    assert steps[1]["loss"] == 0.0123 and steps[2]["reward_std"] == 0.28 and steps[2]["kl"] == float("inf")
+    assert steps[2]["loss"] != steps[2]["loss"] and steps[2]["reward"] != steps[2]["reward"]
+    assert ("non_finite", 2) in [(a["rule"], a["step"]) for a in result.alerts if a["status"] == "firing"]
+    rc, out, _ = _main(str(path))
+    assert rc == 0 and "non_finite" in out
+
+
 def test_bad_rules_file_exits_2(tmp_path):
     rules = tmp_path / "rules.yaml"
     rules.write_text("version: 1\nrules: [{name: x}]\n")

@@ -1,7 +1,7 @@
 """``trainguard replay``: run a recorded run through the same engine and rules, offline.
 
 A file any of :mod:`trainguard.readers` reads (JSON lines, CSV, ``trainer_state.json``,
-TensorBoard event files, verl console logs) becomes a stream of trainer metric events; the
+TensorBoard event files, verl and Hugging Face / TRL console logs) becomes a stream of trainer metric events; the
 :class:`~trainguard.streams.engine.Engine` the worker uses judges them with the same rules
 file, and the circuit breaker's commands are recorded as what it *would* have sent. No Kafka.
 
@@ -16,8 +16,9 @@ A checkpoint enters the replay just before the first step after it, as in the li
 
 ``main(args)`` is the CLI: a table of alerts (or ``--json``: one object per alert line,
 nothing else on stdout), a summary, a progress line on stderr when stderr is a terminal.
-Exit code 0 when the file was replayed (alerts or not), 2 when it could not be read or the
-rules file is invalid.
+Exit code 0 when the file was replayed (alerts or not), 2 when it could not be read (no step
+read from it at all included: the message lists the formats replay reads) or the rules file is
+invalid.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Callable, Iterable, TextIO
 
 import orjson
 
-from trainguard.readers import ReadError, StepReader, open_reader
+from trainguard.readers import ReadError, StepReader, formats_read, open_reader
 from trainguard.schemas import events as ev
 from trainguard.streams.signals import recognise
 
@@ -193,6 +194,10 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
         if on_step is not None:
             on_step(reader)
     result.elapsed_s = time.monotonic() - started
+    if reader.steps == 0:  # "no alerts" about a file nothing was read from would be a lie
+        raise ReadError(path, f"no step read as {reader.format} ({reader.skipped} records skipped, "
+                              f"{reader.ignored} without metrics). trainguard replay reads:\n{formats_read()}\n"
+                              f"(--format FORMAT when the file is one of these but was taken for another)")
     result.framework = recognise(result.metrics)
     result.unwatched = ruleset.unwatched(result.metrics)
     result.steps = reader.steps

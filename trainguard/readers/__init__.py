@@ -19,7 +19,9 @@ Formats (``fmt`` names, aliases in brackets):
 - ``hf`` (trainer_state): Hugging Face ``trainer_state.json`` ``log_history``; a checkpoint
   directory holding one works too;
 - ``tensorboard`` (tb, tfevents): ``events.out.tfevents.*`` files, or a directory of them;
-- ``verl`` (log, console): verl console output, ``step:12 - key:value - ...``.
+- ``verl`` (log, console): verl console output, ``step:12 - key:value - ...``;
+- ``hflog`` (transformers, trl): Hugging Face ``Trainer`` / TRL console output, the logs
+  dicts it prints (``{'loss': 0.69, 'grad_norm': 1.2, ...}``, ``nan`` as Python prints it).
 
 Files may be gzip-compressed. Values are floats with NaN/Inf kept as ``nan``/``inf``
 (a NaN loss is the most important thing a replay can find). Steps come in file order, a
@@ -45,6 +47,7 @@ from typing import Iterator
 from .base import ReadError, Step, StepReader, head_bytes
 from .csvfile import CsvReader, step_column
 from .hf import TrainerStateReader
+from .hfconsole import HFConsoleReader, looks_like_console
 from .jsonl import JsonlReader
 from .tensorboard import TensorBoardReader, looks_like_tfrecord
 from .verl import VerlLogReader, parse_line
@@ -55,11 +58,26 @@ READERS: dict[str, type[StepReader]] = {
     "hf": TrainerStateReader,
     "tensorboard": TensorBoardReader,
     "verl": VerlLogReader,
+    "hflog": HFConsoleReader,
 }
 ALIASES = {"json": "jsonl", "ndjson": "jsonl", "events": "jsonl", "tsv": "csv", "trainer_state": "hf",
            "huggingface": "hf", "tb": "tensorboard", "tfevents": "tensorboard", "log": "verl",
-           "console": "verl", "text": "verl"}
+           "console": "verl", "text": "verl", "transformers": "hflog", "trl": "hflog", "hf_console": "hflog"}
 FORMATS = tuple(READERS)
+# What each format is, for the messages that say what replay reads.
+DESCRIPTIONS = {
+    "jsonl": "JSON lines with a step (or trainguard's metrics/1 events)",
+    "csv": "CSV with a step column",
+    "hf": "a Hugging Face trainer_state.json (or the checkpoint directory holding one)",
+    "tensorboard": "TensorBoard event files (or a log directory)",
+    "verl": "a verl console log ('step:12 - actor/kl_loss:0.001 - ...')",
+    "hflog": "a Hugging Face Trainer / TRL console log (\"{'loss': 0.69, 'grad_norm': 1.2, ...}\" lines)",
+}
+
+
+def formats_read() -> str:
+    """The formats, one per line, as the messages list them."""
+    return "\n".join(f"  {name}: {what}" for name, what in DESCRIPTIONS.items())
 
 _SNIFF_BYTES = 65536
 
@@ -111,6 +129,8 @@ def detect_format(path: str | os.PathLike) -> str:
         obj = _json_object(first)
         if obj is not None:  # a whole object on the first line: JSON lines (or a one-line trainer state)
             return "hf" if type(obj.get("log_history")) is list else "jsonl"
+        if looks_like_console(lines[:2000]):
+            return "hflog"
         if '"log_history"' in text or ext == ".json":
             return "hf"
         return "jsonl"
@@ -118,12 +138,15 @@ def detect_format(path: str | os.PathLike) -> str:
         return "jsonl"
     if any(parse_line(ln) for ln in lines[:2000]):
         return "verl"
+    if looks_like_console(lines[:2000]):
+        return "hflog"
     if ext in (".csv", ".tsv") or (any(d in first for d in ",\t;") and _csv_header_has_step(first)):
         return "csv"
     if ext in (".log", ".txt", ".out", ".err"):
         return "verl"
     raise ReadError(path, "cannot tell the format (not JSON lines, CSV with a step column, trainer_state.json, "
-                          f"a TensorBoard event file, or a verl log); pass a format: {', '.join(FORMATS)}")
+                          f"a TensorBoard event file, a verl or Hugging Face console log); pass a format: "
+                          f"{', '.join(FORMATS)}")
 
 
 def _json_object(line: str) -> dict | None:
@@ -192,6 +215,6 @@ def _quiet(reader: StepReader) -> Iterator[Step]:
         return
 
 
-__all__ = ["ReadError", "StepReader", "Step", "FORMATS", "READERS", "detect_format", "open_reader",
-           "read_steps", "count_steps", "estimate_steps", "JsonlReader", "CsvReader", "TrainerStateReader",
-           "TensorBoardReader", "VerlLogReader"]
+__all__ = ["ReadError", "StepReader", "Step", "FORMATS", "READERS", "DESCRIPTIONS", "formats_read",
+           "detect_format", "open_reader", "read_steps", "count_steps", "estimate_steps", "JsonlReader", "CsvReader",
+           "TrainerStateReader", "TensorBoardReader", "VerlLogReader", "HFConsoleReader"]
