@@ -10,15 +10,18 @@ torch and transformers are test requirements: a missing one fails this module lo
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 import time
 import uuid
 
 import pytest
-
 import torch
 import transformers  # noqa: F401  (deliberately not importorskip: CI must have it)
 
-from tests.integration import TopicReader, WorkerProcess, produce
+from tests.integration import TopicReader, WorkerProcess, produce, wait_until
+from trainguard.operate import read_statuses
 from trainguard.schemas import events as ev
 
 pytestmark = pytest.mark.integration
@@ -42,7 +45,19 @@ def command(run_id: str, action: str, target=None, **extra) -> dict:
             "target": target, "reason": [], "issued": now, "expires": now + 60, "detail": "test", **extra}
 
 
+def _command_line(kafka, run_id: str, *args: str, cwd) -> subprocess.CompletedProcess:
+    """``trainguard command RUN ...`` as an operator runs it, from ``cwd``."""
+    prefix = kafka.topics.events.rsplit(".", 1)[0]
+    env = {**os.environ, "TRAINGUARD_BOOTSTRAP": kafka.bootstrap, "TRAINGUARD_TOPIC_PREFIX": prefix,
+           "TRAINGUARD_PARTITIONS": str(kafka.partitions)}
+    return subprocess.run([sys.executable, "-m", "trainguard.cli", "command", run_id, *args, "--reason", "test",
+                           "--wait", "60"], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+
+
 def test_trainer_callback_publishes_reports_checkpoints_and_obeys_rollback_and_stop(kafka, tmp_path, monkeypatch):
+    """The rollbacks go as an operator sends them, `trainguard command RUN rollback --to N` from
+    another directory: to checkpoint-10 (applied), then to checkpoint-5 whose weights were
+    deleted (failed, and training goes on). Then skip_data and stop, as the worker sends them."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("WANDB_DISABLED", "true")
     from safetensors.torch import load_file
@@ -53,11 +68,27 @@ def test_trainer_callback_publishes_reports_checkpoints_and_obeys_rollback_and_s
     worker = WorkerProcess(kafka, tmp_path).start()
     run_id = f"hf-{uuid.uuid4().hex[:6]}"
     out = tmp_path / "hf-out"
-    seen = {"restore_checked": None, "rollback_sent_at": None, "stop_sent_at": None, "skipping_steps": []}
+    elsewhere = tmp_path / "operator"
+    elsewhere.mkdir()
+    seen = {"restore_checked": None, "rollback_sent_at": None, "stop_sent_at": None, "skipping_steps": [],
+            "cli": {}, "skip_sent_at": None}
     guard_cb = TrainguardCallback(run_id, kafka, ready_timeout_s=10)
 
+    def operator():
+        def known():
+            status = read_statuses(kafka, timeout_s=5).get(run_id) or {}
+            return {5, 10} <= {c["step"] for c in status.get("saved_checkpoints", [])}
+
+        wait_until(known, timeout=60, what="checkpoints 5 and 10 in the run's status")
+        seen["cli"]["to_10"] = _command_line(kafka, run_id, "rollback", "--to", "10", cwd=elsewhere)
+        os.remove(out / "checkpoint-5" / "model.safetensors")
+        seen["cli"]["to_5"] = _command_line(kafka, run_id, "rollback", "--to", "5", cwd=elsewhere)
+        seen["failed_at"] = seen["cli"]["to_5"].stdout
+
+    operator_thread = threading.Thread(target=operator, daemon=True)
+
     class Driver(TrainerCallback):
-        """Plays the worker's part (sends commands) and inspects the model right after the restore."""
+        """Plays the operator's and the worker's parts and inspects the model right after the restore."""
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
             if guard_cb._skip_left or any(p.grad is None for p in model.parameters()):
@@ -65,10 +96,8 @@ def test_trainer_callback_publishes_reports_checkpoints_and_obeys_rollback_and_s
 
         def on_step_end(self, args, state, control, model=None, optimizer=None, **kw):
             time.sleep(0.04)  # let the listener keep up, as a real step would
-            if state.global_step == 13 and seen["rollback_sent_at"] is None:
-                target = {"step": 10, "path": os.path.abspath(out / "checkpoint-10")}
-                produce(kafka, kafka.topics.control, run_id,
-                        [ev.encode(command(run_id, "rollback", target, skip_batches=2))])
+            if state.global_step == 12 and seen["rollback_sent_at"] is None:
+                operator_thread.start()
                 seen["rollback_sent_at"] = state.global_step
             if guard_cb.guard.rollbacks == 1 and seen["restore_checked"] is None:
                 saved = load_file(str(out / "checkpoint-10" / "model.safetensors"))
@@ -80,7 +109,11 @@ def test_trainer_callback_publishes_reports_checkpoints_and_obeys_rollback_and_s
                     torch.equal(inner.state_dict()["state"][i]["exp_avg"], s["exp_avg"])
                     for i, s in opt["state"].items())
                 seen["restored_at"] = state.global_step
-            if seen["restore_checked"] is not None and state.global_step >= seen["restored_at"] + 5 \
+            if "to_5" in seen["cli"] and seen["skip_sent_at"] is None:
+                seen["failed_seen_at"] = state.global_step
+                produce(kafka, kafka.topics.control, run_id, [ev.encode(command(run_id, "skip_data", skip_batches=2))])
+                seen["skip_sent_at"] = state.global_step
+            if seen["skip_sent_at"] is not None and state.global_step >= seen["skip_sent_at"] + 5 \
                     and seen["stop_sent_at"] is None:
                 produce(kafka, kafka.topics.control, run_id, [ev.encode(command(run_id, "stop"))])
                 seen["stop_sent_at"] = state.global_step
@@ -90,7 +123,7 @@ def test_trainer_callback_publishes_reports_checkpoints_and_obeys_rollback_and_s
         config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=100, n_positions=32)
         torch.manual_seed(0)
         model = GPT2LMHeadModel(config)
-        args = TrainingArguments(output_dir=str(out), max_steps=200, per_device_train_batch_size=8, logging_steps=1,
+        args = TrainingArguments(output_dir=str(out), max_steps=2000, per_device_train_batch_size=8, logging_steps=1,
                                  save_strategy="steps", save_steps=5, report_to=[], use_cpu=True, learning_rate=1e-3,
                                  disable_tqdm=True, dataloader_num_workers=0, seed=0, save_only_model=False)
         trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(), callbacks=[guard_cb, Driver()])
@@ -98,24 +131,33 @@ def test_trainer_callback_publishes_reports_checkpoints_and_obeys_rollback_and_s
         trainer.train()
         elapsed = time.monotonic() - started
 
-        # Rollback: applied inside the callback, weights and optimizer equal checkpoint-10's.
+        operator_thread.join(60)
+        # Rollback by hand: the checkpoint the callback reported, by its absolute path, from another
+        # directory; weights and optimizer equal checkpoint-10's.
+        to_10, to_5 = seen["cli"]["to_10"], seen["cli"]["to_5"]
+        assert to_10.returncode == 0, to_10.stdout + to_10.stderr
+        assert "applied" in to_10.stdout and str(out / "checkpoint-10") in to_10.stdout, to_10.stdout
         assert seen["restore_checked"] is True, seen
         assert seen["optimizer_checked"] is True, seen
         assert guard_cb.guard.rollbacks == 1
+        # A checkpoint that does not load: failed, with the reason, and the run trains on.
+        assert to_5.returncode == 1, to_5.stdout + to_5.stderr
+        assert "failed" in to_5.stdout and "no model weights in" in to_5.stdout, to_5.stdout
+        assert trainer.state.global_step >= seen["failed_seen_at"] + 5  # not stopped by the failure
         assert guard_cb.skipped_batches == 2 and len(seen["skipping_steps"]) == 2, seen
         # Stop: the Trainer left its loop long before max_steps.
         assert seen["stop_sent_at"] is not None
-        assert trainer.state.global_step < 200, trainer.state.global_step
+        assert trainer.state.global_step < 2000, trainer.state.global_step
         assert guard_cb.guard.stopped
-        assert elapsed < 60
+        assert elapsed < 180
 
         acks = TopicReader(kafka, kafka.topics.acks)
-        acks.wait_for(lambda e: sum(1 for a in acks.seen if a["run_id"] == run_id and a["status"] == "applied") >= 2,
-                      timeout=15, what="two applied acks")
-        applied = [a for a in acks.seen if a["run_id"] == run_id]
+        acks.wait_for(lambda e: sum(1 for a in acks.seen if a["run_id"] == run_id) >= 4, timeout=15,
+                      what="four acks")
+        acked = [a for a in acks.seen if a["run_id"] == run_id]
         acks.close()
-        assert [a["status"] for a in applied] == ["applied", "applied"], applied
-        assert "checkpoint-10" in applied[0]["detail"] and "optimizer.pt" in applied[0]["detail"]
+        assert [a["status"] for a in acked] == ["applied", "failed", "applied", "applied"], acked
+        assert "checkpoint-10" in acked[0]["detail"] and "optimizer.pt" in acked[0]["detail"]
 
         events = TopicReader(kafka, kafka.topics.events)
         mine = lambda e: e["run_id"] == run_id  # noqa: E731
@@ -125,8 +167,10 @@ def test_trainer_callback_publishes_reports_checkpoints_and_obeys_rollback_and_s
         events.close()
         metrics = [e for e in ours if e["schema"] == ev.METRICS]
         assert len(metrics) >= 15
-        assert all("train/loss" in e["metrics"] and "train/grad_norm" in e["metrics"]
-                   for e in metrics if "train/loss" in e["metrics"])
+        # A plain Trainer's loss is a training loss (loss_divergence judges it), not a policy loss.
+        losses = [e for e in metrics if "train/total_loss" in e["metrics"]]
+        assert len(losses) >= 15 and all("train/grad_norm" in e["metrics"] for e in losses)
+        assert not any("train/loss" in e["metrics"] for e in metrics)
         steps = [e["step"] for e in metrics]
         assert steps[:3] == [1, 2, 3]
         ckpts = {e["step"]: e["path"] for e in ours if e["schema"] == ev.CHECKPOINT}
@@ -136,5 +180,67 @@ def test_trainer_callback_publishes_reports_checkpoints_and_obeys_rollback_and_s
         # The rolled_back report follows the metrics of the step in which the rollback happened.
         rb_index = next(i for i, e in enumerate(ours) if e["schema"] == ev.LIFECYCLE and e["event"] == "rolled_back")
         assert any(e["schema"] == ev.METRICS and e["step"] == seen["restored_at"] for e in ours[:rb_index])
+    finally:
+        worker.kill()
+
+
+def test_a_plain_trainers_diverging_loss_pages_live_and_from_its_console_log(kafka, tmp_path, monkeypatch):
+    """A plain Trainer (no RL) whose loss jumps from ~4.3 to ~30 and stays there (one step at a
+    learning rate of 5), then turns NaN (weights set to NaN): its loss is judged as a training
+    loss, live and in `trainguard replay` of the console output captured as a user's terminal
+    shows it (progress bars and the logs dicts on one stream)."""
+    import contextlib
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_DISABLED", "true")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from trainguard.producers.integrations.hf import TrainguardCallback
+    from trainguard.replay import replay
+
+    class Blowup(TrainerCallback):
+        def on_step_end(self, args, state, control, optimizer=None, model=None, **kw):
+            if state.global_step == 15:  # the constant schedule sets it back after one step
+                for group in optimizer.param_groups:
+                    group["lr"] = 5.0
+            if state.global_step == 30:
+                with torch.no_grad():
+                    next(model.parameters()).fill_(float("nan"))
+
+    worker = WorkerProcess(kafka, tmp_path).start()
+    run_id = f"sft-{uuid.uuid4().hex[:6]}"
+    try:
+        worker.wait_ready()
+        guard_cb = TrainguardCallback(run_id, kafka, ready_timeout_s=10)
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=100, n_positions=32))
+        args = TrainingArguments(output_dir=str(tmp_path / "sft"), max_steps=40, per_device_train_batch_size=8,
+                                 logging_steps=1, learning_rate=1e-3, lr_scheduler_type="constant", report_to=[],
+                                 use_cpu=True, save_strategy="no", logging_nan_inf_filter=False, seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(n=512),
+                          callbacks=[guard_cb, Blowup()])
+        console = tmp_path / "console.log"
+        with open(console, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            trainer.train()
+        steps = trainer.state.global_step
+        assert 30 < steps <= 40  # the local guard stops the run on NaN gradients
+
+        alerts = TopicReader(kafka, kafka.topics.alerts)
+        live = alerts.wait_for(lambda a: a["run_id"] == run_id and a["rule"] == "loss_divergence", timeout=60,
+                               what="the live loss_divergence alert", worker=worker)
+        alerts.wait_for(lambda a: a["run_id"] == run_id and a["rule"] == "non_finite", timeout=30,
+                        what="the live NaN alert", worker=worker)
+        alerts.close()
+        assert live["metric"] == "train/total_loss" and 16 <= live["step"] <= 18, live
+
+        raw = console.read_bytes()
+        assert b"{'loss': nan" in raw and b"\r" in raw, "a real console log: the dicts among progress bars"
+        result = replay(console)
+        assert result.format == "hflog" and result.steps == steps, (result.format, result.steps)
+        assert "total_loss" in result.metrics and "loss" not in result.metrics
+        firing = [(a["rule"], a["step"]) for a in result.alerts if a["status"] == "firing"]
+        assert ("loss_divergence", live["step"]) in firing, firing
+        nan_steps = [s for r, s in firing if r == "non_finite"]
+        assert nan_steps and nan_steps[0] == 31, firing
     finally:
         worker.kill()

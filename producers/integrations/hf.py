@@ -13,9 +13,11 @@ What it does, on the world's process zero only (other ranks do nothing):
 * ``on_log``: publishes the logs at ``state.global_step``, named the way the Trainer's
   own W&B/TensorBoard integrations name them (``loss`` -> ``train/loss``, ``grad_norm`` ->
   ``train/grad_norm``, ``eval_loss`` -> ``eval/loss``), so the default rules' ``*loss*`` and
-  ``*grad_norm*`` traps apply. Note that the Trainer drops NaN/Inf losses from the
-  logged mean by default (``logging_nan_inf_filter``); ``grad_norm`` still shows them.
-  A value logged as ``None`` is published as NaN (TRL's way of logging an all-NaN metric).
+  ``*grad_norm*`` traps apply. An RL trainer's ``loss`` (TRL's GRPO, RLOO, PPO: told by its
+  config class, or ``rl=``) is its policy-gradient loss; a plain, SFT or DPO Trainer's goes as
+  ``train/total_loss``, the training loss that ``loss_divergence`` judges. Note that the
+  Trainer drops NaN/Inf losses from the logged mean by default (``logging_nan_inf_filter``);
+  ``grad_norm`` still shows them. A value logged as ``None`` is published as NaN (TRL's way of logging an all-NaN metric).
 * ``on_save``: reports ``{output_dir}/checkpoint-{global_step}``.
 * ``on_step_end``: applies ready commands.
 * ``on_pre_optimizer_step``: the local guard. Gradients holding NaN/Inf are discarded before
@@ -65,13 +67,26 @@ from transformers import TrainerCallback
 
 from trainguard.kafka import KafkaSettings
 from trainguard.producers.integrations._core import Decision, GuardBase
+from trainguard.readers.hfconsole import PLAIN_LOSS
 
-__all__ = ["TrainguardCallback", "rewrite_logs", "load_model_weights"]
+__all__ = ["TrainguardCallback", "rewrite_logs", "load_model_weights", "is_rl_trainer"]
 
 
-def rewrite_logs(logs: dict) -> dict:
+# TRL's trainers whose ``loss`` is a policy-gradient loss (matched on the config's class names).
+RL_CONFIGS = frozenset({"GRPOConfig", "RLOOConfig", "PPOConfig", "OnlineDPOConfig", "XPOConfig", "NashMDConfig"})
+
+
+def is_rl_trainer(args) -> bool:
+    """Whether the Trainer's arguments are an RL trainer's (TRL GRPO, RLOO, PPO, online DPO)."""
+    return any(c.__name__ in RL_CONFIGS for c in type(args).__mro__)
+
+
+def rewrite_logs(logs: dict, rl: bool = True) -> dict:
     """The Trainer integrations' naming: eval_x -> eval/x, test_x -> test/x, x -> train/x.
 
+    A plain (SFT, DPO ...) Trainer's ``loss`` (``rl=False``) goes as ``train/total_loss``: TRL's
+    RL trainers log their policy-gradient loss as ``loss`` too, and the vocabulary maps that
+    name to ``policy_loss``; a training loss must be judged as one (``loss_divergence``).
     ``None`` becomes NaN: TRL (1.0+) logs a metric whose every value in the logging window
     was NaN as ``None`` (a reward function that returned NaN or None for the whole batch),
     and dropping it would hide the NaN the rules exist to page on."""
@@ -79,7 +94,9 @@ def rewrite_logs(logs: dict) -> dict:
     for k, v in logs.items():
         if v is None:
             v = math.nan
-        if k.startswith("eval_"):
+        if k == "loss" and not rl:
+            out["train/" + PLAIN_LOSS] = v
+        elif k.startswith("eval_"):
             out["eval/" + k[5:]] = v
         elif k.startswith("test_"):
             out["test/" + k[5:]] = v
@@ -194,8 +211,9 @@ class TrainguardCallback(TrainerCallback):
     """
 
     def __init__(self, run_id: str, settings: KafkaSettings | None = None, *, nonfinite_guard: bool = True,
-                 max_nonfinite_updates: int = 3, **guard_kwargs):
+                 max_nonfinite_updates: int = 3, rl: bool | None = None, **guard_kwargs):
         self.run_id = run_id
+        self.rl = rl  # None: from the Trainer's arguments at train begin (TRL's GRPO/RLOO/PPO configs)
         self.settings = settings
         self.guard_kwargs = guard_kwargs
         # Skip an optimiser step whose gradients hold NaN/Inf; stop after this many in a row.
@@ -217,6 +235,8 @@ class TrainguardCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero or self.guard is not None:
             return
+        if self.rl is None:
+            self.rl = is_rl_trainer(args)
         try:
             self.guard = _HFGuard(self, self.run_id, self.settings, **self.guard_kwargs)
             self.guard.lifecycle("started", step=state.global_step)
@@ -239,7 +259,7 @@ class TrainguardCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.guard is not None and logs:
             # What the local guard did rides with the step's own logs: one event per step.
-            self.guard.log({**rewrite_logs(logs), **self._report}, state.global_step)
+            self.guard.log({**rewrite_logs(logs, rl=self.rl is not False), **self._report}, state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
         if self.guard is None:
