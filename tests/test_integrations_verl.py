@@ -18,6 +18,10 @@ synced, and the run finishes its steps.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import threading
 import time
 import uuid
 from types import SimpleNamespace
@@ -27,7 +31,8 @@ import pytest
 import torch
 from verl.utils.tracking import Tracking  # deliberately not importorskip: CI must have it
 
-from tests.integration import TopicReader, WorkerProcess, produce
+from tests.integration import TopicReader, WorkerProcess, produce, wait_until
+from trainguard.operate import read_statuses
 from trainguard.schemas import events as ev
 
 pytestmark = pytest.mark.integration
@@ -186,3 +191,89 @@ def test_verl_stop_raises_out_of_fit_and_is_acked(kafka):
     ack = acks.wait_for(lambda e: e["run_id"] == run_id, timeout=10, what="the stop ack")
     acks.close()
     assert ack["status"] == "applied" and ack["command_id"] == stop["id"]
+
+
+def _command_line(kafka, run_id: str, *args: str, cwd) -> subprocess.CompletedProcess:
+    prefix = kafka.topics.events.rsplit(".", 1)[0]
+    env = {**os.environ, "TRAINGUARD_BOOTSTRAP": kafka.bootstrap, "TRAINGUARD_TOPIC_PREFIX": prefix,
+           "TRAINGUARD_PARTITIONS": str(kafka.partitions)}
+    return subprocess.run([sys.executable, "-m", "trainguard.cli", "command", run_id, *args, "--reason", "test",
+                           "--wait", "60"], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+
+
+def test_a_rollback_by_hand_loads_verls_checkpoint_from_any_directory(kafka, tmp_path, monkeypatch):
+    """verl saves under a relative ``default_local_dir``; the operator's shell is elsewhere. The
+    rollback goes to the absolute path the backend reported; one whose actor folder is gone is
+    acked failed and the run trains on to its last step, which reports finished."""
+    from trainguard.producers.integrations.verl import attach
+
+    worker = WorkerProcess(kafka, tmp_path).start()
+    run_id = f"verl-cli-{uuid.uuid4().hex[:6]}"
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "operator").mkdir()
+    monkeypatch.chdir(tmp_path / "trainer")
+    trainer = FakeRayPPOTrainer("ckpt", total_training_steps=100_000, fault_at=10**9, step_s=0.05)
+    results: dict = {}
+
+    def operator():
+        def known():
+            status = read_statuses(kafka, timeout_s=5).get(run_id) or {}
+            return {5, 10} <= {c["step"] for c in status.get("saved_checkpoints", [])}
+
+        wait_until(known, timeout=60, what="checkpoints 5 and 10 in the run's status")
+        results["to_10"] = _command_line(kafka, run_id, "rollback", "--to", "10", cwd=tmp_path / "operator")
+        shutil.rmtree(tmp_path / "trainer" / "ckpt" / "global_step_5" / "actor")
+        results["to_5"] = _command_line(kafka, run_id, "rollback", "--to", "5", cwd=tmp_path / "operator")
+        results["failed_at"] = trainer.global_steps
+        time.sleep(1.0)  # the run trains on
+        trainer.total_training_steps = trainer.global_steps + 3  # then ends as verl's last step does
+
+    thread = threading.Thread(target=operator, daemon=True)
+    try:
+        worker.wait_ready()
+        backend = attach(trainer, run_id, kafka, tracking_cls=Tracking, ready_timeout_s=10)
+        thread.start()
+        try:
+            trainer.fit()
+        finally:
+            backend.detach()
+        thread.join(10)
+        to_10, to_5 = results["to_10"], results["to_5"]
+        target = str(tmp_path / "trainer" / "ckpt" / "global_step_10")
+        assert to_10.returncode == 0 and "applied" in to_10.stdout and target in to_10.stdout, \
+            to_10.stdout + to_10.stderr
+        assert trainer.actor_rollout_wg.loads == [os.path.join(target, "actor")]
+        assert to_5.returncode == 1 and "failed" in to_5.stdout and "no actor checkpoint in" in to_5.stdout, \
+            to_5.stdout + to_5.stderr
+        assert trainer.logged[-1][0] > results["failed_at"] + 5  # trained on after the failure
+        events = TopicReader(kafka, kafka.topics.events)
+        events.wait_for(lambda e: e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE and e["event"] == "finished",
+                        timeout=15, what="finished")
+        events.close()
+    finally:
+        worker.kill()
+
+
+def test_a_crash_out_of_fit_reports_no_end(kafka, tmp_path):
+    """An exception out of fit(): the run reports neither finished nor stopped, so the worker's
+    staleness rule pages it (a finished run it never pages)."""
+    from trainguard.producers.integrations.verl import attach
+
+    class Crashing(FakeRayPPOTrainer):
+        def _save_checkpoint(self):
+            if self.global_steps == 10:
+                raise OSError("No space left on device")
+            super()._save_checkpoint()
+
+    run_id = f"verl-crash-{uuid.uuid4().hex[:6]}"
+    trainer = Crashing(tmp_path / "ckpt", total_training_steps=50, fault_at=10**9, step_s=0.0)
+    backend = attach(trainer, run_id, kafka, tracking_cls=Tracking, listen=False)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.fit()
+    assert backend._closed  # flushed on the way out
+    events = TopicReader(kafka, kafka.topics.events)
+    events.wait_for(lambda e: e["run_id"] == run_id and e["schema"] == ev.METRICS and e["step"] == 9, timeout=15,
+                    what="the steps before the crash")
+    lifecycle = [e["event"] for e in events.drain(2.0) if e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE]
+    events.close()
+    assert lifecycle == ["started"], lifecycle
