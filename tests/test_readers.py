@@ -564,6 +564,9 @@ def test_console_log_detection_and_steps(tmp_path):
     assert steps == [(1, {"total_loss": 2.0, "grad_norm": 1.0, "epoch": 0.1, "eval_loss": 2.5, "eval_runtime": 0.3}),
                      (2, {"total_loss": 1.9, "grad_norm": 0.9, "epoch": 0.2}), (40, {"total_loss": 1.7})]
     assert reader.skipped == 1 and "out.txt:5" in reader.problems[0]
+    odd = tmp_path / "odd.out"
+    odd.write_text("{'loss': 1.0, 'step': inf}\n{'loss': 2.0, 'step': -3}\n")  # not steps: counted on
+    assert [s for s, _ in open_reader(odd)] == [1, 2]
     jsonl = tmp_path / "run.log"
     jsonl.write_text('{"step": 1, "loss": 0.5, "note": "{\'a\': 1}"}\n')
     assert detect_format(jsonl) == "jsonl"

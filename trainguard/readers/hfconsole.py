@@ -137,7 +137,7 @@ class HFConsoleReader(LineReader):
             self.bad_values += bad
             explicit = metrics.pop("step", None)
             training = not any(k.startswith("eval_") or k in _SUMMARY_KEYS for k in metrics)
-            if explicit is not None and explicit == explicit and explicit >= 0:
+            if explicit is not None and math.isfinite(explicit) and explicit >= 0:
                 step = int(explicit)
             elif training or step == 0:
                 step += 1
