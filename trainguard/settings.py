@@ -48,7 +48,7 @@ SETTINGS: tuple[Setting, ...] = (
             "`key_id:public,...`: the worker's and the operators' public keys, which listeners verify "
             "commands with (`python -m trainguard.schemas.signing trainer SCOPE` prints them)"),
     Setting("TRAINGUARD_TRAINER_KEY", None, _TRAINER,
-            "`key_id|scope|secret`: signs this trainer's checkpoints, lifecycle changes and acks, for one run "
+            "`key_id\\|scope\\|secret`: signs this trainer's checkpoints, lifecycle changes and acks, for one run "
             "id or a team's prefix (`nlp-*`); printed by `python -m trainguard.schemas.signing trainer SCOPE`"),
     Setting("TRAINGUARD_OPERATOR_KEY", None, "operator",
             "`key_id:private`: signs `trainguard silence`/`ack`/`resolve` and `trainguard command` "
