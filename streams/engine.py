@@ -671,6 +671,7 @@ class Engine:
             return None
         resolved = {**alert, "status": "resolved", "step": event.get("step", alert.get("step")),
                     "ts": event["ts"], "node_snapshot": None, **extra}
+        resolved.pop("flapping", None)  # it settled: the sinks end the flapping notice with it
         return Output(OutputKind.ALERT, alert["run_id"], resolved)
 
     def _judge(self, ctx: "EventContext", slot, rule: Rule, holds: bool, metric: str, value: float,
@@ -904,6 +905,8 @@ class Engine:
                 # it open (a sustained fault soon enters the window and stops looking unusual).
                 holds = rules[ri].holds(value, bool(anomalous[j]) or slot in state.firing,
                                         mean[j] if ready[j] else math.nan, std[j])
+                if holds and rules[ri].seen_finite is not None and rules[ri].seen_finite != bool(block.count[row]):
+                    holds = False  # e.g. NaN since the first point (not computed) vs NaN after finite values
                 self._judge(ctx, slot, rules[ri], holds, ctx.names[j], value,
                             lambda j=j, row=row, value=value: self._evidence(
                                 value, bool(finite[j]), mean[j], std[j], lower[j], upper[j], block, row))
@@ -1148,7 +1151,8 @@ class Engine:
         for key in [k for k in list(self.store.keys()) if keys.is_run_key(k)]:
             run = self._run(key)
             last = max((seen[0] for seen in run.last_seen.values()), default=None)
-            tiny = run.events is not None and run.events <= self.limits.tiny_run_events
+            # A run that reported a checkpoint keeps it as a rollback target for the usual time.
+            tiny = run.events is not None and run.events <= self.limits.tiny_run_events and not run.checkpoints
             if (run.finished and now - (run.finished_at or last or now) > self.finished_grace_s) or \
                     (last is not None and now - last > (self.limits.tiny_run_ttl_s if tiny else self.idle_ttl_s)):
                 self.forget(key)

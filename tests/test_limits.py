@@ -86,3 +86,14 @@ def test_tiny_runs_are_forgotten_sooner_than_runs_that_logged():
     assert b"tiny" not in engine.store and b"tiny|trainer:h:0:-" not in engine.store
     assert b"real" in engine.store, "a run past a few events keeps the usual idle time"
     assert engine.dirty.get(b"tiny") is not None, "forgotten with a tombstone in the changelog"
+
+
+def test_a_tiny_run_that_reported_a_checkpoint_keeps_it_for_the_usual_time():
+    engine = Engine(RULES, idle_ttl_s=7 * 86400, limits=Limits(tiny_run_events=3, tiny_run_ttl_s=60))
+    now = [10_000.0]
+    engine.clock = lambda: now[0]
+    src = ev.source("trainer", "h", 0)
+    engine.handle(ev.encode(ev.checkpoint_event("ckpt", 5, "/ckpt/5", ts=1_000.0, src=src)), 0, 0)
+    now[0] += 61
+    engine.tick()
+    assert b"ckpt" in engine.store, "a rollback target is not forgotten as a tiny run"
