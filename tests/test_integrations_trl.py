@@ -1,13 +1,14 @@
 """TRL's real ``GRPOTrainer`` with ``TrainguardCallback`` and the default rules.
 
-One run, three records of it: the events the callback published (judged live by a worker
-process on the embedded broker), the Trainer's ``trainer_state.json`` and its TensorBoard
-file (judged by ``trainguard replay``). The names differ (``train/reward`` live and in
+One run, four records of it: the events the callback published (judged live by a worker
+process on the embedded broker), the Trainer's ``trainer_state.json``, its TensorBoard file
+and the console output it printed (judged by ``trainguard replay``). The names differ (``train/reward`` live and in
 TensorBoard, ``reward`` in trainer_state.json); the alerts must not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -44,13 +45,18 @@ def test_one_trl_run_gives_the_same_alerts_live_from_trainer_state_and_from_tens
         out = tmp_path / "grpo"
         trainer = grpo_trainer(build_model(tmp_path / "model"), out, reward=reward_breaks_at_step_7,
                                max_steps=16, callbacks=[callback], save_steps=16)
-        trainer.train()
+        console = tmp_path / "console.log"  # what the user's terminal shows (disable_tqdm: printed dicts)
+        with open(console, "w") as f, contextlib.redirect_stdout(f):
+            trainer.train()
         assert trainer.state.global_step == 16
 
         state_file = out / "checkpoint-16" / "trainer_state.json"
         history = json.loads(state_file.read_text())["log_history"]
         assert [h["reward"] for h in history if h.get("step") in (6, 7)] == [pytest.approx(history[5]["reward"]), 0.0]
         from_state = replay(state_file)
+        from_console = replay(console)
+        assert from_console.format == "hflog" and from_console.steps == 16 and from_console.framework == "trl"
+        assert firing(from_console.alerts) == firing(from_state.alerts)
         tb_file = glob.glob(str(out / "tb" / "events.out.tfevents.*"))[0]
         from_tb = replay(tb_file)
         assert from_state.framework == from_tb.framework == "trl"
