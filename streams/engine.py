@@ -433,7 +433,7 @@ class Engine:
         except ev.SchemaError as exc:
             return [self.dead_letter(raw, str(exc), topic, partition, offset)]
         try:
-            return self.apply(event, partition, offset)
+            return self.apply(event, partition, offset, raw=raw, topic=topic)
         except Exception as exc:  # a bug must not stop the pipeline; keep the evidence
             return [self.dead_letter(raw, f"internal error while processing: {type(exc).__name__}: {exc}",
                                      topic, partition, offset)]
@@ -515,10 +515,17 @@ class Engine:
         what = kind + (f" {event['event']}" if kind == ev.LIFECYCLE else "")
         reason = f"refused {what}: not signed by {who}'s key ({problem}); it changes nothing"
         log.warning("trainguard: run %s: %s", event.get("run_id"), reason)
-        return self.dead_letter(raw if raw is not None else ev.encode(event), reason, topic, partition, offset)
+        if raw is None:  # applied from code (a replay): the event as JSON, or as Python wrote it
+            try:
+                raw = ev.encode(event)
+            except (TypeError, ValueError):
+                raw = repr(event).encode("utf-8", "backslashreplace")
+        return self.dead_letter(raw, reason, topic, partition, offset)
 
-    def apply(self, event: dict, partition: int = 0, offset: int = -1) -> list[Output]:
-        forged = self._unauthentic(event, None, "", partition, offset)
+    def apply(self, event: dict, partition: int = 0, offset: int = -1, *, raw: bytes | None = None,
+              topic: str = "") -> list[Output]:
+        """Apply one decoded event (``raw``, ``topic``: where it came from, for a dead letter)."""
+        forged = self._unauthentic(event, raw, topic, partition, offset)
         if forged is not None:
             return [forged]
         run_id = event["run_id"]

@@ -84,6 +84,7 @@ def test_the_worker_rolls_back_only_to_a_checkpoint_its_trainer_signed():
     t.send(ev.checkpoint_event(RUN, 20, "/ckpt/nlp-ppo-1/global_step_20", ts=t.ts))
     t.steps(21, 24)
     forged = t.send(ev.checkpoint_event(RUN, 24, "/tmp/attacker/evil_weights.pt", ts=t.ts), signed=False)
+    forged_at = t.offset
     other_team = SigningKey("prod", MASTER.secret).trainer_key("vision-*")
     stolen_scope = t.engine.handle(ev.encode(sign_trainer(ev.checkpoint_event(RUN, 24, "/tmp/attacker/b.pt",
                                                                               ts=t.ts), other_team)), 0, 99)
@@ -91,6 +92,8 @@ def test_the_worker_rolls_back_only_to_a_checkpoint_its_trainer_signed():
     assert command["action"] == "rollback"
     assert command["target"] == {"step": 20, "path": "/ckpt/nlp-ppo-1/global_step_20"}
     assert "refused checkpoint/1: not signed by the run's trainer's key (unsigned)" in _dead(forged)[0]
+    [record] = [o.value for o in forged if o.kind == "dlq"]
+    assert "/tmp/attacker/evil_weights.pt" in record["raw_text"] and record["offset"] == forged_at, "the evidence"
     assert "signed for 'vision-*', not for run 'nlp-ppo-1'" in _dead(stolen_scope)[0]
     assert engine.forged == 2
 
