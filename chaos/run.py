@@ -32,6 +32,14 @@ Scenarios (``chaos/scenarios.py``), each on its own embedded broker on loopback:
   and signs a rollback to a path the trainer never reported: how many took effect.
 - ``listener_reset``: the broker restarts empty under a control listener: commands sent after
   it that were never applied.
+- ``tiny_runs``: 20,000 invented run ids of one tiny event each through a real worker whose tiny
+  runs live 20 s: its RSS settled, at the peak, and once they are forgotten, per 1,000 runs.
+- ``many_metrics``: a trainer logging 5,000 metric names per step for 200 steps, the worker then
+  restarted: worker crashes, and the NaN at the last step still paged.
+- ``hostile_crash_loops``: each record that once crashed the worker on every restart (lone
+  surrogates in a checkpoint path, a metric name, a silence reason, a source host; 2,500
+  per-layer names; 11,500 sources of one run), the worker then killed and restarted twice:
+  workers that died on their own.
 
 Prints a table, then one JSON line with the figures and their targets' verdicts.
 """
@@ -65,6 +73,9 @@ TARGETS = {
     "worker_kill_duplicate_commands": (0, "le"),
     "hostile_crashes": (0, "le"),
     "hostile_dead_letters_missing": (0, "le"),
+    "worker_rss_mb_per_1000_tiny_runs": (5.0, "le"),
+    "many_metrics_crashes": (0, "le"),
+    "hostile_crash_loops": (0, "le"),
     "ui_injections": (0, "le"),
     "forged_inputs_applied": (0, "le"),
     "listener_reset_lost_commands": (0, "le"),
@@ -95,6 +106,16 @@ def run(only: set[str], quick: bool) -> dict:
     if "worker_kill" in only:
         print("worker_kill: kill -9 a worker and start it again, three times ...", file=sys.stderr, flush=True)
         out["worker_kill"] = scenarios.worker_kill()
+    if "tiny_runs" in only:
+        print("tiny_runs: invented run ids, one event each, through a worker ...", file=sys.stderr, flush=True)
+        out["tiny_runs"] = scenarios.tiny_runs(runs=5000 if quick else 20_000)
+    if "many_metrics" in only:
+        print("many_metrics: 5,000 metric names per step through a worker ...", file=sys.stderr, flush=True)
+        out["many_metrics"] = scenarios.many_metrics(steps=50 if quick else 200)
+    if "hostile_crash_loops" in only:
+        print("hostile_crash_loops: the records that crashed workers, and two restarts ...", file=sys.stderr,
+              flush=True)
+        out["hostile_crash_loops"] = scenarios.hostile_crash_loops()
     if "ui" in only:
         print("ui: hostile records on every topic, every page of trainguard ui in chromium ...", file=sys.stderr,
               flush=True)
@@ -136,6 +157,13 @@ def summary(results: dict) -> dict:
         s["worker_recovery_s"] = results["worker_kill"]["worker_recovery_s"]
         for k in ("worker_kill_missed_alerts", "worker_kill_duplicate_pages", "worker_kill_duplicate_commands"):
             s[k] = results["worker_kill"][k]
+    if "tiny_runs" in results:
+        s["worker_rss_mb_per_1000_tiny_runs"] = results["tiny_runs"]["worker_rss_mb_per_1000_tiny_runs"]
+        s["worker_rss_mb_per_1000_tiny_runs_held"] = results["tiny_runs"]["worker_rss_mb_per_1000_tiny_runs_held"]
+    if "many_metrics" in results:
+        s["many_metrics_crashes"] = results["many_metrics"]["many_metrics_crashes"]
+    if "hostile_crash_loops" in results:
+        s["hostile_crash_loops"] = results["hostile_crash_loops"]["hostile_crash_loops"]
     if "ui" in results:
         s["ui_injections"] = results["ui"]["ui_injections"]
     if "forged" in results:
@@ -161,13 +189,17 @@ def print_table(results: dict, s: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="an 8 s outage instead of 25 s, 200 runs instead of 1,000")
+    ap.add_argument("--quick", action="store_true", help="an 8 s outage instead of 25 s, 200 runs instead of 1,000, "
+                                                         "5,000 tiny runs instead of 20,000, 50 steps instead of 200")
     ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener, lifecycle, "
-                                               "shutdown, hostile, worker_kill, forged, listener_reset, ui")
+                                               "shutdown, hostile, worker_kill, forged, listener_reset, ui, "
+                                               "tiny_runs, many_metrics, hostile_crash_loops")
     args = ap.parse_args(argv)
     only = set(filter(None, args.only.split(","))) or {"broker_restart", "close", "listener", "lifecycle", "shutdown",
                                                        "hostile", "worker_kill", "forged", "listener_reset",
                                                        "ui"}
+    if not args.only:
+        only |= {"tiny_runs", "many_metrics", "hostile_crash_loops"}
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     started = time.monotonic()
     results = run(only, args.quick)

@@ -899,3 +899,263 @@ def _records_on(settings: KafkaSettings, topics: list[str]) -> int:
                    for t in topics for p in meta[t].partitions)
     finally:
         consumer.close()
+
+
+
+def _event_producer(settings: KafkaSettings):
+    from confluent_kafka import Producer
+
+    return Producer(settings.confluent(**{"partitioner": "murmur2_random", "log_level": 0, "linger.ms": 20,
+                                          "message.max.bytes": 2_000_000, "queue.buffering.max.messages": 500_000}))
+
+
+def _rss_mb(proc) -> float:
+    return round(proc.memory_info().rss / 2**20, 1)
+
+
+def _tombstones(settings: KafkaSettings, topic: str, prefix: bytes, quiet_s: float = 3.0) -> int:
+    """Keys starting with ``prefix`` whose latest record on ``topic`` is a tombstone (a forgotten
+    run's status)."""
+    from trainguard.kafka import topic_reader
+
+    c, _missing = topic_reader(settings, [topic], timeout=5, log_level=0)
+    latest: dict[bytes, bool] = {}
+    last = time.monotonic()
+    while time.monotonic() - last < quiet_s:
+        msg = c.poll(0.2)
+        if msg is None or msg.error():
+            continue
+        last = time.monotonic()
+        if (msg.key() or b"").startswith(prefix):
+            latest[msg.key()] = msg.value() is None
+    c.close()
+    return sum(latest.values())
+
+
+def tiny_runs(runs: int = 20_000, ttl_s: float = 20.0, log_dir=None) -> dict:
+    """Invented run ids, one tiny event each (the lowest-trust topic: anyone who can write to it),
+    through a real worker whose tiny runs live ``ttl_s``: its RSS settled, at the peak while it
+    holds them, and once they are forgotten. ``worker_rss_mb_per_1000_tiny_runs`` is what stays
+    per 1,000 such runs; ``..._held`` what they cost while held."""
+    import tempfile
+    from pathlib import Path
+
+    import psutil
+
+    from tests.integration import WorkerProcess
+
+    port = free_port()
+    settings = _settings(port)
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-"))
+    src = ev.source("trainer", "attacker", 0)
+
+    def send(first: int, n: int) -> None:
+        p = _event_producer(settings)
+        for i in range(first, first + n):
+            run_id = f"tiny-{i}"
+            p.produce(settings.topics.events, ev.encode(ev.metrics_event(run_id, 1, {"loss": 0.5}, src=src)), run_id)
+            if i % 1000 == 0:
+                p.poll(0)
+        p.flush(60)
+
+    with broker_on(port):
+        create_topics(settings)
+        worker = WorkerProcess(settings, log_dir, extra_env={"TRAINGUARD_TINY_RUN_TTL_S": str(ttl_s)}).start()
+        try:
+            worker.wait_ready()
+            proc = psutil.Process(worker.proc.pid)
+            send(0, 500)  # warm: every code path taken once, then forgotten
+            time.sleep(ttl_s + 7)
+            settled = _rss_mb(proc)
+            started = time.monotonic()
+            send(500, runs)
+            peak, quiet_since = settled, time.monotonic()
+            while time.monotonic() - started < ttl_s + 60:
+                rss = _rss_mb(proc)
+                if rss > peak:
+                    peak, quiet_since = rss, time.monotonic()
+                if time.monotonic() - quiet_since > ttl_s + 12:
+                    break  # no growth for a TTL and two ticks: they are forgotten
+                time.sleep(0.5)
+            after = _rss_mb(proc)
+            alive = worker.proc.poll() is None
+            forgot = _tombstones(settings, settings.topics.status, b"tiny-")
+        finally:
+            worker.kill()
+    per_k = 1000 / runs
+    return {"runs": runs, "tiny_run_ttl_s": ttl_s, "rss_settled_mb": settled, "rss_peak_mb": peak,
+            "rss_after_ttl_mb": after, "forgotten": forgot, "sent_with_warm_up": runs + 500,
+            "crashes": 0 if alive else 1,
+            "worker_rss_mb_per_1000_tiny_runs": round((after - settled) * per_k, 2),
+            "worker_rss_mb_per_1000_tiny_runs_held": round((peak - settled) * per_k, 2)}
+
+
+def _crashed(worker) -> int:
+    """1 if the worker process ended on its own (we only ever kill it on purpose after this)."""
+    return 0 if worker.proc.poll() is None else 1
+
+
+def many_metrics(names: int = 5000, steps: int = 200, log_dir=None) -> dict:
+    """A trainer logging ``names`` metric names per step (per-layer statistics: a quarter of them of
+    a kind a rule judges) through a real worker, which is then restarted and must restore the run:
+    worker crashes (a state record past the broker's message limit ended it, on every restart),
+    whether the NaN at the last step is still paged, and the caps the run's status reports."""
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from tests.integration import TopicReader, WorkerProcess
+
+    port = free_port()
+    settings = _settings(port)
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-"))
+    run_id = "chaos-many-metrics"
+    judged = names // 4  # past the default cap of 1,000 judged names per source
+    values = {"actor/pg_loss": -0.01, **{f"layer{i}/grad_norm": 0.5 + 0.01 * (i % 7) for i in range(judged)},
+              **{f"layer{i}/act_mean": 0.1 for i in range(names - judged - 1)}}
+    crashes = 0
+    with broker_on(port):
+        create_topics(settings)
+        app_id = f"chaos-{uuid.uuid4().hex[:6]}"
+        worker = WorkerProcess(settings, log_dir, app_id=app_id).start()
+        alerts = TopicReader(settings, settings.topics.alerts)
+        statuses = TopicReader(settings, settings.topics.status, decode=lambda v: orjson.loads(v) if v else {})
+        try:
+            worker.wait_ready()
+            logger = TrainerLogger(run_id, settings, host="chaos")
+            started = time.monotonic()
+            for step in range(steps - 1):
+                logger.log(values, step)
+            logger.log({**values, "actor/pg_loss": float("nan")}, steps - 1)
+            logger.publisher.flush(30)
+            paged = alerts.wait_for(lambda a: a.get("rule") == "non_finite" and a.get("step") == steps - 1,
+                                    timeout=120, what="the NaN alert", worker=worker)
+            seconds = round(time.monotonic() - started, 1)
+            status = statuses.wait_for(lambda s: s.get("run_id") == run_id and s.get("last_step") == steps - 1,
+                                       timeout=30, what="the run's status")
+            time.sleep(2)  # past a state flush
+            crashes += _crashed(worker)
+            worker.kill(signal.SIGKILL)  # restarted: it restores the run's state from the changelog
+            worker = WorkerProcess(settings, log_dir, app_id=app_id).start()
+            worker.wait_ready()
+            logger.log(values, steps)
+            logger.publisher.flush(10)
+            statuses.wait_for(lambda s: s.get("run_id") == run_id and s.get("last_step") == steps, timeout=60,
+                              what="the restarted worker's status", worker=worker)
+            crashes += _crashed(worker)
+            logger.close(5, quiet=True)
+        finally:
+            alerts.close()
+            statuses.close()
+            worker.kill()
+    return {"names": names, "steps": steps, "seconds_to_page_last_step": seconds,
+            "nan_paged_at_step": paged["step"], "limits": status.get("limits"),
+            "unwatched_named": len(status.get("unwatched_metrics") or []), "many_metrics_crashes": crashes}
+
+
+def _json_bytes(event: dict) -> bytes:
+    """As a producer in another language might write it: json escapes what orjson refuses."""
+    import json
+
+    return json.dumps(event).encode()
+
+
+def hostile_crash_loops(restarts: int = 2, sources: int = 11_500, names: int = 2_500, log_dir=None) -> dict:
+    """Each record that once crashed the worker (and every restart after it, on the same record),
+    sent to a real worker, which is then killed and restarted ``restarts`` times: lone surrogates
+    in a checkpoint path, a metric name, a silence reason and a source host; a trainer logging
+    ``names`` per-layer names; one run with ``sources`` sources. Counts the workers that died on
+    their own, and checks the last one still pages a NaN."""
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from tests.integration import TopicReader, WorkerProcess
+
+    port = free_port()
+    settings = _settings(port)
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-"))
+    now = time.time()
+    src = ev.source("trainer", "chaos", 0)
+    bad = "\ud800"
+    attacks = {
+        "surrogate_checkpoint_path": [ev.checkpoint_event("hostile-ckpt", 5, f"/ckpt/{bad}", ts=now, src=src)],
+        "surrogate_metric_name": [ev.metrics_event("hostile-name", 1, {f"loss{bad}": 0.1}, src=src, ts=now)],
+        "surrogate_silence_reason": [{"schema": ev.OPERATOR, "run_id": "hostile-silence", "action": "silence",
+                                      "id": "s1", "reason": f"quiet {bad}", "by": "x", "ts": now,
+                                      "until": now + 3600}],
+        "surrogate_source_host": [ev.metrics_event("hostile-host", 1, {"loss": 0.1}, ts=now,
+                                                   src=ev.source("trainer", f"h{bad}", 0))],
+        "many_names": [ev.metrics_event("hostile-wide", step, {f"model.layers.{i}.mlp/grad_norm": 0.5
+                                                              for i in range(names)}, src=src, ts=now + step)
+                       for step in range(5)],
+        "many_sources": [ev.metrics_event("hostile-ranks", 1, {"actor/pg_loss": -0.01},
+                                          src=ev.source("trainer", f"node-{i // 8}", i), ts=now)
+                         for i in range(sources)],
+    }
+    crashes, probe_step = 0, 0
+    with broker_on(port):
+        create_topics(settings)
+        app_id = f"chaos-{uuid.uuid4().hex[:6]}"
+        worker = WorkerProcess(settings, log_dir, app_id=app_id).start()
+        alerts = TopicReader(settings, settings.topics.alerts)
+        dlq = TopicReader(settings, settings.topics.dlq, decode=orjson.loads)
+        probe = TrainerLogger("hostile-probe", settings, host="chaos")
+
+        def paged_nan(timeout: float) -> bool:
+            nonlocal probe_step
+            for _ in range(3):
+                probe_step += 1
+                probe.log({"actor/pg_loss": -0.01}, probe_step)
+            probe_step += 1
+            nan_step = probe_step
+            probe.log({"actor/pg_loss": float("nan")}, nan_step)
+            probe.publisher.flush(10)
+            try:
+                alerts.wait_for(lambda a: a.get("rule") == "non_finite" and a.get("step") == nan_step,
+                                timeout=timeout, what="the probe's NaN alert")
+            except AssertionError:
+                return False
+            return True
+
+        try:
+            worker.wait_ready()
+            p = _event_producer(settings)
+            for kind, records in attacks.items():
+                for e in records:
+                    p.produce(settings.topics.events, _json_bytes(e), e["run_id"])
+                p.poll(0)
+            p.flush(60)
+            try:
+                dlq.wait_for(lambda _: len(dlq.seen) >= 4, timeout=60, what="the surrogates' dead letters")
+            except AssertionError:
+                pass
+            pages = [paged_nan(90)]
+            time.sleep(3)  # a state flush with every attack in it
+            crashes += _crashed(worker)
+            for _ in range(restarts):
+                worker.kill(signal.SIGKILL)
+                worker = WorkerProcess(settings, log_dir, app_id=app_id).start()
+                worker.wait_ready()
+                pages.append(paged_nan(90))
+                time.sleep(3)
+                crashes += _crashed(worker)
+            reasons = sorted({r["reason"].split(":")[0] for r in dlq.seen})
+            probe.close(5, quiet=True)
+        finally:
+            alerts.close()
+            dlq.close()
+            worker.kill()
+    return {"attacks": sorted(attacks), "records": sum(map(len, attacks.values())), "restarts": restarts,
+            "dead_letters": len(dlq.seen), "dead_letter_fields": reasons, "probe_paged": pages,
+            "hostile_crash_loops": crashes}
+
+
+# --------------------------------------------------------------------------- the run page under hostile records
+
+# Markup the UI's pages are made of; any other element in a rendered page came from a record.
+_UI_TAGS = frozenset("html head meta title style body p a b h1 h2 table tbody tr th td figure figcaption section ul li "
+                     "pre svg rect polygon polyline g line circle text".split())
+_UI_PAYLOADS = ('"><script>document.title="XSS-{i}"</script>', "</svg><img/src=x/onerror=document.title='XSS-{i}'>",
+                "javascript:document.title='XSS-{i}'", "'><svg/onload=document.title='XSS-{i}'>",
+                "</title></style></textarea><script>document.title='XSS-{i}'</script>")

@@ -39,6 +39,7 @@ sys.path.insert(0, str(HERE))
 from nab import shared_dir  # noqa: E402
 
 from trainguard.replay import replay  # noqa: E402
+from trainguard.sinks.paging import Pager  # noqa: E402
 from trainguard.streams import rules as rules_mod  # noqa: E402
 
 LOUD = {"P0", "P1", None}
@@ -64,6 +65,13 @@ def judge(label: dict, alerts: list[tuple[int, str | None]]) -> tuple[bool, int,
     return bool(hits), len(early), f"window {lo}..{hi}, first alert {first}, {len(early)} early"
 
 
+def notifications(alerts: list[dict]) -> int:
+    """How many messages a chat sink with the default settings sends for these alerts (pages
+    at once, warnings digested per run and interval: ``sinks/paging.py``)."""
+    pager = Pager()
+    return sum(len(pager.feed(a)) for a in alerts) + len(pager.flush())
+
+
 def score_set(directory: Path, rules) -> dict:
     labels = json.loads((directory / "labels.json").read_text())["traces"]
     rows, totals = [], Counter()
@@ -78,12 +86,23 @@ def score_set(directory: Path, rules) -> dict:
             totals["caught" if kind == "failures" else "healthy_silent"] += ok
             totals["false_alarms"] += false_alarms > 0
             totals["false_alarm_alerts"] += false_alarms
+            if kind == "healthy":  # the noise a person would see on a run that trains fine
+                totals["healthy_steps"] += result.steps
+                totals["healthy_warnings"] += sum(a["severity"] == "P2" for a in firing)
+                totals["healthy_notifications"] += notifications(result.alerts)
+            elif label.get("earliest_ok_step") is not None:
+                totals["pages_before_onset"] += sum(a["severity"] in LOUD and a["step"] < label["earliest_ok_step"]
+                                                    for a in firing)
         rows.append({"file": label["file"], "framework": label.get("framework"), "expect": label["expect"],
                      "scored": scored, "ok": ok, "false_alarms": false_alarms, "note": note,
                      "rules": sorted(Counter(a["rule"] for a in firing).items(), key=lambda kv: -kv[1])})
+    per_100 = 100.0 / max(totals["healthy_steps"], 1)
     return {"caught": totals["caught"], "failures": totals["failures"],
             "healthy_silent": totals["healthy_silent"], "healthy": totals["healthy"],
             "false_alarms": totals["false_alarms"], "false_alarm_alerts": totals["false_alarm_alerts"],
+            "warnings_per_100_healthy_steps": round(totals["healthy_warnings"] * per_100, 3),
+            "notifications_per_100_healthy_steps": round(totals["healthy_notifications"] * per_100, 3),
+            "pages_before_onset": totals["pages_before_onset"], "healthy_steps": totals["healthy_steps"],
             "traces": rows}
 
 
@@ -100,7 +119,8 @@ def evaluate(rules=None, which: str = "all") -> dict[str, dict | None]:
 def summary(results: dict[str, dict | None]) -> dict:
     """The fields ``make eval``'s JSON line carries."""
     dev, added = results.get("dev"), results.get("added")
-    keys = ("caught", "failures", "healthy_silent", "healthy", "false_alarms")
+    keys = ("caught", "failures", "healthy_silent", "healthy", "false_alarms", "warnings_per_100_healthy_steps",
+            "notifications_per_100_healthy_steps", "pages_before_onset")
     out = {f"real_{k}": (dev[k] if dev else None) for k in keys}
     out["real_added"] = {k: added[k] for k in keys} if added else None
     return out
@@ -120,7 +140,10 @@ def print_results(results: dict[str, dict | None], verbose: bool = False, out=sy
             print(f"{verdict:<12} {r['expect']:<6} {str(r['framework']):<14} {r['file']:<46} {r['note']}"
                   + (f"  [{rules}]" if rules else ""), file=out)
         print(f"{res['caught']}/{res['failures']} caught, {res['healthy_silent']}/{res['healthy']} healthy silent, "
-              f"{res['false_alarms']} false alarms ({res['false_alarm_alerts']} loud alerts)\n", file=out)
+              f"{res['false_alarms']} false alarms ({res['false_alarm_alerts']} loud alerts); on "
+              f"{res['healthy_steps']} healthy steps, per 100: {res['warnings_per_100_healthy_steps']} warnings, "
+              f"{res['notifications_per_100_healthy_steps']} chat messages; {res['pages_before_onset']} pages "
+              f"before an onset\n", file=out)
 
 
 def main(argv=None) -> int:

@@ -70,8 +70,8 @@ class Lifecycle:
 DEFAULTS: dict[str, Lifecycle] = {
     "P0": Lifecycle(keep_firing_for=1, flap_window=50, flap_episodes=3),
     "P1": Lifecycle(keep_firing_for=3, flap_window=50, flap_episodes=3),
-    "P2": Lifecycle(keep_firing_for=10, flap_window=100, flap_episodes=2),
-    "P3": Lifecycle(keep_firing_for=10, flap_window=100, flap_episodes=2),
+    "P2": Lifecycle(keep_firing_for=20, flap_window=100, flap_episodes=2),
+    "P3": Lifecycle(keep_firing_for=20, flap_window=100, flap_episodes=2),
 }
 assert set(DEFAULTS) == set(SEVERITIES)
 

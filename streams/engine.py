@@ -678,6 +678,7 @@ class Engine:
             return None
         resolved = {**alert, "status": "resolved", "step": event.get("step", alert.get("step")),
                     "ts": event["ts"], "node_snapshot": None, **extra}
+        resolved.pop("flapping", None)  # it settled: the sinks end the flapping notice with it
         return Output(OutputKind.ALERT, alert["run_id"], resolved)
 
     def _judge(self, ctx: "EventContext", slot, rule: Rule, holds: bool, metric: str, value: float,
@@ -911,6 +912,8 @@ class Engine:
                 # it open (a sustained fault soon enters the window and stops looking unusual).
                 holds = rules[ri].holds(value, bool(anomalous[j]) or slot in state.firing,
                                         mean[j] if ready[j] else math.nan, std[j])
+                if holds and rules[ri].seen_finite is not None and rules[ri].seen_finite != bool(block.count[row]):
+                    holds = False  # e.g. NaN since the first point (not computed) vs NaN after finite values
                 self._judge(ctx, slot, rules[ri], holds, ctx.names[j], value,
                             lambda j=j, row=row, value=value: self._evidence(
                                 value, bool(finite[j]), mean[j], std[j], lower[j], upper[j], block, row))

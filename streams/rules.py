@@ -26,8 +26,8 @@ from trainguard.streams.signals import COMPUTE, SIGNALS, signal_of
 LAYERS = ("data", "compute", "resource")
 _RULE_KEYS = {"name", "metric", "signal", "anomalous", "above", "below", "equals", "non_finite", "for",
               "for_seconds", "severity", "critical", "immediate", "summary", "diagnosis", "suggestion", "sources",
-              "detector", "resample_s", "above_ratio", "below_ratio", "cv_above", "given", "emit", "keep_firing_for",
-              "flap_window", "flap_episodes"}
+              "detector", "resample_s", "above_ratio", "below_ratio", "cv_above", "given", "emit", "seen_finite",
+              "keep_firing_for", "flap_window", "flap_episodes"}
 _LIFECYCLE_KEYS = ("keep_firing_for", "flap_window", "flap_episodes")
 _CONDITION_KEYS = ("above", "below", "equals")
 _INCIDENT_KEYS = {"name", "all", "within_s", "severity", "critical", "summary", "diagnosis", "suggestion", "inhibit"}
@@ -106,6 +106,7 @@ class Rule:
     below_ratio: float | None = None   # value < ratio x the baseline's window mean
     cv_above: float | None = None      # the window's std / |mean| above this: "fluctuating"
     emit: bool = True                  # False: a signal that only feeds incidents, never pages alone
+    seen_finite: bool | None = None    # only once the metric was finite before (True) / while it never was (False)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # keep_firing_for, flap damping
     line: int = 0
 
@@ -374,7 +375,7 @@ def _rule(path: str, m: dict, seen: set, lifecycles: dict[str, Lifecycle] = LIFE
     severity = m.get("severity", "P2")
     if severity not in SEVERITIES:
         raise _err(path, line, f"rule {name!r}: severity must be one of {', '.join(SEVERITIES)}, got {severity!r}")
-    for flag in ("anomalous", "non_finite", "critical", "immediate", "emit"):
+    for flag in ("anomalous", "non_finite", "critical", "immediate", "emit", "seen_finite"):
         if flag in m and not isinstance(m[flag], bool):
             raise _err(path, line, f"rule {name!r}: '{flag}' must be true or false, got {m[flag]!r}")
     detector = m.get("detector")
@@ -396,10 +397,14 @@ def _rule(path: str, m: dict, seen: set, lifecycles: dict[str, Lifecycle] = LIFE
         above_ratio=_number(path, line, m, "above_ratio", minimum=0),
         below_ratio=_number(path, line, m, "below_ratio", minimum=0),
         cv_above=_number(path, line, m, "cv_above", minimum=0), emit=bool(m.get("emit", True)),
+        seen_finite=m.get("seen_finite"),
         lifecycle=_lifecycle(path, line, m, lifecycles[severity], f"rule {name!r}"), line=line)
     if rule.relative and detector is not None:
         raise _err(path, line, f"rule {name!r}: above_ratio, below_ratio and cv_above compare with the "
                                f"baseline window; they do not combine with a detector")
+    if rule.seen_finite is not None and detector is not None:
+        raise _err(path, line, f"rule {name!r}: seen_finite reads the metric's baseline; it does not combine "
+                               f"with a detector")
     if rule.resample_s and detector is None:
         raise _err(path, line, f"rule {name!r}: resample_s needs a detector to feed")
     if not (rule.anomalous or rule.non_finite or rule.relative or rule.above is not None or rule.below is not None

@@ -35,8 +35,8 @@ def _driver(engine: Engine, run: str = "r"):
 def test_a_metric_that_crosses_its_threshold_back_and_forth_is_one_flapping_episode():
     send = _driver(Engine(rules_mod.parse(KL_RULES, "kl.yaml")))
     alerts = []
-    for step in range(1, 301):  # KL wanders around 0.1: above it for 3 steps in every 15
-        alerts += send(step, {"kl": 0.12 if step % 15 < 3 else 0.09})
+    for step in range(1, 301):  # KL wanders around 0.1: above it for 3 steps in every 30
+        alerts += send(step, {"kl": 0.12 if step % 30 < 3 else 0.09})
     firing = [a for a in alerts if a["status"] == "firing"]
     assert len(firing) == 2, "the first episode, then one flapping notice"
     assert "flapping" not in firing[0] and firing[1]["flapping"] is True

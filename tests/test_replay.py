@@ -45,7 +45,7 @@ def test_verl_log_through_the_cli_lists_the_alerts_and_the_breakers_rollback():
     proc = _cli(VERL_LOG, "--no-progress")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    kl_step = _first_kl_above(0.8)
+    kl_step = _first_kl_above(0.8) + 1  # kl_explosion pages when the next point confirms the jump
     assert 150 < kl_step <= 200, "the blow-up that begins at 150 passes 0.8 before step 200"
     rows = [line for line in out.splitlines() if line.startswith("step ")]
     kl = [r for r in rows if " kl_explosion " in r]
@@ -72,7 +72,8 @@ def test_json_output_is_one_object_per_alert_and_nothing_else():
     assert all(set(o) == {"step", "rule", "severity", "metric", "value", "status"} for o in objects)
     firing = [(o["step"], o["rule"], o["metric"]) for o in objects if o["status"] == "firing"]
     assert min(step for step, _, _ in firing) >= 150, "nothing fires in the healthy steps 1..149"
-    assert [f for f in firing if f[1] == "kl_explosion"] == [(_first_kl_above(0.8), "kl_explosion", "actor/kl_loss")]
+    assert [f for f in firing if f[1] == "kl_explosion"] == [(_first_kl_above(0.8) + 1, "kl_explosion",
+                                                              "actor/kl_loss")]
     assert [f for f in firing if f[1] == "non_finite"] == [(198, "non_finite", "actor/grad_norm"),
                                                            (205, "non_finite", "actor/grad_norm")]
     first_kl = min(step for step, _, metric in firing if metric == "actor/kl_loss")
@@ -101,17 +102,19 @@ def test_tensorboard_file_with_a_nan_and_a_spike(tmp_path):
     result = replay(path)
     assert result.format == "tensorboard" and result.steps == 60 and result.skipped == 0
     firing = [(a["step"], a["rule"], a["metric"]) for a in result.alerts if a["status"] == "firing"]
-    assert firing[:2] == [(25, "non_finite", "actor/grad_norm"), (40, "kl_explosion", "actor/kl_loss")]
+    # the jump warns at once (kl_spike); the explosion pages when the next point confirms it
+    assert firing[:3] == [(25, "non_finite", "actor/grad_norm"), (40, "kl_spike", "actor/kl_loss"),
+                          (41, "kl_explosion", "actor/kl_loss")]
     assert all(step >= 40 and metric == "actor/kl_loss" for step, _, metric in firing[2:]), \
         "after the NaN, only the KL spike's rules fire"
     # TensorBoard files record no checkpoints: three critical steps in a row mean "stop".
     assert result.checkpoints == []
-    assert [c["action"] for c in result.commands] == ["stop"] and result.command_steps == [42]
+    assert [c["action"] for c in result.commands] == ["stop"] and result.command_steps == [43]
 
     rc, out, err = _main(str(path), "--run-id", "tb-run")
     assert rc == 0 and err == ""
     assert "run=tb-run step=25 actor/grad_norm=nan" in out.lower()
-    assert "checkpoints known: none" in out and "at step 42 would stop:" in out
+    assert "checkpoints known: none" in out and "at step 43 would stop:" in out
 
 
 def test_given_checkpoints_turn_the_stop_into_a_rollback(tmp_path):
