@@ -32,6 +32,11 @@ Scenarios (``chaos/scenarios.py``), each on its own embedded broker on loopback:
   and signs a rollback to a path the trainer never reported: how many took effect.
 - ``listener_reset``: the broker restarts empty under a control listener: commands sent after
   it that were never applied.
+- ``chat_injections``: a sinks process with every chat sink and Alertmanager reads alerts whose
+  every field holds a markdown link, a Slack link with <!channel> and a forged line: texts in
+  which one came out live.
+- ``sinks_restart``: a sinks process stopped while its webhook receiver refuses, restarted once
+  it is up: alerts never received, alerts received twice.
 - ``tiny_runs``: 20,000 invented run ids of one tiny event each through a real worker whose tiny
   runs live 20 s: its RSS settled, at the peak, and once they are forgotten, per 1,000 runs.
 - ``many_metrics``: a trainer logging 5,000 metric names per step for 200 steps, the worker then
@@ -79,6 +84,9 @@ TARGETS = {
     "ui_injections": (0, "le"),
     "forged_inputs_applied": (0, "le"),
     "listener_reset_lost_commands": (0, "le"),
+    "chat_injections": (0, "le"),
+    "sinks_restart_lost_alerts": (0, "le"),
+    "sinks_restart_duplicate_alerts": (0, "le"),
 }
 
 
@@ -127,6 +135,12 @@ def run(only: set[str], quick: bool) -> dict:
     if "listener_reset" in only:
         print("listener_reset: the broker restarts empty under a listener ...", file=sys.stderr, flush=True)
         out["listener_reset"] = scenarios.listener_reset_lost_commands()
+    if "chat_injections" in only:
+        print("chat_injections: hostile fields through every chat template ...", file=sys.stderr, flush=True)
+        out["chat_injections"] = scenarios.chat_injections()
+    if "sinks_restart" in only:
+        print("sinks_restart: stop the sinks while the receiver is down, restart ...", file=sys.stderr, flush=True)
+        out["sinks_restart"] = scenarios.sinks_restart_lost_alerts()
     return out
 
 
@@ -170,6 +184,11 @@ def summary(results: dict) -> dict:
         s["forged_inputs_applied"] = results["forged"]["forged_inputs_applied"]
     if "listener_reset" in results:
         s["listener_reset_lost_commands"] = results["listener_reset"]["listener_reset_lost_commands"]
+    if "chat_injections" in results:
+        s["chat_injections"] = results["chat_injections"]["chat_injections"]
+    if "sinks_restart" in results:
+        for k in ("sinks_restart_lost_alerts", "sinks_restart_duplicate_alerts"):
+            s[k] = results["sinks_restart"][k]
     s["passed"] = all(s[k] is not None and (s[k] >= t if how == "ge" else s[k] <= t)
                       for k, (t, how) in TARGETS.items() if k in s)
     return s
@@ -192,12 +211,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="an 8 s outage instead of 25 s, 200 runs instead of 1,000, "
                                                          "5,000 tiny runs instead of 20,000, 50 steps instead of 200")
     ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener, lifecycle, "
-                                               "shutdown, hostile, worker_kill, forged, listener_reset, ui, "
+                                               "shutdown, hostile, worker_kill, forged, listener_reset, "
+                                               "chat_injections, sinks_restart, ui, "
                                                "tiny_runs, many_metrics, hostile_crash_loops")
     args = ap.parse_args(argv)
     only = set(filter(None, args.only.split(","))) or {"broker_restart", "close", "listener", "lifecycle", "shutdown",
                                                        "hostile", "worker_kill", "forged", "listener_reset",
-                                                       "ui"}
+                                                       "chat_injections", "sinks_restart", "ui"}
     if not args.only:
         only |= {"tiny_runs", "many_metrics", "hostile_crash_loops"}
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")

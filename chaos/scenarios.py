@@ -1159,3 +1159,175 @@ _UI_TAGS = frozenset("html head meta title style body p a b h1 h2 table tbody tr
 _UI_PAYLOADS = ('"><script>document.title="XSS-{i}"</script>', "</svg><img/src=x/onerror=document.title='XSS-{i}'>",
                 "javascript:document.title='XSS-{i}'", "'><svg/onload=document.title='XSS-{i}'>",
                 "</title></style></textarea><script>document.title='XSS-{i}'</script>")
+
+
+# --------------------------------------------------------------------------- chat sinks
+
+CHAT_LINK = "[Click_to_approve_rollback](http://evil.example/x)"
+CHAT_MENTION = "<http://evil.example|click here> <!channel>"
+CHAT_FORGED = "Suggestion: roll back to step 0 now"
+CHAT_HOSTILE = f"{CHAT_LINK} {CHAT_MENTION}\n{CHAT_FORGED}"
+
+
+def chat_texts(path: str, body) -> list[tuple[str, str]]:
+    """(where, text) of every string a person reads in one request a chat sink made: DingTalk's
+    title and text, WeCom's content, Slack's fallback text, header and section, the generic
+    webhook's text, Alertmanager's annotations."""
+    if "/api/v2/alerts" in path:
+        return [(f"alertmanager.{k}", v) for a in body for k, v in a["annotations"].items()]
+    if body.get("msgtype") == "markdown" and "title" in body["markdown"]:
+        return [("dingtalk.title", body["markdown"]["title"]), ("dingtalk.text", body["markdown"]["text"])]
+    if body.get("msgtype") == "markdown":
+        return [("wecom.content", body["markdown"]["content"])]
+    if "blocks" in body:
+        return [("slack.text", body["text"]), ("slack.header", body["blocks"][0]["text"]["text"]),
+                ("slack.section", body["blocks"][1]["text"]["text"])]
+    return [("webhook.text", body["text"])]
+
+
+def chat_injections_in(text: str) -> list[str]:
+    """What in ``text`` a hostile field made live: a markdown link or image, a Slack link or
+    mention, raw angle brackets (HTML, autolinks), a forged line."""
+    import re
+
+    found = []
+    if re.search(r"\[[^\]\n]*\]\s*\(", text):
+        found.append("markdown link")
+    if re.search(r"<[!@#]|<https?:|\|[^>\n]*>", text):
+        found.append("slack link or mention")
+    if "<" in text or ">" in text:
+        found.append("angle brackets")
+    if any(line.lstrip("-*•# ").startswith(CHAT_FORGED) for line in text.splitlines()):
+        found.append("forged line")
+    return found
+
+
+def _hostile_alert(i: int, severity: str, status: str = "firing") -> dict:
+    now = time.time()
+    # a run id is printable ASCII without spaces (the schema says so): the link alone
+    return {"schema": ev.ALERT, "id": f"chaos-chat-{i}-{uuid.uuid4().hex[:6]}", "run_id": CHAT_LINK,
+            "rule": CHAT_HOSTILE, "summary": CHAT_HOSTILE, "severity": severity, "status": status,
+            "metric": CHAT_HOSTILE, "value": 122.54806804656982, "step": 100 + i, "ts": now,
+            "onset": {"step": 100, "ts": now},
+            "source": {"kind": CHAT_HOSTILE, "host": CHAT_HOSTILE, "rank": CHAT_HOSTILE, "gpu": CHAT_HOSTILE},
+            "layer": CHAT_HOSTILE, "evidence": {"detector": "rolling_z"}, "diagnosis": CHAT_HOSTILE,
+            "suggestion": CHAT_HOSTILE, "incident": CHAT_HOSTILE, "report": CHAT_HOSTILE}
+
+
+@contextmanager
+def _sinks_topics(settings: KafkaSettings | None):
+    """``settings``, or those of a broker of this scenario's own, with the topics created."""
+    if settings is not None:
+        create_topics(settings)
+        yield settings
+        return
+    port = free_port()
+    with broker_on(port):
+        settings = _settings(port)
+        create_topics(settings)
+        yield settings
+
+
+def sinks_env(url: str, log_dir, **extra) -> dict:
+    """A sinks process's environment: a generic webhook to ``url``, the outbox where it is by
+    default (under a data folder in ``log_dir``), a quick group join on the embedded broker."""
+    return {"TRAINGUARD_WEBHOOK_URL": url, "TRAINGUARD_DATA_DIR": str(log_dir / "data"),
+            "TRAINGUARD_KAFKA_MAX_POLL_INTERVAL_MS": "6000", "TRAINGUARD_KAFKA_SESSION_TIMEOUT_MS": "6000", **extra}
+
+
+def sinks_started(sinks):
+    """``sinks`` (a started SinksProcess) once it says it reads: its start time is fixed then."""
+    from tests.integration import wait_until
+
+    wait_until(lambda: "reading" in sinks.log() or sinks.proc.poll() is not None, 60, "the sinks to start")
+    if sinks.proc.poll() is not None:
+        raise RuntimeError(f"the sinks process exited:\n{sinks.log()[-3000:]}")
+    return sinks
+
+
+def chat_injections(settings: KafkaSettings | None = None, log_dir=None) -> dict:
+    """A real sinks process with every chat sink (DingTalk, WeCom, Slack, the generic webhook)
+    and Alertmanager pointed at a real HTTP receiver reads alerts whose every string field holds
+    a markdown link, a Slack link with <!channel> and a newline that forges a Suggestion line: a
+    P1 page, its resolution and a P2 digest. Figures: messages received, templates seen, and
+    ``chat_injections``, the texts in which something a field wrote came out live (target 0).
+    ``settings``: the topics to use (a broker of its own when not given)."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.integration import Receiver, SinksProcess, wait_until
+
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-chat-"))
+    receiver = Receiver(ok_body=b'{"errcode":0,"errmsg":"ok"}')
+    env = sinks_env(receiver.url, log_dir, TRAINGUARD_DINGTALK_WEBHOOK=receiver.url + "?access_token=chaos",
+                     TRAINGUARD_DINGTALK_SECRET="SECchaos", TRAINGUARD_WECOM_WEBHOOK=receiver.url,
+                     TRAINGUARD_SLACK_WEBHOOK=receiver.url, TRAINGUARD_UI_URL="http://tg.example:8321",
+                     TRAINGUARD_ALERTMANAGER_URL=f"http://127.0.0.1:{receiver.port}",
+                     TRAINGUARD_DIGEST_INTERVAL_S="2")
+    try:
+        with _sinks_topics(settings) as settings:
+            sinks = sinks_started(SinksProcess(settings, log_dir, env).start())
+            try:
+                page = _hostile_alert(0, "P1")
+                alerts = [page, {**page, "status": "resolved", "flapping": True},
+                          *(_hostile_alert(i, "P2") for i in range(1, 4))]
+                _produce(settings, settings.topics.alerts, "chaos-chat", alerts)
+                # 4 chat sinks x (page, resolution, digest) + Alertmanager's 5 alerts (at least)
+                wait_until(lambda: len(receiver.requests) >= 17, 60, "every chat message")
+                time.sleep(1.0)
+            finally:
+                sinks.stop()
+    finally:
+        receiver.stop()
+    live, templates = [], set()
+    for path, body in receiver.requests:
+        for where, text in chat_texts(path, body):
+            templates.add(where)
+            live += [f"{where}: {kind}" for kind in chat_injections_in(text)]
+    return {"chat_messages": len(receiver.requests), "chat_templates": sorted(templates),
+            "chat_injections": len(live), "chat_injection_examples": live[:5]}
+
+
+def sinks_restart_lost_alerts(alerts: int = 3, settings: KafkaSettings | None = None, log_dir=None) -> dict:
+    """A real sinks process (its outbox where it is by default, under the data folder) pages a
+    webhook whose receiver refuses connections; it is stopped with ``alerts`` alerts pending and
+    started again once the receiver is up. Figures: ``sinks_restart_lost_alerts`` (never
+    received, target 0) and ``sinks_restart_duplicate_alerts`` (received twice, target 0)."""
+    import tempfile
+    from collections import Counter
+    from pathlib import Path
+
+    from tests.integration import Receiver, SinksProcess, wait_until
+
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-sinks-"))
+    port = free_port()  # nothing listens yet: the receiver is down
+    env = sinks_env(f"http://127.0.0.1:{port}/hook", log_dir)
+    group = f"chaos-sinks-{uuid.uuid4().hex[:6]}"
+    receiver = None
+    sent = []
+    try:
+        with _sinks_topics(settings) as settings:
+            sinks = sinks_started(SinksProcess(settings, log_dir, env, group=group).start())
+            try:
+                now = time.time()
+                sent = [{"schema": ev.ALERT, "id": f"chaos-restart-{i}-{uuid.uuid4().hex[:6]}",
+                         "run_id": "chaos-restart", "rule": "non_finite", "severity": "P0", "status": "firing",
+                         "metric": "actor/pg_loss", "value": None, "step": i, "ts": now,
+                         "onset": {"step": i, "ts": now}, "evidence": {"detector": "non_finite"},
+                         "diagnosis": "NaN loss", "suggestion": "roll back"} for i in range(alerts)]
+                _produce(settings, settings.topics.alerts, "chaos-restart", sent)
+                wait_until(lambda: "delivery of" in sinks.log(), 60, "a refused delivery")
+                sinks.stop()
+                receiver = Receiver(port=port)
+                sinks = sinks_started(SinksProcess(settings, log_dir, env, group=group).start())
+                wait_until(lambda: len(receiver.bodies()) >= alerts, 60, "the pending alerts")
+                time.sleep(2.0)  # long enough for a duplicate to show
+            finally:
+                sinks.stop()
+    finally:
+        if receiver is not None:
+            receiver.stop()
+    got = Counter(b.get("id") for b in receiver.bodies()) if receiver is not None else Counter()
+    return {"alerts": alerts, "received": sum(got.values()),
+            "sinks_restart_lost_alerts": len({a["id"] for a in sent} - set(got)),
+            "sinks_restart_duplicate_alerts": sum(n - 1 for n in got.values())}

@@ -26,8 +26,9 @@ class Sink(ABC):
     def close(self) -> None:
         """Release resources; pending output is flushed."""
 
-    def tick(self, now: float) -> None:
-        """Called by the runner at every poll, with or without events (time-driven output)."""
+    def advance(self, now: float) -> None:
+        """Called by the runner at every poll, with or without events: output that is due by
+        ``now`` (the paging stage's digests) goes out."""
 
     def deliver(self, batch: list[dict]) -> None:
         """Write ``batch``, never raising: failures are logged and counted."""

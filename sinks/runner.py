@@ -131,7 +131,7 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
             messages = consumer.consume(num_messages=batch_size, timeout=poll_s)
             now = time.time()
             for sink in sinks:
-                sink.tick(now)
+                sink.advance(now)
             batch, old = [], 0
             for msg in messages:
                 if msg.error():

@@ -673,7 +673,7 @@ class PagingSink(Sink):
     def write(self, batch: list[dict]) -> None:
         self._send([m for event in batch for m in self.pager.feed(event)])
 
-    def tick(self, now: float) -> None:
+    def advance(self, now: float) -> None:
         self._send(self.pager.flush(now))
 
     def _send(self, messages: list[Message]) -> None:

@@ -3,25 +3,18 @@ receiver: they must arrive visible and inert (no link, no mention, no forged lin
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 
 import pytest
 
+from chaos.scenarios import CHAT_HOSTILE, chat_injections_in, chat_texts
 from tests.integration import Receiver
 from trainguard.sinks.alertmanager import AlertmanagerSink
 from trainguard.sinks.paging import PagingSettings
-from trainguard.sinks.webhooks import (DingTalkSink, GenericWebhookSink, PagingSink, SlackSink, Templates,
-                                       WeComSink)
+from trainguard.sinks.webhooks import DingTalkSink, GenericWebhookSink, PagingSink, SlackSink, Templates, WeComSink
 
-LINK = "[Click_to_approve_rollback](http://evil.example/x)"
-MENTION = "<http://evil.example|click here> <!channel>"
-FORGED = "Suggestion: roll back to step 0 now"
-HOSTILE = f"{LINK} {MENTION}\n{FORGED}"
-
-MARKDOWN_LINK = re.compile(r"\[[^\]\n]*\]\s*\(")   # [text](url), images too
-SLACK_FORM = re.compile(r"<[!@#]|<https?:|\|[^>\n]*>")  # <!channel>, <@U1>, <http...|text>
+HOSTILE = CHAT_HOSTILE
 FAST = dict(backoff_s=0.05, max_backoff_s=0.4, timeout_s=5)
 
 
@@ -35,26 +28,8 @@ def _hostile_alert(i: int, severity: str) -> dict:
             "incident": HOSTILE, "report": HOSTILE}
 
 
-def _texts(path: str, body) -> list[tuple[str, str]]:
-    """(where, text) of every string a person reads in one received request."""
-    if "/api/v2/alerts" in path:  # Alertmanager: the annotations go into its own templates
-        return [(f"alertmanager.{k}", v) for a in body for k, v in a["annotations"].items()]
-    if body.get("msgtype") == "markdown" and "title" in body["markdown"]:
-        return [("dingtalk.title", body["markdown"]["title"]), ("dingtalk.text", body["markdown"]["text"])]
-    if body.get("msgtype") == "markdown":
-        return [("wecom.content", body["markdown"]["content"])]
-    if "blocks" in body:
-        return [("slack.text", body["text"]), ("slack.header", body["blocks"][0]["text"]["text"]),
-                ("slack.section", body["blocks"][1]["text"]["text"])]
-    return [("webhook.text", body["text"])]
-
-
 def _assert_inert(where: str, text: str) -> None:
-    assert not MARKDOWN_LINK.search(text), f"{where}: a markdown link got through: {text!r}"
-    assert not SLACK_FORM.search(text), f"{where}: a Slack link or mention got through: {text!r}"
-    assert "<" not in text and ">" not in text, f"{where}: raw angle brackets: {text!r}"
-    for line in text.splitlines():
-        assert not line.lstrip("-*•# ").startswith(FORGED), f"{where}: a forged line: {text!r}"
+    assert chat_injections_in(text) == [], f"{where}: {text!r}"
     assert "122.54806804656982" not in text and "None" not in text, f"{where}: {text!r}"
     # what was written still shows, harmless: nothing is dropped to make it safe
     if not where.endswith(("alert_id", "value", "step")):
@@ -82,7 +57,7 @@ def test_every_field_of_every_template_arrives_inert(receiver, tmp_path):
         batch = [page, {**page, "status": "resolved", "flapping": True}, *warnings]
         paging.deliver(batch)
         manager.deliver(batch)
-        paging.tick(time.time() + 61)  # the P2 digest is due
+        paging.advance(time.time() + 61)  # the P2 digest is due
         for sink in (*chat, manager):
             assert sink.flush(timeout=30), f"{sink.name} still has {sink.pending()} pending"
     finally:
@@ -90,14 +65,14 @@ def test_every_field_of_every_template_arrives_inert(receiver, tmp_path):
         manager.close(timeout=1)
     seen: dict[str, int] = {}
     for path, body in receiver.requests:
-        for where, text in _texts(path, body):
+        for where, text in chat_texts(path, body):
             _assert_inert(where, text)
             seen[where] = seen.get(where, 0) + 1
     # each chat sink got the page, its resolution and one digest; Alertmanager every alert
     for where in ("dingtalk.text", "wecom.content", "slack.section", "slack.header", "webhook.text"):
         assert seen.get(where) == 3, seen
     assert seen.get("alertmanager.summary") == 5 and seen.get("alertmanager.root_cause") == 5
-    digest_texts = [t for p, b in receiver.requests if "/api/v2" not in p for w, t in _texts(p, b) if "digest" in t]
+    digest_texts = [t for p, b in receiver.requests if "/api/v2" not in p for w, t in chat_texts(p, b) if "digest" in t]
     assert digest_texts and all("3 warning(s)" in t for t in digest_texts)
     slack = next(b for _, b in receiver.requests if "blocks" in b)
     assert "&lt;!channel&gt;" in slack["blocks"][1]["text"]["text"]  # shown as text, pings nobody

@@ -10,15 +10,15 @@ import uuid
 import pytest
 from confluent_kafka import Producer
 
+from chaos.scenarios import sinks_env, sinks_started
 from tests.integration import Receiver, SinksProcess, wait_until
-from trainguard.broker import free_port
 from trainguard.schemas.events import encode
 from trainguard.sinks.alertmanager import AlertmanagerSink
 from trainguard.sinks.console import ConsoleSink
 from trainguard.sinks.jsonl import JsonlSink
+from trainguard.sinks.paging import PagingSettings
 from trainguard.sinks.prometheus import PrometheusSink
 from trainguard.sinks.runner import build_sinks, run_sinks
-from trainguard.sinks.paging import PagingSettings
 from trainguard.sinks.webhooks import DingTalkSink, GenericWebhookSink, PagingSink, SlackSink, WeComSink
 
 pytestmark = pytest.mark.integration
@@ -160,20 +160,6 @@ def test_the_outbox_is_on_by_default_in_the_data_folder(tmp_path):
 # --------------------------------------------------------------------------- the sinks process
 
 
-def _sinks_env(receiver_url: str, tmp_path, **extra) -> dict:
-    # the outbox is on by default: in the data folder here, as a user's would be
-    return {"TRAINGUARD_WEBHOOK_URL": receiver_url, "TRAINGUARD_DATA_DIR": str(tmp_path / "data"),
-            "TRAINGUARD_KAFKA_MAX_POLL_INTERVAL_MS": "6000", "TRAINGUARD_KAFKA_SESSION_TIMEOUT_MS": "6000",
-            **extra}
-
-
-def _started(sinks: SinksProcess) -> SinksProcess:
-    """Until the process says it reads (its start time is fixed then)."""
-    wait_until(lambda: "reading" in sinks.log() or sinks.proc.poll() is not None, 60, "the sinks to start")
-    assert sinks.proc.poll() is None, sinks.log()
-    return sinks
-
-
 def _quiet(receiver: Receiver, n: int, what: str, settle_s: float = 3.0) -> list[dict]:
     """The bodies once ``n`` arrived and nothing more came for ``settle_s``."""
     wait_until(lambda: len(receiver.bodies()) >= n, 60, what)
@@ -183,7 +169,7 @@ def _quiet(receiver: Receiver, n: int, what: str, settle_s: float = 3.0) -> list
 
 def test_a_flapping_rule_pages_once_and_a_p2_burst_is_one_digest(kafka, tmp_path):
     receiver = Receiver()
-    sinks = _started(SinksProcess(kafka, tmp_path, _sinks_env(receiver.url, tmp_path,
+    sinks = sinks_started(SinksProcess(kafka, tmp_path, sinks_env(receiver.url, tmp_path,
                                                               TRAINGUARD_DIGEST_INTERVAL_S="3")).start())
     try:
         run, noisy = f"ppo-{uuid.uuid4().hex[:6]}", f"grpo-{uuid.uuid4().hex[:6]}"
@@ -216,8 +202,8 @@ def test_a_new_group_sends_nothing_from_before_its_start_and_old_alerts_are_skip
     history = [_alert(run, i) for i in range(5)]
     _produce(kafka, [(run, encode(a)) for a in history])
     group = f"sinks-{uuid.uuid4().hex[:6]}"
-    env = _sinks_env(receiver.url, tmp_path, TRAINGUARD_SINKS_MAX_AGE_S="600")
-    sinks = _started(SinksProcess(kafka, tmp_path, env, group=group).start())
+    env = sinks_env(receiver.url, tmp_path, TRAINGUARD_SINKS_MAX_AGE_S="600")
+    sinks = sinks_started(SinksProcess(kafka, tmp_path, env, group=group).start())
     try:
         fresh = [_alert(run, 10 + i) for i in range(2)]
         _produce(kafka, [(run, encode(a)) for a in fresh])
@@ -234,34 +220,10 @@ def test_a_new_group_sends_nothing_from_before_its_start_and_old_alerts_are_skip
         now = _alert(run, 30)
         producer.produce(kafka.topics.alerts, key=run.encode(), value=encode(now))
         assert producer.flush(30) == 0
-        sinks = _started(SinksProcess(kafka, tmp_path, env, group=group).start())
+        sinks = sinks_started(SinksProcess(kafka, tmp_path, env, group=group).start())
         bodies = _quiet(receiver, 3, "the alert published while the group was away")
         assert [b["id"] for b in bodies] == [a["id"] for a in fresh] + [now["id"]]
         wait_until(lambda: "skipped 3 alert(s) published over 600 s ago" in sinks.log(), 30, "the skip line")
     finally:
         sinks.stop()
         receiver.stop()
-
-
-def test_a_restart_after_a_receiver_outage_delivers_what_was_pending_exactly_once(kafka, tmp_path):
-    port = free_port()  # the receiver is down: connections are refused
-    env = _sinks_env(f"http://127.0.0.1:{port}/hook", tmp_path)
-    group = f"sinks-{uuid.uuid4().hex[:6]}"
-    sinks = _started(SinksProcess(kafka, tmp_path, env, group=group).start())
-    run = f"ppo-{uuid.uuid4().hex[:6]}"
-    alerts = [_alert(run, i) for i in range(3)]
-    receiver = None
-    try:
-        _produce(kafka, [(run, encode(a)) for a in alerts])
-        wait_until(lambda: "delivery of" in sinks.log(), 60, "a refused delivery")
-        sinks.stop()
-        folder = tmp_path / "data" / "sinks-outbox"
-        assert "closed with 3 alert(s) not delivered, kept in " + str(folder) in sinks.log()
-        receiver = Receiver(port=port)
-        sinks = _started(SinksProcess(kafka, tmp_path, env, group=group).start())
-        bodies = _quiet(receiver, 3, "the pending alerts")
-    finally:
-        sinks.stop()
-        if receiver:
-            receiver.stop()
-    assert sorted(b["id"] for b in bodies) == sorted(a["id"] for a in alerts)  # 3 of 3, none twice
