@@ -4,7 +4,8 @@ Alertmanager's model, shared by every chat and generic-webhook sink (they only r
 
 - **mute**: a firing alert that is silenced, inhibited by an open incident, acknowledged, or
   kept for incidents only pages nobody;
-- **dedup**: an alert id + status is considered once (the worker replays a few after a restart);
+- **dedup**: an alert (id, status and time: :func:`delivery_key`) is considered once (the worker
+  replays a few after a restart);
 - **page** (``page`` severities, P0/P1 by default): each firing at once, and its resolution,
   when its firing was paged here;
 - **digest** (``digest`` severities, P2 by default): one message per run per
@@ -66,6 +67,13 @@ class Message:
     event: dict = field(compare=False)
 
 
+def delivery_key(event: dict) -> str:
+    """What makes an alert (or digest) the same one again: its id, its status and its time. The
+    worker's replays after a restart carry all three unchanged; a run started again under the
+    same id has its alerts' ids again, but not their times, so it pages again."""
+    return f"{event.get('id')}:{event.get('status', 'firing')}:{event.get('ts')}"
+
+
 def muted(alert: dict) -> bool:
     """True when a firing alert must page nobody (the engine's silences, inhibitions, acks)."""
     return bool(alert.get("silenced") or alert.get("inhibited_by") or alert.get("acknowledged")
@@ -104,7 +112,7 @@ class Pager:
         then its page, if it pages."""
         if not str(alert.get("schema", "")).startswith("alert/"):
             return []
-        key = f"{alert.get('id')}:{alert.get('status', 'firing')}"
+        key = delivery_key(alert)
         if key in self._seen:
             return []
         self._remember(self._seen, key)

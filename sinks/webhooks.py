@@ -2,13 +2,16 @@
 
 Every sink here is a :class:`WebhookSink`: ``write(batch)`` only puts alerts into an
 :class:`Outbox` and returns at once; one sender thread per sink delivers them in order,
-retrying with exponential backoff (and jitter) while the receiver is down.
+retrying with exponential backoff (and jitter) while the receiver is down. What a chat sink
+gets to send (pages, digests) is decided before, once for all of them, by the paging stage
+(:class:`PagingSink`, :mod:`trainguard.sinks.paging`); a sink only renders and sends.
 
 Guarantees:
 
-- **Once per alert id + status.** An alert whose ``(id, status)`` was delivered or is
-  pending is not queued again (the worker replays a few alerts after a restart). With
-  ``outbox_path`` the pending queue and the delivered keys survive a restart of the sink.
+- **Once per alert.** An alert (its id, status and time) that was delivered or is pending is
+  not queued again (the worker replays a few alerts after a restart). With ``outbox_path``
+  (the runner sets one by default) the pending queue and the delivered keys survive a restart
+  of the sink.
   (At the HTTP level a receiver that takes a message and then fails to answer is sent it
   again: no webhook API offers a deduplication key.)
 - **Never lost silently.** An alert stays in the outbox until it is delivered, until it is
@@ -42,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainguard.sinks.base import Sink
-from trainguard.sinks.paging import DIGEST_SCHEMA, Message, Pager, PagingSettings
+from trainguard.sinks.paging import DIGEST_SCHEMA, Message, Pager, PagingSettings, delivery_key
 from trainguard.sinks.reports import format_value
 from trainguard.terminal import safe
 
@@ -254,7 +257,7 @@ class PermanentError(Exception):
 
 @dataclass
 class Item:
-    key: str  # "<alert id>:<status>"
+    key: str  # delivery_key(alert): "<alert id>:<status>:<ts>"
     alert: dict
     queued: float = field(default_factory=time.time)
     attempts: int = 0
@@ -303,8 +306,9 @@ class Outbox:
         os.replace(tmp, self.path)
 
     def add(self, alert: dict) -> bool:
-        """Queue ``alert`` unless its id+status was delivered or is pending; False when skipped."""
-        key = f"{alert.get('id')}:{alert.get('status', 'firing')}"
+        """Queue ``alert`` unless it (:func:`~trainguard.sinks.paging.delivery_key`) was delivered or
+        is pending; False when skipped."""
+        key = delivery_key(alert)
         if key in self.delivered or key in self._keys:
             return False
         self.pending.append(Item(key, alert))

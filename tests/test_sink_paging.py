@@ -28,6 +28,8 @@ def test_p0_and_p1_page_at_once_and_their_resolutions_follow():
     [page] = pager.feed(fire)
     assert (page.kind, page.run_id, page.ts, page.event) == (PAGE, "ppo-7b", fire["ts"], fire)
     assert pager.feed(fire) == []  # a replay of the same id and status
+    # a run started again under the same id: the same alert ids, later times: it pages again
+    assert [m.event["ts"] for m in pager.feed({**fire, "ts": T0 + 86_400})] == [T0 + 86_400]
     [resolved] = pager.feed({**fire, "status": "resolved", "ts": T0 + 50})
     assert resolved.event["status"] == "resolved"
     # the resolution of an alert whose firing was never paged here says nothing to anyone

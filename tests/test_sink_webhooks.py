@@ -136,6 +136,10 @@ def test_file_backed_outbox_survives_a_restart(servers, tmp_path):
     third.deliver(alerts + [delivered_before])  # all delivered already, by the previous instance
     assert third.flush(timeout=10)
     assert [b["id"] for b in receiver.bodies()] == [a["id"] for a in alerts] + [delivered_before["id"]]
+    rerun = {**alerts[0], "ts": alerts[0]["ts"] + 86_400}  # the run started again under its id
+    third.deliver([rerun])
+    assert third.flush(timeout=10)
+    assert [b["ts"] for b in receiver.bodies()][-1] == rerun["ts"]
 
 
 def _independent_sign(secret: str, timestamp: str) -> str:
