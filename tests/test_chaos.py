@@ -96,3 +96,25 @@ def test_a_worker_killed_right_after_it_paged_is_replaced_without_missed_or_doub
     assert r["commands"] >= 2, r  # a rollback before the kill and a decision after it
     restarted = sorted(tmp_path.glob("worker-*.log"))[-1].read_text()
     assert "ended 1 group membership(s) of a worker that died on this host" in restarted
+
+
+def test_invented_tiny_runs_are_forgotten_and_their_memory_given_back(tmp_path):
+    """The lowest-trust topic: run ids of one event each cost the worker memory only while
+    their short idle time lasts."""
+    r = scenarios.tiny_runs(runs=4000, ttl_s=10.0, log_dir=tmp_path)
+    assert r["crashes"] == 0, r
+    assert r["forgotten"] == r["sent_with_warm_up"], r
+    assert r["worker_rss_mb_per_1000_tiny_runs"] <= 10.0, r  # make chaos: <= 5 per 1,000 of 20,000
+
+
+def test_a_trainer_logging_thousands_of_metric_names_crashes_no_worker(tmp_path):
+    r = scenarios.many_metrics(names=5000, steps=20, log_dir=tmp_path)
+    assert r["many_metrics_crashes"] == 0 and r["nan_paged_at_step"] == 19, r
+    assert r["limits"]["rows_per_source"]["left_out"] == 5000 // 4 + 1 - 1000, r  # judged names past the cap
+    assert r["unwatched_named"] > 0, r
+
+
+def test_the_records_that_crashed_workers_in_a_loop_crash_none_now(tmp_path):
+    r = scenarios.hostile_crash_loops(restarts=1, sources=2000, names=2500, log_dir=tmp_path)
+    assert r["hostile_crash_loops"] == 0 and all(r["probe_paged"]), r
+    assert r["dead_letters"] >= 4, r
