@@ -65,13 +65,16 @@ def _text(v, limit: int = 256) -> str:
 
 
 def _int(v) -> int | None:
-    return v if type(v) is int else None
+    """A 64-bit integer (what JSON readers and the page can hold), else None."""
+    return v if type(v) is int and -2**63 <= v < 2**63 else None
 
 
 def _value(v):
-    """A metric or alert value: a number, a non-finite one's name, or "" (never a Python None)."""
-    if type(v) in (int, float):
+    """A metric or alert value: a number, a non-finite one's name, or text (never a Python None)."""
+    if type(v) is float:
         return v if math.isfinite(v) else str(v)
+    if _int(v) is not None:
+        return v
     return _text(v, 32)
 
 
@@ -132,13 +135,14 @@ class Board:
         try:
             decoded = self.decoder.decode(topic, raw)
             if decoded is not None:
-                self.feed(decoded[0], (key or b"").decode("utf-8", "replace"), decoded[1])
+                self.feed(decoded[0], (key or b"").decode("utf-8", "replace"), decoded[1], size=len(raw or b""))
         except Exception as exc:  # a record the decoder let through and the board cannot take
             self.decoder.skip(f"handling: {type(exc).__name__}", f"{exc!r}")
             log.debug("trainguard ui: record not taken", exc_info=True)
 
-    def feed(self, role: str, key: str, event: dict | None) -> None:
-        """One decoded record of the ``role`` topic (events, alerts, control, acks, status)."""
+    def feed(self, role: str, key: str, event: dict | None, size: int | None = None) -> None:
+        """One decoded record of the ``role`` topic (events, alerts, control, acks, status);
+        ``size``: its length on the wire (counted against ``max_report_bytes`` for reports)."""
         if role == "status":
             run_id = event["run_id"] if event is not None else key
             view = None if event is None else _status_view(event)
@@ -162,7 +166,7 @@ class Board:
             with self.lock:
                 _bounded_put(self._touch(run_id).alerts, (view["id"], view["status"]), view, self.max_alerts)
         elif schema == ev.REPORT:
-            size = len(orjson.dumps(event, default=str))
+            size = size or len(str(event))
             with self.lock:
                 self._report(self._touch(run_id), run_id, event, size)
         elif schema == ev.COMMAND:
@@ -316,6 +320,40 @@ def _command_view(c: dict) -> dict:  # no signature: the page shows what was dec
 def _ack_view(a: dict) -> dict:
     return {"command_id": a["command_id"], "status": a["status"], "detail": _text(a.get("detail"), 160),
             "step": a.get("step"), "ts": a["ts"]}
+
+
+def report_for_page(r: dict) -> dict:
+    """A (valid) report with the shapes its page expects in the fields the schema leaves open,
+    so that an odd one is shown as far as it goes instead of failing its page."""
+    def obj(v) -> dict:
+        return v if isinstance(v, dict) else {}
+
+    def texts(v) -> list[str]:
+        return [_text(x) for x in v] if isinstance(v, list) else []
+
+    alerts = []
+    for a in r.get("alerts") if isinstance(r.get("alerts"), list) else []:
+        if isinstance(a, dict):
+            evidence = dict(obj(a.get("evidence")))
+            if not {"lower", "upper", "mean"} <= set(evidence):
+                evidence.pop("lower", None)
+            alerts.append({**a, "rule": _text(a.get("rule")), "metric": _text(a.get("metric")),
+                           "severity": _text(a.get("severity")), "step": _value(a.get("step")),
+                           "evidence": evidence})
+    incident = obj(r.get("incident"))
+    checkpoint = obj(r.get("checkpoint"))
+    chosen = obj(checkpoint.get("chosen"))
+    windows = {k: {"source": _text(w.get("source")), "values": w["values"] if isinstance(w.get("values"), list)
+                   else []} for k, w in obj(r.get("windows")).items() if isinstance(w, dict)}
+    return {**r, "step": _shown(_int(r.get("step"))), "ts": r["ts"] if r["ts"] < 1e11 else 0.0,  # a date it can show
+            "incident": {**incident, "rules": texts(incident.get("rules")), "layers": texts(incident.get("layers")),
+                         "onset_step": _shown(_int(incident.get("onset_step")))},
+            "alerts": alerts, "windows": windows, "history": obj(r.get("history")),
+            "checkpoint": {**checkpoint, "why": _text(checkpoint.get("why"), 1000),
+                           "chosen": {"step": _shown(_int(chosen.get("step"))), "path": _text(chosen.get("path"))}
+                           if chosen else None},
+            "resource_snapshot": {host: {"metrics": obj(obj(snap).get("metrics"))}
+                                  for host, snap in obj(r.get("resource_snapshot")).items()}}
 
 
 def _report_view(r: dict) -> dict:
@@ -541,6 +579,12 @@ def render_run(board: Board, run_id: str, view: dict | None = None) -> str:
     return _page(f"trainguard: run {run_id}", body)
 
 
+def render_report_page(board: Board, run_id: str, report_id: str) -> str | None:
+    """The diagnosis report's page (the reports sink's), or None for a report the board lacks."""
+    report = board.report(run_id, report_id)
+    return None if report is None else render_report(report_for_page(report))
+
+
 class Follower(threading.Thread):
     """Reads the topics into the board until stopped. Nothing read ends it: the board skips and
     counts what it cannot take, and a consumer error is logged and waited out."""
@@ -673,9 +717,9 @@ def make_handler(board: Board, access: Access | None = None):
                 if view is not None:
                     return self._send(200, render_run(board, parts[1], view))
             if len(parts) == 4 and parts[0] == "run" and parts[2] == "report":
-                report = board.report(parts[1], parts[3])
-                if report is not None:
-                    return self._send(200, render_report(report))
+                page = render_report_page(board, parts[1], parts[3])
+                if page is not None:
+                    return self._send(200, page)
             if len(parts) == 3 and parts[:2] == ["api", "run"]:
                 return self._send(200, orjson.dumps(board.run(parts[2]), default=str), "application/json")
             if parts == ["api", "runs"]:
