@@ -291,3 +291,36 @@ def test_outputs_the_producer_refused_are_sent_again_before_their_events_are_ack
     assert sorted(a["id"] for a in alerts.seen) == [f"a{i}" for i in range(5)]
     assert "over the 20000-byte message limit" in dead["reason"] and dead["size"] > 30_000
     assert "sending" in caplog.text and "again" in caplog.text
+
+
+def test_a_trainers_ack_is_acknowledged_only_after_the_breaker_change_it_caused_is_delivered():
+    """Messages of trainguard.control.acks are held like events: a refused rollback re-arms the
+    breaker (state) and raises command_failed (an output); the ack's offset waits for both."""
+    from tests.test_detection import TRAINER, Recorder, _detection, _message
+    from trainguard.schemas import events as ev
+    from trainguard.streams import rules as rules_mod
+    from trainguard.streams.engine import Engine
+
+    async def scenario():
+        recorder = Recorder()
+        engine = Engine(rules_mod.default())
+        detection = _detection(recorder, engine)
+        messages = [_message(step, ev.metrics_event("r", step, {"actor/pg_loss": 0.1}, src=TRAINER))
+                    for step in range(1, 11)]
+        messages.append(_message(11, ev.checkpoint_event("r", 10, "/ckpt/10")))
+        messages.append(_message(12, ev.metrics_event("r", 11, {"actor/pg_loss": float("nan")}, src=TRAINER)))
+        detection.events(messages, [m.offset for m in messages])
+        await detection.checkpoint.in_flight
+        command = engine.status("r")["breaker"]["pending_command"]
+        assert command, "the NaN step rolled back: the breaker waits for the trainer's ack"
+        recorder.log.clear()
+        refusal = _message(0, ev.ack_event(command, "r", "failed", "no such checkpoint"))
+        detection.ack(refusal, "ack-0")
+        await detection.checkpoint.in_flight
+        return recorder.log
+
+    log = asyncio.run(scenario())
+    assert ("routed", "alert", "firing") in log, log
+    acked = log.index(("ack", "ack-0"))
+    assert log.index(("outputs delivered",)) < acked and log.index(("changelogs delivered",)) < acked
+    assert any(entry[0] == "changelog" and entry[2] == b"r" for entry in log[:acked]), "the breaker's state first"
