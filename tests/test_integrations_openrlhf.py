@@ -94,3 +94,31 @@ def test_openrlhf_steps_are_published_a_rollback_is_refused_with_the_way_out_and
     assert signal_of("actor_grad_norm") == "grad_norm" and signal_of("response_clip_ratio") == "response_clip_ratio"
     ckpts = [e for e in ours if e["schema"] == ev.CHECKPOINT]
     assert [c["step"] for c in ckpts][:3] == [5, 10, 15] and ckpts[0]["path"].endswith("_actor/global_step5")
+
+
+def test_openrlhf_reports_finished_when_fit_returns_and_nothing_when_it_crashes(kafka, tmp_path):
+    from trainguard.producers.integrations.openrlhf import attach
+
+    def crash_at_7(step):
+        if step == 7:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    ended, crashed = f"orl-end-{uuid.uuid4().hex[:6]}", f"orl-crash-{uuid.uuid4().hex[:6]}"
+    done = PPOTrainer(tmp_path / "a", steps=10)
+    attach(done, ended, kafka, listen=False)
+    done.fit()
+    broken = PPOTrainer(tmp_path / "b", steps=10)
+    attach(broken, crashed, kafka, listen=False)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        broken.fit(before_step=crash_at_7)
+
+    events = TopicReader(kafka, kafka.topics.events)
+    events.wait_for(lambda e: e["run_id"] == ended and e["schema"] == ev.LIFECYCLE and e["event"] == "finished",
+                    what="the finished report")
+    events.wait_for(lambda e: e["run_id"] == crashed and e["schema"] == ev.METRICS and e["step"] == 6,
+                    what="the crashed run's last step")
+    seen = events.drain(2.0)
+    events.close()
+    lifecycle = {run: [e["event"] for e in seen if e["run_id"] == run and e["schema"] == ev.LIFECYCLE]
+                 for run in (ended, crashed)}
+    assert lifecycle == {ended: ["started", "finished"], crashed: ["started"]}, lifecycle
