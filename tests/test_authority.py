@@ -203,3 +203,22 @@ def test_forged_inputs_against_a_real_worker_and_listener_take_no_effect(tmp_pat
     assert r["forged_inputs_applied"] == 0, r
     assert r["genuine_rollback_applied"] == 1 and r["nan_paged"] >= 1, r
     assert r["forged_dead_letters"] >= 4, r  # checkpoint, silence, finished, failed ack
+
+
+def test_signed_events_satisfy_the_published_schemas():
+    """Producers in other languages sign what the JSON Schemas describe."""
+    import jsonschema
+    import orjson
+
+    from tests.test_schemas import published
+
+    key = MASTER.trainer_key(RUN)
+    operator = Keyring.from_env(OPERATOR_ENV).operator_signer()
+    for event in (sign_trainer(ev.checkpoint_event(RUN, 20, "/ckpt/20"), key),
+                  sign_trainer(ev.lifecycle_event(RUN, "finished", step=20), key),
+                  sign_trainer({**ev.ack_event("c1", RUN, "rejected", "copy"), "cause": UNAUTHENTICATED}, key),
+                  sign(ev.operator_event(RUN, "silence", until=time.time() + 60, by="ops"), operator),
+                  sign(ev.command_event(RUN, "stop"), MASTER)):
+        raw = ev.encode(event)
+        jsonschema.validate(orjson.loads(raw), published(event["schema"]))
+        ev.decode(raw)
