@@ -91,6 +91,10 @@ def _trainer_key(run_id: str) -> TrainerKey | None:
         except ValueError as exc:  # a malformed key: said once; the events go unsigned
             log.warning("trainguard: %s; run %s's checkpoints and acks go unsigned", exc, run_id)
             _TRAINER_KEYS[run_id] = None
+        if _TRAINER_KEYS[run_id] is None and not unsigned_allowed():
+            log.warning("trainguard: no trainer key for run %s (TRAINGUARD_TRAINER_KEY, or TRAINGUARD_COMMAND_KEY "
+                        "locally): its checkpoints, lifecycle changes and acks go unsigned, and a worker with "
+                        "keys refuses them (no rollback to them)", run_id)
     return _TRAINER_KEYS[run_id]
 
 

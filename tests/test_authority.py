@@ -222,3 +222,21 @@ def test_signed_events_satisfy_the_published_schemas():
         raw = ev.encode(event)
         jsonschema.validate(orjson.loads(raw), published(event["schema"]))
         ev.decode(raw)
+
+
+def test_the_trainer_side_signs_with_its_key_and_says_when_it_has_none(monkeypatch, caplog):
+    import orjson
+
+    from trainguard.producers.control import REPORTED, authored
+
+    for name, value in TRAINER_ENV.items():
+        monkeypatch.setenv(name, value)
+    signed = orjson.loads(authored(ev.checkpoint_event("nlp-sign-1", 7, "/ckpt/7")))
+    assert verify_trainer(signed, {"prod": MASTER}) is None
+    assert REPORTED.problem("nlp-sign-1", {"step": 7, "path": "/ckpt/7"})[0] is None, "a rollback target now"
+    monkeypatch.delenv("TRAINGUARD_TRAINER_KEY")
+    monkeypatch.delenv("TRAINGUARD_ALLOW_UNSIGNED", raising=False)
+    with caplog.at_level("WARNING", logger="trainguard.control"):
+        unsigned = orjson.loads(authored(ev.lifecycle_event("nlp-sign-2", "finished")))
+    assert "signature" not in unsigned
+    assert any("no trainer key for run nlp-sign-2" in r.getMessage() for r in caplog.records)
