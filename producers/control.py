@@ -362,11 +362,11 @@ class ControlListener:
         topic recreated): its old position points past the new log, where the next commands
         would wait unread. Said once per reset; the lookback window is read again (what was
         received already is known by id and not applied twice)."""
+        self._seek_lookback(consumer, topic, partition)  # raises while the broker is down: rebuilt then
         self.resets += 1
         log.warning("trainguard: control partition %s[%d] of run %s was reset (%s): the broker restarted or the "
                     "topic was recreated; reading the last %.0f s again", topic, partition, self.run_id, why,
                     self.lookback_s)
-        self._seek_lookback(consumer, topic, partition)
 
     def _run(self) -> None:
         from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
