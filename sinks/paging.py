@@ -38,7 +38,7 @@ class PagingSettings:
     page: tuple[str, ...] = ("P0", "P1")    # sent at once, each
     digest: tuple[str, ...] = ("P2",)       # gathered per run, one message per interval
     digest_interval_s: float = 900.0
-    max_keys: int = 100_000                  # alert ids remembered for dedup
+    max_keys: int = 10_000                   # alerts remembered for dedup (replays are a few)
 
     @classmethod
     def from_env(cls, env=None) -> "PagingSettings":
@@ -84,6 +84,11 @@ def _num(v) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
 
 
+def _opened(digest: dict) -> float:
+    """When a digest's interval began (its first warning's arrival)."""
+    return digest.get("opened", digest["since"])
+
+
 def _flap_key(alert: dict) -> str:
     src = alert.get("source") or {}
     return "|".join(str(x) for x in (alert.get("run_id"), alert.get("rule"), alert.get("metric"),
@@ -107,9 +112,11 @@ class Pager:
         return {"seen": list(self._seen), "paged": list(self._paged), "flapping": self._flapping,
                 "digests": self._digests}
 
-    def feed(self, alert: dict) -> list[Message]:
-        """The messages due once ``alert`` arrived: digests whose interval ended by its time,
-        then its page, if it pages."""
+    def feed(self, alert: dict, now: float | None = None) -> list[Message]:
+        """The messages due once ``alert`` arrived at ``now`` (default: its ``ts``; the sinks
+        process passes the wall clock, so that alerts stamped by a trainer's clock, or long ago,
+        still gather for an interval): digests whose interval ended by then, then its page, if
+        it pages."""
         if not str(alert.get("schema", "")).startswith("alert/"):
             return []
         key = delivery_key(alert)
@@ -118,14 +125,15 @@ class Pager:
         self._remember(self._seen, key)
         self.changed = True
         ts = _num(alert.get("ts"))
-        out = self.flush(ts) if ts is not None else []
+        now = ts if now is None else now
+        out = self.flush(now) if now is not None else []
         severity = alert.get("severity")
         if severity in self.settings.page:
             page = self._page(alert)
             if page is not None:
                 out.append(page)
         elif severity in self.settings.digest and alert.get("status") != "resolved" and not muted(alert):
-            self._gather(alert, ts)
+            self._gather(alert, ts, now)
         return out
 
     def flush(self, now: float | None = None) -> list[Message]:
@@ -133,7 +141,7 @@ class Pager:
         out = []
         for run_id in list(self._digests):
             digest = self._digests[run_id]
-            due = digest["since"] + self.settings.digest_interval_s
+            due = _opened(digest) + self.settings.digest_interval_s
             if now is None or now >= due:
                 del self._digests[run_id]
                 self.changed = True
@@ -177,11 +185,12 @@ class Pager:
 
     # -- digests
 
-    def _gather(self, alert: dict, ts: float | None) -> None:
+    def _gather(self, alert: dict, ts: float | None, now: float | None) -> None:
         run_id = str(alert.get("run_id"))
-        ts = ts if ts is not None else 0.0
-        digest = self._digests.setdefault(run_id, {"since": ts, "until": ts, "entries": {}})
-        digest["until"] = max(digest["until"], ts)
+        ts = ts if ts is not None else (now or 0.0)
+        digest = self._digests.setdefault(run_id, {"opened": now if now is not None else ts, "since": ts,
+                                                   "until": ts, "entries": {}})
+        digest["since"], digest["until"] = min(digest["since"], ts), max(digest["until"], ts)
         rule = str(alert.get("rule", ""))
         step = alert.get("step") if isinstance(alert.get("step"), int) else None
         entry = digest["entries"].setdefault(rule, {
@@ -197,7 +206,7 @@ class Pager:
     def _digest_event(run_id: str, digest: dict, due: float) -> dict:
         entries = list(digest["entries"].values())
         worst = min((e.get("severity") for e in entries), key=lambda s: _RANK.get(s, 9), default="P2")
-        return {"schema": DIGEST_SCHEMA, "id": f"digest-{run_id}-{int(digest['since'] * 1000)}",
+        return {"schema": DIGEST_SCHEMA, "id": f"digest-{run_id}-{int(_opened(digest) * 1000)}",
                 "status": DIGEST, "run_id": run_id, "severity": worst, "since": digest["since"],
                 "until": digest["until"], "ts": due, "count": sum(e["count"] for e in entries),
                 "entries": entries}

@@ -675,7 +675,8 @@ class PagingSink(Sink):
         self.pager.changed = False
 
     def write(self, batch: list[dict]) -> None:
-        self._send([m for event in batch for m in self.pager.feed(event)])
+        now = time.time()  # a digest's interval runs from the arrival of its first warning
+        self._send([m for event in batch for m in self.pager.feed(event, now)])
 
     def advance(self, now: float) -> None:
         self._send(self.pager.flush(now))

@@ -112,3 +112,14 @@ def test_settings_from_the_environment():
 
     with pytest.raises(ValueError, match="TRAINGUARD_DIGEST_INTERVAL_S"):
         PagingSettings.from_env({"TRAINGUARD_DIGEST_INTERVAL_S": "soon"})
+
+
+def test_a_digest_gathers_from_arrival_when_the_alerts_carry_old_times():
+    # a trainer's clock, or a backlog: stamped a day ago, arriving now; one digest, not one each
+    pager = Pager(PagingSettings(digest_interval_s=900))
+    now = T0 + 86_400
+    for i in range(5):
+        assert pager.feed(_alert(i), now=now + i) == []
+    assert pager.flush(now + 899) == []
+    [digest] = pager.flush(now + 900)
+    assert digest.event["count"] == 5 and digest.event["since"] == T0 and digest.event["until"] == T0 + 40
