@@ -155,6 +155,8 @@ def alert_fields(alert: dict, ui_url: str | None = None, escape=escape_markdown)
         "time": _clock(alert.get("ts")),
         "step": _fmt(alert.get("step")),
         "onset_step": _fmt(onset.get("step")),
+        # " (onset 128)" where the episode began before this step; nothing otherwise
+        "onset": f" (onset {_fmt(onset['step'])})" if onset.get("step") not in (None, alert.get("step")) else "",
         "onset_time": _clock(onset.get("ts")),
         "metric": metric,
         "value": value,

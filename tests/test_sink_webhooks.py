@@ -216,6 +216,8 @@ def test_templates_are_files_a_user_can_override(tmp_path):
     assert alert_fields({"rule": "kl_spike", "summary": "KL spike"})["title"] == "KL spike"
     assert alert_fields({"rule": "gpu_nan_storm"})["title"] == "GPU NaN storm"  # unknown rule: in words
     assert alert_fields({"rule": "x", "metric": "ack", "value": None, "step": None})["metric_value"] == "ack"
+    assert "- **Step:** 130 (onset 128)" in templates.render("markdown.md", alert)
+    assert "- **Step:** 128\n" in templates.render("markdown.md", {**alert, "step": 128})  # began here
     import string
     assert render(string.Template("a\nx ${report}\nb ${run}"), {"report": "", "run": "r"}) == "a\nb r"
 
