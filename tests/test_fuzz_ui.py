@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 
 import orjson
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from chaos.scenarios import _UI_PAYLOADS, _ui_injections_in
 from trainguard.kafka import Topics
