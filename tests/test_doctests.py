@@ -1,4 +1,5 @@
-"""The examples in the docstrings of streams/, schemas/ and the run page are run, so they stay true."""
+"""The examples in the docstrings of streams/, schemas/, the run page and trainguard.terminal are run, so
+they stay true."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def _modules():
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
             yield info.name
     yield "trainguard.ui"
+    yield "trainguard.terminal"
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))
