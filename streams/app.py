@@ -168,7 +168,8 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     engine = Engine(ruleset, state_table.data, windows=window_table.data, signing_key=signing_key,
                     verify_keys=verify_keys, require_signed=require_signed,
                     finished_grace_s=number("TRAINGUARD_FINISHED_GRACE_S"),
-                    idle_ttl_s=number("TRAINGUARD_RUN_TTL_S"), limits=Limits.from_settings())
+                    idle_ttl_s=number("TRAINGUARD_RUN_TTL_S"), limits=Limits.from_settings(),
+                    summary_retention_s=number("TRAINGUARD_RUN_SUMMARY_RETENTION_S"))
     window_table.decode_key = engine.windows.decode_key
     app.trainguard_engine = engine  # for tests and the status line
     if not app.conf.consumer_group_instance_id:  # static members are replaced by the broker itself
@@ -349,6 +350,15 @@ class Detection:
         if self.checkpoint.due():
             self.checkpoint.flush()
 
+    async def backpressure(self) -> None:
+        """Read no further while a flush waits for outputs the broker does not take and the
+        checkpoint already holds as many events as it flushes at once: they would only pile up
+        in memory, unacknowledged."""
+        checkpoint = self.checkpoint
+        while (checkpoint.in_flight is not None and not checkpoint.in_flight.done()
+               and len(checkpoint.held) >= checkpoint.max_held):
+            await asyncio.sleep(0.1)
+
 
 def release_memory() -> None:
     """Give the memory of forgotten runs back to the system: what the clients' reference cycles
@@ -376,6 +386,7 @@ def _agents_and_timers(app: WorkerApp, detection: Detection, settings: KafkaSett
 
     async def bulk_lane(messages: list) -> None:
         detection.events(messages, [(None, m) for m in messages])
+        await detection.backpressure()
 
     if bulk_lane_enabled():
         app.trainguard_bulk_lane = (events_topic.get_topic_name(), bulk_lane)
@@ -388,6 +399,7 @@ def _agents_and_timers(app: WorkerApp, detection: Detection, settings: KafkaSett
             for event in batch:
                 event.message.incref()  # held until the state that includes it is flushed
             detection.events([event.message for event in batch], [(stream, event) for event in batch])
+            await detection.backpressure()
 
     @app.agent(acks_topic)
     async def read_acks(stream):

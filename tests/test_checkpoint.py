@@ -324,3 +324,32 @@ def test_a_trainers_ack_is_acknowledged_only_after_the_breaker_change_it_caused_
     acked = log.index(("ack", "ack-0"))
     assert log.index(("outputs delivered",)) < acked and log.index(("changelogs delivered",)) < acked
     assert any(entry[0] == "changelog" and entry[2] == b"r" for entry in log[:acked]), "the breaker's state first"
+
+
+def test_reading_waits_while_a_stuck_flush_holds_a_full_batch_of_events():
+    from tests.test_detection import Recorder, _message
+    from trainguard.schemas import events as ev
+    from trainguard.streams import rules as rules_mod
+    from trainguard.streams.app import Detection
+    from trainguard.streams.engine import Engine
+
+    async def scenario():
+        world = World()
+        world.release_outputs.clear()  # the broker takes no alert
+        engine = Engine(rules_mod.default())
+        checkpoint = world.checkpoint(every_s=0.0, max_held=3)
+        detection = Detection(engine, Recorder(), checkpoint)
+        src = ev.source("trainer", "h", 0)
+        batch = lambda first: [_message(i, ev.metrics_event("r", i, {"loss": 1.0}, src=src))  # noqa: E731
+                               for i in range(first, first + 3)]
+        detection.events(batch(0), ["e0", "e1", "e2"])  # flushed: in flight, waiting on the outputs
+        await asyncio.wait_for(detection.backpressure(), 1.0)  # nothing held yet: reading goes on
+        detection.events(batch(3), ["e3", "e4", "e5"])  # held behind the stuck flush
+        waiting = asyncio.ensure_future(detection.backpressure())
+        await asyncio.sleep(0.3)
+        stalled = not waiting.done()
+        world.release_outputs.set()
+        await asyncio.wait_for(waiting, 2.0)
+        return stalled
+
+    assert run(scenario()), "no more reading while a full batch waits behind undelivered outputs"
