@@ -414,6 +414,7 @@ def _validate_status(event: dict) -> None:
     if type(alerts) is not list or any(type(a) is not dict or type(a.get("rule")) is not str for a in alerts):
         raise _fail("open_alerts", "must be a list of objects with a rule")
     _dict(event, "last_healthy_checkpoint", required=False)
+    _time(event, "retained_until", required=False)
 
 
 def _validate_operator(event: dict) -> None:

@@ -48,6 +48,8 @@ MAX_SNAPSHOT_HOSTS = 16
 MAX_RECENT_ALERTS = 32
 MAX_UNWATCHED = 50  # metric names no rule judges, kept per run for `trainguard status`
 MAX_SILENCES = 32  # per run: the newest are kept
+MAX_BOOK = 256  # open alerts listed per run: the newest are kept
+STATUS_REFRESH_S = 30.0  # an idle run's status is published again this often (and after a takeover)
 MAX_SNAPSHOT_METRICS = 256  # per host in the node snapshot alerts carry
 DLQ_EXCERPT_BYTES = 64 * 1024  # base64 makes it 88 KB: far under a broker's 1 MB message limit
 _STATE_MAGIC = b"TGS1"  # source state: magic, header length, JSON header, raw float64 arrays
@@ -230,6 +232,8 @@ class RunState:
     dropped_events: float | None = None                 # the trainer client's own count, last reported
     silences: list = field(default_factory=list)        # {id, rule, until, reason, by}: an operator's
     acknowledged: dict = field(default_factory=dict)    # alert id -> {by, reason, ts}, while it is open
+    book: dict = field(default_factory=dict)            # alert id -> summary: every open published alert
+    notices: dict = field(default_factory=dict)         # alert id -> alert the engine raised (a refused command)
     unwatched: list = field(default_factory=list)       # metric names no rule judges (MAX_UNWATCHED)
     events: int | None = None                           # events applied (None: counted by no release yet)
     rows: int = 0                                       # metric rows of its sources, all together
@@ -346,8 +350,14 @@ class Engine:
     def __init__(self, rules: RuleSet, store: MutableMapping[bytes, Any] | None = None, *,
                  windows: MutableMapping[Any, Any] | None = None, signing_key: SigningKey | None = None,
                  verify_keys: dict[str, SigningKey] | None = None, require_signed: bool | None = None,
-                 finished_grace_s: float = 600.0, idle_ttl_s: float = 7 * 86400.0, limits: Limits | None = None):
+                 finished_grace_s: float = 600.0, idle_ttl_s: float = 7 * 86400.0, limits: Limits | None = None,
+                 summary_retention_s: float = 7 * 86400.0):
         self.rules = rules
+        # A forgotten run's last status stays on the status topic this long (its outcome, alerts,
+        # reports): the run page and `status` still show how it ended.
+        self.summary_retention_s = float(summary_retention_s)
+        self._status_at: dict[bytes, float] = {}   # run -> when its status was last published
+        self._final: dict[bytes, dict] = {}        # forgotten run -> its summary, not yet published
         self.limits = limits or Limits()
         # A run's state is forgotten (tombstoned) this long after it finished or was stopped, and
         # after this long without any event: without an end, state grew by every run ever seen.
@@ -447,7 +457,7 @@ class Engine:
         except ev.SchemaError as exc:
             return [self.dead_letter(raw, str(exc), topic, partition, offset)]
         run_key = ack["run_id"].encode()
-        if ack["status"] == "applied" or run_key not in self.store:
+        if run_key not in self.store or (ack["status"] == "applied" and not self._run(run_key).notices):
             return []
         problem = self._unauthentic(ack, raw, topic, partition, offset)
         if problem is not None:
@@ -459,6 +469,12 @@ class Engine:
                         ack["cause"], ack["command_id"], ack.get("detail", ""))
             return []
         run = self._run(run_key)
+        if ack["status"] == "applied":  # a later command worked: the refused one's alert is over
+            self.dirty[run_key] = run.partition
+            self.touched.add(run_key)
+            return [o for o in (self._resolve(run, run.notices.pop(aid), {"ts": ack["ts"], "step": ack.get("step")},
+                                              resolution=f"the trainer applied command {ack['command_id']}")
+                                for aid in list(run.notices)) if o is not None]
         handled, stop = policy.on_command_refused(run.breaker, self.rules.policy, run_id=ack["run_id"],
                                                   command_id=ack["command_id"], status=ack["status"],
                                                   detail=ack.get("detail", ""), ts=ack["ts"], now=self.clock(),
@@ -481,6 +497,8 @@ class Engine:
             "suggestion": "Check the checkpoint path and the trainer's log; a rollback that cannot be applied "
                           "needs a person (or set on_command_failure: stop).",
         }
+        run.notices[alert["id"]] = alert
+        self._book(run, alert)
         outputs = [Output(OutputKind.ALERT, ack["run_id"], alert)]
         if stop is not None:
             if self.signing_key is not None:
@@ -624,10 +642,21 @@ class Engine:
                         src.streaks.pop(slot, None)
                         src.tracks.pop(slot, None)
                     self.dirty[key] = run.partition
-        for table in (run.stale, run.cross_firing, run.incidents):
+        for table in (run.stale, run.cross_firing, run.incidents, run.notices):
             for k in [k for k, a in table.items() if a["id"] == alert_id]:
                 found = table.pop(k) if close else table[k]
         return found
+
+    @staticmethod
+    def _book(run: RunState, alert: dict) -> None:
+        """Enter a published alert in the run's book of open alerts (what `status` lists)."""
+        value = alert.get("value")
+        run.book[alert["id"]] = {"rule": alert["rule"], "severity": alert["severity"], "id": alert["id"],
+                                 "metric": alert.get("metric"), "step": alert.get("step"), "ts": alert["ts"],
+                                 "value": _json_value(value) if type(value) is float else value,
+                                 "flapping": bool(alert.get("flapping"))}
+        while len(run.book) > MAX_BOOK:
+            del run.book[next(iter(run.book))]
 
     def _paging(self, run: RunState) -> bool:
         """Whether a P0/P1 alert of the run is open."""
@@ -663,6 +692,7 @@ class Engine:
         if not getattr(rule, "emit", True):
             alert["incident_only"] = True  # kept for incidents, never published on its own
             return None
+        self._book(run, alert)
         silence = self._silence_for(run, alert["rule"])
         if silence is not None:  # published and recorded, but no sink pages for it
             alert["silenced"] = dict(silence)
@@ -674,6 +704,7 @@ class Engine:
             active["open"] -= 1
         run.open_critical.pop(alert["id"], None)
         run.acknowledged.pop(alert["id"], None)
+        run.book.pop(alert["id"], None)
         if alert.get("incident_only"):
             return None
         resolved = {**alert, "status": "resolved", "step": event.get("step", alert.get("step")),
@@ -846,7 +877,8 @@ class Engine:
             if len(judged) > 100_000:
                 judged.clear()
             given = rules.given_signals
-            wanted, unwatched = [], []
+            wanted: list[str] = []
+            unwatched: list[str] = []
             for n in new:
                 j = judged.get((kind, n))
                 if j is None:
@@ -1155,6 +1187,7 @@ class Engine:
         now = self.clock() if now is None else now
         stale_rules = [r for r in self.rules.rules if r.kind == "stale"]
         outputs: list[Output] = []
+        wall = time.time()
         for key in [k for k in list(self.store.keys()) if keys.is_run_key(k)]:
             run = self._run(key)
             last = max((seen[0] for seen in run.last_seen.values()), default=None)
@@ -1162,8 +1195,10 @@ class Engine:
             tiny = run.events is not None and run.events <= self.limits.tiny_run_events and not run.checkpoints
             if (run.finished and now - (run.finished_at or last or now) > self.finished_grace_s) or \
                     (last is not None and now - last > (self.limits.tiny_run_ttl_s if tiny else self.idle_ttl_s)):
-                self.forget(key)
+                self.forget(key, keep_summary=not tiny)
                 continue
+            if wall - self._status_at.get(key, 0.0) >= STATUS_REFRESH_S:
+                self.touched.add(key)  # an idle run's status stays fresh, and names this worker after a takeover
             if run.finished:
                 continue
             run_id = key.decode()
@@ -1179,10 +1214,12 @@ class Engine:
                     run.stale[f"{rule.name}|{kind}"] = alert
                     self._add(outputs, self._fire(run, alert, rule))
                     self.dirty[key] = run.partition
+                    self.touched.add(key)
         return outputs
 
-    def forget(self, run_key: bytes) -> None:
-        """Delete a run's state, its sources' and their windows (tombstones in the changelogs)."""
+    def forget(self, run_key: bytes, keep_summary: bool = True) -> None:
+        """Delete a run's state, its sources' and their windows (tombstones in the changelogs);
+        its status becomes its summary (``keep_summary``) or a tombstone."""
         run = self._run(run_key)
         run_id = run_key.decode()
         for sid in run.sources:
@@ -1197,9 +1234,13 @@ class Engine:
                 self.windows.delete(key, start, run.partition)
             del self.store[key]
             self.dirty[key] = run.partition
+        summary = self.summary(run_key) if keep_summary else None
+        if summary is not None:
+            self._final[run_key] = summary
+        self._status_at.pop(run_key, None)
         del self.store[run_key]
         self.dirty[run_key] = run.partition
-        self.touched.add(run_key)  # its status goes as a tombstone
+        self.touched.add(run_key)  # its summary replaces its status
         self.forgotten += 1
         log.info("trainguard: forgot run %s (%s)", run_key.decode(errors="replace"),
                  "finished" if run.finished else "idle")
@@ -1216,15 +1257,7 @@ class Engine:
         trainer = run.last_seen.get("trainer")
         steps = [seen[1] for seen in run.last_seen.values() if seen[1] is not None]
         healthy = next((c for c in reversed(run.checkpoints) if c.get("healthy")), None)
-        open_alerts = []
-        for rule, active in run.active.items():
-            alert = active.get("alert")
-            if active["open"] > 0 and alert:
-                value = alert.get("value")
-                open_alerts.append({"rule": rule, "severity": self._severity.get(rule), "id": alert["id"],
-                                    "metric": alert.get("metric"), "step": alert.get("step"),
-                                    "value": _json_value(value) if type(value) is float else value,
-                                    "acknowledged": run.acknowledged.get(alert["id"])})
+        open_alerts = [{**entry, "acknowledged": run.acknowledged.get(aid)} for aid, entry in run.book.items()]
         breaker = run.breaker
         return {
             "schema": ev.STATUS, "run_id": run_id, "ts": time.time(),
@@ -1246,11 +1279,31 @@ class Engine:
         }
 
     def status_outputs(self) -> list[Output]:
-        """A status for every run touched since the last call; a forgotten run's is None (a
-        tombstone on the compacted status topic)."""
-        outputs = [Output(OutputKind.STATUS, key.decode(), self.status(key.decode())) for key in self.touched]
+        """A status for every run touched since the last call; a forgotten run's is its summary
+        (``state_freed``), kept on the compacted status topic for ``summary_retention_s``."""
+        now = time.time()
+        outputs = []
+        for key in self.touched:
+            value = self._final.pop(key, None) or self.status(key.decode())
+            outputs.append(Output(OutputKind.STATUS, key.decode(), value))  # None: a tombstone
+            if value is not None and key in self.store:
+                self._status_at[key] = now
         self.touched.clear()
         return outputs
+
+    def summary(self, run_key: bytes) -> dict | None:
+        """The run's last status as it is forgotten: how it ended, its rollbacks, the alerts still
+        open, until when it is kept."""
+        status = self.status(run_key.decode())
+        if status is None:
+            return None
+        run = self._run(run_key)
+        ended = run.breaker.status == policy.STOPPED or run.finished
+        outcome = ("stopped" if run.breaker.status == policy.STOPPED else "finished") if ended else "idle"
+        return {**status, "state_freed": True, "outcome": outcome,
+                "recent_alerts": [{k: a.get(k) for k in ("id", "rule", "severity", "step", "metric")}
+                                  for a in run.recent_alerts[-10:]],
+                "retained_until": time.time() + self.summary_retention_s}
 
     def _window(self, run_id: str, alert: dict) -> dict | None:
         """The metric's recent values, oldest first, from the baseline's ring buffer."""

@@ -352,7 +352,9 @@ def _alerting(path: str, doc: dict) -> dict[str, Lifecycle]:
     for severity, m in raw.items():
         if severity == "__line__":
             continue
-        line = m.get("__line__", raw.get("__line__", 0)) if isinstance(m, dict) else raw.get("__line__", 0)
+        line: int = raw.get("__line__") or 0
+        if isinstance(m, dict):
+            line = m.get("__line__") or line
         if severity not in SEVERITIES or not isinstance(m, dict):
             raise _err(path, line, f"'alerting' keys are severities ({', '.join(SEVERITIES)}) with a mapping of "
                                    f"{', '.join(_LIFECYCLE_KEYS)}; got {severity!r}")

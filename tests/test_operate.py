@@ -123,8 +123,8 @@ def _runs(kafka, *args):
 
 def test_runs_and_status_show_what_two_workers_know_and_forget_finished_runs(kafka, tmp_path):
     """Runs spread over two workers of one group: `runs` lists each once, `status` shows the
-    breaker waiting on its rollback with the alert and checkpoint behind it; a finished run
-    leaves the list once forgotten."""
+    breaker waiting on its rollback with the alert and checkpoint behind it; a finished run's
+    summary stays once its detection state is freed."""
     import time
 
     import orjson
@@ -159,7 +159,8 @@ def test_runs_and_status_show_what_two_workers_know_and_forget_finished_runs(kaf
             result = _runs(kafka, "runs", "--json")
             assert result.returncode == 0, result.stderr
             listed = {s["run_id"]: s for s in map(orjson.loads, result.stdout.splitlines())}
-            if set(listed) == set(runs) - {"st-1"} and listed["st-0"]["breaker"]["status"] == "awaiting":
+            if set(listed) == set(runs) and listed["st-1"].get("state_freed") \
+                    and listed["st-0"]["breaker"]["status"] == "awaiting":
                 break
             time.sleep(1)
         else:
@@ -170,7 +171,8 @@ def test_runs_and_status_show_what_two_workers_know_and_forget_finished_runs(kaf
 
         table = _runs(kafka, "runs")
         assert table.returncode == 0 and table.stdout.splitlines()[0].split()[:2] == ["RUN", "STEP"]
-        assert sum(line.startswith("st-") for line in table.stdout.splitlines()) == 5
+        assert sum(line.startswith("st-") for line in table.stdout.splitlines()) == 6
+        assert "finished (summary)" in next(line for line in table.stdout.splitlines() if line.startswith("st-1"))
 
         shown = _runs(kafka, "status", "st-0")
         assert shown.returncode == 0, shown.stderr
@@ -180,8 +182,9 @@ def test_runs_and_status_show_what_two_workers_know_and_forget_finished_runs(kaf
         assert "P0 non_finite" in shown.stdout and "at step 9" in shown.stdout
         assert "newest healthy checkpoint: step 5 (/ckpt/st-0/global_step_5)" in shown.stdout
 
-        gone = _runs(kafka, "status", "st-1")
-        assert gone.returncode == 1 and "no status for run st-1" in gone.stderr
+        ended = _runs(kafka, "status", "st-1")
+        assert ended.returncode == 0, ended.stderr
+        assert "run st-1: finished (summary)" in ended.stdout and "detection state freed" in ended.stdout
     finally:
         for logger in loggers:
             logger.close(quiet=True)

@@ -251,8 +251,15 @@ def _cause(message: str) -> str:
     return re.sub(r"\d+", "N", " ".join(head.split()[:4]))[:40]
 
 
-# Per topic (by its last name part): the status topic keeps only the latest record of each run.
-TOPIC_CONFIG = {"status": {"cleanup.policy": "compact"}}
+def topic_config(topic: str) -> dict[str, str]:
+    """Per topic (by its last name part): the status topic keeps only the latest record of each
+    run, and drops those older than the summary retention (a live run's is republished often)."""
+    if topic.rsplit(".", 1)[-1] != "status":
+        return {}
+    from trainguard.settings import number
+
+    retention_ms = int(number("TRAINGUARD_RUN_SUMMARY_RETENTION_S") * 1000)
+    return {"cleanup.policy": "compact,delete", "retention.ms": str(retention_ms)}
 
 
 def create_topics(settings: KafkaSettings, timeout: float = 15.0) -> list[str]:
@@ -268,7 +275,7 @@ def create_topics(settings: KafkaSettings, timeout: float = 15.0) -> list[str]:
     # production cluster), not one copy wherever the cluster has more brokers.
     futures = admin.create_topics(
         [NewTopic(t, num_partitions=settings.partitions, replication_factor=-1,
-                  config=TOPIC_CONFIG.get(t.rsplit(".", 1)[-1], {})) for t in wanted],
+                  config=topic_config(t)) for t in wanted],
         operation_timeout=timeout, request_timeout=timeout)
     created = []
     for topic, fut in futures.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import getpass
 import socket
+import math
 import sys
 import time
 import uuid
@@ -215,6 +216,8 @@ def read_statuses(settings: KafkaSettings, timeout_s: float = 15.0,
                 elif decoded is not None and decoded[1]["run_id"] != run_id:
                     decoder.skip("status: keyed by another run", f"key {run_id[:80]!r}, run_id "
                                                                  f"{decoded[1]['run_id'][:80]!r}")
+                elif decoded is not None and (decoded[1].get("retained_until") or math.inf) < time.time():
+                    statuses.pop(run_id, None)  # a finished run's summary past its retention
                 elif decoded is not None:
                     statuses[run_id] = decoded[1]
                 if msg.offset() + 1 >= ends.get(msg.partition(), 0):
@@ -239,6 +242,8 @@ def _clock(ts, fmt: str = "%H:%M:%S") -> str:
 
 def _state(status: dict) -> str:
     breaker = status["breaker"]
+    if status.get("state_freed"):  # the run's summary, kept after its detection state was freed
+        return f"{status.get('outcome') or 'ended'} (summary)"
     if status.get("finished"):
         return "finished"
     state = breaker["status"]
@@ -288,6 +293,12 @@ def format_status(s: dict, now: float | None = None) -> str:
     rolled = f", the last to step {_shown(breaker['restored_step'])}" if breaker.get("restored_step") is not None \
         else ""
     lines.append(f"  breaker {breaker['status']}; {breaker['rollbacks']} rollback(s){rolled}")
+    if s.get("state_freed"):
+        lines.append(f"  ended {s.get('outcome') or '?'}; detection state freed, this summary kept until "
+                     f"{_clock(s.get('retained_until'), '%Y-%m-%d %H:%M')}")
+        for a in (s.get("recent_alerts") or [])[-5:]:
+            lines.append(f"    earlier: {a.get('severity') or '?'} {a.get('rule')} at step {_shown(a.get('step'))}"
+                         f"  ({a.get('id') or '-'})")
     if s["open_alerts"]:
         lines.append("  open alerts:")
         for a in _by_severity(s["open_alerts"]):

@@ -69,6 +69,8 @@ SETTINGS: tuple[Setting, ...] = (
             "dead one's. The sinks keep their outboxes under it (`sinks-outbox/`)"),
     Setting("TRAINGUARD_FINISHED_GRACE_S", "600", _WORKER, "a finished run's state is forgotten this long after"),
     Setting("TRAINGUARD_RUN_TTL_S", "604800", _WORKER, "a run's state is forgotten this long after its last event"),
+    Setting("TRAINGUARD_RUN_SUMMARY_RETENTION_S", "604800", _WORKER,
+            "a forgotten run's summary (outcome, rollbacks, last alerts) stays on the status topic this long"),
     Setting("TRAINGUARD_TINY_RUN_TTL_S", "1800", _WORKER,
             "a run that never sent more than `TRAINGUARD_TINY_RUN_EVENTS` events is forgotten this long after "
             "its last one (anyone who can write to the events topic can invent run ids)"),

@@ -1,0 +1,89 @@
+"""What `trainguard status` and the run page are told, through the real engine (no broker): every
+open alert (a hung trainer, a refused command), an idle run's status kept fresh, and a finished
+run's summary after its detection state is freed."""
+
+from __future__ import annotations
+
+import time
+
+from trainguard.schemas import events as ev
+from trainguard.streams import engine as engine_mod
+from trainguard.streams import rules as rules_mod
+from trainguard.streams.engine import Engine
+
+TRAINER = ev.source("trainer", "h", 0)
+
+
+def _engine(now: list[float], **kwargs) -> Engine:
+    engine = Engine(rules_mod.default(), **kwargs)
+    engine.clock = lambda: now[0]
+    return engine
+
+
+def _statuses(engine: Engine) -> dict:
+    return {o.key: o.value for o in engine.status_outputs()}
+
+
+def test_a_hung_trainer_is_an_open_page_in_the_status_published_with_it():
+    now = [1000.0]
+    engine = _engine(now)
+    for step in range(1, 11):  # more than a tiny run's few events
+        engine.handle(ev.encode(ev.metrics_event("hung", step, {"actor/pg_loss": 0.1}, src=TRAINER, ts=now[0])), 0,
+                      step)
+    _statuses(engine)
+    now[0] += 10_000  # the trainer went silent
+    alerts = [o.value for o in engine.tick() if o.kind == "alert"]
+    assert [a["rule"] for a in alerts] == ["trainer_hung"]
+    status = _statuses(engine)["hung"]
+    assert [(a["rule"], a["severity"]) for a in status["open_alerts"]] == [("trainer_hung", "P1")]
+
+
+def test_a_refused_command_is_open_until_a_later_command_is_applied():
+    now = [1000.0]
+    engine = _engine(now)
+    run = "refused"
+    engine.handle(ev.encode(ev.checkpoint_event(run, 1, "/ckpt/1", ts=now[0])), 0, 0)
+    outputs = []
+    for step in range(2, 6):
+        metrics = {"actor/pg_loss": 0.1 if step < 4 else float("nan")}
+        outputs += engine.handle(ev.encode(ev.metrics_event(run, step, metrics, src=TRAINER, ts=now[0])), 0, step)
+    [command] = [o.value for o in outputs if o.kind == "command"]
+    ack = ev.ack_event(command["id"], run, "failed", detail="no such file", ts=now[0])
+    [alert] = [o.value for o in engine.handle_ack(ev.encode(ack)) if o.kind == "alert"]
+    assert alert["rule"] == "command_failed" and alert["status"] == "firing"
+    assert [a["rule"] for a in engine.status(run)["open_alerts"] if a["severity"] == "P1"] == ["command_failed"]
+    applied = ev.ack_event("a-later-command", run, "applied", ts=now[0])
+    [resolved] = [o.value for o in engine.handle_ack(ev.encode(applied)) if o.kind == "alert"]
+    assert resolved["rule"] == "command_failed" and resolved["status"] == "resolved"
+    assert "command_failed" not in [a["rule"] for a in engine.status(run)["open_alerts"]]
+
+
+def test_an_idle_runs_status_is_published_again(monkeypatch):
+    now = [1000.0]
+    engine = _engine(now)
+    engine.handle(ev.encode(ev.metrics_event("idle", 1, {"actor/pg_loss": 0.1}, src=TRAINER, ts=now[0])), 0, 1)
+    assert "idle" in _statuses(engine)
+    engine.tick()
+    assert _statuses(engine) == {}, "fresh: nothing to publish again yet"
+    wall = time.time() + engine_mod.STATUS_REFRESH_S + 1
+    monkeypatch.setattr(engine_mod.time, "time", lambda: wall)
+    engine.tick()
+    assert _statuses(engine)["idle"]["ts"] == wall
+
+
+def test_a_finished_runs_summary_outlives_its_detection_state():
+    now = [1000.0]
+    engine = _engine(now, finished_grace_s=60, summary_retention_s=3 * 86400)
+    run = "done"
+    for step in range(1, 30):
+        engine.handle(ev.encode(ev.metrics_event(run, step, {"actor/pg_loss": 0.1}, src=TRAINER, ts=now[0])), 0,
+                      step)
+    engine.handle(ev.encode(ev.lifecycle_event(run, "finished", step=29, ts=now[0])), 0, 30)
+    _statuses(engine)
+    now[0] += 120
+    engine.tick()
+    assert run.encode() not in engine.store, "the detection state is freed"
+    summary = _statuses(engine)[run]
+    assert summary["state_freed"] is True and summary["outcome"] == "finished" and summary["last_step"] == 29
+    assert summary["retained_until"] > time.time() + 2.9 * 86400
+    ev.validate(summary)
