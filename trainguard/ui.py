@@ -597,15 +597,18 @@ class Follower(threading.Thread):
         self.board = board
         self.stopped = threading.Event()
         self.errors = 0
+        self._said: set[str] = set()
 
     def run(self) -> None:
         try:
             while not self.stopped.is_set():
                 try:
                     messages = self.consumer.consume(num_messages=1000, timeout=0.5)
-                except Exception as exc:  # the client's own trouble: say it, wait, go on
+                except Exception as exc:  # the client's own trouble: say it (once per kind), wait, go on
                     self.errors += 1
-                    log.warning("trainguard ui: reading the topics failed (%s); retrying", exc)
+                    if str(exc)[:200] not in self._said:
+                        self._said.add(str(exc)[:200])
+                        log.warning("trainguard ui: reading the topics failed (%s); retrying every second", exc)
                     self.stopped.wait(1.0)
                     continue
                 for msg in messages:
