@@ -338,7 +338,7 @@ def report_for_page(r: dict) -> dict:
             if not {"lower", "upper", "mean"} <= set(evidence):
                 evidence.pop("lower", None)
             alerts.append({**a, "rule": _text(a.get("rule")), "metric": _text(a.get("metric")),
-                           "severity": _text(a.get("severity")), "step": _value(a.get("step")),
+                           "severity": _text(a.get("severity")), "step": _shown(_value(a.get("step"))),
                            "evidence": evidence})
     incident = obj(r.get("incident"))
     checkpoint = obj(r.get("checkpoint"))
@@ -348,7 +348,8 @@ def report_for_page(r: dict) -> dict:
     return {**r, "step": _shown(_int(r.get("step"))), "ts": r["ts"] if r["ts"] < 1e11 else 0.0,  # a date it can show
             "incident": {**incident, "rules": texts(incident.get("rules")), "layers": texts(incident.get("layers")),
                          "onset_step": _shown(_int(incident.get("onset_step")))},
-            "alerts": alerts, "windows": windows, "history": obj(r.get("history")),
+            "alerts": alerts, "windows": windows,
+            "history": {k: _shown(_value(v)) for k, v in obj(r.get("history")).items()},
             "checkpoint": {**checkpoint, "why": _text(checkpoint.get("why"), 1000),
                            "chosen": {"step": _shown(_int(chosen.get("step"))), "path": _text(chosen.get("path"))}
                            if chosen else None},
