@@ -169,6 +169,14 @@ def test_a_finished_run_is_never_paged_as_hung_and_a_killed_one_once(kafka, tmp_
         alerts = TopicReader(kafka, kafka.topics.alerts)
         alerts.wait_for(lambda a: a["rule"] == "trainer_hung" and a["run_id"] == "killed-1", timeout=30,
                         what="the killed trainer's hung alert", worker=worker)
+        paged_at = time.monotonic()
+
+        def hung_in_status():
+            status = read_statuses(kafka, timeout_s=5).get("killed-1") or {}
+            return [(x["rule"], x["severity"]) for x in status.get("open_alerts", [])] == [("trainer_hung", "P1")]
+
+        wait_until(hung_in_status, timeout=10, what="the open page in the killed run's status")
+        assert time.monotonic() - paged_at <= 10
         time.sleep(max(0.0, 3 * STALE_S + 5 - (time.monotonic() - ended_at)))  # 3x the timeout, and a tick
         hung = [a for a in alerts.drain(2.0) if a["rule"] == "trainer_hung"]
         assert {a["run_id"] for a in hung} == {"killed-1"}, "the finished run was paged as hung"
