@@ -65,6 +65,7 @@ def _start_at(started_ms: int, attempts: int = 5):
 
     def on_assign(consumer, partitions) -> None:
         error = None
+        at: dict = {}
         for attempt in range(attempts):  # a topic just created may not have its leaders yet
             try:
                 fresh = [tp for tp in consumer.committed(partitions, timeout=10) if tp.offset < 0]
@@ -79,6 +80,11 @@ def _start_at(started_ms: int, attempts: int = 5):
             log.warning("trainguard: sinks cannot find the offsets at their start (%s); "
                         "new partitions start at their end", error)
         consumer.assign(partitions)
+        if at:  # the group's start, kept: a partition that stays quiet until a restart is read from here
+            try:
+                consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in at.items()], asynchronous=False)
+            except Exception as exc:
+                log.warning("trainguard: sinks could not record where the group starts: %s", exc)
 
     return on_assign
 

@@ -12,6 +12,7 @@ from confluent_kafka import Producer
 
 from chaos.scenarios import sinks_env, sinks_started
 from tests.integration import Receiver, SinksProcess, wait_until
+from trainguard.kafka import partition_for
 from trainguard.schemas.events import encode
 from trainguard.sinks.alertmanager import AlertmanagerSink
 from trainguard.sinks.console import ConsoleSink
@@ -219,10 +220,16 @@ def test_a_new_group_sends_nothing_from_before_its_start_and_old_alerts_are_skip
             producer.produce(kafka.topics.alerts, key=run.encode(), value=encode(a), timestamp=two_hours_ago)
         now = _alert(run, 30)
         producer.produce(kafka.topics.alerts, key=run.encode(), value=encode(now))
+        # and one of a run on a partition the group has never read from: from the group's start
+        other = next(r for r in (f"grpo-{uuid.uuid4().hex[:6]}" for _ in range(100))
+                     if partition_for(r, kafka.partitions) != partition_for(run, kafka.partitions))
+        quiet = _alert(other, 31)
+        producer.produce(kafka.topics.alerts, key=other.encode(), value=encode(quiet))
         assert producer.flush(30) == 0
         sinks = sinks_started(SinksProcess(kafka, tmp_path, env, group=group).start())
-        bodies = _quiet(receiver, 3, "the alert published while the group was away")
-        assert [b["id"] for b in bodies] == [a["id"] for a in fresh] + [now["id"]]
+        bodies = _quiet(receiver, 4, "the alerts published while the group was away")
+        assert [b["id"] for b in bodies[:2]] == [a["id"] for a in fresh]
+        assert sorted(b["id"] for b in bodies[2:]) == sorted([now["id"], quiet["id"]])
         wait_until(lambda: "skipped 3 alert(s) published over 600 s ago" in sinks.log(), 30, "the skip line")
     finally:
         sinks.stop()
