@@ -44,7 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import orjson
 
-from trainguard.kafka import KafkaSettings, TopicDecoder, topic_reader
+from trainguard.kafka import KafkaSettings, TopicDecoder, Topics, topic_reader
 from trainguard.schemas import events as ev
 from trainguard.sinks.reports import format_value, is_finite_number
 from trainguard.sinks.reports import render_html as render_report
@@ -112,11 +112,9 @@ class Board:
     ``max_reports`` reports, and ``max_report_bytes`` of reports over all runs; the watched-name
     cache holds ``max_names`` names."""
 
-    def __init__(self, rules: RuleSet, topics=None, *, max_points: int = 2000, max_series: int = 64,
+    def __init__(self, rules: RuleSet, topics: Topics | None = None, *, max_points: int = 2000, max_series: int = 64,
                  max_runs: int = 200, max_alerts: int = 500, max_reports: int = 20,
                  max_report_bytes: int = 32 << 20, max_names: int = 10_000):
-        from trainguard.kafka import Topics
-
         self.rules = rules
         self.max_points, self.max_series, self.max_runs, self.max_alerts = max_points, max_series, max_runs, max_alerts
         self.max_reports, self.max_report_bytes, self.max_names = max_reports, max_report_bytes, max_names
@@ -144,7 +142,10 @@ class Board:
         """One decoded record of the ``role`` topic (events, alerts, control, acks, status);
         ``size``: its length on the wire (counted against ``max_report_bytes`` for reports)."""
         if role == "status":
-            run_id = event["run_id"] if event is not None else key
+            if event is not None and event["run_id"] != key:  # compaction and tombstones go by the key
+                self.decoder.skip("status: keyed by another run", f"key {key[:80]!r}, run_id {event['run_id'][:80]!r}")
+                return
+            run_id = key
             view = None if event is None else _status_view(event)
             with self.lock:
                 if view is None:
