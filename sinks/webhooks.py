@@ -267,10 +267,12 @@ class Item:
 
 
 class Outbox:
-    """Bounded FIFO of alerts to deliver, with the keys already delivered (optionally on disk)."""
+    """Bounded FIFO of alerts to deliver, with the keys already delivered (optionally on disk).
+    The file is rewritten at every change and the outbox is on by default, so the delivered keys
+    kept are few enough to write often: the worker replays only a few alerts after a restart."""
 
     def __init__(self, max_items: int = 1000, max_age_s: float = 86_400.0, path: str | Path | None = None,
-                 max_delivered_keys: int = 100_000, max_undelivered: int = 1000):
+                 max_delivered_keys: int = 20_000, max_undelivered: int = 1000):
         self.max_items = max_items
         self.max_age_s = max_age_s
         self.path = Path(path) if path else None
