@@ -15,8 +15,9 @@ Alertmanager's model, shared by every chat and generic-webhook sink (they only r
   as flapping; while its rule keeps flapping on the same run and metric, its further changes
   are folded into the first message, until an alert without the flag says it settled.
 
-Time moves with the alerts' ``ts`` (and with ``flush(now)``), so replaying a recorded alert
-log through ``Pager`` gives the messages a live sinks process would have sent::
+Time moves with the alerts' ``ts`` (or the arrival time given to ``feed``) and with
+``flush(now)``, so replaying a recorded alert log through ``Pager`` gives the messages a live
+sinks process would have sent::
 
     pager = Pager(PagingSettings(digest_interval_s=900))
     messages = [m for alert in alerts for m in pager.feed(alert)] + pager.flush()
