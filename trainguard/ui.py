@@ -60,7 +60,15 @@ def _text(v, limit: int = 256) -> str:
     """Any value of a record as a short string for a page (escaped where it is written)."""
     if v is None:
         return ""
-    text = v if isinstance(v, str) else format_value(v) if isinstance(v, (int, float)) else str(v)[:limit + 1]
+    if isinstance(v, str):
+        text = v
+    elif type(v) in (int, float):
+        text = format_value(v)
+    else:  # a list, an object, a boolean: as JSON, as it came
+        try:
+            text = orjson.dumps(v, option=orjson.OPT_NON_STR_KEYS).decode()
+        except TypeError:  # an integer beyond 64 bits somewhere inside
+            text = str(v)
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
