@@ -38,7 +38,7 @@ Scenarios (``chaos/scenarios.py``), each on its own embedded broker on loopback:
 - ``sinks_restart``: a sinks process stopped while its webhook receiver refuses, restarted once
   it is up: alerts never received, alerts received twice.
 - ``tiny_runs``: 20,000 invented run ids of one tiny event each through a real worker whose tiny
-  runs live 20 s: its RSS settled, at the peak, and once they are forgotten, per 1,000 runs.
+  runs live 20 s, twice: its RSS settled, at the peak, and once they are forgotten, per 1,000 runs.
 - ``many_metrics``: a trainer logging 5,000 metric names per step for 200 steps, the worker then
   restarted: worker crashes, and the NaN at the last step still paged.
 - ``hostile_crash_loops``: each record that once crashed the worker on every restart (lone
@@ -116,7 +116,7 @@ def run(only: set[str], quick: bool) -> dict:
         out["worker_kill"] = scenarios.worker_kill()
     if "tiny_runs" in only:
         print("tiny_runs: invented run ids, one event each, through a worker ...", file=sys.stderr, flush=True)
-        out["tiny_runs"] = scenarios.tiny_runs(runs=5000 if quick else 20_000)
+        out["tiny_runs"] = scenarios.tiny_runs(runs=5000 if quick else 20_000, waves=2)
     if "many_metrics" in only:
         print("many_metrics: 5,000 metric names per step through a worker ...", file=sys.stderr, flush=True)
         out["many_metrics"] = scenarios.many_metrics(steps=50 if quick else 200)
@@ -173,7 +173,8 @@ def summary(results: dict) -> dict:
             s[k] = results["worker_kill"][k]
     if "tiny_runs" in results:
         s["worker_rss_mb_per_1000_tiny_runs"] = results["tiny_runs"]["worker_rss_mb_per_1000_tiny_runs"]
-        s["worker_rss_mb_per_1000_tiny_runs_held"] = results["tiny_runs"]["worker_rss_mb_per_1000_tiny_runs_held"]
+        for k in ("held", "next_waves"):
+            s[f"worker_rss_mb_per_1000_tiny_runs_{k}"] = results["tiny_runs"][f"worker_rss_mb_per_1000_tiny_runs_{k}"]
     if "many_metrics" in results:
         s["many_metrics_crashes"] = results["many_metrics"]["many_metrics_crashes"]
     if "hostile_crash_loops" in results:

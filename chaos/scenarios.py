@@ -914,8 +914,8 @@ def _rss_mb(proc) -> float:
 
 
 def _tombstones(settings: KafkaSettings, topic: str, prefix: bytes, quiet_s: float = 3.0) -> int:
-    """Keys starting with ``prefix`` whose latest record on ``topic`` is a tombstone (a forgotten
-    run's status)."""
+    """Keys starting with ``prefix`` whose latest record on ``topic`` says the run was forgotten:
+    a tombstone, or a summary of a run whose state was freed."""
     from trainguard.kafka import topic_reader
 
     c, _missing = topic_reader(settings, [topic], timeout=5, log_level=0)
@@ -927,16 +927,18 @@ def _tombstones(settings: KafkaSettings, topic: str, prefix: bytes, quiet_s: flo
             continue
         last = time.monotonic()
         if (msg.key() or b"").startswith(prefix):
-            latest[msg.key()] = msg.value() is None
+            latest[msg.key()] = msg.value() is None or b'"state_freed":true' in msg.value()
     c.close()
     return sum(latest.values())
 
 
-def tiny_runs(runs: int = 20_000, ttl_s: float = 20.0, log_dir=None) -> dict:
+def tiny_runs(runs: int = 20_000, ttl_s: float = 20.0, waves: int = 1, log_dir=None) -> dict:
     """Invented run ids, one tiny event each (the lowest-trust topic: anyone who can write to it),
-    through a real worker whose tiny runs live ``ttl_s``: its RSS settled, at the peak while it
-    holds them, and once they are forgotten. ``worker_rss_mb_per_1000_tiny_runs`` is what stays
-    per 1,000 such runs; ``..._held`` what they cost while held."""
+    through a real worker whose tiny runs live ``ttl_s``, in ``waves`` of ``runs``: its RSS
+    settled, at the peak while it holds them, and once they are forgotten (their status
+    tombstones counted). ``worker_rss_mb_per_1000_tiny_runs`` is what the first wave leaves per
+    1,000 runs; ``..._held`` what they cost while held; ``..._next_waves`` what each later wave
+    adds."""
     import tempfile
     from pathlib import Path
 
@@ -967,27 +969,32 @@ def tiny_runs(runs: int = 20_000, ttl_s: float = 20.0, log_dir=None) -> dict:
             send(0, 500)  # warm: every code path taken once, then forgotten
             time.sleep(ttl_s + 7)
             settled = _rss_mb(proc)
-            started = time.monotonic()
-            send(500, runs)
-            peak, quiet_since = settled, time.monotonic()
-            while time.monotonic() - started < ttl_s + 60:
-                rss = _rss_mb(proc)
-                if rss > peak:
-                    peak, quiet_since = rss, time.monotonic()
-                if time.monotonic() - quiet_since > ttl_s + 12:
-                    break  # no growth for a TTL and two ticks: they are forgotten
-                time.sleep(0.5)
-            after = _rss_mb(proc)
+            peaks, afters, forgot = [], [], 0
+            for wave in range(waves):
+                started, sent = time.monotonic(), 500 + (wave + 1) * runs
+                send(sent - runs, runs)
+                peak = settled
+                while time.monotonic() - started < ttl_s + 180:
+                    peak = max(peak, _rss_mb(proc))
+                    if time.monotonic() - started > ttl_s + 10:
+                        forgot = _tombstones(settings, settings.topics.status, b"tiny-")
+                        if forgot >= sent:
+                            break
+                    time.sleep(0.5)
+                time.sleep(6)  # the tick after the last forgetting: memory handed back
+                peaks.append(peak)
+                afters.append(_rss_mb(proc))
             alive = worker.proc.poll() is None
-            forgot = _tombstones(settings, settings.topics.status, b"tiny-")
         finally:
             worker.kill()
     per_k = 1000 / runs
-    return {"runs": runs, "tiny_run_ttl_s": ttl_s, "rss_settled_mb": settled, "rss_peak_mb": peak,
-            "rss_after_ttl_mb": after, "forgotten": forgot, "sent_with_warm_up": runs + 500,
-            "crashes": 0 if alive else 1,
-            "worker_rss_mb_per_1000_tiny_runs": round((after - settled) * per_k, 2),
-            "worker_rss_mb_per_1000_tiny_runs_held": round((peak - settled) * per_k, 2)}
+    return {"runs": runs, "waves": waves, "tiny_run_ttl_s": ttl_s, "rss_settled_mb": settled,
+            "rss_peak_mb": peaks, "rss_after_ttl_mb": afters, "forgotten": forgot,
+            "sent_with_warm_up": 500 + waves * runs, "crashes": 0 if alive else 1,
+            "worker_rss_mb_per_1000_tiny_runs": round((afters[0] - settled) * per_k, 2),
+            "worker_rss_mb_per_1000_tiny_runs_held": round((max(peaks) - settled) * per_k, 2),
+            "worker_rss_mb_per_1000_tiny_runs_next_waves":
+                round((afters[-1] - afters[0]) * per_k / (waves - 1), 2) if waves > 1 else None}
 
 
 def _crashed(worker) -> int:
