@@ -19,7 +19,7 @@ Time moves with the alerts' ``ts`` (or the arrival time given to ``feed``) and w
 ``flush(now)``, so replaying a recorded alert log through ``Pager`` gives the messages a live
 sinks process would have sent::
 
-    pager = Pager(PagingSettings(digest_interval_s=900))
+    pager = Pager(PagingSettings(digest_interval_s=7200))
     messages = [m for alert in alerts for m in pager.feed(alert)] + pager.flush()
 """
 
@@ -38,7 +38,7 @@ _RANK = {"P0": 0, "P1": 1, "P2": 2, "P3": 3}
 class PagingSettings:
     page: tuple[str, ...] = ("P0", "P1")    # sent at once, each
     digest: tuple[str, ...] = ("P2",)       # gathered per run, one message per interval
-    digest_interval_s: float = 900.0
+    digest_interval_s: float = 7200.0  # 2 h: a channel reads a run's warnings a few times a day
     max_keys: int = 10_000                   # alerts remembered for dedup (replays are a few)
 
     @classmethod

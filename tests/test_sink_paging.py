@@ -104,7 +104,7 @@ def test_the_state_survives_a_restart_as_json():
 
 
 def test_settings_from_the_environment():
-    assert PagingSettings.from_env({}) == PagingSettings(page=("P0", "P1"), digest=("P2",), digest_interval_s=900)
+    assert PagingSettings.from_env({}) == PagingSettings(page=("P0", "P1"), digest=("P2",), digest_interval_s=7200)
     s = PagingSettings.from_env({"TRAINGUARD_NOTIFY_SEVERITIES": "P0,P1,P2", "TRAINGUARD_DIGEST_SEVERITIES": "P2,P3",
                                  "TRAINGUARD_DIGEST_INTERVAL_S": "60"})
     assert s.page == ("P0", "P1", "P2") and s.digest == ("P3",) and s.digest_interval_s == 60

@@ -114,7 +114,7 @@ SETTINGS: tuple[Setting, ...] = (
             "chat and generic webhooks page these at once, each alert and its resolution"),
     Setting("TRAINGUARD_DIGEST_SEVERITIES", "P2", _SINKS,
             "chat and generic webhooks gather these into one digest per run per interval (resolutions not sent)"),
-    Setting("TRAINGUARD_DIGEST_INTERVAL_S", "900", _SINKS, "how often a run's digest of warnings is sent"),
+    Setting("TRAINGUARD_DIGEST_INTERVAL_S", "7200", _SINKS, "how often a run's digest of warnings is sent"),
     Setting("TRAINGUARD_SINKS_MAX_AGE_S", "3600", _SINKS,
             "a sinks group skips alerts published longer ago than this (a new group starts at its start)"),
     Setting("TRAINGUARD_OUTBOX_DIR", None, _SINKS,
