@@ -144,3 +144,68 @@ def test_pages_answer_only_their_own_host_and_need_the_token_beyond_loopback(kaf
         assert _status_of(wide.login_url, {"Host": "evil.example"})[0] == 403
     finally:
         wide.stop()
+
+
+def test_the_board_keeps_within_its_limits_and_renders_outside_the_readers_lock():
+    """Whoever writes to the topics cannot grow the page's memory without end, and a big page
+    holds the lock the reader needs only to copy the run, not to render it."""
+    import threading
+    import time
+
+    import orjson
+
+    from trainguard.kafka import Topics
+    from trainguard.schemas import events as ev
+    from trainguard.ui import Board, render_run
+
+    topics = Topics()
+    board = Board(rules_mod.default(), topics, max_runs=5, max_alerts=3, max_series=4, max_points=10, max_reports=2,
+                  max_report_bytes=50_000, max_names=100)
+    src = ev.source("node", "h", 0)
+    for i in range(40):
+        run = f"run-{i % 8}"
+        board.take(topics.events, run.encode(), ev.encode(ev.metrics_event(
+            run, i, {"gpu/utilization_pct": 1.0, **{f"gpu/{i}_{j}/utilization_pct": 1.0 for j in range(30)}},
+            src=src)))
+        alert = {"schema": ev.ALERT, "id": f"a{i}", "run_id": run, "rule": "r", "severity": "P1", "status": "firing",
+                 "ts": 1.7e9, "onset": {"ts": 1.7e9}, "evidence": {}}
+        report = {"schema": ev.REPORT, "id": f"rep{i}", "run_id": run, "action": "stop", "command_id": f"c{i}",
+                  "ts": 1.7e9, "incident": {"detail": "x" * 20_000}, "checkpoint": {}, "alerts": []}
+        status = {"schema": ev.STATUS, "run_id": run, "ts": 1.7e9, "breaker": {"status": "closed", "rollbacks": 0},
+                  "open_alerts": []}
+        board.take(topics.alerts, run.encode(), orjson.dumps(alert))
+        board.take(topics.alerts, run.encode(), orjson.dumps(report))
+        board.take(topics.acks, run.encode(), ev.encode(ev.ack_event(f"c{i}", run, "applied")))
+        board.take(topics.status, run.encode(), orjson.dumps(status))
+    assert board.skipped()[0] == 0
+    assert len(board.runs_by_id) == 5 and len(board._watched) <= 100
+    for run in board.runs_by_id.values():
+        assert len(run.series) <= 4 and all(len(steps) <= 10 for steps, _ in run.series.values())
+        assert len(run.alerts) <= 3 and len(run.acks) <= 3 and len(run.reports) <= 2
+    assert 0 < sum(board.report_bytes.values()) <= 50_000
+
+    big = Board(rules_mod.default(), topics)
+    names = [f"actor/pg_loss_{i}" for i in range(64)]
+    trainer = ev.source("trainer", "h", 0)
+    for step in range(2000):
+        big.take(topics.events, b"big", ev.encode(ev.metrics_event(
+            "big", step, {n: 0.5 + 0.01 * ((step * i) % 7) for i, n in enumerate(names)}, src=trainer)))
+
+    class TimedLock:
+        def __init__(self):
+            self.lock, self.held = threading.Lock(), 0.0
+
+        def __enter__(self):
+            self.lock.acquire()
+            self.since = time.perf_counter()
+
+        def __exit__(self, *exc):
+            self.held += time.perf_counter() - self.since
+            self.lock.release()
+
+    big.lock = TimedLock()
+    started = time.perf_counter()
+    page = render_run(big, "big")
+    took = time.perf_counter() - started
+    assert page.count('class="plot"') == 64
+    assert big.lock.held < 0.25 * took, f"the lock held {big.lock.held:.3f} s of a {took:.3f} s page"
