@@ -240,3 +240,21 @@ def test_the_trainer_side_signs_with_its_key_and_says_when_it_has_none(monkeypat
         unsigned = orjson.loads(authored(ev.lifecycle_event("nlp-sign-2", "finished")))
     assert "signature" not in unsigned
     assert any("no trainer key for run nlp-sign-2" in r.getMessage() for r in caplog.records)
+
+
+def test_a_worker_without_keys_refuses_steering_events_unless_the_operator_opted_in(monkeypatch):
+    from trainguard.streams.app import _keys
+
+    for name in ("TRAINGUARD_COMMAND_KEY", "TRAINGUARD_COMMAND_KEY_FILE", "TRAINGUARD_ALLOW_UNSIGNED"):
+        monkeypatch.delenv(name, raising=False)
+    signing_key, verify_keys, require_signed = _keys()
+    assert signing_key is None and verify_keys == {} and require_signed
+    engine = Engine(rules_mod.load(None), verify_keys=verify_keys, require_signed=require_signed)
+    outs = engine.handle(ev.encode(ev.checkpoint_event(RUN, 5, "/ckpt/5")), 0, 1)
+    assert "not signed by the run's trainer's key (unsigned)" in _dead(outs)[0]
+    assert not _dead(engine.handle(ev.encode(ev.metrics_event(RUN, 6, {"actor/pg_loss": 0.1}, src=TRAINER, ts=1.0)),
+                                   0, 2)), "metrics are no steering event: judged as always"
+    monkeypatch.setenv("TRAINGUARD_ALLOW_UNSIGNED", "1")
+    assert _keys()[2] is False, "opted in: unsigned events are taken as they come"
+    monkeypatch.setenv("TRAINGUARD_COMMAND_KEY", "prod:secret")
+    assert _keys()[2] is True, "a key always wins"
