@@ -93,8 +93,10 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="session", autouse=True)
 def _unsigned_commands_in_tests():
-    """Tests send hand-made commands to listeners: they opt in to unsigned ones, as an operator
-    would for local use. The signed default has tests of its own (they remove this)."""
+    """Tests send hand-made commands to listeners and hand-made checkpoints to workers: they opt in
+    to unsigned ones, as an operator would for local use. A process with a key still requires
+    signatures; the signed default has tests of its own (tests/test_authority.py, and those that
+    remove this)."""
     previous = os.environ.get("TRAINGUARD_ALLOW_UNSIGNED")
     os.environ["TRAINGUARD_ALLOW_UNSIGNED"] = "1"
     yield
