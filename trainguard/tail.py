@@ -66,8 +66,16 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
         status_shown = False
         last_event = time.monotonic()
         shown = 0
+        failures: set[str] = set()
         while not stop.is_set():
-            messages = consumer.consume(num_messages=500, timeout=0.5)
+            try:
+                messages = consumer.consume(num_messages=500, timeout=0.5)
+            except KafkaException as exc:  # the client's own trouble: say it once per kind, keep following
+                if str(exc) not in failures:
+                    failures.add(str(exc))
+                    print(f"trainguard tail: reading failed ({exc}); retrying", file=stderr, flush=True)
+                stop.wait(1.0)
+                continue
             lines = []
             for msg in messages:
                 if msg.error():
