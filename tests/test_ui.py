@@ -7,6 +7,7 @@ Screenshots go under out/screenshots (paths printed at the end of the test run).
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -23,6 +24,17 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 RUN = "ui-run-1"
 NAN_STEP = 41
+
+
+def _text_of(page: str) -> str:
+    """What a person reads on a page: its text, not its markup."""
+    from html.parser import HTMLParser
+
+    parts: list[str] = []
+    parser = HTMLParser()
+    parser.handle_data = parts.append
+    parser.feed(page)
+    return " ".join(parts)
 
 
 def _get(url: str):
@@ -75,6 +87,11 @@ def test_the_run_page_shows_signals_alert_decision_and_report(kafka, tmp_path):
         report_link = dom.split('class="report" href="', 1)[1].split('"', 1)[0]
         report_dom = browser("--dump-dom", ui.url.rstrip("/") + report_link)
         assert "decision: <b>ROLLBACK</b>" in report_dom
+        for page in (dom, report_dom):
+            text = _text_of(page)
+            assert not re.search(r"(step|=|:|^)\s*None\b", text, re.M), "no Python None where a value goes"
+            long_numbers = [n for n in re.findall(r"\d+\.\d+", text) if len(n.replace(".", "").lstrip("0")) > 4]
+            assert not long_numbers, f"values to 4 significant digits, not {long_numbers}"
 
         index = browser("--dump-dom", ui.url)
         assert f'href="/run/{RUN}"' in index
