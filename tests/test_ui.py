@@ -226,3 +226,31 @@ def test_the_board_keeps_within_its_limits_and_renders_outside_the_readers_lock(
     took = time.perf_counter() - started
     assert page.count('class="plot"') == 64
     assert big.lock.held < 0.25 * took, f"the lock held {big.lock.held:.3f} s of a {took:.3f} s page"
+
+
+def test_a_finished_runs_page_still_shows_how_it_ended_after_its_state_is_freed(kafka, tmp_path):
+    """The next morning: the worker freed the run's detection state long ago; a UI started now
+    reads the summary the worker left on the status topic."""
+    worker = WorkerProcess(kafka, tmp_path, extra_env={"TRAINGUARD_FINISHED_GRACE_S": "1"}).start()
+    run = "ui-finished-1"
+    try:
+        worker.wait_ready()
+        logger = TrainerLogger(run, kafka, host="ui-test")
+        for step in range(1, 13):
+            logger.log({"actor/pg_loss": 0.5 + 0.01 * (step % 5), "actor/kl_loss": 0.01}, step)
+        logger.close(10, quiet=True)  # reports the run finished
+        wait_until(lambda: f"forgot run {run} (finished)" in worker.log(), 60, "the worker freeing the run's state")
+    finally:
+        worker.kill()
+    ui = UiServer(kafka, rules_mod.default(), port=0).start()
+    try:
+        def summary():
+            view = json.loads(_get(f"{ui.url}api/run/{run}"))
+            return view if (view["status"] or {}).get("state_freed") else None
+
+        view = wait_until(summary, 30, "the run's summary on the page")
+        assert view["status"]["outcome"] == "finished" and view["status"]["last_step"] == 12
+        dom = browser("--dump-dom", f"{ui.url}run/{run}")
+        assert '<b class="outcome">finished</b>' in dom and "breaker <b class=\"breaker\">armed</b>" in dom
+    finally:
+        ui.stop()

@@ -306,7 +306,11 @@ def _status_view(s: dict) -> dict:
             "breaker": {"status": _text(breaker["status"], 64), "rollbacks": breaker["rollbacks"]},
             "open_alerts": len(s["open_alerts"]), "last_healthy_checkpoint_step": _int(ckpt.get("step")),
             "unwatched_metrics": names,
-            "unwatched_more": max(0, len(unwatched) - len(names)) if isinstance(unwatched, list) else 0}
+            "unwatched_more": max(0, len(unwatched) - len(names)) if isinstance(unwatched, list) else 0,
+            # a finished run's summary, kept on the status topic after its detection state was freed
+            "state_freed": s.get("state_freed") is True,
+            "outcome": s.get("outcome") if s.get("outcome") in ("finished", "stopped", "idle") else None,
+            "retained_until": s.get("retained_until") if type(s.get("retained_until")) in (int, float) else None}
 
 
 def _alert_view(a: dict) -> dict:
@@ -553,6 +557,11 @@ def render_run(board: Board, run_id: str, view: dict | None = None) -> str:
              f'{esc(breaker.get("rollbacks", 0))} rollback(s); last step {esc(status.get("last_step"))}'
              f'{", finished" if status.get("finished") else ""}; newest healthy checkpoint '
              f'{esc(status.get("last_healthy_checkpoint_step") or "none")}</p>')
+    if status.get("state_freed"):
+        kept = status.get("retained_until")
+        until = time.strftime("%Y-%m-%d %H:%M", time.localtime(kept)) if kept and 0 < kept < 1e11 else "?"
+        state += (f'<p class="outcome">the run ended: <b class="outcome">{esc(status.get("outcome") or "?")}</b>; '
+                  f'its detection state was freed, this summary is kept until {esc(until)}</p>')
     unwatched = status.get("unwatched_metrics") or []
     if unwatched:
         more = f" (+{status['unwatched_more']} more)" if status.get("unwatched_more") else ""
