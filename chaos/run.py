@@ -61,6 +61,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chaos import scenarios  # noqa: E402
+from trainguard.schemas.signing import ensure_key  # noqa: E402
 
 # figure -> (target, how to compare): "le" at most, "ge" at least
 TARGETS = {
@@ -222,6 +223,7 @@ def main(argv=None) -> int:
     if not args.only:
         only |= {"tiny_runs", "many_metrics", "hostile_crash_loops"}
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    ensure_key("chaos")  # signed as in production: keyless workers refuse unsigned checkpoints and run ends
     started = time.monotonic()
     results = run(only, args.quick)
     s = summary(results)

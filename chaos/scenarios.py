@@ -576,7 +576,8 @@ def forged_inputs_applied(log_dir=None) -> dict:
     def forge(p, topic: str, event: dict) -> None:
         p.produce(topic, ev.encode(event), run_id)
 
-    with broker_on(port), _environment(**trainer_env):
+    # This process is the trainer (and the attacker): its part of the keys only, no secret.
+    with broker_on(port), _environment(TRAINGUARD_COMMAND_KEY="", TRAINGUARD_COMMAND_KEY_FILE="", **trainer_env):
         create_topics(settings)
         worker = WorkerProcess(settings, log_dir, extra_env={"TRAINGUARD_COMMAND_KEY": line}).start()
         logger = TrainerLogger(run_id, settings, host="chaos")
