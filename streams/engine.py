@@ -856,7 +856,7 @@ class Engine:
             run.sources.append(sid)
             return True
         self._left_out(run, run_id, "sources_per_run", self.limits.sources_per_run, 1, "events",
-                       f"events of source {sid} and every further source are counted, not judged")
+                       f"events of source {sid!r} and every further source are counted, not judged")
         return False
 
     def _rows_kept(self, state: SourceState, key: bytes, run: RunState, run_id: str, sid: str,
@@ -898,7 +898,7 @@ class Engine:
                 cap, limit = (("rows_per_source", lim.rows_per_source) if source_room <= run_room
                               else ("rows_per_run", lim.rows_per_run))
                 self._left_out(run, run_id, cap, limit, len(over), "names",
-                               f"{sid}: metric names past it ({over[0][:80]!r} ...) are counted, not judged")
+                               f"{sid!r}: metric names past it ({over[0][:80]!r} ...) are counted, not judged")
             if unwatched or over:
                 drop = {*unwatched, *over}
                 positions = [i for i, n in enumerate(names) if n not in drop]
