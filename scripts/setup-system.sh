@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # System programs the tests run against: a real Prometheus and Alertmanager (sink tests),
-# Node.js with npm (tests/test_other_clients.py: a kafkajs client against the JSON Schemas)
-# and Debian's chromium (tests/test_report_page.py: the report page in a real browser).
+# Node.js with npm and kcat (tests/test_other_clients.py: a kafkajs client and kcat against the
+# JSON Schemas) and Debian's chromium (tests/test_report_page.py: the report page in a real browser).
 # Idempotent: does nothing when they are already on PATH. `make test` runs this before
 # pytest; without them those tests skip with the reason.
 set -euo pipefail
@@ -9,8 +9,8 @@ set -euo pipefail
 have() { command -v "$1" >/dev/null 2>&1; }
 
 if have prometheus && { have prometheus-alertmanager || have alertmanager; } && have node && have npm \
-        && have chromium; then
-    echo "setup-system: prometheus, alertmanager, node and chromium already installed"
+        && have kcat && have chromium; then
+    echo "setup-system: prometheus, alertmanager, node, kcat and chromium already installed"
     exit 0
 fi
 
@@ -19,7 +19,7 @@ if [ "$(id -u)" -ne 0 ]; then
         SUDO=sudo
     else
         echo "setup-system: not root and no passwordless sudo; install them yourself:" >&2
-        echo "    sudo apt-get update && sudo apt-get install -y prometheus prometheus-alertmanager nodejs npm chromium" >&2
+        echo "    sudo apt-get update && sudo apt-get install -y prometheus prometheus-alertmanager nodejs npm kcat chromium" >&2
         exit 1
     fi
 else
@@ -41,6 +41,7 @@ have prometheus || packages+=(prometheus)
 have prometheus-alertmanager || have alertmanager || packages+=(prometheus-alertmanager)
 have node || packages+=(nodejs)
 have npm || packages+=(npm)
+have kcat || packages+=(kcat)
 have chromium || packages+=(chromium)
 $SUDO apt-get install -y --no-install-recommends "${packages[@]}"
 # Debian's packages start system services where an init system runs; the tests start
