@@ -83,13 +83,13 @@ def test_a_restarted_worker_resumes_with_its_windows_intact(kafka, tmp_path):
         first.kill()
         second = WorkerProcess(kafka, tmp_path, app_id=first.app_id).start().wait_ready()
         try:
-            for _ in range(6):  # the simulated KL passes 0.8 on the fifth faulty step
+            for _ in range(6):  # the simulated KL passes 0.8 on the fifth faulty step, the sixth confirms it
                 logger.log(sim.step(), sim.current_step)
             logger.publisher.flush(10)
             alert = alerts.wait_for(lambda a: a["rule"] == "kl_explosion", what="the KL alert after restart",
                                     worker=second)
             assert alert["evidence"]["samples"] >= 30, "the window came back from the changelog"
-            assert alert["step"] == 45
+            assert alert["step"] == 46
         finally:
             second.kill()
     finally:
@@ -150,7 +150,7 @@ def test_a_worker_that_dies_hands_its_runs_to_its_peer_with_their_windows(kafka,
         for run in runs:
             alert = alerts.wait_for(lambda a, r=run: a["rule"] == "kl_explosion" and a["run_id"] == r,
                                     timeout=90, what=f"the KL alert of {run}", worker=first)
-            assert alert["step"] == 45, alert["step"]
+            assert alert["step"] == 46, alert["step"]
             assert alert["evidence"]["samples"] >= 30, "judged against the windows built before the failover"
     finally:
         for logger in loggers:
