@@ -1339,3 +1339,103 @@ def sinks_restart_lost_alerts(alerts: int = 3, settings: KafkaSettings | None = 
     return {"alerts": alerts, "received": sum(got.values()),
             "sinks_restart_lost_alerts": len({a["id"] for a in sent} - set(got)),
             "sinks_restart_duplicate_alerts": sum(n - 1 for n in got.values())}
+
+
+def _set_topic_config(settings: KafkaSettings, topic: str, name: str, value: str | None) -> None:
+    """Set (None: back to the broker's default) one config of a topic, on a broker that allows it."""
+    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+
+    entry = ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET if value is not None
+                        else AlterConfigOpType.DELETE)
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[entry])
+    admin = AdminClient(settings.confluent(log_level=0))  # kept until the answer comes
+    for future in admin.incremental_alter_configs([resource]).values():
+        future.result(15)
+
+
+def _committed(settings: KafkaSettings, group: str, topic: str, partition: int) -> int:
+    """The group's committed offset of one partition (-1: none), read without joining the group."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer(settings.confluent(**{"group.id": group, "enable.auto.commit": False, "log_level": 0}))
+    try:
+        return c.committed([TopicPartition(topic, partition)], timeout=10)[0].offset
+    finally:
+        c.close()
+
+
+def _offset_of(settings: KafkaSettings, topic: str, partition: int, wanted, timeout: float = 10.0) -> int:
+    """The offset of the first event on one partition that ``wanted`` accepts (-1: none)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer(settings.confluent(**{"group.id": uuid.uuid4().hex, "enable.auto.commit": False, "log_level": 0}))
+    c.assign([TopicPartition(topic, partition, 0)])
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = c.poll(0.2)
+            if msg is not None and not msg.error() and wanted(orjson.loads(msg.value())):
+                return msg.offset()
+        return -1
+    finally:
+        c.close()
+
+
+def alerts_refused(settings: KafkaSettings, refuse_s: float = 60.0, log_dir=None) -> dict:
+    """The broker refuses every alert for ``refuse_s`` (the alerts topic's ``max.message.bytes``
+    set below any alert; Apache Kafka, not the embedded broker) while a run's loss turns NaN:
+    the worker must keep the NaN's event unacknowledged (its group's committed offset behind it)
+    until the alert is delivered, and deliver it once the broker takes alerts again. Figures:
+    alerts lost, events acknowledged while their alert was undelivered, seconds from the broker
+    taking alerts again to the alert on the topic."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.integration import TopicReader, WorkerProcess
+
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-"))
+    run_id = "chaos-refused"
+    create_topics(settings)
+    _set_topic_config(settings, settings.topics.alerts, "max.message.bytes", "64")
+    worker = WorkerProcess(settings, log_dir).start()
+    alerts = TopicReader(settings, settings.topics.alerts)
+    partition = partition_for(run_id, settings.partitions)
+    acked_early, lost, seconds = 0, 1, None
+    try:
+        worker.wait_ready()
+        logger = TrainerLogger(run_id, settings, host="chaos")
+        for step in range(1, 11):
+            logger.log({"actor/pg_loss": -0.01}, step)
+        logger.log({"actor/pg_loss": float("nan")}, 11)
+        logger.publisher.flush(10)
+        nan_offset = _offset_of(settings, settings.topics.events, partition, lambda e: e.get("step") == 11)
+        deadline, committed_meanwhile = time.monotonic() + refuse_s, -1
+        while time.monotonic() < deadline:
+            committed_meanwhile = max(committed_meanwhile,
+                                      _committed(settings, worker.app_id, settings.topics.events, partition))
+            if committed_meanwhile > nan_offset:
+                acked_early = 1  # committed past the NaN while its alert could not be delivered
+            time.sleep(2)
+        refused_meanwhile = len(alerts.drain(quiet_s=1.0))
+        _set_topic_config(settings, settings.topics.alerts, "max.message.bytes", None)
+        taken_again = time.monotonic()
+        try:
+            alerts.wait_for(lambda a: a.get("rule") == "non_finite" and a.get("step") == 11, timeout=60,
+                            what="the NaN alert", worker=worker)
+            lost, seconds = 0, round(time.monotonic() - taken_again, 1)
+        except AssertionError:
+            pass
+        committed_after = _committed(settings, worker.app_id, settings.topics.events, partition)
+        deadline = time.monotonic() + 20
+        while committed_after <= nan_offset and time.monotonic() < deadline:
+            time.sleep(1)
+            committed_after = _committed(settings, worker.app_id, settings.topics.events, partition)
+        alive = worker.proc.poll() is None
+        logger.close(5, quiet=True)
+    finally:
+        alerts.close()
+        worker.kill()
+    return {"refuse_s": refuse_s, "alerts_while_refused": refused_meanwhile, "alerts_refused_lost": lost,
+            "alerts_refused_acked_early": acked_early, "seconds_to_deliver_after": seconds,
+            "nan_offset": nan_offset, "committed_while_refused": committed_meanwhile,
+            "committed_past_the_nan_after": committed_after > nan_offset, "crashes": 0 if alive else 1}

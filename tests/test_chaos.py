@@ -118,3 +118,13 @@ def test_the_records_that_crashed_workers_in_a_loop_crash_none_now(tmp_path):
     r = scenarios.hostile_crash_loops(restarts=1, sources=2000, names=2500, log_dir=tmp_path)
     assert r["hostile_crash_loops"] == 0 and all(r["probe_paged"]), r
     assert r["dead_letters"] >= 4, r
+
+
+def test_an_alert_the_broker_refuses_holds_its_event_until_it_is_delivered(kafka, tmp_path):
+    """On Apache Kafka (the alerts topic made to refuse every alert for a while): nothing is
+    acknowledged before the alert it caused is delivered, and the alert is not lost."""
+    r = scenarios.alerts_refused(kafka, refuse_s=20.0, log_dir=tmp_path)
+    assert r["alerts_while_refused"] == 0 and r["nan_offset"] >= 10, r
+    assert r["committed_while_refused"] <= r["nan_offset"], r  # (none: they were flushed with the NaN)
+    assert r["alerts_refused_acked_early"] == 0 and r["alerts_refused_lost"] == 0, r
+    assert r["committed_past_the_nan_after"] and r["crashes"] == 0, r
