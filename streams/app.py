@@ -361,10 +361,10 @@ class Detection:
 
 
 def release_memory() -> None:
-    """Give the memory of forgotten runs back to the system: what the clients' reference cycles
-    hold is collected, and glibc, which keeps freed small blocks for the process, hands them
-    back (measured: 20,000 forgotten tiny runs left 130 MB more without the collection, and a
-    worker that once held many runs stayed that large). Nothing where the C library is not glibc."""
+    """Give the memory of forgotten runs back to the system: reference cycles are collected,
+    and glibc, which keeps freed small blocks for the process, hands them back (without it a
+    worker that once held 20,000 tiny runs stayed that large; docs/reliability.md has what stays
+    with it). Nothing where the C library is not glibc."""
     import gc
 
     gc.collect()
