@@ -2,7 +2,8 @@
 is Apache Kafka (tests/conftest.py): a worker killed with -9 and started again as the same
 static member (TRAINGUARD_INSTANCE_ID) gets its partitions back from the broker itself, without
 a rebalance, and a dynamic member that ends its dead predecessor's membership
-(streams/transport.py) joins at once (no initial rebalance delay on a new group either)."""
+(streams/transport.py) joins at once (no initial rebalance delay on a new group either). It
+confirms a new topic before the partitions' leaders serve them, so create_topics waits."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from tests.conftest import _choice
 from tests.integration import TopicReader, WorkerProcess
+from trainguard.kafka import KafkaSettings, Topics, create_topics
 from trainguard.producers.trainer import TrainerLogger
 
 pytestmark = [pytest.mark.integration,
@@ -64,3 +66,19 @@ def test_a_worker_killed_and_started_again_pages_the_next_nan_soon(kafka, tmp_pa
     took = _kill_and_page(kafka, tmp_path, {**env, "TRAINGUARD_DATA_DIR": str(tmp_path / "data")})
     print(f"{membership} member: killed -9, started again, next NaN paged after {took:.2f} s")
     assert took < WITHIN_S, f"the {membership} member's successor paged after {took:.1f} s"
+
+
+def test_the_topics_create_topics_made_are_served_when_it_returns(bootstrap):
+    """Apache Kafka answered a ListOffsets right after CreateTopics with NOT_LEADER_FOR_PARTITION,
+    so a control listener started then waited 2 s for its retry."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    settings = KafkaSettings(bootstrap=bootstrap, partitions=4, topics=Topics.with_prefix(f"t{uuid.uuid4().hex[:10]}"))
+    assert len(create_topics(settings)) == 6
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "served", "log_level": 0})
+    try:
+        for topic in settings.topics.all():
+            for partition in range(settings.partitions):
+                assert consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=5) == (0, 0)
+    finally:
+        consumer.close()

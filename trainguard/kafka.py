@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -285,4 +286,31 @@ def create_topics(settings: KafkaSettings, timeout: float = 15.0) -> list[str]:
         except Exception as exc:  # a concurrent creator is fine; anything else is not
             if "TOPIC_ALREADY_EXISTS" not in str(exc):
                 raise
+    _wait_until_served(settings, created, timeout)
     return created
+
+
+def _wait_until_served(settings: KafkaSettings, topics: list[str], timeout: float) -> None:
+    """Until every partition of ``topics`` answers (ListOffsets). Apache Kafka confirms a new
+    topic before its leaders have taken the partitions on: a reader started at once got
+    NOT_LEADER_FOR_PARTITION and retried 2 s later. Past ``timeout`` the readers' retries do."""
+    if not topics:
+        return
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    consumer = Consumer(settings.confluent(**{"group.id": "trainguard-create-topics", "log_level": 0}))
+    try:
+        pending = [TopicPartition(t, p) for t in topics for p in range(settings.partitions)]
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            waiting = []
+            for tp in pending:
+                try:
+                    consumer.get_watermark_offsets(tp, timeout=1.0)
+                except KafkaException:
+                    waiting.append(tp)
+            pending = waiting
+            if pending:
+                time.sleep(0.05)
+    finally:
+        consumer.close()
