@@ -36,14 +36,14 @@ def _write_private(path: Path, text: str, owner: int) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(text)
-    os.chown(tmp, owner, owner)
+    os.chown(tmp, owner, -1)
     os.chmod(tmp, 0o400)
     os.replace(tmp, path)
 
 
 def _folder(path: Path, owner: int) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    os.chown(path, owner, owner)
+    os.chown(path, owner, -1)
     os.chmod(path, 0o700)
     return path
 
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True)
     p = sub.add_parser("init", help="make what is missing, derive the handouts")
     p.add_argument("--scope", default="*", help="the runs the trainers' key covers (default: every run)")
-    p.add_argument("--owner", type=int, default=NOBODY, help="uid (and gid) that owns the files")
+    p.add_argument("--owner", type=int, default=NOBODY, help="the uid that owns the files (the group is left as it is: only the owner may read)")
     p = sub.add_parser("show", help="print one handout")
     p.add_argument("what", choices=("trainer", "operator", "ui"))
     p.add_argument("scope", nargs="?", help="trainer: a scope other than the stack's")
