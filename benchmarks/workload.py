@@ -1,5 +1,5 @@
-"""What every benchmark shares: realistic events, the embedded broker, child processes and
-their cleanup, progress on stderr.
+"""What every benchmark shares: realistic events, the brokers (embedded Tansu, Apache Kafka),
+child processes and their cleanup, progress on stderr.
 
 Events: a run publishes, per step, one trainer event with 50 verl metrics (the simulator's
 34 plus 16 more of verl's own keys) and one node event with 44 metrics (8 GPUs x 5 + 4 host
@@ -240,6 +240,19 @@ def start_broker(partitions: int = 4, log_dir: Path | None = None):
     CLEANUP.add(broker.stop)
     broker.start()
     return broker
+
+
+def start_kafka(partitions: int = 4):
+    """Apache Kafka (one KRaft node) from the jars ``make kafka`` resolved; None when they are
+    not there (the bench then measures on the embedded broker alone, and says so)."""
+    from trainguard import kafka_cluster
+
+    if not kafka_cluster.available():
+        return None
+    cluster = kafka_cluster.KafkaCluster(partitions=partitions)  # a temporary folder, removed on stop
+    CLEANUP.add(cluster.stop)
+    cluster.start()
+    return cluster
 
 
 def percentile(values, q: float) -> float:
