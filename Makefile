@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 FRAMEWORKS := $(VENV)/.frameworks
 
-.PHONY: setup frameworks system kafka demo test test-unit eval bench chaos clean
+.PHONY: setup frameworks system kafka demo test test-unit eval bench scale chaos clean
 
 # The project's Python environment, rebuilt when pyproject.toml changes: what the demo,
 # the evaluation, the benchmarks and chaos need (worker, node agent, embedded broker, test tools).
@@ -60,8 +60,13 @@ test-unit: setup frameworks
 eval: setup
 	$(BIN)/python evaluation/run.py
 
-bench: setup
+# Every figure on Tansu and on Apache Kafka, the fleet and the hot run too (docs/performance.md).
+bench: setup kafka
 	$(BIN)/python benchmarks/run.py
+
+# The fleet (1, 2, 4 workers on 32 partitions of Apache Kafka) and the hot run alone; --quick: small.
+scale: setup kafka
+	$(BIN)/python benchmarks/fleet.py
 
 chaos: setup
 	$(BIN)/python chaos/run.py

@@ -1,5 +1,6 @@
-"""`make bench`: the quick run finishes and its last line carries every figure. No timing
-assertions: the numbers depend on the machine; docs/performance.md has measured ones."""
+"""`make bench`: the quick run finishes and its last line carries every figure; the fleet at a
+tiny size says what it measured. No timing targets: the numbers depend on the machine;
+docs/performance.md has measured ones."""
 
 from __future__ import annotations
 
@@ -8,22 +9,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import math
+
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("detector_speedup", "worker_samples_per_s", "worker_events_ratio_vs_bare_faust",
         "worker_events_ratio_vs_aiokafka", "alert_latency_p99_ms", "command_latency_p99_ms",
-        "log_p99_us_broker_up", "log_p99_us_broker_down", "bytes_per_series", "two_worker_speedup")
+        "log_p99_us_broker_up", "log_p99_us_broker_down", "bytes_per_series", "two_worker_speedup",
+        "kafka_worker_events_ratio_vs_bare_faust", "scale_events_per_worker_cpu_s", "scale_rebalance_pause_s",
+        "scale_max_lag_events")
+SCALARS = [k for k in KEYS if k != "scale_events_per_worker_cpu_s"]
+
+
+def _bench(module: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(module)
+    finally:
+        sys.path.pop(0)
 
 
 def test_the_table_has_a_row_per_figure_with_target_and_verdict():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import run
-    finally:
-        sys.path.pop(0)
+    run = _bench("run")
     assert set(KEYS) <= set(run.KEYS)
-    fake = {k: 1.0 for k in KEYS}
+    fake = {k: 1.0 for k in KEYS if not k.startswith(("kafka_", "scale_"))}  # Tansu's alone first
     fake.update(baseline_block_us_per_sample=0.5, seed_us_per_sample=30.0, rolling_z_us_per_sample=2.0,
                 rolling_z_speedup=15.0, detector_speedup=60.0, bare_faust_samples_per_s=2e5,
                 worker_events_per_s=500.0, bare_faust_events_per_s=1000.0, worker_events_ratio_vs_bare_faust=0.5, aiokafka_events_per_s=5e4,
@@ -37,6 +47,27 @@ def test_the_table_has_a_row_per_figure_with_target_and_verdict():
     assert "pass" in text and "MISS" in text  # the worker at half the bare agent's rate misses
     assert "seed AdaptiveThreshold" in text and "bare Faust agent" in text
 
+    # Apache Kafka's figures go beside Tansu's, on the same row; the fleet's after them.
+    fake.update(kafka_worker_events_per_s=900.0, kafka_bare_faust_events_per_s=1000.0,
+                kafka_worker_events_ratio_vs_bare_faust=0.9, kafka_worker_samples_per_s=4e5,
+                kafka_bare_faust_samples_per_s=4e5, kafka_aiokafka_events_per_s=6e4,
+                kafka_worker_events_ratio_vs_aiokafka=0.015,
+                scale_events_per_worker_cpu_s={"1": 2000.0, "2": 1900.0, "4": 1500.0}, scale_partitions=32,
+                scale_load_events_per_s=800, scale_rebalance_pause_s=2.5, scale_pauses_s={"join to 2": 2.5},
+                scale_max_lag_events=1600, scale_max_lag_s=2.0, scale_alert_latency_p50_ms=60.0,
+                scale_alert_latency_p99_ms=150.0, scale_alerts_measured=40, kafka_alert_latency_p99_ms=120.0,
+                kafka_alert_latency_p50_ms=40.0, kafka_transport_latency_p99_ms=30.0,
+                kafka_latency_load_events_per_s=450.0, kafka_command_latency_p50_ms=90.0,
+                kafka_command_latency_p99_ms=300.0, kafka_commands_measured=15,
+                hot_run_events_per_s=3000.0, hot_run_ranks=1024, spread_runs_events_per_s=4000.0,
+                hot_run_ratio_vs_spread=0.75)
+    lines = run.table(fake).splitlines()
+    assert len(lines) == 2 + 11 + 7
+    row = next(line for line in lines if line.startswith("worker events/s") and "bare Faust agent" in line)
+    assert "0.50" in row and "MISS" in row and "0.90" in row and "pass" in row  # Tansu misses, Kafka passes
+    assert any("4 workers" in line and "0.75" in line for line in lines)  # per CPU-second against one worker
+    assert any("hot run" in line and "3,000" in line for line in lines)
+
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
@@ -48,7 +79,33 @@ def test_quick_bench_prints_one_table_and_every_figure_as_json_last():
     result = json.loads(lines[-1])
     missing = [k for k in KEYS if k not in result]
     assert not missing, f"missing {missing}; stderr:\n{proc.stderr[-3000:]}"
-    for k in KEYS:
-        assert isinstance(result[k], (int, float)) and result[k] > 0, (k, result[k])
+    for k in SCALARS:
+        assert isinstance(result[k], (int, float)) and result[k] >= 0, (k, result[k])
+        assert result[k] > 0 or k == "scale_max_lag_events", (k, result[k])
+    assert set(result["scale_events_per_worker_cpu_s"]) == {"1", "2"}
+    assert set(result["brokers"]) == {"tansu", "kafka"}
     assert lines[0].startswith("figure") and any("two workers" in line for line in lines)
+    assert "Tansu" in lines[0] and "Kafka" in lines[0]
     assert "[bench" in proc.stderr  # progress goes to stderr, not into the table
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_fleet_of_two_workers_measures_work_per_cpu_second_pause_lag_and_alert_latency(bootstrap, tmp_path):
+    fleet, workload = _bench("fleet"), _bench("workload")
+    rate = 200.0
+    try:
+        r = fleet.fleet(bootstrap, workload.Steps(steps=100), tmp_path, partitions=8, runs=8, nodes=2, rate=rate,
+                        counts=(1, 2), window_s=3.0, settle_s=0.5, fault_every_s=0.5)
+    finally:
+        workload.CLEANUP.run()
+    per_cpu = r["scale_events_per_worker_cpu_s"]
+    assert set(per_cpu) == {"1", "2"} and all(math.isfinite(v) and v > 0 for v in per_cpu.values()), per_cpu
+    # Steady windows: the group keeps up with the load (handled within half and twice of it).
+    assert all(0.5 * rate < v < 2 * rate for v in r["scale_events_per_s"].values()), r["scale_events_per_s"]
+    # A join and a leave each stop the group for a while (an eager rebalance), then it goes on.
+    assert set(r["scale_pauses_s"]) == {"join to 2", "leave to 1"}
+    assert 0 < r["scale_rebalance_pause_s"] < 30
+    assert 0 <= r["scale_max_lag_events"] < rate * 30
+    assert r["scale_alerts_measured"] >= 3 and r["scale_alerts_measured"] == r["scale_faults_sent"]
+    assert 0 < r["scale_alert_latency_p50_ms"] <= r["scale_alert_latency_p99_ms"] < 10_000
