@@ -1199,8 +1199,8 @@ class Engine:
                 continue
             if wall - self._status_at.get(key, 0.0) >= STATUS_REFRESH_S:
                 self.touched.add(key)  # an idle run's status stays fresh, and names this worker after a takeover
-            if run.finished:
-                continue
+            if run.finished or tiny:  # a run of a few events, never seen alive, is not paged as hung:
+                continue              # invented run ids would each page otherwise
             run_id = key.decode()
             for rule in stale_rules:
                 timeout = float(cast(dict, rule.detector).get("timeout_s", 300))  # kind "stale": it has one

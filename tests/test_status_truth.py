@@ -87,3 +87,14 @@ def test_a_finished_runs_summary_outlives_its_detection_state():
     assert summary["state_freed"] is True and summary["outcome"] == "finished" and summary["last_step"] == 29
     assert summary["retained_until"] > time.time() + 2.9 * 86400
     ev.validate(summary)
+
+
+def test_an_invented_run_of_one_event_is_never_paged_as_hung():
+    """Anyone who can write to the events topic can invent run ids; each would page otherwise."""
+    now = [1000.0]
+    engine = _engine(now)
+    for i in range(50):
+        engine.handle(ev.encode(ev.metrics_event(f"fake-{i}", 1, {"actor/pg_loss": 0.1}, src=TRAINER, ts=now[0])),
+                      0, i)
+    now[0] += 600  # far past the staleness timeout, before the tiny runs' short life ends
+    assert [o for o in engine.tick() if o.kind == "alert"] == []
