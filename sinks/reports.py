@@ -4,8 +4,11 @@ with plots per report.
 ``<dir>/<run_id>/<report id>.json``, ``.txt`` and ``.html``; the control command names the
 report id, so whoever looks at a rollback or a stop finds why in one place. The page is one
 self-contained file (inline SVG, no script, no network): it opens from a chat attachment or
-a shared disk as it is. The SVG is written directly: a plotting library would weigh more than
-the sinks process it runs in, for a polyline and a band.
+a shared disk as it is, and links the run's page when ``TRAINGUARD_UI_URL`` says where it is.
+
+The step plots (:func:`svg_steps_plot`) are this module's for the run page too: SVG written on
+the server with real axes, segments across rollbacks, downsampling to the pixels, and a hover
+readout in CSS, so that neither page needs script.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ import html
 import math
 import re
 import time
+import urllib.parse
 from pathlib import Path
 
+import numpy as np
 import orjson
 
+from trainguard import settings as settings_mod
 from trainguard.sinks.base import Sink
 
 
@@ -77,98 +83,376 @@ def render_text(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-_W, _H, _PAD, _LEFT = 600, 180, 36, 64  # one plot's size, margin and left margin (y labels), px
-
-
 def is_finite_number(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def svg_plot(metric: str, values: list, *, band: tuple | None = None, alert_value=None) -> str:
-    """One metric's window before the decision as an SVG line plot: the values oldest first
-    (x: samples before the decision, the last at 0), the baseline band the alert was judged
-    against when it has one, non-finite values as red ticks on the top edge."""
-    n = len(values)
-    finite = [v for v in values if is_finite_number(v)] + [b for b in (band or ()) if is_finite_number(b)]
-    lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
-    if hi - lo < 1e-12:
-        lo, hi = lo - 0.5, hi + 0.5
+def shown(v) -> str:
+    """A value as a person reads it: 4 significant digits, no Python None."""
+    if v is None:
+        return "-"
+    return format_value(v) if isinstance(v, (int, float)) else str(v)
+
+
+def _attr(v) -> str:
+    """Any value as an attribute's or a text's content: formatted, then escaped."""
+    return html.escape(shown(v), quote=True)
+
+
+# ---------------------------------------------------------------- plots by step (run page and reports)
+
+_PW, _PH, _PL, _PR, _PT, _PB = 720, 220, 64, 28, 22, 30  # size; left, right, top, bottom margins, px
+_HOVER_COLUMNS = 90  # hover / click-to-zoom columns per plot: the value under the cursor, without script
+# The cursor's readout shows on hover only: CSS, since the pages run no script.
+PLOT_CSS = (".plot .hover .cursor{visibility:hidden}.plot .hover:hover .cursor{visibility:visible}"
+            ".plot text{font-family:sans-serif}.plot .tick{font-size:11px;fill:#666}")
+
+
+def _label(v: float, step: float) -> str:
+    """A tick's label: whole numbers as such, else 4 significant digits (ticks sit on round values)."""
+    if step >= 1 and float(v).is_integer() and abs(v) < 1e7:
+        return str(int(v))
+    return format_value(float(v))
+
+
+def nice_ticks(lo: float, hi: float, count: int = 5) -> tuple[list[float], float]:
+    """Round values between ``lo`` and ``hi``, about ``count`` of them, and their spacing.
+
+    >>> nice_ticks(0.0, 1.0)[0]
+    [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    >>> nice_ticks(-3.0, 47.0)[0]
+    [0.0, 10.0, 20.0, 30.0, 40.0]
+    """
     span = hi - lo
-    lo, hi = lo - 0.05 * span, hi + 0.05 * span
+    if not (math.isfinite(span) and span > 0):
+        return [lo], 1.0
+    raw = span / max(count, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step - 1e-9)
+    ticks = [float(round((first + i) * step, 12)) for i in range(int((hi - first * step) / step + 1e-9) + 1)]
+    return [t for t in ticks if lo - 1e-9 * span <= t <= hi + 1e-9 * span], step
 
-    def x(i: int) -> float:
-        return _LEFT + (i / max(n - 1, 1)) * (_W - _LEFT - _PAD)
 
-    def y(v: float) -> float:
-        return _H - _PAD + (lo - v) / (hi - lo) * (_H - 2 * _PAD)
+def value_range(finite: np.ndarray, *, clip_at_zero: bool) -> tuple[float, float]:
+    """The y range a plot shows: the data's, padded 5 %, never below 0 for a metric that never is;
+    a (nearly) constant metric gets a range around its level, not a magnified wobble."""
+    if not len(finite):
+        return 0.0, 1.0
+    lo, hi = float(finite.min()), float(finite.max())
+    least = 0.02 * max(abs(lo), abs(hi)) or 1.0
+    if hi - lo < least:
+        mid = (lo + hi) / 2
+        lo, hi = mid - least / 2, mid + least / 2
+    pad = 0.05 * (hi - lo)
+    lo, hi = lo - pad, hi + pad
+    if clip_at_zero and finite.min() >= 0:
+        lo = max(lo, 0.0)
+    return lo, hi
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" data-metric="{html.escape(metric)}" '
-             f'width="{_W}" height="{_H}" viewBox="0 0 {_W} {_H}" role="img" '
-             f'aria-label="{html.escape(metric)} before the decision">',
-             f'<rect x="{_LEFT}" y="{_PAD}" width="{_W - _LEFT - _PAD}" height="{_H - 2 * _PAD}" fill="#fafafa" '
-             f'stroke="#ddd"/>']
-    if band and all(is_finite_number(b) for b in band):
-        top, bottom = y(max(band)), y(min(band))
-        parts.append(f'<rect class="band" x="{_LEFT}" y="{top:.1f}" width="{_W - _LEFT - _PAD}" '
-                     f'height="{max(bottom - top, 1):.1f}" fill="#2a7ae2" fill-opacity="0.12">'
-                     f'<title>baseline band [{format_value(min(band))}, {format_value(max(band))}]</title></rect>')
-    segment: list[str] = []
-    for i, v in enumerate(values):
-        if is_finite_number(v):
-            segment.append(f"{x(i):.1f},{y(v):.1f}")
-        else:
-            if len(segment) > 1:
-                parts.append(f'<polyline class="series" points="{" ".join(segment)}" fill="none" '
-                             f'stroke="#333" stroke-width="1.5"/>')
-            segment = []
-            parts.append(f'<line class="nonfinite" x1="{x(i):.1f}" y1="{_PAD}" x2="{x(i):.1f}" y2="{_PAD + 10}" '
-                         f'stroke="#d62728" stroke-width="2"><title>{html.escape(str(v))}</title></line>')
-    if len(segment) > 1:
-        parts.append(f'<polyline class="series" points="{" ".join(segment)}" fill="none" stroke="#333" '
-                     f'stroke-width="1.5"/>')
-    if alert_value is not None and not is_finite_number(alert_value):
-        # Non-finite values never enter the window: the one that decided is drawn at its end.
-        right = _W - _PAD
-        parts.append(f'<line class="nonfinite" x1="{right}" y1="{_PAD}" x2="{right}" y2="{_H - _PAD}" '
-                     f'stroke="#d62728" stroke-width="2" stroke-dasharray="4 3">'
-                     f'<title>{html.escape(str(alert_value))} at the decision</title></line>')
-    elif n and is_finite_number(values[-1]):
-        parts.append(f'<circle class="decision" cx="{x(n - 1):.1f}" cy="{y(values[-1]):.1f}" r="4" '
-                     f'fill="#d62728"><title>at the decision: {format_value(values[-1])}</title></circle>')
-    parts += [f'<text x="{_LEFT}" y="{_PAD - 10}" font-size="13" font-family="sans-serif">{html.escape(metric)}'
-              + (f" (alert value {html.escape(format_value(alert_value))})" if alert_value is not None else "")
-              + "</text>",
-              f'<text x="{_LEFT}" y="{_H - 10}" font-size="11" fill="#666" font-family="sans-serif">'
-              f'{-(n - 1)}</text>',
-              f'<text x="{_W - _PAD}" y="{_H - 10}" font-size="11" fill="#666" text-anchor="end" '
-              f'font-family="sans-serif">0 (decision)</text>',
-              f'<text x="{_LEFT - 4}" y="{_PAD + 4}" font-size="11" fill="#666" '
-              f'text-anchor="end" font-family="sans-serif">{html.escape(format_value(hi))}</text>',
-              f'<text x="{_LEFT - 4}" y="{_H - _PAD:.1f}" font-size="11" fill="#666" text-anchor="end" '
-              f'font-family="sans-serif">{html.escape(format_value(lo))}</text>',
-              "</svg>"]
+
+def _kept(st: np.ndarray, vals: np.ndarray, seg: np.ndarray, x0: float, x1: float, columns: int) -> np.ndarray:
+    """The indices to draw of the points between steps ``x0`` and ``x1``: per pixel column and
+    segment the first, last, lowest and highest finite value (M4 downsampling: the drawn line
+    is the one all points would draw), and every non-finite one (one per column)."""
+    inside = np.flatnonzero((st >= x0) & (st <= x1))
+    if not len(inside):
+        return inside
+    col = np.minimum(((st[inside] - x0) / max(x1 - x0, 1e-12) * columns).astype(np.int64), columns - 1)
+    key = seg[inside] * (columns + 1) + col
+    finite = np.isfinite(vals[inside])
+    keep = []
+    f_idx, f_key = inside[finite], key[finite]
+    if len(f_idx):
+        order = np.lexsort((vals[f_idx], f_key))
+        sk = f_key[order]
+        edges = np.flatnonzero(np.diff(sk)) + 1
+        starts = np.concatenate(([0], edges))
+        ends = np.concatenate((edges, [len(sk)])) - 1
+        keep += [f_idx[order[starts]], f_idx[order[ends]]]  # lowest, highest
+        _, first = np.unique(f_key, return_index=True)
+        _, last = np.unique(f_key[::-1], return_index=True)
+        keep += [f_idx[first], f_idx[len(f_idx) - 1 - last]]
+    n_idx, n_key = inside[~finite], key[~finite]
+    if len(n_idx):
+        keep.append(n_idx[np.unique(n_key, return_index=True)[1]])
+    return np.unique(np.concatenate(keep))
+
+
+def _tenths(xs: np.ndarray, ys: np.ndarray) -> str:
+    """SVG points in tenths of a pixel, as whole numbers (drawn inside ``_TENTHS``): formatting
+    integers is what makes a page of many plots quick."""
+    pts = np.empty(2 * len(xs))
+    pts[0::2], pts[1::2] = xs, ys
+    return " ".join(map(str, np.round(pts * 10).astype(np.int64).tolist()))
+
+
+_TENTHS = '<g transform="scale(0.1)">'
+
+
+def svg_steps_plot(name: str, steps, values, *, band=None, x_range=None, alerts=(), decisions=(),
+                   clip_at_zero: bool = False, zoom_href=None, log_scale=None, restarts=None) -> str:
+    """A series by step, in the order it was logged: the values on real axes with ticks, one
+    line per segment (a step lower than the one before starts a new segment: a rollback restored
+    an earlier step, so the line is never drawn back), the baseline band (clipped to zero for a
+    metric that never goes below it), non-finite values as red ticks on the top edge, alerts as
+    red circles (``alerts``: dicts with step, id, severity, state, note), breaker decisions
+    (``decisions``: (step, text)) as dashed vertical lines, each rollback's restored step as a
+    dotted one (``restarts``: (step before, restored step), else seen in ``steps``). ``x_range``: the steps shown (the
+    whole series by default), downsampled to the pixels. A log scale when the values span two
+    decades or more (``log_scale`` forces it either way). Hovering shows the value under the
+    cursor; with ``zoom_href(first, last)`` a click zooms in there. Every value written is
+    escaped for where it goes."""
+    esc = _attr
+    st = np.asarray(steps, float)
+    vals = np.asarray(values, float)
+    seg = np.concatenate(([0], np.cumsum(np.diff(st) <= 0))) if len(st) else np.zeros(0, np.int64)
+    if x_range is None:
+        x0, x1 = (float(st.min()), float(st.max())) if len(st) else (0.0, 1.0)
+    else:
+        x0, x1 = float(x_range[0]), float(x_range[1])
+    if x1 <= x0:
+        x1 = x0 + 1
+    width, top, bottom = _PW - _PL - _PR, _PT, _PH - _PB
+    kept = _kept(st, vals, seg, x0, x1, width)
+    kv = vals[kept]
+    finite_kept = np.isfinite(kv)
+    shown = kv[finite_kept]
+    if log_scale is None:
+        log_scale = bool(len(shown)) and shown.min() > 0 and shown.max() / shown.min() >= 100
+    if log_scale:
+        shown = shown[shown > 0]
+        lo, hi = (math.log10(shown.min()), math.log10(shown.max())) if len(shown) else (0.0, 1.0)
+        if hi - lo < 1:
+            lo, hi = lo - 0.5, hi + 0.5
+        pad = 0.05 * (hi - lo)
+        lo, hi = lo - pad, hi + pad
+    else:
+        lo, hi = value_range(shown, clip_at_zero=clip_at_zero)
+
+    def fy(v):
+        v = np.asarray(v, float)
+        if log_scale:
+            v = np.log10(np.where(v > 0, v, 10 ** lo))
+        return bottom - (v - lo) / (hi - lo) * (bottom - top)
+
+    def fx(s):
+        return _PL + (np.asarray(s, float) - x0) / (x1 - x0) * width
+
+    def inside(s) -> bool:
+        return x0 <= s <= x1
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" data-metric="{esc(name)}" width="{_PW}" '
+             f'height="{_PH}" viewBox="0 0 {_PW} {_PH}" role="img" aria-label="{esc(name)} by step" '
+             f'data-x0="{x0:.12g}" data-x1="{x1:.12g}" data-y0="{10 ** lo if log_scale else lo:.6g}" '
+             f'data-y1="{10 ** hi if log_scale else hi:.6g}" data-scale="{"log" if log_scale else "linear"}" '
+             f'data-drawn="{len(kept)}" data-points="{int(((st >= x0) & (st <= x1)).sum())}">',
+             f'<rect x="{_PL}" y="{top}" width="{width}" height="{bottom - top}" fill="#fafafa" stroke="#ddd"/>']
+    # axes: y ticks (decades on a log scale), step ticks
+    if log_scale:
+        decades = list(range(math.ceil(lo), math.floor(hi) + 1))
+        ticks = [(d, format_value(10.0 ** d)) for d in decades]
+    else:
+        values_at, spacing = nice_ticks(lo, hi)
+        ticks = [(t, _label(t, spacing)) for t in values_at]
+    for t, text in ticks:
+        ty = float(fy(10 ** t if log_scale else t))
+        parts.append(f'<line class="grid" x1="{_PL}" y1="{ty:.1f}" x2="{_PL + width}" y2="{ty:.1f}" stroke="#eee"/>'
+                     f'<text class="tick y" x="{_PL - 4}" y="{ty + 4:.1f}" text-anchor="end">{esc(text)}</text>')
+    step_ticks, spacing = nice_ticks(x0, x1, 6)
+    for t in step_ticks:
+        tx = float(fx(t))
+        parts.append(f'<line x1="{tx:.1f}" y1="{bottom}" x2="{tx:.1f}" y2="{bottom + 4}" stroke="#999"/>'
+                     f'<text class="tick x" x="{tx:.1f}" y="{bottom + 15}" text-anchor="middle">'
+                     f'{esc(_label(t, max(spacing, 1)))}</text>')
+    parts.append(f'<text class="tick" x="{_PL + width}" y="{_PH - 2}" text-anchor="end">step</text>')
+    xs, ys = fx(st[kept]), np.clip(fy(np.where(np.isfinite(kv), kv, 0.0)), top, bottom)
+    kseg = seg[kept]
+    if band is not None:
+        blo, bhi = np.asarray(band[0], float)[kept], np.asarray(band[1], float)[kept]
+        if clip_at_zero and not (vals[np.isfinite(vals)] < 0).any():
+            blo = np.maximum(blo, 0.0)
+        polys = []
+        for s in np.unique(kseg).tolist():
+            ok = (kseg == s) & np.isfinite(blo) & np.isfinite(bhi)
+            if ok.sum() > 1:
+                up, down = np.clip(fy(bhi[ok]), top, bottom), np.clip(fy(blo[ok]), top, bottom)
+                polys.append(f'<polygon class="band" points="{_tenths(xs[ok], up)} '
+                             f'{_tenths(xs[ok][::-1], down[::-1])}" fill="#2a7ae2" fill-opacity="0.12"/>')
+        if polys:
+            parts.append(f'{_TENTHS}{"".join(polys)}</g>')
+    # the line: broken at a new segment and at a non-finite value
+    fin_pos = np.flatnonzero(finite_kept)
+    if len(fin_pos):
+        nonfinite_before = np.cumsum(~finite_kept)
+        cut = (np.diff(kseg[fin_pos]) != 0) | (np.diff(nonfinite_before[fin_pos]) != 0)
+        last_seg = int(seg[-1]) if len(seg) else 0
+        lines = []
+        for piece in np.split(fin_pos, np.flatnonzero(cut) + 1):
+            if len(piece) > 1:
+                s = int(kseg[piece[0]])
+                colour = "#333" if s == last_seg else "#999"  # a segment a rollback replaced is grey
+                lines.append(f'<polyline class="series" data-segment="{s}" points="{_tenths(xs[piece], ys[piece])}" '
+                             f'fill="none" stroke="{colour}" stroke-width="12"/>')
+            elif len(piece) == 1:
+                lines.append(f'<circle class="series point" cx="{xs[piece[0]] * 10:.0f}" '
+                             f'cy="{ys[piece[0]] * 10:.0f}" r="15" fill="#333"/>')
+        parts.append(_TENTHS + "".join(lines) + "</g>")
+    if restarts is None:
+        restarts = [(int(st[i]), int(st[i + 1])) for i in np.flatnonzero(np.diff(seg) > 0).tolist()]
+    for before, s in restarts:  # where each rollback resumed
+        if inside(s):
+            parts.append(f'<line class="marker restart" data-step="{esc(s)}" x1="{float(fx(s)):.1f}" y1="{top}" '
+                         f'x2="{float(fx(s)):.1f}" y2="{bottom}" stroke="#999" stroke-dasharray="2 3">'
+                         f'<title>resumed from step {esc(s)} after step {esc(before)}</title></line>')
+    for i in np.flatnonzero(~finite_kept).tolist():
+        s, tx = int(st[kept[i]]), float(xs[i])
+        parts.append(f'<line class="nonfinite" data-step="{esc(s)}" x1="{tx:.1f}" y1="{top}" x2="{tx:.1f}" '
+                     f'y2="{top + 10}" stroke="#d62728" stroke-width="2"><title>{esc(str(kv[i]))} at step '
+                     f'{esc(s)}</title></line>')
+    for s, text in sorted(set(decisions)):
+        if inside(s):
+            tx = float(fx(s))
+            parts.append(f'<line class="marker command" data-step="{esc(s)}" x1="{tx:.1f}" y1="{top}" x2="{tx:.1f}" '
+                         f'y2="{bottom}" stroke="#2a7ae2" stroke-width="1.5" stroke-dasharray="5 3">'
+                         f'<title>{esc(text)}</title></line>')
+    for a in alerts:
+        s = a["step"]
+        if not inside(s):
+            continue
+        at = np.flatnonzero(np.isclose(st[kept], s))
+        if len(at) and not finite_kept[at[-1]]:
+            cy = top + 5  # on the non-finite tick
+        else:  # on the line: the drawn point nearest its step (downsampled, it may not be drawn itself)
+            near = np.flatnonzero(finite_kept)
+            cy = top + 5
+            if len(near):
+                dist = np.abs(st[kept][near] - s)[::-1]
+                cy = float(ys[near[len(near) - 1 - int(np.argmin(dist))]])  # the newest of the nearest
+        colour = "#999" if a.get("state") == "resolved" else "#d62728"
+        parts.append(f'<circle class="marker alert" data-step="{esc(s)}" data-alert="{esc(a.get("id"))}" '
+                     f'data-severity="{esc(a.get("severity"))}" data-state="{esc(a.get("state"))}" '
+                     f'cx="{float(fx(s)):.1f}" cy="{cy:.1f}" r="5" fill="none" stroke="{colour}" stroke-width="2">'
+                     f'<title>{esc(a.get("note") or "alert")}</title></circle>'
+                     f'<text class="tick alert-label" x="{float(fx(s)) + 7:.1f}" y="{cy - 6:.1f}" fill="{colour}">'
+                     f'{esc(a.get("severity"))}</text>')
+    parts.append(_hover(st[kept], kv, xs, ys, x0, x1, top, bottom, zoom_href))
+    parts += [f'<text x="{_PL}" y="{top - 6}" font-size="13">{esc(name)}'
+              f'{" (log scale)" if log_scale else ""}</text>', "</svg>"]
     return "".join(parts)
 
 
-def render_html(report: dict) -> str:
-    """The report as one self-contained page: the text form's facts, and a plot per metric."""
+def _hover(st, kv, xs, ys, x0, x1, top, bottom, zoom_href) -> str:
+    """Columns over the plot: hovering one shows the newest value logged in it and its step; with
+    ``zoom_href``, clicking zooms in around it."""
+    width = _PW - _PL - _PR
+    cols = np.minimum(((xs - _PL) / width * _HOVER_COLUMNS).astype(np.int64), _HOVER_COLUMNS - 1)
+    out = []
+    cw = width / _HOVER_COLUMNS
+    span = x1 - x0
+    for c in np.unique(cols).tolist():
+        i = int(np.flatnonzero(cols == c)[-1])  # the newest: after a rollback, what the run has now
+        left = _PL + c * cw
+        s, v, cx, cy = int(st[i]), kv[i], float(xs[i]), float(ys[i]) if math.isfinite(kv[i]) else top + 5
+        right_side = c > _HOVER_COLUMNS * 0.6
+        readout = (f'<g class="cursor"><line x1="{cx:.1f}" y1="{top}" x2="{cx:.1f}" y2="{bottom}" stroke="#888"/>'
+                   f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3.5" fill="#333"/>'
+                   f'<text class="readout" x="{cx + (-6 if right_side else 6):.1f}" y="{top + 14}" font-size="12" '
+                   f'text-anchor="{"end" if right_side else "start"}">step {_attr(s)}: {_attr(float(v))}</text></g>')
+        cell = f'<rect x="{left:.1f}" y="{top}" width="{cw:.1f}" height="{bottom - top}" fill="#fff" fill-opacity="0"/>'
+        if zoom_href is None:
+            out.append(f'<g class="hover">{cell}{readout}</g>')
+        else:
+            first, last = int(s - span / 8), int(math.ceil(s + span / 8))
+            out.append(f'<a class="hover" href="{zoom_href(first, max(last, first + 2))}">{cell}{readout}'
+                       f'<title>step {_attr(s)}: {_attr(float(v))} (click to zoom in)</title></a>')
+    return "".join(out)
+
+
+def _int(v) -> int | None:
+    return v if type(v) is int and -2**63 <= v < 2**63 else None
+
+
+def implicated(report: dict) -> list[str]:
+    """The signals a report is about: those with a window, then every alert's metrics."""
+    names = list(report.get("windows") or {})
+    for a in report.get("alerts") or []:
+        more = a.get("metrics") if isinstance(a.get("metrics"), list) else []
+        for m in [a.get("metric"), *more]:
+            if isinstance(m, str) and m and m not in names:
+                names.append(m)
+    return names
+
+
+def _window_series(window: dict, alert: dict, end: int) -> tuple[list[int], list[float]]:
+    """A window's values on the step axis: the baseline's ring buffer holds values, not steps, so
+    they are placed one per step, ending at the alert's step (or the step before it, when the
+    alert's value is not the last one the window took: a non-finite value never enters it)."""
+    values = [float(v) if is_finite_number(v) else math.nan for v in window.get("values", [])]
+    last = alert.get("value")
+    if values and not (is_finite_number(last) and math.isclose(float(last), values[-1])):
+        end -= 1
+    steps = list(range(end - len(values) + 1, end + 1))
+    try:
+        non_finite = not math.isfinite(float(last))  # NaN / Inf, or its name: drawn at the alert's step
+    except (TypeError, ValueError):
+        non_finite = False
+    if non_finite:
+        steps.append(end + 1)
+        values.append(math.nan)
+    return steps, values
+
+
+def render_html(report: dict, *, run_href: str | None = None, series: dict | None = None,
+                step: int | None = None) -> str:
+    """The report as one self-contained page: the text form's facts, and every implicated
+    signal plotted by step up to the decision (``series``: {metric: (steps, values)} the run page
+    keeps, else the report's windows), linked to the run's page (``run_href``)."""
     esc = html.escape
-    alerts_by_metric = {a.get("metric"): a for a in report.get("alerts", [])}
+    step = _int(report.get("step")) if step is None else step
+    alerts = [a for a in report.get("alerts", []) if isinstance(a, dict)]
+    decision = f"decision: {report['action'].upper()}"
     plots = []
-    for metric, window in (report.get("windows") or {}).items():
-        alert = alerts_by_metric.get(metric, {})
-        evidence = alert.get("evidence", {})
-        band = (evidence["lower"], evidence["upper"]) if "lower" in evidence and "upper" in evidence else None
-        values = [v if is_finite_number(v) else str(v) for v in window.get("values", [])]
-        plots.append(f'<figure>{svg_plot(metric, values, band=band, alert_value=alert.get("value"))}'
-                     f'<figcaption>{esc(metric)} from {esc(window.get("source", ""))}, the last '
-                     f'{len(values)} values before the decision</figcaption></figure>')
+    for metric in implicated(report):
+        mine = [a for a in alerts if a.get("metric") == metric or metric in (a.get("metrics") or [])]
+        alert = next((a for a in mine if a.get("metric") == metric), mine[0] if mine else {})
+        evidence = alert.get("evidence") or {}
+        window = (report.get("windows") or {}).get(metric)
+        kept = (series or {}).get(metric)
+        end = _int(alert.get("step")) if _int(alert.get("step")) is not None else step
+        if kept is not None and len(kept[0]):
+            steps, values = kept
+            caption = "as the run page keeps it"
+        elif window and window.get("values") and end is not None:
+            steps, values = _window_series(window, alert, end)
+            caption = f"the last {len(values)} values the baseline held, one per step"
+        else:
+            plots.append(f'<p class="missing">{esc(metric)}: no values of it were kept in this report</p>')
+            continue
+        last = step if step is not None else int(max(steps))
+        span = max(len((window or {}).get("values") or []), 50)
+        x_range = (last - span, last + max(2, span // 20))
+        band = None
+        if is_finite_number(evidence.get("lower")) and is_finite_number(evidence.get("upper")):
+            band = (np.full(len(steps), float(evidence["lower"])), np.full(len(steps), float(evidence["upper"])))
+        markers = [{"step": _int(a.get("step")), "id": a.get("id"), "severity": a.get("severity"), "state": "firing",
+                    "note": f"{a.get('severity')} {a.get('rule')} at step {a.get('step')}: "
+                            f"{format_value(a.get('value'))}"}
+                   for a in mine if _int(a.get("step")) is not None]
+        plot = svg_steps_plot(metric, steps, values, band=band, x_range=x_range, alerts=markers,
+                              decisions=[(step, f"{decision} at step {step}")] if step is not None else [],
+                              clip_at_zero=True)
+        value = f" (alert value {esc(format_value(alert.get('value')))})" if "value" in alert else ""
+        plots.append(f'<figure>{plot}<figcaption>{esc(metric)}{value} from '
+                     f'{esc(str((window or {}).get("source", alert.get("source", "")) or ""))}, {caption}'
+                     f'</figcaption></figure>')
     title = f"trainguard: {report['action']} of run {report['run_id']}"
+    link = f'<p><a class="run" href="{esc(run_href)}">the run\'s page</a></p>' if run_href else ""
     return ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{esc(title)}</title><style>body{{font:14px/1.4 sans-serif;margin:2em;max-width:60em}}"
             "pre{white-space:pre-wrap;background:#f6f6f6;padding:1em}figure{margin:1em 0}"
-            "figcaption{color:#555;font-size:12px}</style></head><body>"
-            f"<h1>{esc(title)}</h1>"
+            f"figcaption{{color:#555;font-size:12px}}{PLOT_CSS}</style></head><body>"
+            f"<h1>{esc(title)}</h1>{link}"
             f"<p class=\"decision\">decision: <b>{esc(report['action'].upper())}</b> at step "
             f"{esc(str(report.get('step')))}, command {esc(report['command_id'])}</p>"
             f"<section class=\"plots\">{''.join(plots) or '<p>no metric windows in this report</p>'}</section>"
@@ -180,11 +464,15 @@ def _safe(name: str) -> str:
 
 
 class ReportSink(Sink):
+    """Writes each report's three files; ``ui_url`` (default ``TRAINGUARD_UI_URL``): where
+    ``trainguard ui`` is served, so that the page links the run's page."""
+
     name = "reports"
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, ui_url: str | None = None):
         super().__init__()
         self.directory = Path(directory)
+        self.ui_url = (ui_url if ui_url is not None else settings_mod.value("TRAINGUARD_UI_URL") or "").rstrip("/")
 
     def path_for(self, report: dict) -> Path:
         return self.directory / _safe(report["run_id"]) / f"{_safe(report['id'])}.json"
@@ -197,4 +485,5 @@ class ReportSink(Sink):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
             path.with_suffix(".txt").write_text(render_text(report), encoding="utf-8")
-            path.with_suffix(".html").write_text(render_html(report), encoding="utf-8")
+            run_href = f"{self.ui_url}/run/{urllib.parse.quote(report['run_id'], safe='')}" if self.ui_url else None
+            path.with_suffix(".html").write_text(render_html(report, run_href=run_href), encoding="utf-8")

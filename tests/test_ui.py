@@ -197,7 +197,7 @@ def test_the_board_keeps_within_its_limits_and_renders_outside_the_readers_lock(
     assert board.skipped()[0] == 0
     assert len(board.runs_by_id) == 5 and len(board._watched) <= 100
     for run in board.runs_by_id.values():
-        assert len(run.series) <= 4 and all(len(steps) <= 10 for steps, _ in run.series.values())
+        assert len(run.series) <= 4 and all(len(s) <= 10 for s in run.series.values())
         assert len(run.alerts) <= 3 and len(run.acks) <= 3 and len(run.reports) <= 2
     assert 0 < sum(board.report_bytes.values()) <= 50_000
 
@@ -252,5 +252,140 @@ def test_a_finished_runs_page_still_shows_how_it_ended_after_its_state_is_freed(
         assert view["status"]["outcome"] == "finished" and view["status"]["last_step"] == 12
         dom = browser("--dump-dom", f"{ui.url}run/{run}")
         assert '<b class="outcome">finished</b>' in dom and "breaker <b class=\"breaker\">armed</b>" in dom
+    finally:
+        ui.stop()
+
+
+LONG_RUN = "ui-long-1"
+LONG_STEPS, LONG_NAN, LONG_RESTORED = 50_000, 100, 90
+
+
+def _long_run(kafka) -> float:
+    """50,000 steps: a NaN loss at step 100, the trainer back at checkpoint 90 (a rollback:
+    steps 91.. again), KL rising over three decades, a constant entropy. Seconds to log it."""
+    import time
+
+    logger = TrainerLogger(LONG_RUN, kafka, host="ui-test")
+    started = time.perf_counter()
+    try:
+        steps = [*range(1, LONG_NAN + 1), *range(LONG_RESTORED + 1, LONG_STEPS + 1)]
+        for i, step in enumerate(steps):
+            after = i >= LONG_NAN
+            loss = float("nan") if i == LONG_NAN - 1 else 0.5 + 0.01 * (step % 5) - (0.05 if after else 0.0)
+            logger.log({"actor/pg_loss": loss, "actor/kl_loss": 0.001 * 10 ** (3 * step / LONG_STEPS),
+                        "actor/entropy": 1.2}, step)
+            if step == LONG_RESTORED and not after:
+                logger.checkpoint_saved(LONG_RESTORED, "/ckpt/global_step_90")
+    finally:
+        logger.close(30, quiet=True)
+    return time.perf_counter() - started
+
+
+def _polylines(svg: str) -> list[list[tuple[int, int]]]:
+    pts = re.findall(r'<polyline class="series"[^>]*points="([^"]+)"', svg)
+    out = []
+    for p in pts:
+        nums = [int(n) for n in p.split()]
+        out.append(list(zip(nums[0::2], nums[1::2], strict=True)))
+    return out
+
+
+def _plots(dom: str) -> dict[str, str]:
+    return {m.group(1): m.group(0) for m in re.finditer(r'<svg[^>]*class="plot" data-metric="([^"]+)".*?</svg>', dom,
+                                                         re.S)}
+
+
+def _attr_of(svg: str, name: str) -> float:
+    return float(re.search(rf'{name}="([^"]+)"', svg).group(1))
+
+
+def test_a_long_run_with_a_rollback_plots_whole_zooms_to_its_alert_and_never_draws_back(kafka, tmp_path):
+    """A new user's run next to TensorBoard: 50k steps through a real worker, a NaN at step
+    100 and a rollback to 90. The page draws the whole run (downsampled), real axes, the y
+    range within the data (a non-negative metric never below 0, a constant one around its
+    level, KL on a log scale), no line back at the rollback, and zooming to the alert (through
+    the link its row gives) shows it with its id, severity and state."""
+    import time
+
+    worker = WorkerProcess(kafka, tmp_path).start()
+    ui = None
+    try:
+        worker.wait_ready()
+        logged_s = _long_run(kafka)
+        since = time.perf_counter()
+        ui = UiServer(kafka, rules_mod.default(), port=0).start()
+        api = f"{ui.url}api/run/{LONG_RUN}"
+
+        def seen_whole():
+            view = json.loads(_get(api))
+            done = (view["status"] or {}).get("last_step") == LONG_STEPS and view["alerts"] and \
+                max(view["series"].get("actor/pg_loss", {}).get("steps") or [0]) == LONG_STEPS
+            return view if done else None
+
+        view = wait_until(seen_whole, 120, "the worker judging all 50,000 steps and the page reading them")
+        seen_s = time.perf_counter() - since
+    finally:
+        worker.kill()
+    try:
+        alert = next(a for a in view["alerts"] if a["rule"] == "non_finite" and a["step"] == LONG_NAN)
+        loss = view["series"]["actor/pg_loss"]
+        assert len(loss["steps"]) <= 10_000 and min(loss["steps"]) == 1, "the whole run, in bounded memory"
+        assert "nan" in loss["values"], "the NaN survives the downsampling"
+
+        run_url = f"{ui.url}run/{LONG_RUN}"
+        started = time.perf_counter()
+        page = _get(run_url).decode()
+        page_s = time.perf_counter() - started
+        dom = browser("--dump-dom", run_url)
+        plots = _plots(dom)
+        assert {"actor/pg_loss", "actor/kl_loss", "actor/entropy"} <= set(plots)
+        for name, svg in plots.items():
+            assert _attr_of(svg, "data-x0") <= 1 and _attr_of(svg, "data-x1") >= LONG_STEPS, f"{name}: the whole run"
+            assert _attr_of(svg, "data-drawn") <= 2 * 4 * 700, f"{name}: downsampled to the pixels"
+            finite = [v for v in view["series"][name]["values"] if isinstance(v, float)]
+            lo, hi, y0, y1 = min(finite), max(finite), _attr_of(svg, "data-y0"), _attr_of(svg, "data-y1")
+            assert y0 >= 0, f"{name}: a non-negative metric's range stays above 0"
+            if name == "actor/kl_loss":
+                assert 'data-scale="log"' in svg and lo / 2 <= y0 < lo and hi < y1 <= hi * 2, (y0, y1)
+            elif name == "actor/entropy":
+                assert y0 < 1.2 < y1 and y1 - y0 < 0.1, f"a constant metric around its level: {y0}..{y1}"
+                labels = re.findall(r'<text class="tick y"[^>]*>([^<]+)</text>', svg)
+                assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
+            else:
+                span = hi - lo
+                assert lo - 0.1 * span <= y0 <= lo and hi <= y1 <= hi + 0.1 * span, (name, lo, hi, y0, y1)
+            assert len(re.findall(r'<text class="tick x"', svg)) >= 4, "a step axis with ticks"
+
+        # zoom to the alert through its row's link
+        row = re.search(rf'<tr class="alert [^"]*" data-step="{LONG_NAN}" data-alert="([^"]+)">.*?</tr>', dom, re.S)
+        assert row and row.group(1) == alert["id"], "the alert's row with its id"
+        assert "P0" in row.group(0) and ("firing" in row.group(0) or "resolved" in row.group(0))
+        href = re.search(r'class="zoom-to" href="([^"]+)"', row.group(0)).group(1).replace("&amp;", "&")
+        zoomed = browser("--dump-dom", run_url + href)
+        loss_svg = _plots(zoomed)["actor/pg_loss"]
+        assert _attr_of(loss_svg, "data-x0") <= LONG_NAN <= _attr_of(loss_svg, "data-x1") <= LONG_NAN + 100
+        marker = re.search(rf'class="marker alert" data-step="{LONG_NAN}" data-alert="([^"]+)" '
+                           rf'data-severity="([^"]+)" data-state="([^"]+)"', loss_svg)
+        assert marker and marker.groups()[:2] == (alert["id"], "P0"), "the alert, with its id, at its step"
+        assert f'class="nonfinite" data-step="{LONG_NAN}"' in loss_svg
+        assert f'class="marker restart" data-step="{LONG_RESTORED + 1}"' in loss_svg, "where the rollback resumed"
+        segments = re.findall(r'<polyline class="series" data-segment="(\d+)"', loss_svg)
+        assert {"0", "1"} <= set(segments), "the rollback starts a new segment"
+        for svg in [*plots.values(), *_plots(zoomed).values()]:
+            for line in _polylines(svg):
+                xs = [x for x, _ in line]
+                assert xs == sorted(xs), "no line drawn back: x never decreases within a segment"
+        assert 'class="hover" href="?from=' in zoomed, "the value under the cursor, and a click zooms in"
+        print(f"\nlong run: 50k steps logged in {logged_s:.1f} s, judged by the worker and read by the page "
+              f"{seen_s:.1f} s later; the page: {len(page) / 1e3:.0f} kB in {page_s * 1000:.0f} ms")
+
+        shots = ROOT / "out" / "screenshots"
+        shots.mkdir(parents=True, exist_ok=True)
+        for name, url in (("run-page-50k-steps", run_url), ("run-page-50k-zoomed-to-alert", run_url + href)):
+            shot = shots / f"{name}.png"
+            shot.unlink(missing_ok=True)
+            browser(f"--screenshot={shot}", "--window-size=1100,1500", url)
+            assert shot.is_file() and shot.stat().st_size > 10_000
+            SCREENSHOTS.append(shot)
     finally:
         ui.stop()

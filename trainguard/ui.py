@@ -2,19 +2,25 @@
 
 One reader follows the project's topics from their beginning (no consumer group: it disturbs
 nothing): statuses (breaker, open alerts, silences), alerts, commands, acks, diagnosis
-reports, and the metric events of each run, of which it keeps only what a rule watches, the
-last ``max_points`` values per series. Pages are built on request from that memory:
+reports, and the metric events of each run, of which it keeps only what a rule watches, over
+the whole run in at most ``max_points`` points per series (:class:`Series`). Pages are built
+on request from that memory:
 
 - ``/``: the runs, newest first
-- ``/run/<run>``: the run's state, each watched signal as a plot with the rolling baseline
-  band the rules judge against, alerts as markers at their steps and breaker decisions as
-  vertical lines; the alerts, commands and reports
-- ``/run/<run>/report/<report id>``: the diagnosis report page (the reports sink's)
+- ``/run/<run>``: the run's state, each watched signal as a plot by step over the whole run
+  (``?from=&to=`` zooms to those steps) with the rolling baseline band the rules judge
+  against, alerts as markers with their id, severity and state, breaker decisions as vertical
+  lines; the alerts (with silences and acks), commands and acks in time order, and reports
+- ``/run/<run>/report/<report id>``: the diagnosis report page (the reports sink's), its
+  signals plotted from what this page keeps, linked back to the run's page
 - ``/api/run/<run>``: the same as JSON
 
-Plots are SVG written directly, like the report page: no JavaScript and no plotting library,
-so the page works in any browser, can be saved as one file, and the process stays small.
-Pages refresh themselves every few seconds.
+Plots are SVG written on the server (:func:`trainguard.sinks.reports.svg_steps_plot`, shared
+with the report page): real axes, downsampled to the pixels so a 100,000-step run stays quick,
+a new segment where a rollback restored an earlier step, the value under the cursor and
+click-to-zoom in CSS and links. No JavaScript and no plotting library, so the page works in
+any browser and offline, can be saved as one file, and the no-script policy stays. Pages
+refresh themselves every few seconds.
 
 Whoever can write to a topic writes what these pages show, so: each record is decoded strictly
 for the topic it came from (a forged alert on the events topic shows nowhere), a bad one is
@@ -28,7 +34,6 @@ loopback every request needs the token (``TRAINGUARD_UI_TOKEN``, else one made a
 from __future__ import annotations
 
 import hmac
-import html
 import http.cookies
 import ipaddress
 import logging
@@ -38,7 +43,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections import deque
+from array import array
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -46,14 +51,14 @@ import orjson
 
 from trainguard.kafka import KafkaSettings, TopicDecoder, Topics, topic_reader
 from trainguard.schemas import events as ev
-from trainguard.sinks.reports import format_value, is_finite_number
+from trainguard.sinks.reports import PLOT_CSS, _attr, format_value, implicated, svg_steps_plot
 from trainguard.sinks.reports import render_html as render_report
+from trainguard.sinks.reports import shown as _shown
 from trainguard.streams.rules import RuleSet
 
 log = logging.getLogger("trainguard.ui")
 
 REFRESH_S = 5
-_W, _H, _LEFT, _PAD = 720, 200, 64, 18
 
 
 def _text(v, limit: int = 256) -> str:
@@ -98,8 +103,91 @@ class _Run:
         self.commands: dict[str, dict] = {}              # command id -> view
         self.acks: dict[str, dict] = {}                  # command id -> the latest ack's view
         self.reports: dict[str, dict] = {}               # report id -> the report (for its page)
-        self.series: dict[str, tuple[deque, deque]] = {}  # name -> (steps, values)
+        self.series: dict[str, Series] = {}
         self.heard = 0.0
+
+
+class Series:
+    """One signal's values by step over the whole run, in at most ``limit`` points: when full,
+    every two neighbours become one (a non-finite value wins, else the higher and the lower in
+    turn, so the envelope survives) and later values are taken one per ``stride`` the same way.
+    A 100,000-step run keeps one point per 16 steps in 10,000 points; its NaN is never lost. A
+    step lower than the one before (a rollback) closes the bucket, so the new segment starts at
+    the restored step."""
+
+    __slots__ = ("steps", "values", "stride", "limit", "restarts", "_bucket_steps", "_bucket_values", "_last")
+
+    def __init__(self, limit: int):
+        self.steps, self.values = array("q"), array("d")
+        self.stride, self.limit = 1, max(limit, 2)
+        self.restarts: list[tuple[int, int]] = []  # (step before, restored step): the newest 64, exact
+        self._last: int | None = None
+        self._bucket_steps: list[int] = []
+        self._bucket_values: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.steps) + len(self._bucket_steps)
+
+    def add(self, step: int, value: float) -> None:
+        restart = self._last is not None and step <= self._last
+        if restart:
+            self._close()
+            self.restarts = [*self.restarts[-63:], (self._last, step)]
+        self._last = step
+        self._bucket_steps.append(step)
+        self._bucket_values.append(value)
+        if restart or len(self._bucket_steps) >= self.stride:  # a restored step is kept as it is
+            self._close()
+
+    def _close(self) -> None:
+        steps, values = self._bucket_steps, self._bucket_values
+        self._bucket_steps, self._bucket_values = [], []
+        if not steps:
+            return
+        if len(steps) == 1:
+            i = 0
+        else:
+            bad = [j for j, v in enumerate(values) if not math.isfinite(v)]
+            i = bad[0] if bad else values.index(max(values) if len(self.steps) % 2 == 0 else min(values))
+        self.steps.append(steps[i])
+        self.values.append(values[i])
+        if len(self.steps) >= self.limit:
+            self._halve()
+
+    def _halve(self) -> None:
+        n = len(self.steps) // 2 * 2
+        steps = np.frombuffer(self.steps, np.int64)
+        values = np.frombuffer(self.values, np.float64)
+        pairs = values[:n].reshape(-1, 2)
+        bad = ~np.isfinite(pairs)
+        higher = (np.arange(len(pairs)) % 2) == 0
+        pick = np.where(bad.any(1), bad.argmax(1), np.where(higher, np.nanargmax(np.where(bad, -np.inf, pairs), 1),
+                                                            np.nanargmin(np.where(bad, np.inf, pairs), 1)))
+        if len(pick) and not bad[0].any():
+            pick[0] = 0  # the run's first step stays where the plot starts
+        rows = np.arange(len(pairs)) * 2 + pick
+        # a restored step and a non-finite value that lost their pair come back (a few: bounded)
+        keep = np.zeros(len(steps), bool)
+        keep[1:] = steps[1:] <= steps[:-1]
+        keep |= ~np.isfinite(values)
+        keep[rows] = False
+        keep[n:] = False
+        extra = np.flatnonzero(keep)[-(self.limit // 8):]
+        rows = np.union1d(rows, extra)
+        kept_steps = np.concatenate((steps[rows], steps[n:])).tobytes()
+        kept_values = np.concatenate((values[rows], values[n:])).tobytes()
+        del steps, values, pairs  # the arrays' buffers are released before they are replaced
+        self.steps, self.values = array("q"), array("d")
+        self.steps.frombytes(kept_steps)
+        self.values.frombytes(kept_values)
+        self.stride *= 2
+
+    def copy(self) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, values), the open bucket's values included (the newest are shown at once)."""
+        steps = np.concatenate((np.frombuffer(self.steps, np.int64), np.asarray(self._bucket_steps, np.int64)))
+        values = np.concatenate((np.frombuffer(self.values, np.float64),
+                                 np.asarray(self._bucket_values, np.float64)))
+        return steps, values
 
 
 def _bounded_put(table: dict, key, value, limit: int) -> None:
@@ -116,11 +204,11 @@ class Board:
     counted, and one that fails in handling is counted too: nothing read ends the reader.
     Bounded, so that whoever writes to a topic cannot grow it without end: ``max_runs`` runs
     (the least recently heard of go first, with everything kept of them), per run
-    ``max_series`` series of ``max_points`` values, ``max_alerts`` alerts, commands and acks,
-    ``max_reports`` reports, and ``max_report_bytes`` of reports over all runs; the watched-name
-    cache holds ``max_names`` names."""
+    ``max_series`` series of ``max_points`` points over the whole run (:class:`Series`),
+    ``max_alerts`` alerts, commands and acks, ``max_reports`` reports, and ``max_report_bytes``
+    of reports over all runs; the watched-name cache holds ``max_names`` names."""
 
-    def __init__(self, rules: RuleSet, topics: Topics | None = None, *, max_points: int = 2000, max_series: int = 64,
+    def __init__(self, rules: RuleSet, topics: Topics | None = None, *, max_points: int = 10_000, max_series: int = 64,
                  max_runs: int = 200, max_alerts: int = 500, max_reports: int = 20,
                  max_report_bytes: int = 32 << 20, max_names: int = 10_000):
         self.rules = rules
@@ -226,9 +314,8 @@ class Board:
             if entry is None:
                 if len(run.series) >= self.max_series:
                     continue
-                entry = run.series[name] = (deque(maxlen=self.max_points), deque(maxlen=self.max_points))
-            entry[0].append(step)
-            entry[1].append(value)
+                entry = run.series[name] = Series(self.max_points)
+            entry.add(step, value)
 
     def _report(self, run: _Run, run_id: str, report: dict, size: int) -> None:
         if size > self.max_report_bytes:
@@ -272,7 +359,7 @@ class Board:
             commands = list(run.commands.values())
             acks = dict(run.acks)
             reports = [_report_view(r) for r in run.reports.values()]
-            series = {name: (list(steps), list(values)) for name, (steps, values) in run.series.items()}
+            series = {name: (*s.copy(), list(s.restarts)) for name, s in run.series.items()}
             status = run.status
         decisions = {r["command_id"]: r["step"] for r in reports}
         commands = [{**c, "ack": acks.get(c["id"]),
@@ -280,13 +367,19 @@ class Board:
         alerts.sort(key=lambda a: a["ts"])
         reports.sort(key=lambda r: r["ts"])
         return {"run_id": run_id, "status": status, "alerts": alerts, "commands": commands, "reports": reports,
-                "series": {name: {"steps": steps, "values": [v if math.isfinite(v) else str(v) for v in values]}
-                           for name, (steps, values) in series.items()}}
+                "series": {name: {"steps": steps, "values": values, "restarts": restarts}
+                           for name, (steps, values, restarts) in series.items()}}
 
     def run(self, run_id: str) -> dict:
-        """The run as ``/api/run/<run>`` returns it (empty for a run the board does not know)."""
-        return self.snapshot(run_id) or {"run_id": run_id, "status": None, "alerts": [], "commands": [],
-                                         "reports": [], "series": {}}
+        """The run as ``/api/run/<run>`` returns it (empty for a run the board does not know):
+        the snapshot with each series as lists, a non-finite value as its name."""
+        view = self.snapshot(run_id)
+        if view is None:
+            return {"run_id": run_id, "status": None, "alerts": [], "commands": [], "reports": [], "series": {}}
+        view["series"] = {name: {"steps": s["steps"].tolist(), "restarts": s["restarts"],
+                                 "values": [v if math.isfinite(v) else str(v) for v in s["values"].tolist()]}
+                          for name, s in view["series"].items()}
+        return view
 
     def report(self, run_id: str, report_id: str) -> dict | None:
         with self.lock:
@@ -305,12 +398,37 @@ def _status_view(s: dict) -> dict:
             "last_event_ts": s.get("last_event_ts"), "finished": s.get("finished") is True,
             "breaker": {"status": _text(breaker["status"], 64), "rollbacks": breaker["rollbacks"]},
             "open_alerts": len(s["open_alerts"]), "last_healthy_checkpoint_step": _int(ckpt.get("step")),
+            "acknowledged": _acknowledged(s["open_alerts"]), "silences": _silences(s.get("silences")),
             "unwatched_metrics": names,
             "unwatched_more": max(0, len(unwatched) - len(names)) if isinstance(unwatched, list) else 0,
             # a finished run's summary, kept on the status topic after its detection state was freed
             "state_freed": s.get("state_freed") is True,
             "outcome": s.get("outcome") if s.get("outcome") in ("finished", "stopped", "idle") else None,
             "retained_until": s.get("retained_until") if type(s.get("retained_until")) in (int, float) else None}
+
+
+def _acknowledged(open_alerts) -> dict[str, str]:
+    """Open alert id -> who acknowledged it and why, as the page shows it."""
+    out = {}
+    for a in open_alerts[:200] if isinstance(open_alerts, list) else []:
+        ack = a.get("acknowledged") if isinstance(a, dict) else None
+        if isinstance(a.get("id") if isinstance(a, dict) else None, str) and isinstance(ack, dict):
+            reason = f": {_text(ack.get('reason'), 120)}" if ack.get("reason") else ""
+            out[a["id"]] = f"acknowledged by {_text(ack.get('by'), 64) or '?'}{reason}"
+    return out
+
+
+def _silences(silences) -> list[dict]:
+    return [{"id": _text(s.get("id"), 64), "rule": _text(s.get("rule"), 64) or "any rule",
+             "until": _when(s.get("until"))}
+            for s in (silences[:20] if isinstance(silences, list) else []) if isinstance(s, dict)]
+
+
+def _when(ts) -> str:
+    """A record's time as a person reads it (UTC); '?' for one that is no time."""
+    if type(ts) not in (int, float) or not 0 < ts < 1e11:
+        return "?"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts))
 
 
 def _alert_view(a: dict) -> dict:
@@ -351,7 +469,8 @@ def report_for_page(r: dict) -> dict:
             if not {"lower", "upper", "mean"} <= set(evidence):
                 evidence.pop("lower", None)
             alerts.append({**a, "rule": _text(a.get("rule")), "metric": _text(a.get("metric")),
-                           "severity": _text(a.get("severity")), "step": _shown(_value(a.get("step"))),
+                           "severity": _text(a.get("severity")),
+                           "step": a["step"] if _int(a.get("step")) is not None else _shown(_value(a.get("step"))),
                            "evidence": evidence})
     incident = obj(r.get("incident"))
     checkpoint = obj(r.get("checkpoint"))
@@ -405,108 +524,9 @@ def rolling_band(values: np.ndarray, window: int, k: float) -> tuple[np.ndarray,
     return lo, hi
 
 
-def _attr(v) -> str:
-    """Any value as an attribute's or a text's content: formatted, then escaped."""
-    return html.escape(_shown(v), quote=True)
-
-
-def _shown(v) -> str:
-    """A value as a person reads it: 4 significant digits, no Python None."""
-    if v is None:
-        return "-"
-    return format_value(v) if isinstance(v, (int, float)) else str(v)
-
-
-def _points(xs: np.ndarray, ys: np.ndarray) -> str:
-    """SVG points in tenths of a pixel, as whole numbers (drawn inside ``_TENTHS``): formatting
-    integers is what makes a page of 100,000 points quick."""
-    pts = np.empty(2 * len(xs))
-    pts[0::2], pts[1::2] = xs, ys
-    return " ".join(map(str, np.round(pts * 10).astype(np.int64).tolist()))
-
-
-_TENTHS = '<g transform="scale(0.1)">'
-
-
-def svg_steps_plot(name: str, steps: list, values: list, *, band=None, alert_steps=(), decision_steps=()) -> str:
-    """A series by step: the values, the baseline band (a shaded area), non-finite values as
-    red ticks on the top edge, an alert as a red circle at its step, a breaker decision as a
-    dashed vertical line. Every value written is escaped for where it goes; the coordinates
-    are computed for all points at once (a page has dozens of plots of thousands of points)."""
-    vals = np.asarray(values, float)
-    st = np.asarray(steps, float)
-    finite = np.isfinite(vals)
-    extremes = [vals[finite]]
-    if band is not None:
-        band = (np.asarray(band[0], float), np.asarray(band[1], float))
-        extremes += [b[np.isfinite(b)] for b in band]
-    known = np.concatenate(extremes)
-    lo, hi = (float(known.min()), float(known.max())) if len(known) else (0.0, 1.0)
-    if hi - lo < 1e-12:
-        lo, hi = lo - 0.5, hi + 0.5
-    lo, hi = lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo)
-    first, last = (steps[0], steps[-1]) if steps else (0, 1)
-    last = last if last != first else first + 1
-
-    def x(step):
-        return _LEFT + (step - first) / (last - first) * (_W - _LEFT - _PAD)
-
-    def y(v):
-        return _H - _PAD + (lo - v) / (hi - lo) * (_H - 2 * _PAD)
-
-    esc = _attr
-    xs = x(st)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" data-metric="{esc(name)}" width="{_W}" '
-             f'height="{_H}" viewBox="0 0 {_W} {_H}" role="img" aria-label="{esc(name)} by step">',
-             f'<rect x="{_LEFT}" y="{_PAD}" width="{_W - _LEFT - _PAD}" height="{_H - 2 * _PAD}" fill="#fafafa" '
-             f'stroke="#ddd"/>']
-    if band is not None:
-        upper, lower = np.isfinite(band[1]), np.isfinite(band[0])
-        if upper.sum() > 1:
-            points = _points(xs[upper], y(band[1][upper])) + " " + _points(xs[lower][::-1], y(band[0][lower])[::-1])
-            parts.append(f'{_TENTHS}<polygon class="band" points="{points}" fill="#2a7ae2" fill-opacity="0.12">'
-                         f'<title>baseline band</title></polygon></g>')
-    ys = y(np.where(finite, vals, lo))
-    breaks = np.flatnonzero(~finite)
-    lines = [f'<polyline class="series" points="{_points(xs[a:b], ys[a:b])}" fill="none" stroke="#333" '
-             f'stroke-width="12"/>'
-             for a, b in zip(np.concatenate(([0], breaks + 1)), np.concatenate((breaks, [len(vals)])), strict=True)
-             if b - a > 1]
-    if lines:
-        parts.append(_TENTHS + "".join(lines) + "</g>")
-    for i in breaks.tolist():
-        s = steps[i]
-        parts.append(f'<line class="nonfinite" data-step="{esc(s)}" x1="{x(s):.1f}" y1="{_PAD}" x2="{x(s):.1f}" '
-                     f'y2="{_PAD + 10}" stroke="#d62728" stroke-width="2"><title>{esc(str(vals[i]))} at step '
-                     f'{esc(s)}</title></line>')
-    by_step = dict(zip(steps, values, strict=True))
-    for s in sorted(set(decision_steps)):
-        if first <= s <= last:
-            parts.append(f'<line class="marker command" data-step="{esc(s)}" x1="{x(s):.1f}" y1="{_PAD}" '
-                         f'x2="{x(s):.1f}" y2="{_H - _PAD}" stroke="#2a7ae2" stroke-width="1.5" '
-                         f'stroke-dasharray="5 3"><title>breaker decision at step {esc(s)}</title></line>')
-    for s in sorted(set(alert_steps)):
-        v = by_step.get(s)
-        cy = y(v) if is_finite_number(v) else _PAD + 5
-        if first <= s <= last:
-            parts.append(f'<circle class="marker alert" data-step="{esc(s)}" cx="{x(s):.1f}" cy="{cy:.1f}" r="5" '
-                         f'fill="none" stroke="#d62728" stroke-width="2"><title>alert at step {esc(s)}: '
-                         f'{esc(v)}</title></circle>')
-    parts += [f'<text x="{_LEFT}" y="{_PAD - 5}" font-size="13" font-family="sans-serif">{esc(name)}</text>',
-              f'<text x="{_LEFT}" y="{_H - 3}" font-size="11" fill="#666" font-family="sans-serif">step '
-              f'{esc(first)}</text>',
-              f'<text x="{_W - _PAD}" y="{_H - 3}" font-size="11" fill="#666" text-anchor="end" '
-              f'font-family="sans-serif">step {esc(steps[-1] if steps else "")}</text>',
-              f'<text x="{_LEFT - 4}" y="{_PAD + 4}" font-size="11" fill="#666" text-anchor="end" '
-              f'font-family="sans-serif">{esc(hi)}</text>',
-              f'<text x="{_LEFT - 4}" y="{_H - _PAD:.1f}" font-size="11" fill="#666" text-anchor="end" '
-              f'font-family="sans-serif">{esc(lo)}</text>', "</svg>"]
-    return "".join(parts)
-
-
 _STYLE = ("body{font:14px/1.4 sans-serif;margin:1.5em;max-width:64em}table{border-collapse:collapse}"
           "td,th{padding:2px 8px;border-bottom:1px solid #eee;text-align:left}figure{margin:.5em 0}"
-          ".firing{color:#d62728}.resolved{color:#2ca02c}.state{font-size:16px}.meta{color:#666}")
+          ".firing{color:#d62728}.resolved{color:#2ca02c}.state{font-size:16px}.meta{color:#666}" + PLOT_CSS)
 
 
 def _page(title: str, body: str, *, refresh: bool = True) -> str:
@@ -515,10 +535,14 @@ def _page(title: str, body: str, *, refresh: bool = True) -> str:
             f'<style>{_STYLE}</style></head><body>{body}</body></html>\n')
 
 
+def _run_path(run_id: str, *rest: str) -> str:
+    """The path of a run's page (or below it): every part percent-encoded, so it is a path, never
+    a ``javascript:`` URL nor anything that leaves an attribute."""
+    return "/" + "/".join(urllib.parse.quote(p, safe="") for p in ("run", run_id, *rest))
+
+
 def _run_href(run_id: str, *rest: str) -> str:
-    """A link to a run's page (or below it): every part percent-encoded, so it is a path, never a
-    ``javascript:`` URL nor anything that leaves the attribute."""
-    return _attr("/" + "/".join(urllib.parse.quote(p, safe="") for p in ("run", run_id, *rest)))
+    return _attr(_run_path(run_id, *rest))
 
 
 def _skipped_note(board: Board) -> str:
@@ -545,14 +569,66 @@ def render_index(board: Board) -> str:
                                      f'<p class="meta">{board.records} records read</p>{_skipped_note(board)}')
 
 
-def render_run(board: Board, run_id: str, view: dict | None = None) -> str:
-    """The run's page, from ``view`` (a :meth:`Board.snapshot`; taken here when not given)."""
-    view = board.run(run_id) if view is None else view
+def _extent(view: dict) -> tuple[int, int]:
+    """The steps the run's series cover, first to last (0..1 before any)."""
+    spans = [(int(s["steps"].min()), int(s["steps"].max())) for s in view["series"].values() if len(s["steps"])]
+    if not spans:
+        return 0, 1
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def _zoom_href(first: int, last: int) -> str:
+    return f"?from={int(first)}&amp;to={int(last)}"
+
+
+def _zoom_bar(run_id: str, extent: tuple[int, int], shown: tuple[int, int]) -> str:
+    a, b = shown
+    span = max(b - a, 2)
+    links = [(_run_href(run_id), "whole run"), (_zoom_href(a + span // 4, b - span // 4), "zoom in"),
+             (_zoom_href(max(extent[0], a - span // 2), min(extent[1], b + span // 2)), "zoom out"),
+             (_zoom_href(a - span // 2, b - span // 2), "◀ earlier"),
+             (_zoom_href(a + span // 2, b + span // 2), "later ▶")]
+    return (f'<p class="zoom" data-from="{a}" data-to="{b}">steps <b>{a}</b> to <b>{b}</b> of {extent[0]} to '
+            f'{extent[1]}: ' + " · ".join(f'<a href="{href}">{text}</a>' for href, text in links)
+            + ' (click a plot to zoom in there; hover for the value)</p>')
+
+
+def _alerts_by_id(view: dict, status: dict) -> list[dict]:
+    """One entry per alert id, oldest first: its firing record's facts and its state now."""
+    acked = status.get("acknowledged") or {}
+    by_id: dict[str, dict] = {}
+    for a in view["alerts"]:  # oldest first
+        entry = by_id.setdefault(a["id"], {**a, "fired": a["ts"], "resolved_ts": None})
+        if a["status"] == "resolved":
+            entry["resolved_ts"] = a["ts"]
+            entry["state"] = "resolved"
+        else:
+            entry.update({k: a[k] for k in ("step", "value", "metric", "metrics", "severity", "rule")})
+            entry["fired"] = a["ts"]
+        entry.setdefault("state", "firing")
+        entry["silenced"] = entry["silenced"] or a["silenced"]
+    for entry in by_id.values():
+        entry["ack"] = acked.get(entry["id"], "")
+        flags = ", ".join(f for f in ("silenced" if entry["silenced"] else "", entry["ack"]) if f)
+        entry["note"] = (f'{entry["severity"]} {entry["rule"]} {entry["state"]}{", " + flags if flags else ""}: '
+                         f'alert {entry["id"]} at step {_shown(entry["step"])}, {entry["metric"]} = '
+                         f'{_shown(entry["value"])}')
+    return list(by_id.values())
+
+
+def render_run(board: Board, run_id: str, view: dict | None = None, *, x_range: tuple[int, int] | None = None) -> str:
+    """The run's page, from ``view`` (a :meth:`Board.snapshot`; taken here when not given),
+    its plots over the steps ``x_range`` (the whole run by default)."""
+    view = board.snapshot(run_id) if view is None else view
+    if view is None:
+        view = {"run_id": run_id, "status": None, "alerts": [], "commands": [], "reports": [], "series": {}}
     esc = _attr
     status = view["status"] or {}
     breaker = status.get("breaker") or {}
-    firing = [a for a in view["alerts"] if a["status"] == "firing"]
-    decisions = [c["step"] for c in view["commands"] if type(c["step"]) is int]
+    alerts = _alerts_by_id(view, status)
+    decisions = [(c["step"], f'{c["action"]} (command {c["id"]}) at step {c["step"]}: '
+                             f'{(c["ack"] or {}).get("status", "no ack yet")}')
+                 for c in view["commands"] if _int(c["step"]) is not None]
     state = (f'<p class="state">breaker <b class="breaker">{esc(breaker.get("status", "unknown"))}</b>, '
              f'{esc(breaker.get("rollbacks", 0))} rollback(s); last step {esc(status.get("last_step"))}'
              f'{", finished" if status.get("finished") else ""}; newest healthy checkpoint '
@@ -567,41 +643,72 @@ def render_run(board: Board, run_id: str, view: dict | None = None) -> str:
         more = f" (+{status['unwatched_more']} more)" if status.get("unwatched_more") else ""
         state += (f'<p class="unwatched">logged but judged by no rule: {esc(", ".join(unwatched))}{more} (add a '
                   f'rule, or map the name to a signal: docs/rules.md)</p>')
+    silences = status.get("silences") or []
+    if silences:
+        state += ('<p class="silences">silences in force: ' + "; ".join(
+            f'{esc(s["id"])} ({esc(s["rule"])}, until {esc(s["until"])} UTC)' for s in silences) + "</p>")
+    extent = _extent(view)
+    shown_range = x_range or extent
     plots = []
     for name, series in view["series"].items():
-        steps = series["steps"]
-        values = [float(v) for v in series["values"]]  # "nan" / "inf" back to floats
+        steps, values = series["steps"], series["values"]
         metric = name.split(" @")[0]
         base = board.rules.baseline_for(metric)
-        band = rolling_band(np.asarray(values, float), base.window, base.k)
-        alert_steps = [a["step"] for a in firing if metric in a["metrics"] and type(a["step"]) is int]
-        plot = svg_steps_plot(name, steps, values, band=band, alert_steps=alert_steps, decision_steps=decisions)
+        band = rolling_band(values, base.window, base.k)
+        markers = [{**a, "step": a["step"]} for a in alerts if metric in a["metrics"] and _int(a["step"]) is not None]
+        plot = svg_steps_plot(name, steps, values, band=band, x_range=shown_range, alerts=markers,
+                              restarts=series["restarts"],
+                              decisions=decisions, clip_at_zero=base.clip_lower, zoom_href=_zoom_href)
         plots.append(f"<figure>{plot}</figure>")
     alert_rows = "".join(
-        f'<tr class="alert {esc(a["status"])}" data-step="{esc(a["step"])}"><td>{esc(a["step"])}</td>'
-        f'<td>{esc(a["status"])}</td><td>{esc(a["severity"])}</td><td>{esc(a["rule"])}</td>'
-        f'<td>{esc(a["metric"])}</td><td>{esc(a["value"])}</td>'
-        f'<td>{"silenced" if a["silenced"] else ""}</td></tr>' for a in view["alerts"])
+        f'<tr class="alert {esc(a["state"])}" data-step="{esc(a["step"])}" data-alert="{esc(a["id"])}">'
+        f'<td>{esc(a["id"])}</td><td>{esc(_when(a["fired"]))}</td><td>{esc(a["step"])}</td>'
+        f'<td>{esc(a["severity"])}</td><td>{esc(a["rule"])}</td><td>{esc(a["metric"])}</td><td>{esc(a["value"])}</td>'
+        f'<td>{esc(a["state"])}{esc(" " + _when(a["resolved_ts"])) if a["resolved_ts"] else ""}</td>'
+        f'<td>{"silenced" if a["silenced"] else ""}{" " if a["silenced"] and a["ack"] else ""}{esc(a["ack"])}</td>'
+        f'<td>{_alert_zoom(a["step"])}</td></tr>' for a in alerts)
+    timeline = sorted([(c["issued"], "command", c) for c in view["commands"]]
+                      + [(c["ack"]["ts"], "ack", c) for c in view["commands"] if c["ack"]],
+                      key=lambda row: row[0] if type(row[0]) in (int, float) else 0.0)
     command_rows = "".join(
-        f'<tr class="command"><td>{esc(c["step"])}</td><td>{esc(c["action"])}</td>'
-        f'<td>{esc((c["ack"] or {}).get("status", "no ack yet"))}</td><td>{esc(c["detail"])}</td></tr>'
-        for c in view["commands"])
+        f'<tr class="{kind}"><td>{esc(_when(ts))}</td><td>{esc(c["step"])}</td><td>{kind}</td>'
+        f'<td>{esc(c["action"]) if kind == "command" else esc(c["ack"]["status"])}</td><td>{esc(c["id"])}</td>'
+        f'<td>{esc(c["detail"] if kind == "command" else c["ack"]["detail"])}</td></tr>'
+        for ts, kind, c in timeline)
     report_links = "".join(
         f'<li><a class="report" href="{_run_href(run_id, "report", r["id"])}">{esc(r["action"])} at step '
         f'{esc(r["step"])}</a></li>' for r in view["reports"])
     body = (f'<p><a href="/">all runs</a></p><h1>run {esc(run_id)}</h1>{state}'
-            f'<h2>signals</h2><section class="plots">{"".join(plots) or "<p>no watched signal yet</p>"}</section>'
-            f'<h2>alerts</h2><table><tr><th>step</th><th>status</th><th>severity</th><th>rule</th><th>metric</th>'
-            f'<th>value</th><th></th></tr>{alert_rows}</table>'
-            f'<h2>commands</h2><table><tr><th>step</th><th>action</th><th>ack</th><th>detail</th></tr>{command_rows}'
-            f'</table><h2>diagnosis reports</h2><ul>{report_links or "<li>none</li>"}</ul>{_skipped_note(board)}')
+            f'<h2>signals</h2>{_zoom_bar(run_id, extent, shown_range) if plots else ""}'
+            f'<section class="plots">{"".join(plots) or "<p>no watched signal yet</p>"}</section>'
+            f'<h2>alerts</h2><table><tr><th>id</th><th>fired (UTC)</th><th>step</th><th>severity</th><th>rule</th>'
+            f'<th>metric</th><th>value</th><th>state</th><th>silence / ack</th><th></th></tr>{alert_rows}</table>'
+            f'<h2>commands and acks</h2><table><tr><th>time (UTC)</th><th>step</th><th></th><th>action / ack</th>'
+            f'<th>command</th><th>detail</th></tr>{command_rows}</table>'
+            f'<h2>diagnosis reports</h2><ul>{report_links or "<li>none</li>"}</ul>{_skipped_note(board)}')
     return _page(f"trainguard: run {run_id}", body)
 
 
+def _alert_zoom(step) -> str:
+    if _int(step) is None:
+        return ""
+    return f'<a class="zoom-to" href="{_zoom_href(step - 50, step + 50)}">zoom to it</a>'
+
+
 def render_report_page(board: Board, run_id: str, report_id: str) -> str | None:
-    """The diagnosis report's page (the reports sink's), or None for a report the board lacks."""
+    """The diagnosis report's page (the reports sink's), or None for a report the board lacks:
+    its signals plotted from what the board keeps of them, linked to the run's page."""
     report = board.report(run_id, report_id)
-    return None if report is None else render_report(report_for_page(report))
+    if report is None:
+        return None
+    page = report_for_page(report)
+    kept = (board.snapshot(run_id) or {}).get("series", {})
+    series = {}
+    for metric in implicated(page):
+        name = next((n for n in kept if n == metric or n.startswith(metric + " @")), None)
+        if name is not None:
+            series[metric] = (kept[name]["steps"], kept[name]["values"])
+    return render_report(page, run_href=_run_path(run_id), series=series, step=_int(report.get("step")))
 
 
 class Follower(threading.Thread):
@@ -640,6 +747,21 @@ class Follower(threading.Thread):
     def stop(self) -> None:
         self.stopped.set()
         self.join(5)
+
+
+def steps_range(query: str) -> tuple[int, int] | None:
+    """The steps a run page shows, from ``?from=&to=`` (both whole steps, ``from`` below ``to``);
+    None for the whole run. ValueError says what is wrong with them."""
+    given = urllib.parse.parse_qs(query)
+    if "from" not in given and "to" not in given:
+        return None
+    try:
+        first, last = int(given["from"][0]), int(given["to"][0])
+    except (KeyError, ValueError):
+        raise ValueError("?from= and &to= take whole steps, both of them (e.g. ?from=0&to=500)") from None
+    if not (-2**62 < first < last < 2**62):
+        raise ValueError(f"?from={first}&to={last}: from must be below to")
+    return first, last
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -722,7 +844,7 @@ def make_handler(board: Board, access: Access | None = None):
             if set_cookie:
                 self._cookie = f"{TOKEN_COOKIE}={access.token}; Path=/; HttpOnly; SameSite=Strict"
             try:
-                return self._route([urllib.parse.unquote(p) for p in split.path.split("/") if p])
+                return self._route([urllib.parse.unquote(p) for p in split.path.split("/") if p], split.query)
             except Exception as exc:  # a page that cannot be built: say so, keep serving the others
                 cause = type(exc).__name__
                 if cause not in errors_seen:
@@ -731,13 +853,17 @@ def make_handler(board: Board, access: Access | None = None):
                 return self._send(500, f"trainguard ui: this page could not be built ({cause}); the others are "
                                        f"served\n", "text/plain; charset=utf-8")
 
-        def _route(self, parts: list[str]):
+        def _route(self, parts: list[str], query: str = ""):
             if not parts:
                 return self._send(200, render_index(board))
             if len(parts) == 2 and parts[0] == "run":
+                try:
+                    x_range = steps_range(query)
+                except ValueError as exc:
+                    return self._send(400, f"trainguard ui: {exc}\n", "text/plain; charset=utf-8")
                 view = board.snapshot(parts[1])
                 if view is not None:
-                    return self._send(200, render_run(board, parts[1], view))
+                    return self._send(200, render_run(board, parts[1], view, x_range=x_range))
             if len(parts) == 4 and parts[0] == "run" and parts[2] == "report":
                 page = render_report_page(board, parts[1], parts[3])
                 if page is not None:
