@@ -13,29 +13,41 @@ import pytest
 from tests.conftest import SCREENSHOTS
 from tests.integration import browser
 from tests.test_engine import run_sim
-from trainguard.sinks.reports import ReportSink
+from trainguard.sinks.reports import ReportSink, implicated
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
-def _report_page(fault: str, tmp_path: Path) -> Path:
+UI_URL = "http://trainguard.internal:8321"
+
+
+def _report_page(fault: str, tmp_path: Path) -> tuple[Path, dict]:
     """The HTML report of the engine's first decision on a simulated run with ``fault``."""
     outputs = run_sim(Engine(rules_mod.default()), fault, obey=False, steps=120)
     reports = [o.value for _, o in outputs if o.kind == "report"]
     assert reports, f"the {fault} fault made no decision"
-    sink = ReportSink(tmp_path / "reports")
+    sink = ReportSink(tmp_path / "reports", ui_url=UI_URL)
     sink.write(reports[:1])
     page = sink.path_for(reports[0]).with_suffix(".html")
     assert page.is_file()
-    return page
+    return page, reports[0]
 
 
 @pytest.mark.parametrize("fault", ["kl_explosion", "nan_loss"])
 def test_the_report_page_plots_the_implicated_signals_up_to_the_decision(fault, tmp_path):
-    page = _report_page(fault, tmp_path)
+    page, report = _report_page(fault, tmp_path)
     dom = browser("--dump-dom", page.as_uri())
     plots = re.findall(r'<svg[^>]*class="plot"[^>]*data-metric="([^"]+)"', dom)
     assert plots, "a plot per metric window"
+    missing = re.findall(r'<p class="missing">([^:<]+):', dom)
+    assert sorted(plots + missing) == sorted(implicated(report)) and len(plots) >= len(report["windows"]), \
+        "every implicated signal: plotted, or said to have no values"
+    for svg in re.findall(r'<svg[^>]*class="plot".*?</svg>', dom, re.S):
+        x0, x1 = (float(v) for v in re.search(r'data-x0="([^"]+)" data-x1="([^"]+)"', svg).groups())
+        assert x0 < report["step"] <= x1 and x0 > 0, f"the step axis around the decision at {report['step']}"
+        assert len(re.findall(r'class="tick x"', svg)) >= 3, "ticks on the step axis"
+        assert f'class="marker command" data-step="{report["step"]}"' in svg, "the decision at its step"
+    assert f'class="run" href="{UI_URL}/run/{report["run_id"]}"' in dom, "a link back to the run's page"
     assert dom.count('class="series"') >= 1, "each plot draws the values"
     assert "decision: <b>ROLLBACK</b>" in dom or "decision: <b>STOP</b>" in dom
     if fault == "nan_loss":
