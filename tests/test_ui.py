@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.conftest import SCREENSHOTS
@@ -145,6 +146,8 @@ def test_pages_answer_only_their_own_host_and_need_the_token_beyond_loopback(kaf
         assert code == 403, "a page on another site whose name now points here reads nothing"
         assert "script-src" not in headers.get("Content-Security-Policy", "x") and \
             "default-src 'none'" in headers["Content-Security-Policy"]
+        for bad in ("from=a&to=9", "from=9&to=3", "from=3"):
+            assert _status_of(f"{local.url}run/{RUN}?{bad}", {})[0] == 400, f"?{bad}: a clear error, not a page"
     finally:
         local.stop()
 
@@ -389,3 +392,65 @@ def test_a_long_run_with_a_rollback_plots_whole_zooms_to_its_alert_and_never_dra
             SCREENSHOTS.append(shot)
     finally:
         ui.stop()
+
+
+def test_a_series_keeps_the_whole_run_its_nan_and_its_rollback_within_its_limit():
+    """100,000 steps with a NaN and a rollback in 1,000 points; whoever writes steps that always
+    go back, or only NaN, cannot grow it past its limit."""
+    import math
+
+    from trainguard.ui import Series
+
+    series = Series(1000)
+    for step in [*range(1, 101), *range(91, 100_001)]:
+        series.add(step, math.nan if step == 100 and not series.restarts else 0.5 + 0.01 * (step % 7))
+    steps, values = series.copy()
+    assert len(series) <= 1000 and steps[0] == 1 and steps[-1] == 100_000, "the whole run, bounded"
+    assert steps[np.isnan(values)].tolist() == [100], "the NaN survives every merge"
+    back = np.flatnonzero(np.diff(steps) <= 0)
+    assert steps[back + 1].tolist() == [91] and series.restarts == [(100, 91)], "the restored step is kept"
+    assert np.nanmin(values) == 0.5 and np.nanmax(values) == pytest.approx(0.56), "the envelope survives"
+
+    for hostile in ((lambda i: -i, math.nan), (lambda i: i % 3, 1.0)):
+        series = Series(1000)
+        for i in range(50_000):
+            series.add(hostile[0](i), hostile[1])
+        assert len(series) <= 1000 and len(series.restarts) <= 64
+
+
+def test_the_run_page_shows_who_acknowledged_an_alert_and_the_silences_in_force():
+    import orjson
+
+    from trainguard.kafka import Topics
+    from trainguard.schemas import events as ev
+    from trainguard.ui import Board, render_run
+
+    topics = Topics()
+    board = Board(rules_mod.default(), topics)
+    alert = {"schema": ev.ALERT, "id": "a-41", "run_id": "r", "rule": "non_finite", "severity": "P0",
+             "status": "firing", "ts": 1.7e9, "step": 41, "metric": "actor/pg_loss", "value": "nan",
+             "onset": {"ts": 1.7e9}, "evidence": {}, "silenced": True}
+    status = {"schema": ev.STATUS, "run_id": "r", "ts": 1.7e9, "breaker": {"status": "armed", "rollbacks": 0},
+              "open_alerts": [{"rule": "non_finite", "id": "a-41", "step": 41,
+                               "acknowledged": {"by": "alice", "reason": "known bad shard", "ts": 1.7e9}}],
+              "silences": [{"id": "s-1", "rule": "non_finite", "until": 1.7e9 + 3600}]}
+    board.take(topics.alerts, b"r", orjson.dumps(alert))
+    board.take(topics.status, b"r", orjson.dumps(status))
+    assert board.skipped()[0] == 0, board.skipped()
+    text = _text_of(render_run(board, "r"))
+    assert "a-41" in text and "2023-11-14 22:13:20" in text, "the alert's id and when it fired (UTC)"
+    assert "silenced" in text and "acknowledged by alice: known bad shard" in text
+    assert "silences in force: s-1 (non_finite, until 2023-11-14 23:13:20 UTC)" in text
+
+
+def test_negative_steps_and_a_rollback_stay_inside_the_frame_and_go_forward():
+    from trainguard.sinks.reports import svg_steps_plot
+
+    steps = [*range(-20, 31), *range(10, 41)]
+    svg = svg_steps_plot("m", steps, [float(s % 4) for s in steps], clip_at_zero=True)
+    lines = _polylines(svg)
+    assert len(lines) == 2, "two segments: before and after the rollback to step 10"
+    for line in lines:
+        xs = [x / 10 for x, _ in line]
+        assert xs == sorted(xs) and all(64 <= x <= 720 - 28 for x in xs), "forward, inside the frame"
+    assert _attr_of(svg, "data-x0") == -20 and _attr_of(svg, "data-y0") == 0

@@ -163,13 +163,13 @@ class Series:
         higher = (np.arange(len(pairs)) % 2) == 0
         pick = np.where(bad.any(1), bad.argmax(1), np.where(higher, np.nanargmax(np.where(bad, -np.inf, pairs), 1),
                                                             np.nanargmin(np.where(bad, np.inf, pairs), 1)))
-        if len(pick) and not bad[0].any():
-            pick[0] = 0  # the run's first step stays where the plot starts
         rows = np.arange(len(pairs)) * 2 + pick
-        # a restored step and a non-finite value that lost their pair come back (a few: bounded)
+        # the first step (where the plot starts), a restored step and a non-finite value that
+        # lost their pair come back (a few: bounded)
         keep = np.zeros(len(steps), bool)
         keep[1:] = steps[1:] <= steps[:-1]
         keep |= ~np.isfinite(values)
+        keep[0] = True
         keep[rows] = False
         keep[n:] = False
         extra = np.flatnonzero(keep)[-(self.limit // 8):]
