@@ -222,7 +222,7 @@ def longest_stall(series: list[tuple[float, float]]) -> float:
 
 def fleet(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 32, runs: int = 64, nodes: int = 4,
           rate: float = 800.0, counts: tuple[int, ...] = (1, 2, 4), window_s: float = 20.0, settle_s: float = 4.0,
-          fault_every_s: float = 1.0, leave: bool = True) -> dict:
+          fault_every_s: float = 1.0, leave: bool = True, catch_up_s: float = 60.0) -> dict:
     from tests.integration import WorkerProcess
 
     settings = fresh_settings(bootstrap, partitions, "fleet")
@@ -247,6 +247,8 @@ def fleet(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 32, 
     per_cpu: dict[str, float] = {}
     eps: dict[str, float] = {}
     pauses: list[tuple[str, float]] = []
+    window_lag: dict[str, int] = {}
+    catch_ups: dict[str, float] = {}
     in_window: set[str] = set()
 
     def settled(since: float, names: list[str], timeout: float = 90.0) -> float:
@@ -262,6 +264,19 @@ def fleet(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 32, 
             time.sleep(0.25)
         raise RuntimeError(f"fleet: workers {names} did not all handle events within {timeout:.0f}s")
 
+    def caught_up(since: float, timeout: float) -> float:
+        """Until a lag read after ``since`` is under 5 s of load (the committed offsets trail
+        what was handled by up to a commit interval); the seconds that took."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            recent = [v for t, v in lag.samples if t > since]
+            if recent and recent[-1] < 5 * rate:
+                return time.time() - since
+            time.sleep(0.25)
+        progress(f"  fleet: the group had not caught up within {timeout:.0f}s (lag {lag.samples[-1][1]} events): "
+                 f"measuring anyway")
+        return float("nan")
+
     def add_workers(n: int) -> None:
         new = []
         for _ in range(n):
@@ -274,6 +289,7 @@ def fleet(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 32, 
             w.wait_ready(90)
         workers.extend(new)
 
+    began = time.time()
     try:
         for t in threads:
             t.start()
@@ -285,6 +301,7 @@ def fleet(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 32, 
             if count != counts[0]:
                 pauses.append((f"join to {count}", longest_stall(scraper.total(change))))
                 progress(f"  {count} workers: no event handled for {pauses[-1][1]:.2f}s while they joined")
+            catch_up = caught_up(done, catch_up_s)
             time.sleep(settle_s)
             before = scraper.sample()
             cpu0 = {w.name: cpu_seconds(w.proc.pid) for w in workers}
@@ -301,9 +318,11 @@ def fleet(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 32, 
             handled = sum(after.get(n, 0) - before.get(n, 0) for n in names)
             per_cpu[str(count)] = handled / cpu if cpu > 0 else float("nan")
             eps[str(count)] = handled / (time.time() - t0)
+            window_lag[str(count)] = max((v for t, v in lag.samples if t >= t0), default=0)
+            catch_ups[str(count)] = catch_up
             progress(f"  {count} worker(s): {eps[str(count)]:.0f} events/s handled, {cpu / window_s:.2f} cores, "
-                     f"{per_cpu[str(count)]:.0f} events per worker CPU-second (settled {done - change:.1f}s after "
-                     f"the change)")
+                     f"{per_cpu[str(count)]:.0f} events per worker CPU-second, lag up to {window_lag[str(count)]} "
+                     f"(all handling {done - change:.1f}s after the change, caught up {catch_up:.1f}s later)")
         if leave and len(workers) > 1:
             gone = workers[-1]
             change = time.time()
@@ -329,6 +348,8 @@ def fleet(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 32, 
         "scale_pauses_s": {name: round(p, 2) for name, p in pauses},
         "scale_max_lag_events": max(lags, default=0),
         "scale_max_lag_s": max(lags, default=0) / producer.rate,
+        "scale_window_max_lag_events": window_lag, "scale_catch_up_s": catch_ups,
+        "scale_produced_events_per_s": producer.sent / max(time.time() - began, 1e-9),
         "scale_alert_latency_p50_ms": percentile(latency, 50),
         "scale_alert_latency_p99_ms": percentile(latency, 99),
         "scale_alerts_measured": len(latency), "scale_faults_sent": len([r for r in in_window if r in sent]),
@@ -386,6 +407,7 @@ def main(argv=None) -> int:
     import json
 
     import workload
+    from trainguard.schemas.signing import ensure_key
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8 partitions, 16 runs, 1 and 2 workers, short windows")
@@ -395,6 +417,7 @@ def main(argv=None) -> int:
     log_dir = ROOT / "out" / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)
     steps = Steps()
+    ensure_key("bench")  # commands signed, as in production
     try:
         cluster = workload.start_kafka()
         if cluster is None:
@@ -408,11 +431,11 @@ def main(argv=None) -> int:
 
 def run(bootstrap: str, steps: Steps, log_dir: Path, quick: bool, rate: float | None = None) -> dict:
     if quick:
-        out = fleet(bootstrap, steps, log_dir, partitions=8, runs=16, nodes=2, rate=rate or 300, counts=(1, 2),
-                    window_s=5.0, settle_s=1.0, leave=False)
+        out = fleet(bootstrap, steps, log_dir, partitions=8, runs=16, nodes=2, rate=rate or 200, counts=(1, 2),
+                    window_s=5.0, settle_s=1.0, leave=False, catch_up_s=20.0)
         out.update(hot_run(bootstrap, steps, log_dir, ranks=1024, n_steps=10, partitions=8, measure_s=10.0))
     else:
-        out = fleet(bootstrap, steps, log_dir, rate=rate or 800)
+        out = fleet(bootstrap, steps, log_dir, rate=rate or 400)
         out.update(hot_run(bootstrap, steps, log_dir))
     return out
 
