@@ -88,6 +88,10 @@ def test_the_run_page_shows_signals_alert_decision_and_report(kafka, tmp_path):
         report_link = dom.split('class="report" href="', 1)[1].split('"', 1)[0]
         report_dom = browser("--dump-dom", ui.url.rstrip("/") + report_link)
         assert "decision: <b>ROLLBACK</b>" in report_dom
+        assert f'class="run" href="/run/{RUN}"' in report_dom, "the report links back to the run's page"
+        loss_plot = _plots(report_dom)["actor/pg_loss"]
+        assert _attr_of(loss_plot, "data-x0") < NAN_STEP <= _attr_of(loss_plot, "data-x1"), "on the step axis"
+        assert f'class="marker alert" data-step="{NAN_STEP}"' in loss_plot
         for page in (dom, report_dom):
             text = _text_of(page)
             assert not re.search(r"(step|=|:|^)\s*None\b", text, re.M), "no Python None where a value goes"
@@ -334,6 +338,7 @@ def test_a_long_run_with_a_rollback_plots_whole_zooms_to_its_alert_and_never_dra
         loss = view["series"]["actor/pg_loss"]
         assert len(loss["steps"]) <= 10_000 and min(loss["steps"]) == 1, "the whole run, in bounded memory"
         assert "nan" in loss["values"], "the NaN survives the downsampling"
+        assert loss["stride"] > 1 and len(loss["steps"]) >= LONG_STEPS / loss["stride"] / 2
 
         run_url = f"{ui.url}run/{LONG_RUN}"
         started = time.perf_counter()
@@ -342,6 +347,7 @@ def test_a_long_run_with_a_rollback_plots_whole_zooms_to_its_alert_and_never_dra
         dom = browser("--dump-dom", run_url)
         plots = _plots(dom)
         assert {"actor/pg_loss", "actor/kl_loss", "actor/entropy"} <= set(plots)
+        assert f"keeps one value per {loss['stride']} logged" in dom, "the page says it keeps fewer points"
         for name, svg in plots.items():
             assert _attr_of(svg, "data-x0") <= 1 and _attr_of(svg, "data-x1") >= LONG_STEPS, f"{name}: the whole run"
             assert _attr_of(svg, "data-drawn") <= 2 * 4 * 700, f"{name}: downsampled to the pixels"

@@ -359,7 +359,7 @@ class Board:
             commands = list(run.commands.values())
             acks = dict(run.acks)
             reports = [_report_view(r) for r in run.reports.values()]
-            series = {name: (*s.copy(), list(s.restarts)) for name, s in run.series.items()}
+            series = {name: (*s.copy(), list(s.restarts), s.stride) for name, s in run.series.items()}
             status = run.status
         decisions = {r["command_id"]: r["step"] for r in reports}
         commands = [{**c, "ack": acks.get(c["id"]),
@@ -367,8 +367,8 @@ class Board:
         alerts.sort(key=lambda a: a["ts"])
         reports.sort(key=lambda r: r["ts"])
         return {"run_id": run_id, "status": status, "alerts": alerts, "commands": commands, "reports": reports,
-                "series": {name: {"steps": steps, "values": values, "restarts": restarts}
-                           for name, (steps, values, restarts) in series.items()}}
+                "series": {name: {"steps": steps, "values": values, "restarts": restarts, "stride": stride}
+                           for name, (steps, values, restarts, stride) in series.items()}}
 
     def run(self, run_id: str) -> dict:
         """The run as ``/api/run/<run>`` returns it (empty for a run the board does not know):
@@ -376,7 +376,7 @@ class Board:
         view = self.snapshot(run_id)
         if view is None:
             return {"run_id": run_id, "status": None, "alerts": [], "commands": [], "reports": [], "series": {}}
-        view["series"] = {name: {"steps": s["steps"].tolist(), "restarts": s["restarts"],
+        view["series"] = {name: {"steps": s["steps"].tolist(), "restarts": s["restarts"], "stride": s["stride"],
                                  "values": [v if math.isfinite(v) else str(v) for v in s["values"].tolist()]}
                           for name, s in view["series"].items()}
         return view
@@ -577,11 +577,15 @@ def _extent(view: dict) -> tuple[int, int]:
     return min(a for a, _ in spans), max(b for _, b in spans)
 
 
+def _stride(view: dict) -> int:
+    return max((s["stride"] for s in view["series"].values()), default=1)
+
+
 def _zoom_href(first: int, last: int) -> str:
     return f"?from={int(first)}&amp;to={int(last)}"
 
 
-def _zoom_bar(run_id: str, extent: tuple[int, int], shown: tuple[int, int]) -> str:
+def _zoom_bar(run_id: str, extent: tuple[int, int], shown: tuple[int, int], stride: int) -> str:
     a, b = shown
     span = max(b - a, 2)
     links = [(_run_href(run_id), "whole run"), (_zoom_href(a + span // 4, b - span // 4), "zoom in"),
@@ -590,7 +594,9 @@ def _zoom_bar(run_id: str, extent: tuple[int, int], shown: tuple[int, int]) -> s
              (_zoom_href(a + span // 2, b + span // 2), "later ▶")]
     return (f'<p class="zoom" data-from="{a}" data-to="{b}">steps <b>{a}</b> to <b>{b}</b> of {extent[0]} to '
             f'{extent[1]}: ' + " · ".join(f'<a href="{href}">{text}</a>' for href, text in links)
-            + ' (click a plot to zoom in there; hover for the value)</p>')
+            + ' (click a plot to zoom in there; hover for the value)</p>'
+            + (f'<p class="meta stride">a long run: this page keeps one value per {stride} logged (a NaN and a '
+               f'rollback always), the newest at once</p>' if stride > 1 else ""))
 
 
 def _alerts_by_id(view: dict, status: dict) -> list[dict]:
@@ -679,7 +685,7 @@ def render_run(board: Board, run_id: str, view: dict | None = None, *, x_range: 
         f'<li><a class="report" href="{_run_href(run_id, "report", r["id"])}">{esc(r["action"])} at step '
         f'{esc(r["step"])}</a></li>' for r in view["reports"])
     body = (f'<p><a href="/">all runs</a></p><h1>run {esc(run_id)}</h1>{state}'
-            f'<h2>signals</h2>{_zoom_bar(run_id, extent, shown_range) if plots else ""}'
+            f'<h2>signals</h2>{_zoom_bar(run_id, extent, shown_range, _stride(view)) if plots else ""}'
             f'<section class="plots">{"".join(plots) or "<p>no watched signal yet</p>"}</section>'
             f'<h2>alerts</h2><table><tr><th>id</th><th>fired (UTC)</th><th>step</th><th>severity</th><th>rule</th>'
             f'<th>metric</th><th>value</th><th>state</th><th>silence / ack</th><th></th></tr>{alert_rows}</table>'
