@@ -526,7 +526,8 @@ def rolling_band(values: np.ndarray, window: int, k: float) -> tuple[np.ndarray,
 
 _STYLE = ("body{font:14px/1.4 sans-serif;margin:1.5em;max-width:64em}table{border-collapse:collapse}"
           "td,th{padding:2px 8px;border-bottom:1px solid #eee;text-align:left}figure{margin:.5em 0}"
-          ".firing{color:#d62728}.resolved{color:#2ca02c}.state{font-size:16px}.meta{color:#666}" + PLOT_CSS)
+          ".firing{color:#d62728}.resolved{color:#2ca02c}.state{font-size:16px}.meta{color:#666}"
+          ".when{white-space:nowrap}" + PLOT_CSS)
 
 
 def _page(title: str, body: str, *, refresh: bool = True) -> str:
@@ -595,8 +596,8 @@ def _zoom_bar(run_id: str, extent: tuple[int, int], shown: tuple[int, int], stri
     return (f'<p class="zoom" data-from="{a}" data-to="{b}">steps <b>{a}</b> to <b>{b}</b> of {extent[0]} to '
             f'{extent[1]}: ' + " · ".join(f'<a href="{href}">{text}</a>' for href, text in links)
             + ' (click a plot to zoom in there; hover for the value)</p>'
-            + (f'<p class="meta stride">a long run: this page keeps one value per {stride} logged (a NaN and a '
-               f'rollback always), the newest at once</p>' if stride > 1 else ""))
+            + (f'<p class="meta stride">a long run: this page keeps one value per {stride} logged, and every NaN '
+               f'and every rollback\'s restored step</p>' if stride > 1 else ""))
 
 
 def _alerts_by_id(view: dict, status: dict) -> list[dict]:
@@ -668,7 +669,7 @@ def render_run(board: Board, run_id: str, view: dict | None = None, *, x_range: 
         plots.append(f"<figure>{plot}</figure>")
     alert_rows = "".join(
         f'<tr class="alert {esc(a["state"])}" data-step="{esc(a["step"])}" data-alert="{esc(a["id"])}">'
-        f'<td>{esc(a["id"])}</td><td>{esc(_when(a["fired"]))}</td><td>{esc(a["step"])}</td>'
+        f'<td>{esc(a["id"])}</td><td class="when">{esc(_when(a["fired"]))}</td><td>{esc(a["step"])}</td>'
         f'<td>{esc(a["severity"])}</td><td>{esc(a["rule"])}</td><td>{esc(a["metric"])}</td><td>{esc(a["value"])}</td>'
         f'<td>{esc(a["state"])}{esc(" " + _when(a["resolved_ts"])) if a["resolved_ts"] else ""}</td>'
         f'<td>{"silenced" if a["silenced"] else ""}{" " if a["silenced"] and a["ack"] else ""}{esc(a["ack"])}</td>'
@@ -677,7 +678,7 @@ def render_run(board: Board, run_id: str, view: dict | None = None, *, x_range: 
                       + [(c["ack"]["ts"], "ack", c) for c in view["commands"] if c["ack"]],
                       key=lambda row: row[0] if type(row[0]) in (int, float) else 0.0)
     command_rows = "".join(
-        f'<tr class="{kind}"><td>{esc(_when(ts))}</td><td>{esc(c["step"])}</td><td>{kind}</td>'
+        f'<tr class="{kind}"><td class="when">{esc(_when(ts))}</td><td>{esc(c["step"])}</td><td>{kind}</td>'
         f'<td>{esc(c["action"]) if kind == "command" else esc(c["ack"]["status"])}</td><td>{esc(c["id"])}</td>'
         f'<td>{esc(c["detail"] if kind == "command" else c["ack"]["detail"])}</td></tr>'
         for ts, kind, c in timeline)
