@@ -91,6 +91,11 @@ SETTINGS: tuple[Setting, ...] = (
             "how long a silent worker or sinks process keeps its partitions before another takes them "
             "(Kafka refuses < 6 s by default; the embedded broker's join waits half of it)"),
     Setting("TRAINGUARD_STANDBY_REPLICAS", "0", _WORKER, "standby copies of each table partition on other workers"),
+    Setting("TRAINGUARD_REPLICATION_FACTOR", "1", _WORKER,
+            "copies of each changelog topic the worker creates; a cluster's own (3) in production, so a lost "
+            "broker takes no table partition"),
+    Setting("TRAINGUARD_PROCESSING_GUARANTEE", "at_least_once", _WORKER,
+            "`exactly_once`: Faust's transactions (Apache Kafka only; see docs/reliability.md)"),
     Setting("TRAINGUARD_BULK_LANE", "1", _WORKER, "`0`: Faust's agent path instead of the bulk lane (to compare)"),
     Setting("TRAINGUARD_FETCH_MAX_WAIT_MS", "20", _WORKER, "how long a fetch waits for data (Faust fixes 1500)"),
     Setting("TRAINGUARD_PROMETHEUS_PORT", None, "worker, sinks",
