@@ -27,8 +27,16 @@ from trainguard.schemas import events as ev
 METRICS = 50
 
 
+# A started broker every scenario that does not stop the broker itself runs on instead of an
+# embedded one of its own: `make chaos` sets its Apache Kafka cluster here (chaos/cluster.py).
+SHARED_BROKER = None
+
+
 @contextmanager
 def broker_on(port: int, partitions: int = 4):
+    if SHARED_BROKER is not None:
+        yield SHARED_BROKER
+        return
     broker = EmbeddedBroker(port=port, partitions=partitions, topics=False).start()
     try:
         yield broker
@@ -37,7 +45,8 @@ def broker_on(port: int, partitions: int = 4):
 
 
 def _settings(port: int, partitions: int = 4) -> KafkaSettings:
-    return KafkaSettings(bootstrap=f"127.0.0.1:{port}", partitions=partitions,
+    bootstrap = SHARED_BROKER.bootstrap if SHARED_BROKER is not None else f"127.0.0.1:{port}"
+    return KafkaSettings(bootstrap=bootstrap, partitions=partitions,
                          topics=Topics.with_prefix(f"chaos{uuid.uuid4().hex[:6]}"))
 
 
