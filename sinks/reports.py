@@ -94,7 +94,7 @@ def shown(v) -> str:
     return format_value(v) if isinstance(v, (int, float)) else str(v)
 
 
-def _attr(v) -> str:
+def attr(v) -> str:
     """Any value as an attribute's or a text's content: formatted, then escaped."""
     return html.escape(shown(v), quote=True)
 
@@ -203,7 +203,7 @@ def svg_steps_plot(name: str, steps, values, *, band=None, x_range=None, alerts=
     decades or more (``log_scale`` forces it either way). Hovering shows the value under the
     cursor; with ``zoom_href(first, last)`` a click zooms in there. Every value written is
     escaped for where it goes."""
-    esc = _attr
+    esc = attr
     st = np.asarray(steps, float)
     vals = np.asarray(values, float)
     seg = np.concatenate(([0], np.cumsum(np.diff(st) <= 0))) if len(st) else np.zeros(0, np.int64)
@@ -360,7 +360,7 @@ def _hover(st, kv, xs, ys, x0, x1, top, bottom, zoom_href) -> str:
         readout = (f'<g class="cursor"><line x1="{cx:.1f}" y1="{top}" x2="{cx:.1f}" y2="{bottom}" stroke="#888"/>'
                    f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3.5" fill="#333"/>'
                    f'<text class="readout" x="{cx + (-6 if right_side else 6):.1f}" y="{top + 14}" font-size="12" '
-                   f'text-anchor="{"end" if right_side else "start"}">step {_attr(s)}: {_attr(float(v))}</text></g>')
+                   f'text-anchor="{"end" if right_side else "start"}">step {attr(s)}: {attr(float(v))}</text></g>')
         cell = f'<rect x="{left:.1f}" y="{top}" width="{cw:.1f}" height="{bottom - top}" fill="#fff" fill-opacity="0"/>'
         if zoom_href is None:
             out.append(f'<g class="hover">{cell}{readout}</g>')

@@ -51,7 +51,8 @@ import orjson
 
 from trainguard.kafka import KafkaSettings, TopicDecoder, Topics, topic_reader
 from trainguard.schemas import events as ev
-from trainguard.sinks.reports import PLOT_CSS, _attr, format_value, implicated, svg_steps_plot
+from trainguard.sinks.reports import PLOT_CSS, format_value, implicated, svg_steps_plot
+from trainguard.sinks.reports import attr as _attr
 from trainguard.sinks.reports import render_html as render_report
 from trainguard.sinks.reports import shown as _shown
 from trainguard.streams.rules import RuleSet
