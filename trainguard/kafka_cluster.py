@@ -219,7 +219,7 @@ class KafkaCluster:
                 list(pool.map(self._format, self.nodes))
             for node in self.nodes:
                 self.start_node(node.node_id)
-            self._wait_ready(timeout - (time.monotonic() - began))
+            self.wait_ready(timeout - (time.monotonic() - began))
             if self.create:
                 create_topics(self.settings())
         except BaseException:
@@ -261,8 +261,8 @@ class KafkaCluster:
         else:
             stop_process(proc, timeout=timeout)
 
-    def _wait_ready(self, timeout: float) -> None:
-        """Until every node is a broker in the metadata an AdminClient gets."""
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until every node is a broker in the metadata an AdminClient gets (after ``start_node`` too)."""
         from confluent_kafka.admin import AdminClient
 
         deadline = time.monotonic() + max(timeout, 1.0)
