@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.integration,
 
 # Kill to the next page, the target docs/reliability.md sets. The embedded broker takes 8.3-8.8 s
 # for a static member (it pauses 3 s on every static join and sync) and about 5-6 s for a dynamic
-# one; Apache Kafka makes neither wait (measured: 2.0-2.8 s and 0.9-1.0 s, the worker's own start).
+# one; Apache Kafka makes neither wait (measured: 2.0-2.8 s and 0.9-2.1 s, the worker's own start).
 WITHIN_S = 5.0
 
 
