@@ -68,8 +68,10 @@ bench: setup kafka
 scale: setup kafka
 	$(BIN)/python benchmarks/fleet.py
 
-chaos: setup
-	$(BIN)/python chaos/run.py
+# Faults on a three-node Apache Kafka cluster (the embedded broker for the scenarios that restart
+# it themselves): docs/reliability.md. CHAOS_ARGS: e.g. --quick, --only broker_kill,election.
+chaos: setup kafka
+	$(BIN)/python chaos/run.py $(CHAOS_ARGS)
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

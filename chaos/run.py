@@ -3,7 +3,26 @@
 
     python chaos/run.py [--quick] [--only broker_restart,close,listener]
 
-Scenarios (``chaos/scenarios.py``), each on its own embedded broker on loopback:
+Scenarios (``chaos/scenarios.py``, ``chaos/cluster.py``) run on a three-node Apache Kafka cluster
+on loopback (``make kafka``; replication factor 3, min.insync.replicas 2), all but those that stop
+or restart the broker themselves and need the embedded broker's memory storage or its port
+(``broker_restart``, ``close``, ``shutdown``, ``listener_reset``): each of those has an embedded
+broker of its own. Without the Kafka jars (or with ``--broker tansu``) every scenario runs on an
+embedded broker and the cluster's own scenarios are left out.
+
+On the cluster (``chaos/cluster.py``):
+
+- ``broker_kill``: the node leading a run's events partition killed with -9 while the run logs
+  200 steps a second and a worker judges it (NaNs paged before, during the election and after),
+  down 20 s, started again; a sinks process pages a real HTTP receiver.
+- ``cluster_restart``: every node killed with -9 and started with its storage kept; a new worker
+  restores its state from the changelogs: events judged twice, the rollback target after.
+- ``election``: the worker and the leader of its run's partition killed together; kill to the
+  next page with static membership (``TRAINGUARD_INSTANCE_ID``) and without.
+- ``exactly_once``: Faust's ``processing_guarantee="exactly_once"`` beside the default: whether it
+  works, events a second, NaN alerts published twice across a kill -9.
+
+On the embedded broker or the cluster:
 
 - ``broker_restart``: a loop logs 50-metric steps at 1,000 a second; the broker is killed,
   stays down for 25 s and comes back on the same port (memory storage: empty); the loop never
@@ -60,7 +79,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chaos import scenarios  # noqa: E402
+from chaos import cluster, scenarios  # noqa: E402
+from trainguard import kafka_cluster  # noqa: E402
 from trainguard.schemas.signing import ensure_key  # noqa: E402
 
 # figure -> (target, how to compare): "le" at most, "ge" at least
@@ -88,10 +108,56 @@ TARGETS = {
     "chat_injections": (0, "le"),
     "sinks_restart_lost_alerts": (0, "le"),
     "sinks_restart_duplicate_alerts": (0, "le"),
+    "broker_kill_delivered_after_ratio": (0.99, "ge"),
+    "broker_kill_lost_uncounted": (0, "le"),
+    "broker_kill_missed_alerts": (0, "le"),
+    "broker_kill_duplicate_pages": (0, "le"),
+    "broker_kill_duplicate_commands": (0, "le"),
+    "cluster_restart_rejudged_events": (0, "le"),
 }
 
+# Stop or restart their broker themselves (memory storage, one port): an embedded broker each.
+TANSU_ONLY = ("broker_restart", "close", "shutdown", "listener_reset")
+CLUSTER_ONLY = ("broker_kill", "cluster_restart", "election", "exactly_once")
 
-def run(only: set[str], quick: bool) -> dict:
+
+def run(only: set[str], quick: bool, broker: str = "apache-kafka") -> tuple[dict, dict]:
+    """The results by scenario, and the broker each ran on."""
+    if broker == "tansu":
+        return run_on_broker(only, quick), dict.fromkeys(only, "tansu")
+    out = run_on_broker(only & set(TANSU_ONLY), quick)
+    where = dict.fromkeys(out, "tansu")
+    with cluster.cluster_for_chaos() as kafka:
+        on_kafka = run_on_broker(only - set(TANSU_ONLY) - set(CLUSTER_ONLY), quick)
+        on_kafka.update(run_on_cluster(kafka, only & set(CLUSTER_ONLY), quick))
+    where.update(dict.fromkeys(on_kafka, "apache-kafka"))
+    return {**out, **on_kafka}, where
+
+
+def run_on_cluster(kafka, only: set[str], quick: bool) -> dict:
+    out: dict = {}
+    if "broker_kill" in only:
+        print("broker_kill: kill -9 the leader of a run's partition under a run and a worker ...", file=sys.stderr,
+              flush=True)
+        out["broker_kill"] = cluster.broker_kill(kafka, down_s=10 if quick else 20, after_s=5 if quick else 10)
+    if "election" in only:
+        print("election: the worker killed with the leader of its partition, static and dynamic ...",
+              file=sys.stderr, flush=True)
+        results = {kind: cluster.election_takeover(kafka, static=kind == "static") for kind in ("static", "dynamic")}
+        out["election"] = {}
+        for kind, r in results.items():
+            out["election"][f"takeover_{kind}_s"] = r["takeover_s"]
+            out["election"][f"takeover_{kind}_worker_exits"] = r["worker_exits"]
+    if "exactly_once" in only:
+        print("exactly_once: Faust's transactions beside at-least-once ...", file=sys.stderr, flush=True)
+        out["exactly_once"] = cluster.exactly_once(kafka, runs=4 if quick else 8)
+    if "cluster_restart" in only:  # last: every node is killed and started again
+        print("cluster_restart: every node killed -9 and started with its storage ...", file=sys.stderr, flush=True)
+        out["cluster_restart"] = cluster.cluster_restart(kafka, steps=200 if quick else 400)
+    return out
+
+
+def run_on_broker(only: set[str], quick: bool) -> dict:
     out: dict = {}
     if "broker_restart" in only:
         print("broker_restart: logging, killing the broker, waiting, restarting it ...", file=sys.stderr, flush=True)
@@ -145,8 +211,9 @@ def run(only: set[str], quick: bool) -> dict:
     return out
 
 
-def summary(results: dict) -> dict:
-    s: dict = {}
+def summary(results: dict, where: dict) -> dict:
+    s: dict = {"broker": "apache-kafka" if "apache-kafka" in where.values() else "tansu",
+               "cluster_nodes": 3 if "apache-kafka" in where.values() else None}
     if "broker_restart" in results:
         r = results["broker_restart"]
         s["broker_restart_delivered_after_ratio"] = r["broker_restart_delivered_after_ratio"]
@@ -191,16 +258,31 @@ def summary(results: dict) -> dict:
     if "sinks_restart" in results:
         for k in ("sinks_restart_lost_alerts", "sinks_restart_duplicate_alerts"):
             s[k] = results["sinks_restart"][k]
+    if "broker_kill" in results:
+        r = results["broker_kill"]
+        for k in ("broker_kill_delivered_after_ratio", "broker_kill_lost_uncounted", "broker_kill_missed_alerts",
+                  "broker_kill_duplicate_pages", "broker_kill_duplicate_commands"):
+            s[k] = r[k]
+        s["broker_kill_page_after_kill_s"] = r.get("page_after_kill_s")
+    if "cluster_restart" in results:
+        s["cluster_restart_rejudged_events"] = results["cluster_restart"]["cluster_restart_rejudged_events"]
+    if "election" in results:
+        s.update(results["election"])
+    if "exactly_once" in results:
+        r = results["exactly_once"]
+        for k in ("works", "events_per_s", "alerts_published_twice"):
+            for g in ("at_least_once", "exactly_once"):
+                s[f"{g}_{k}"] = r.get(f"{g}_{k}")
     s["passed"] = all(s[k] is not None and (s[k] >= t if how == "ge" else s[k] <= t)
                       for k, (t, how) in TARGETS.items() if k in s)
     return s
 
 
-def print_table(results: dict, s: dict) -> None:
-    print(f"{'scenario':<16} {'figure':<40} value")
+def print_table(results: dict, s: dict, where: dict) -> None:
+    print(f"{'scenario':<20} {'broker':<13} {'figure':<40} value")
     for name, figures in results.items():
         for k, v in figures.items():
-            print(f"{name:<16} {k:<40} {v}")
+            print(f"{name:<20} {where.get(name, ''):<13} {k:<40} {v}")
     print()
     for k, (target, how) in TARGETS.items():
         if k in s:
@@ -215,19 +297,28 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener, lifecycle, "
                                                "shutdown, hostile, worker_kill, forged, listener_reset, "
                                                "chat_injections, sinks_restart, ui, "
-                                               "tiny_runs, many_metrics, hostile_crash_loops")
+                                               "tiny_runs, many_metrics, hostile_crash_loops, "
+                                               "broker_kill, cluster_restart, election, exactly_once")
+    ap.add_argument("--broker", choices=("apache-kafka", "tansu"), default=None,
+                    help="apache-kafka (default where `make kafka` resolved its jars): a three-node cluster for "
+                         "every scenario but those that restart the broker; tansu: the embedded broker only")
     args = ap.parse_args(argv)
     only = set(filter(None, args.only.split(","))) or {"broker_restart", "close", "listener", "lifecycle", "shutdown",
                                                        "hostile", "worker_kill", "forged", "listener_reset",
                                                        "chat_injections", "sinks_restart", "ui"}
     if not args.only:
-        only |= {"tiny_runs", "many_metrics", "hostile_crash_loops"}
+        only |= {"tiny_runs", "many_metrics", "hostile_crash_loops", *CLUSTER_ONLY}
+    broker = args.broker or ("apache-kafka" if kafka_cluster.available() else "tansu")
+    if broker == "tansu":
+        if not kafka_cluster.available() and only & set(CLUSTER_ONLY):
+            print("chaos: no Apache Kafka (`make kafka`): the cluster's scenarios are left out", file=sys.stderr)
+        only -= set(CLUSTER_ONLY)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     ensure_key("chaos")  # signed as in production: keyless workers refuse unsigned checkpoints and run ends
     started = time.monotonic()
-    results = run(only, args.quick)
-    s = summary(results)
-    print_table(results, s)
+    results, where = run(only, args.quick, broker)
+    s = summary(results, where)
+    print_table(results, s, where)
     print(f"({time.monotonic() - started:.0f} s)")
     print(json.dumps(s))
     return 0 if s["passed"] else 1
