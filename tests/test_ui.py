@@ -329,7 +329,7 @@ def test_a_long_run_with_a_rollback_plots_whole_zooms_to_its_alert_and_never_dra
                 max(view["series"].get("actor/pg_loss", {}).get("steps") or [0]) == LONG_STEPS
             return view if done else None
 
-        view = wait_until(seen_whole, 120, "the worker judging all 50,000 steps and the page reading them")
+        view = wait_until(seen_whole, 240, "the worker judging all 50,000 steps and the page reading them")
         seen_s = time.perf_counter() - since
     finally:
         worker.kill()

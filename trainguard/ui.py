@@ -116,42 +116,48 @@ class Series:
     step lower than the one before (a rollback) closes the bucket, so the new segment starts at
     the restored step."""
 
-    __slots__ = ("steps", "values", "stride", "limit", "restarts", "_bucket_steps", "_bucket_values", "_last")
+    __slots__ = ("steps", "values", "stride", "limit", "restarts", "_n", "_step", "_value", "_last", "_newest")
 
     def __init__(self, limit: int):
         self.steps, self.values = array("q"), array("d")
         self.stride, self.limit = 1, max(limit, 2)
         self.restarts: list[tuple[int, int]] = []  # (step before, restored step): the newest 64, exact
+        self._n, self._step, self._value = 0, 0, 0.0  # the open bucket: its size and the value it keeps
         self._last: int | None = None
-        self._bucket_steps: list[int] = []
-        self._bucket_values: list[float] = []
+        self._newest = 0.0  # the last value logged: shown even when its bucket kept another
 
     def __len__(self) -> int:
-        return len(self.steps) + len(self._bucket_steps)
+        return len(self.steps) + (self._n > 0)
 
     def add(self, step: int, value: float) -> None:
-        restart = self._last is not None and step <= self._last
-        if restart:
+        last, self._last, self._newest = self._last, step, value
+        if last is not None and step <= last:
             self._close()
-            self.restarts = [*self.restarts[-63:], (self._last, step)]
-        self._last = step
-        self._bucket_steps.append(step)
-        self._bucket_values.append(value)
-        if restart or len(self._bucket_steps) >= self.stride:  # a restored step is kept as it is
-            self._close()
+            self.restarts = [*self.restarts[-63:], (last, step)]
+            self._append(step, value)  # a restored step is kept as it is
+        elif self.stride == 1:  # the common case, and the reader's hot path: inlined
+            steps = self.steps
+            steps.append(step)
+            self.values.append(value)
+            if len(steps) >= self.limit:
+                self._halve()
+        else:
+            kept = self._value
+            if self._n == 0 or (math.isfinite(kept) and (
+                    not math.isfinite(value) or (value > kept if len(self.steps) % 2 == 0 else value < kept))):
+                self._step, self._value = step, value
+            self._n += 1
+            if self._n >= self.stride:
+                self._close()
 
     def _close(self) -> None:
-        steps, values = self._bucket_steps, self._bucket_values
-        self._bucket_steps, self._bucket_values = [], []
-        if not steps:
-            return
-        if len(steps) == 1:
-            i = 0
-        else:
-            bad = [j for j, v in enumerate(values) if not math.isfinite(v)]
-            i = bad[0] if bad else values.index(max(values) if len(self.steps) % 2 == 0 else min(values))
-        self.steps.append(steps[i])
-        self.values.append(values[i])
+        if self._n:
+            self._n = 0
+            self._append(self._step, self._value)
+
+    def _append(self, step: int, value: float) -> None:
+        self.steps.append(step)
+        self.values.append(value)
         if len(self.steps) >= self.limit:
             self._halve()
 
@@ -184,10 +190,13 @@ class Series:
         self.stride *= 2
 
     def copy(self) -> tuple[np.ndarray, np.ndarray]:
-        """(steps, values), the open bucket's values included (the newest are shown at once)."""
-        steps = np.concatenate((np.frombuffer(self.steps, np.int64), np.asarray(self._bucket_steps, np.int64)))
-        values = np.concatenate((np.frombuffer(self.values, np.float64),
-                                 np.asarray(self._bucket_values, np.float64)))
+        """(steps, values), the open bucket's value and the newest value included (shown at once)."""
+        steps = np.frombuffer(self.steps, np.int64).copy()
+        values = np.frombuffer(self.values, np.float64).copy()
+        if self._n:
+            steps, values = np.append(steps, self._step), np.append(values, self._value)
+        if self._last is not None and (not len(steps) or steps[-1] != self._last):
+            steps, values = np.append(steps, self._last), np.append(values, self._newest)
         return steps, values
 
 
