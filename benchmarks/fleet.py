@@ -222,7 +222,7 @@ def longest_stall(series: list[tuple[float, float]]) -> float:
 
 def fleet(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 32, runs: int = 64, nodes: int = 4,
           rate: float = 800.0, counts: tuple[int, ...] = (1, 2, 4), window_s: float = 20.0, settle_s: float = 4.0,
-          fault_every_s: float = 1.0, leave: bool = True, catch_up_s: float = 60.0) -> dict:
+          fault_every_s: float = 1.0, leave: bool = True, catch_up_s: float = 30.0) -> dict:
     from tests.integration import WorkerProcess
 
     settings = fresh_settings(bootstrap, partitions, "fleet")

@@ -63,7 +63,7 @@ def throughput(bootstrap: str, steps: Steps, quick: bool, log_dir: Path) -> dict
     from throughput import consume
 
     n = 20_000 if quick else 100_000
-    repeats = 1 if quick else 3
+    repeats = 1 if quick else 2  # two brokers in one run: two each keeps make bench near 15 minutes
     cap_bare, cap_worker = (5.0, 8.0) if quick else (12.0, 20.0)
     events = encoded_events(steps, n, 16)
     settings = fresh_settings(bootstrap, 4, "tp")
