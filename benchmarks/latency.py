@@ -9,8 +9,8 @@ rate. Then:
   (``time.time()`` just before ``produce()``); the ``non_finite`` rule fires on it at once.
   A consumer on the alerts topic stamps each alert on arrival; latency = arrival - ts.
 - breaker -> trainer: one :class:`ControlListener` per trial run (started and assigned
-  before the trial); the trial publishes three NaN steps 50 ms apart, the third trips the
-  breaker (3 consecutive critical steps). Measured: from the send time of the third step
+  before the trial); the trial publishes a healthy step, then three NaN steps 50 ms apart, the
+  third trips the breaker (3 consecutive critical steps). Measured: from the send time of the third step
   (which is also the command's ``issued``, the event's ts) to the moment
   ``ControlListener.poll()`` in this process returns the command. It therefore includes the
   detection of that step; the pure worker-produce -> listener part is this minus the time
@@ -175,6 +175,13 @@ def run(bootstrap: str, steps: Steps, rate: float, log_dir: Path, quick: bool = 
                         got[lst.run_id] = time.time()
                 time.sleep(0.0005)
 
+        # A healthy step first: a run whose loss was never finite gets `never_finite`, which
+        # does not count towards the breaker; a NaN after a healthy step is `non_finite`, which does.
+        for run_id in ids:
+            trainer.publish(settings.topics.events, run_id,
+                            ev.encode(ev.metrics_event(run_id, 0, steps.trainer(0), src=TRAINER_SRC, ts=time.time())))
+        trainer.flush(5)
+        time.sleep(0.5)
         poller = threading.Thread(target=poll_loop, daemon=True)
         poller.start()
         for run_id in ids:
