@@ -30,7 +30,6 @@ import math
 import random
 import re
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -216,8 +215,8 @@ class AlertTimes(threading.Thread):
 
 def longest_stall(series: list[tuple[float, float]]) -> float:
     """The longest time between two consecutive increases of a counter."""
-    moved = [t for (t, v), (_, prev) in zip(series[1:], series) if v > prev]
-    return max((b - a for a, b in zip(moved, moved[1:])), default=0.0)
+    moved = [t for (t, v), (_, prev) in zip(series[1:], series, strict=False) if v > prev]
+    return max((b - a for a, b in zip(moved, moved[1:], strict=False)), default=0.0)
 
 
 def fleet(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 32, runs: int = 64, nodes: int = 4,

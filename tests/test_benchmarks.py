@@ -5,11 +5,10 @@ docs/performance.md has measured ones."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
-
-import math
 
 import pytest
 
@@ -36,7 +35,8 @@ def test_the_table_has_a_row_per_figure_with_target_and_verdict():
     fake = {k: 1.0 for k in KEYS if not k.startswith(("kafka_", "scale_"))}  # Tansu's alone first
     fake.update(baseline_block_us_per_sample=0.5, seed_us_per_sample=30.0, rolling_z_us_per_sample=2.0,
                 rolling_z_speedup=15.0, detector_speedup=60.0, bare_faust_samples_per_s=2e5,
-                worker_events_per_s=500.0, bare_faust_events_per_s=1000.0, worker_events_ratio_vs_bare_faust=0.5, aiokafka_events_per_s=5e4,
+                worker_events_per_s=500.0, bare_faust_events_per_s=1000.0, worker_events_ratio_vs_bare_faust=0.5,
+                aiokafka_events_per_s=5e4,
                 worker_samples_per_s=3e5, transport_latency_p99_ms=10.0, alert_latency_p50_ms=50.0,
                 latency_load_events_per_s=450.0, command_latency_p50_ms=80.0, commands_measured=15,
                 raw_produce_p99_us=5.0, log_p50_us_broker_up=8.0, log_p50_us_broker_down=7.0,
