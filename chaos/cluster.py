@@ -271,7 +271,8 @@ def broker_kill(cluster: KafkaCluster, up_s: float = 5.0, down_s: float = 20.0, 
             "delivered_after_kill": reached,
             "broker_kill_delivered_after_ratio": round(reached / after, 4) if after > 0 else None,
             "delivered": stats["delivered"], "lost": stats["lost"],
-            "broker_kill_lost_uncounted": last_step - stats["delivered"] - stats["lost"],
+            "sent": stats["sent"],  # the steps, the checkpoint and the lifecycle changes
+            "broker_kill_lost_uncounted": stats["sent"] - stats["delivered"] - stats["lost"],
             "steps_on_topic_twice": sum(n - 1 for n in steps.values()),
             "log_worst_ms": round(pacer.worst_log_s * 1000, 2), "nan_paged_s": paged,
             "broker_kill_missed_alerts": sum(s is None for s in paged),
@@ -410,11 +411,14 @@ def election_takeover(cluster: KafkaCluster, static: bool, log_dir=None) -> dict
     killed, seconds, crashes, errors = None, None, 0, []
     try:
         worker.wait_ready(120)
-        for step in range(1, 11):
+        logger.checkpoint_saved(1, "/ckpt/step-1")
+        for step in range(2, 11):
             logger.log(Pacer.HEALTHY, step)
         logger.log({**Pacer.HEALTHY, "actor/pg_loss": NAN}, 11)
         logger.publisher.flush(10)
         alerts.wait_for(lambda a: a.get("rule") == "non_finite" and a.get("step") == 11, 60, "the first NaN", worker)
+        logger.lifecycle("rolled_back", step=1)  # so that the next NaN decides again
+        logger.publisher.flush(10)
         time.sleep(2.0)  # its offsets committed: the takeover is what is timed, not a replay
         killed = leader_of(settings, settings.topics.events, partition)
         cluster.stop_node(killed, signal.SIGKILL)
@@ -424,7 +428,6 @@ def election_takeover(cluster: KafkaCluster, static: bool, log_dir=None) -> dict
         worker = WorkerProcess(settings, log_dir, app_id=app_id, extra_env=env).start()
         for step in range(12, 15):
             logger.log(Pacer.HEALTHY, step)
-        logger.lifecycle("rolled_back", step=1)
         logger.log({**Pacer.HEALTHY, "actor/pg_loss": NAN}, 15)
         logger.publisher.flush(10)
         deadline = time.monotonic() + 90
