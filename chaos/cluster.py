@@ -350,7 +350,7 @@ def cluster_restart(cluster: KafkaCluster, steps: int = 400, rate: float = 100.0
             cluster.stop_node(node.node_id, signal.SIGKILL)
         for node in cluster.nodes:
             cluster.start_node(node.node_id)
-        cluster._wait_ready(180)
+        cluster.wait_ready(180)
         out["cluster_back_s"] = round(time.monotonic() - began, 1)
         say("cluster_restart", f"cluster back in {out['cluster_back_s']} s; a new worker restores its state")
         worker = WorkerProcess(settings, log_dir, app_id=app_id).start()
