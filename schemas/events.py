@@ -450,13 +450,23 @@ def _loads(raw: bytes | str) -> Any:
     except orjson.JSONDecodeError as exc:
         # Python's json writes bare NaN/Infinity tokens; accept them, refuse anything else.
         try:
-            event = json.loads(raw)
+            event = json.loads(raw, parse_int=_bounded_int)
+        except SchemaError:
+            raise
         except (ValueError, TypeError, RecursionError):
             raise SchemaError(f"not valid JSON: {exc}") from None
         # json also takes lone surrogate escapes ("\ud800") that orjson refuses: a string that
         # cannot be written back as UTF-8 would fail later, when the state holding it is saved.
         _check_utf8(event)
         return event
+
+
+def _bounded_int(text: str) -> int:
+    """An integer literal orjson refused because no 64-bit number holds it (a 400-digit time
+    would raise OverflowError wherever it is used as a float): refused here, named."""
+    if len(text.lstrip("-")) > 19 or not -2**63 <= int(text) < 2**64:
+        raise SchemaError(f"an integer of {len(text.lstrip('-'))} digits is out of range (64-bit at most)")
+    return int(text)
 
 
 def _check_utf8(obj: Any) -> None:
@@ -516,5 +526,10 @@ def decode(raw: bytes | str, *, expect: tuple[str, ...] | None = None, max_bytes
         raise _fail("schema", "missing" if kind is None else f"unknown event kind {kind!r}")
     if expect is not None and kind not in expect:
         raise _fail("schema", f"expected {' or '.join(expect)} on this topic, got {kind}")
-    validator(event)
+    try:
+        validator(event)
+    except SchemaError:
+        raise
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # a shape no check foresaw
+        raise SchemaError(f"{kind}: malformed ({type(exc).__name__}: {exc})") from None
     return event

@@ -187,3 +187,16 @@ def test_a_lone_surrogate_in_any_string_of_an_event_the_worker_reads_is_refused(
         with pytest.raises(ev.SchemaError, match="UTF-8"):
             ev.decode(raw.decode())  # a str given to decode is checked the same way
     assert ev.encode(ev.decode(json.dumps(event).encode())) == ev.encode(event)  # without it, it decodes
+
+
+@pytest.mark.parametrize("field", ["ts", "until"])
+def test_an_integer_no_64_bit_number_holds_is_refused_by_name(field):
+    """orjson refuses such a number; the fallback parser must not hand it on (as a float it raises
+    OverflowError wherever it is used)."""
+    big = "9" * 400
+    raw = (f'{{"schema":"operator/1","run_id":"r","action":"silence","id":"s1","until":{big},"ts":1.0}}'
+           if field == "until" else
+           f'{{"schema":"metrics/1","run_id":"r","step":1,"ts":{big},"source":{{"kind":"trainer","host":"h"}},'
+           f'"metrics":{{"a":1.0}}}}')
+    with pytest.raises(ev.SchemaError, match="400 digits is out of range"):
+        ev.decode(raw.encode())

@@ -202,6 +202,9 @@ class TopicDecoder:
         except ev.SchemaError as exc:
             self.skip(f"{role}: {_cause(str(exc))}", str(exc))
             return None
+        except Exception as exc:  # never the reader's end
+            self.skip(f"{role}: undecodable", f"{type(exc).__name__}: {exc}")
+            return None
 
     def skip(self, cause: str, detail: str = "") -> None:
         """Count one skipped record; the first of each cause is logged."""
