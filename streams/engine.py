@@ -233,6 +233,7 @@ class RunState:
     silences: list = field(default_factory=list)        # {id, rule, until, reason, by}: an operator's
     acknowledged: dict = field(default_factory=dict)    # alert id -> {by, reason, ts}, while it is open
     book: dict = field(default_factory=dict)            # alert id -> summary: every open published alert
+    announced: bool = False                             # its trainer said it started (a signed lifecycle event)
     notices: dict = field(default_factory=dict)         # alert id -> alert the engine raised (a refused command)
     unwatched: list = field(default_factory=list)       # metric names no rule judges (MAX_UNWATCHED)
     events: int | None = None                           # events applied (None: counted by no release yet)
@@ -442,6 +443,8 @@ class Engine:
             event = ev.decode(raw, expect=(ev.METRICS, ev.CHECKPOINT, ev.LIFECYCLE, ev.OPERATOR))
         except ev.SchemaError as exc:
             return [self.dead_letter(raw, str(exc), topic, partition, offset)]
+        except Exception as exc:  # a shape the decoder did not foresee: still a dead letter, never a crash
+            return [self.dead_letter(raw, f"undecodable: {type(exc).__name__}: {exc}", topic, partition, offset)]
         try:
             return self.apply(event, partition, offset, raw=raw, topic=topic)
         except Exception as exc:  # a bug must not stop the pipeline; keep the evidence
@@ -456,6 +459,15 @@ class Engine:
             ack = ev.decode(raw, expect=(ev.ACK,))
         except ev.SchemaError as exc:
             return [self.dead_letter(raw, str(exc), topic, partition, offset)]
+        except Exception as exc:
+            return [self.dead_letter(raw, f"undecodable: {type(exc).__name__}: {exc}", topic, partition, offset)]
+        try:
+            return self._ack(ack, raw, partition, offset, topic)
+        except Exception as exc:  # a bug must not stop the acks agent; keep the evidence
+            return [self.dead_letter(raw, f"internal error while processing: {type(exc).__name__}: {exc}",
+                                     topic, partition, offset)]
+
+    def _ack(self, ack: dict, raw: bytes, partition: int, offset: int, topic: str) -> list[Output]:
         run_key = ack["run_id"].encode()
         if run_key not in self.store or (ack["status"] == "applied" and not self._run(run_key).notices):
             return []
@@ -592,6 +604,7 @@ class Engine:
             run.finished = True
             run.finished_at = self.clock()
         elif event["event"] == "started":
+            run.announced = True
             run.finished, run.finished_at = False, None
         return outputs
 
@@ -1192,15 +1205,20 @@ class Engine:
             run = self._run(key)
             last = max((seen[0] for seen in run.last_seen.values()), default=None)
             # A run that reported a checkpoint keeps it as a rollback target for the usual time.
-            tiny = run.events is not None and run.events <= self.limits.tiny_run_events and not run.checkpoints
+            tiny = (run.events is not None and run.events <= self.limits.tiny_run_events and not run.checkpoints
+                    and not run.announced)
             if (run.finished and now - (run.finished_at or last or now) > self.finished_grace_s) or \
                     (last is not None and now - last > (self.limits.tiny_run_ttl_s if tiny else self.idle_ttl_s)):
                 self.forget(key, keep_summary=not tiny)
                 continue
             if wall - self._status_at.get(key, 0.0) >= STATUS_REFRESH_S:
                 self.touched.add(key)  # an idle run's status stays fresh, and names this worker after a takeover
-            if run.finished or tiny:  # a run of a few events, never seen alive, is not paged as hung:
-                continue              # invented run ids would each page otherwise
+            # Invented run ids would each page as hung: with keys, only a run its trainer announced
+            # (a signed "started", which TrainerLogger sends) or that reported a checkpoint is judged
+            # for silence; without keys, a run of more than a few events.
+            announced = run.announced or bool(run.checkpoints)
+            if run.finished or not (announced or (not self.require_signed and not tiny)):
+                continue
             run_id = key.decode()
             for rule in stale_rules:
                 timeout = float(cast(dict, rule.detector).get("timeout_s", 300))  # kind "stale": it has one
