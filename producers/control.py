@@ -37,7 +37,7 @@ from typing import Callable
 from trainguard.kafka import KafkaSettings, partition_for
 from trainguard.producers.publisher import Publisher
 from trainguard.schemas import events as ev
-from trainguard.schemas.signing import Keyring, TrainerKey, sign_trainer, unsigned_allowed, verify
+from trainguard.schemas.signing import Keyring, TrainerKey, sign_trainer, unsigned_allowed, verify, verify_own
 
 log = logging.getLogger("trainguard.control")
 
@@ -314,15 +314,29 @@ class ControlListener:
                 last, seen_up_to = time.monotonic(), msg.offset()
                 try:
                     ack = ev.decode(msg.value(), expect=(ev.ACK,))
-                except ev.SchemaError:
+                except Exception:  # a bad record on the lowest-trust topic: skipped, never fatal
                     ack = None
-                if ack is not None and ack["run_id"] == self.run_id and ack["command_id"] not in self._acked:
+                if ack is not None and ack["run_id"] == self.run_id and ack["command_id"] not in self._acked \
+                        and self._own_ack(ack):
                     self._acked.add(ack["command_id"])
                     self.acked_before += 1
             log.warning("trainguard: control listener read the acks of run %s for %.0f s without reaching their "
                         "end; commands acked later than that could be applied again", self.run_id, timeout)
         finally:
             consumer.close()
+
+    def _own_ack(self, ack: dict) -> bool:
+        """Whether an ack on the topic is this trainer's own (signed with its key): a forged
+        "applied" must not make the listener skip a genuine command. Without a trainer key
+        (unsigned use) every ack of the run counts, as the worker then trusts them too."""
+        key = _trainer_key(self.run_id)
+        if key is None:
+            return True
+        problem = verify_own(ack, key)
+        if problem is not None:
+            log.warning("trainguard: run %s: ignored an ack of command %s that this trainer did not sign (%s)",
+                        self.run_id, str(ack.get("command_id"))[:40], problem)
+        return problem is None
 
     def _seek_lookback(self, consumer, topic: str, partition: int) -> None:
         """Read from the start of the lookback window (the end when nothing is that recent)."""
@@ -450,7 +464,12 @@ class ControlListener:
                 next_offset = msg.offset() + 1
                 last_read = (msg.offset(), msg.value())
                 kind, ms = msg.timestamp()
-                command = self.check(msg.value(), ms / 1000.0 if kind != 0 and ms > 0 else None)
+                try:
+                    command = self.check(msg.value(), ms / 1000.0 if kind != 0 and ms > 0 else None)
+                except Exception as exc:  # one odd record must not stop the commands behind it
+                    log.warning("trainguard: control message at offset %d ignored: %s: %s", msg.offset(),
+                                type(exc).__name__, exc)
+                    command = None
                 if command is not None:
                     self._ready.put(command)
             except Exception as exc:  # broker down, topic missing ...: retry quietly, never raise

@@ -303,6 +303,19 @@ def verify_trainer(event: dict, masters: Mapping[str, SigningKey]) -> str | None
     return None
 
 
+def verify_own(event: dict, key: TrainerKey) -> str | None:
+    """None when ``event`` carries a valid MAC under this trainer's own key (a listener checking
+    the acks it reads: only its own trainer's count)."""
+    signature = event.get("signature")
+    if not signature:
+        return "unsigned"
+    if type(signature) is not dict or signature.get("key_id") != key.key_id or signature.get("scope") != key.scope \
+            or type(signature.get("mac")) is not str:
+        return "not signed with this trainer's key"
+    expected = hmac.new(key.secret, canonical_bytes(event), hashlib.sha256).hexdigest()
+    return None if hmac.compare_digest(expected, signature["mac"]) else "bad signature (forged or altered)"
+
+
 @dataclass(frozen=True)
 class Keyring:
     """The keys this process holds, from the environment."""

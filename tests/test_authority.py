@@ -258,3 +258,40 @@ def test_a_worker_without_keys_refuses_steering_events_unless_the_operator_opted
     assert _keys()[2] is False, "opted in: unsigned events are taken as they come"
     monkeypatch.setenv("TRAINGUARD_COMMAND_KEY", "prod:secret")
     assert _keys()[2] is True, "a key always wins"
+
+
+@pytest.mark.integration
+def test_a_forged_applied_ack_and_an_unreadable_one_keep_no_command_from_the_trainer(kafka, monkeypatch):
+    """An attacker who can write acks puts an unsigned "applied" under a pending command's id, and
+    an ack whose time no number holds, before the trainer's listener starts: the listener still
+    applies the genuine signed command."""
+    from confluent_kafka import Producer
+
+    from trainguard.producers import control
+    from trainguard.producers.control import ControlListener
+
+    run = "nlp-ack-forgery-1"
+    for name, value in TRAINER_ENV.items():
+        monkeypatch.setenv(name, value)
+    control._TRAINER_KEYS.pop(run, None)
+    command = sign(ev.command_event(run, "stop"), MASTER)
+    producer = Producer({"bootstrap.servers": kafka.bootstrap})
+    forged = ev.ack_event(command["id"], run, "applied", "forged")
+    unreadable = b'{"schema":"ack/1","command_id":"x","run_id":"%s","status":"applied","ts":%s}' % (
+        run.encode(), b"9" * 400)
+    for value in (ev.encode(forged), unreadable):
+        producer.produce(kafka.topics.acks, value, run.encode())
+    producer.produce(kafka.topics.control, ev.encode(command), run.encode())
+    producer.flush(10)
+    listener = ControlListener(run, kafka, keys=public_keys({"prod": MASTER}), require_signature=True).start()
+    try:
+        assert listener.wait_ready(30)
+        assert listener.acked_before == 0, "neither ack counts as this trainer's"
+        deadline, got = time.monotonic() + 20, []
+        while not got and time.monotonic() < deadline:
+            got = listener.poll_all()
+            time.sleep(0.2)
+        assert [c["id"] for c in got] == [command["id"]]
+    finally:
+        listener.close()
+        control._TRAINER_KEYS.pop(run, None)
