@@ -63,6 +63,8 @@ class TrainerLogger:
         self._closed = False
         self._last_step: int | None = None
         self.ended: str | None = None      # "finished" / "stopped" once reported
+        if kind == "trainer":  # signed where keys are set: the worker tells this run from invented ids
+            self.lifecycle("started")
 
     # -- metrics -------------------------------------------------------------------
 

@@ -77,7 +77,7 @@ def test_a_restarted_worker_resumes_with_its_windows_intact(kafka, tmp_path):
         alerts = TopicReader(kafka, kafka.topics.alerts)
         # Wait until the first worker has processed (and written state for) the healthy steps.
         deadline = time.monotonic() + 60
-        while "40 events" not in first.log() and time.monotonic() < deadline:
+        while "41 events" not in first.log() and time.monotonic() < deadline:
             time.sleep(0.5)
         time.sleep(3)  # past a commit interval
         first.kill()
@@ -135,10 +135,11 @@ def test_a_worker_that_dies_hands_its_runs_to_its_peer_with_their_windows(kafka,
         for logger in loggers:
             logger.publisher.flush(10)
         deadline = time.monotonic() + 60
-        while _events_done(first) + _events_done(second) < 40 * len(runs) and time.monotonic() < deadline:
+        expected = 41 * len(runs)  # each run's "started" event and its 40 steps
+        while _events_done(first) + _events_done(second) < expected and time.monotonic() < deadline:
             time.sleep(0.5)
         assert _events_done(first) > 0 and _events_done(second) > 0, "the group split the runs"
-        assert _events_done(first) + _events_done(second) == 40 * len(runs)
+        assert _events_done(first) + _events_done(second) == expected
         time.sleep(3)  # past a commit interval
         second.kill()
         for _ in range(6):  # the simulated KL passes 0.8 on the fifth faulty step

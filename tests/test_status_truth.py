@@ -98,3 +98,21 @@ def test_an_invented_run_of_one_event_is_never_paged_as_hung():
                       0, i)
     now[0] += 600  # far past the staleness timeout, before the tiny runs' short life ends
     assert [o for o in engine.tick() if o.kind == "alert"] == []
+
+
+def test_with_keys_only_an_announced_run_is_paged_as_hung():
+    """Invented runs of any length send no signed "started": with keys, none of them pages."""
+    from trainguard.schemas.signing import SigningKey, sign_trainer
+
+    master = SigningKey("k", b"a worker secret of thirty-two bytes!")
+    now = [1000.0]
+    engine = _engine(now, verify_keys={"k": master}, require_signed=True)
+    started = sign_trainer(ev.lifecycle_event("real", "started", src=TRAINER, ts=now[0]), master.trainer_key("real"))
+    engine.handle(ev.encode(started), 0, 0)
+    for run in ("real", "invented"):
+        for step in range(1, 11):
+            engine.handle(ev.encode(ev.metrics_event(run, step, {"actor/pg_loss": 0.1}, src=TRAINER, ts=now[0])),
+                          0, step + (0 if run == "real" else 100))
+    now[0] += 600
+    assert [(o.value["rule"], o.value["run_id"]) for o in engine.tick() if o.kind == "alert"] == \
+        [("trainer_hung", "real")]
