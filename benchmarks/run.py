@@ -1,6 +1,6 @@
 """``make bench``: every performance figure measured side by side with its reference, in one run.
 
-    .venv/bin/python benchmarks/run.py            # the full run (about 14 minutes on 2 cores)
+    .venv/bin/python benchmarks/run.py            # the full run (about 13 minutes on 2 cores)
     .venv/bin/python benchmarks/run.py --quick    # smaller sizes (about 4 minutes)
     .venv/bin/python benchmarks/run.py --only detector,log --brokers kafka
 
