@@ -127,9 +127,11 @@ def run(only: set[str], quick: bool, broker: str = "apache-kafka") -> tuple[dict
         return run_on_broker(only, quick), dict.fromkeys(only, "tansu")
     out = run_on_broker(only & set(TANSU_ONLY), quick)
     where = dict.fromkeys(out, "tansu")
-    with cluster.cluster_for_chaos() as kafka:
-        on_kafka = run_on_broker(only - set(TANSU_ONLY) - set(CLUSTER_ONLY), quick)
-        on_kafka.update(run_on_cluster(kafka, only & set(CLUSTER_ONLY), quick))
+    on_kafka: dict = {}
+    if only - set(TANSU_ONLY):
+        with cluster.cluster_for_chaos() as kafka:
+            on_kafka = run_on_broker(only - set(TANSU_ONLY) - set(CLUSTER_ONLY), quick)
+            on_kafka.update(run_on_cluster(kafka, only & set(CLUSTER_ONLY), quick))
     where.update(dict.fromkeys(on_kafka, "apache-kafka"))
     return {**out, **on_kafka}, where
 
@@ -212,8 +214,8 @@ def run_on_broker(only: set[str], quick: bool) -> dict:
 
 
 def summary(results: dict, where: dict) -> dict:
-    s: dict = {"broker": "apache-kafka" if "apache-kafka" in where.values() else "tansu",
-               "cluster_nodes": 3 if "apache-kafka" in where.values() else None}
+    on_kafka = "apache-kafka" in where.values()
+    s: dict = {"broker": "apache-kafka" if on_kafka else "tansu", "cluster_nodes": 3 if on_kafka else None}
     if "broker_restart" in results:
         r = results["broker_restart"]
         s["broker_restart_delivered_after_ratio"] = r["broker_restart_delivered_after_ratio"]
