@@ -10,6 +10,7 @@ import time
 import pytest
 
 from chaos import scenarios
+from tests.conftest import _choice
 from trainguard.broker import free_port
 from trainguard.kafka import KafkaSettings, Topics
 from trainguard.producers.publisher import Publisher
@@ -128,3 +129,34 @@ def test_an_alert_the_broker_refuses_holds_its_event_until_it_is_delivered(kafka
     assert r["committed_while_refused"] <= r["nan_offset"], r  # (none: they were flushed with the NaN)
     assert r["alerts_refused_acked_early"] == 0 and r["alerts_refused_lost"] == 0, r
     assert r["committed_past_the_nan_after"] and r["crashes"] == 0, r
+
+
+@pytest.mark.skipif(_choice() not in ("kafka", "container"), reason="Faust's transactions need Apache Kafka")
+def test_a_worker_in_faust_exactly_once_mode_pages_on_apache_kafka(kafka, tmp_path):
+    """TRAINGUARD_PROCESSING_GUARANTEE=exactly_once (measured against the default by make chaos):
+    the worker starts its transactions on Apache Kafka, pages a NaN and acknowledges it."""
+    from tests.integration import TopicReader, WorkerProcess
+    from trainguard.kafka import partition_for
+
+    worker = WorkerProcess(kafka, tmp_path, extra_env={"TRAINGUARD_PROCESSING_GUARANTEE": "exactly_once"}).start()
+    alerts = TopicReader(kafka, kafka.topics.alerts)
+    try:
+        worker.wait_ready(90)
+        logger = TrainerLogger("chaos-eos", kafka, host="chaos")
+        for step in range(1, 11):
+            logger.log({"actor/pg_loss": -0.01}, step)
+        logger.log({"actor/pg_loss": float("nan")}, 11)
+        logger.publisher.flush(10)
+        alert = alerts.wait_for(lambda a: a.get("rule") == "non_finite", 60, "the NaN alert", worker)
+        assert alert["step"] == 11
+        partition = partition_for("chaos-eos", kafka.partitions)
+        nan_offset = scenarios._offset_of(kafka, kafka.topics.events, partition, lambda e: e.get("step") == 11)
+        deadline = time.monotonic() + 30  # the transaction that holds its offset commits
+        while scenarios._committed(kafka, worker.app_id, kafka.topics.events, partition) <= nan_offset:
+            assert time.monotonic() < deadline, worker.log()[-3000:]
+            time.sleep(0.5)
+        assert worker.proc.poll() is None
+        logger.close(5, quiet=True)
+    finally:
+        alerts.close()
+        worker.kill()
