@@ -393,8 +393,9 @@ def election_takeover(cluster: KafkaCluster, static: bool, log_dir=None) -> dict
     """A worker judges a run; the broker leading its events partition and the worker are killed
     with -9 together (the new worker joins while the partitions' leaders are elected); a new
     worker starts at once, with the dead one's ``TRAINGUARD_INSTANCE_ID`` (static membership)
-    or without (a dynamic member: it ends its dead predecessor's membership itself). Figure:
-    seconds from the kill to the page of the run's next NaN."""
+    or without (a dynamic member: it ends its dead predecessor's membership itself), and again
+    whenever it exits on its own, as a supervisor would. Figures: seconds from the kill to the
+    page of the run's next NaN, and how often the new worker exited (with its last error)."""
     from tests.integration import TopicReader, WorkerProcess
 
     name = "static" if static else "dynamic"
