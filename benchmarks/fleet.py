@@ -241,6 +241,9 @@ def fleet(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 32, 
             t.stop.set()
         for w in workers:
             w.kill()
+        for t in threads:  # their Kafka clients closed before the broker goes (librdkafka crashes otherwise)
+            if t.is_alive():
+                t.join(10)
 
     CLEANUP.add(stop_all)
     per_cpu: dict[str, float] = {}
