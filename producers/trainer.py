@@ -63,13 +63,16 @@ class TrainerLogger:
         self._closed = False
         self._last_step: int | None = None
         self.ended: str | None = None      # "finished" / "stopped" once reported
-        if kind == "trainer":  # signed where keys are set: the worker tells this run from invented ids
-            self.lifecycle("started")
+        # A trainer says once that its run started (signed where keys are set: the worker tells it
+        # from invented run ids), at its first step unless an integration said so before.
+        self._announce = kind == "trainer"
 
     # -- metrics -------------------------------------------------------------------
 
     def log(self, metrics: dict, step: int, *, tags: dict[str, str] | None = None, ts: float | None = None) -> bool:
         """Publish one step's metrics as one event. Never raises; False if it was not queued."""
+        if self._announce:
+            self.lifecycle("started", step=step if type(step) is int else None)
         try:
             if all(type(v) is float for v in metrics.values()):
                 values = dict(metrics)  # the common case: nothing to convert
@@ -127,6 +130,10 @@ class TrainerLogger:
 
     def lifecycle(self, what: str, step: int | None = None, detail: dict | None = None) -> bool:
         """started / finished / heartbeat / rolled_back / paused / resumed / stopped."""
+        if what == "started":
+            if not self._announce:
+                return True  # said once already
+            self._announce = False
         try:
             event = ev.lifecycle_event(self.run_id, what, step=step, src=self.source, detail=detail)
             queued = self.publisher.publish(self._topic, self.run_id, authored(event))

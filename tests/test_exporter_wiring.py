@@ -49,11 +49,11 @@ def test_worker_exports_run_metrics_events_alerts_and_dead_letters(kafka, tmp_pa
         samples = {}
         while time.monotonic() < deadline:
             samples = _scrape(port)
-            if samples.get(firing) == 1.0 and samples.get(("trainguard_events_processed_total", frozenset())) == 7:
+            if samples.get(firing) == 1.0 and samples.get(("trainguard_events_processed_total", frozenset())) == 8:
                 break
             time.sleep(0.3)
         else:
-            raise AssertionError(f"exporter never showed the alert and 7 events: "
+            raise AssertionError(f"exporter never showed the alert and 8 events: "
                                  f"{ {k: v for k, v in samples.items() if 'trainguard' in k[0]} }\n"
                                  f"--- worker log ---\n{worker.log()[-3000:]}")
 
@@ -71,7 +71,8 @@ def test_worker_exports_run_metrics_events_alerts_and_dead_letters(kafka, tmp_pa
         # Canonical signals, whatever the framework calls them: one dashboard for every framework.
         assert run_signal("kl") == pytest.approx(0.02) and run_signal("policy_loss") == pytest.approx(-0.01)
         assert math.isnan(run_signal("value_loss"))
-        assert samples[("trainguard_events_processed_total", frozenset())] == 7   # 6 steps and the garbage
+        # the run's "started", 6 steps and the garbage
+        assert samples[("trainguard_events_processed_total", frozenset())] == 8
         assert samples[("trainguard_samples_processed_total", frozenset())] == 30  # 6 x 5 metrics
         assert samples[("trainguard_dlq_total", frozenset({"reason": "not_json"}.items()))] == 1
         assert samples[("trainguard_alerts_firing", frozenset({"rule": "non_finite", "severity": "P0"}.items()))] == 1
