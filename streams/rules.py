@@ -29,7 +29,7 @@ _RULE_KEYS = {"name", "metric", "signal", "anomalous", "above", "below", "equals
               "detector", "resample_s", "above_ratio", "below_ratio", "cv_above", "given", "emit", "seen_finite",
               "keep_firing_for", "flap_window", "flap_episodes"}
 _LIFECYCLE_KEYS = ("keep_firing_for", "flap_window", "flap_episodes")
-_CONDITION_KEYS = ("above", "below", "equals")
+_CONDITION_KEYS = ("above", "below", "equals", "not_equals")
 _INCIDENT_KEYS = {"name", "all", "within_s", "severity", "critical", "summary", "diagnosis", "suggestion", "inhibit"}
 
 
@@ -63,7 +63,8 @@ def equal(value: float, target: float) -> bool:
 def _condition_holds(value: float, cond: dict) -> bool:
     return ((cond.get("above") is None or value > cond["above"])
             and (cond.get("below") is None or value < cond["below"])
-            and (cond.get("equals") is None or equal(value, cond["equals"])))
+            and (cond.get("equals") is None or equal(value, cond["equals"]))
+            and (cond.get("not_equals") is None or not equal(value, cond["not_equals"])))
 
 
 class Patterns:

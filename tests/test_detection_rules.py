@@ -199,3 +199,47 @@ def test_rule_detectors_survive_a_restart():
     after = [o.value for o in f.outputs[before:] if o.kind == "alert"]
     assert after == [o.value for o in g.outputs if o.kind == "alert"]  # evidence and per-minute means too
     assert ("kl_drift" in {o.value["rule"] for o in g.outputs if o.kind == "alert"}), "caught after the restart"
+
+
+DEAD_WARNINGS = ("zero_reward", "uniform_rewards", "uniform_group_rewards", "zero_advantages", "zero_gradient")
+
+
+def dead_warnings(f: Feed) -> list[str]:
+    return sorted(a["rule"] for a in f.firing() if a["rule"] in DEAD_WARNINGS)
+
+
+def test_one_dead_batch_warns_once_by_its_cause():
+    """TRL's names for a first batch where nothing scored: the rewards say why the gradient is 0."""
+    f = Feed(run="all-zero")
+    f.send(1, {"reward": 0.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0, "grad_norm": 0.0})
+    assert dead_warnings(f) == ["zero_reward"]
+    f = Feed(run="all-solved")  # every completion scored 1: alike, not zero
+    f.send(1, {"reward": 1.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0, "grad_norm": 0.0})
+    assert dead_warnings(f) == ["uniform_rewards"]
+    f = Feed(run="groups-alike")  # groups disagree with each other, not within
+    f.send(1, {"reward": 0.5, "reward_std": 0.5, "frac_reward_zero_std": 1.0, "grad_norm": 0.0})
+    assert dead_warnings(f) == ["uniform_group_rewards"]
+    f = Feed(run="gradient-only")  # the rewards had spread: the zero gradient is its own finding
+    f.send(1, {"reward": 0.5, "reward_std": 0.5, "frac_reward_zero_std": 0.2, "grad_norm": 0.0})
+    assert dead_warnings(f) == ["zero_gradient"]
+    f = Feed(run="no-reward-names")  # a trainer that logs only its gradient norm is still told
+    f.send(1, {"grad_norm": 0.0})
+    assert dead_warnings(f) == ["zero_gradient"]
+
+
+def test_a_given_condition_can_exclude_a_value(tmp_path):
+    p = tmp_path / "rules.yaml"
+    p.write_text("version: 1\nrules:\n  - name: r\n    signal: grad_norm\n    equals: 0\n"
+                 "    given: {reward_std: {not_equals: 0}}\n    severity: P2\n    summary: s\n")
+    f = Feed(Engine(rules_mod.load(str(p))))
+    f.send(1, {"grad_norm": 0.0, "reward_std": 0.0})
+    assert f.firing("r") == []
+    f.send(2, {"grad_norm": 0.0, "reward_std": 0.3})
+    assert [a["step"] for a in f.firing("r")] == [2]
+    p.write_text(p.read_text().replace("not_equals", "unequal"))
+    try:
+        rules_mod.load(str(p))
+    except rules_mod.RulesError as exc:
+        assert "not_equals" in str(exc)
+    else:
+        raise AssertionError("an unknown condition key must be refused")

@@ -46,7 +46,6 @@ DEV_CASES = [
     ("trl-ppo-loss-nan-once", "non_finite", 2, 2),
     ("msswift-grpo-zero-grad", "zero_gradient", 5, 5),
     ("msswift-grpo-all-truncated", "all_truncated", 1, 3),
-    ("trl-grpo-zero-std", "uniform_group_rewards", 1, 2),
     ("trl-grpo-zero-std", "uniform_rewards", 1, 2),
     ("verl-grpo-zero-score", "zero_reward", 4, 4),
     ("verl-grpo-zero-advantage", "zero_advantages", 83, 83),
