@@ -27,7 +27,7 @@ LAYERS = ("data", "compute", "resource")
 _RULE_KEYS = {"name", "metric", "signal", "anomalous", "above", "below", "equals", "non_finite", "for",
               "for_seconds", "severity", "critical", "immediate", "summary", "diagnosis", "suggestion", "sources",
               "detector", "resample_s", "above_ratio", "below_ratio", "cv_above", "given", "emit", "seen_finite",
-              "keep_firing_for", "flap_window", "flap_episodes"}
+              "keep_firing_for", "flap_window", "flap_episodes", "unmapped"}
 _LIFECYCLE_KEYS = ("keep_firing_for", "flap_window", "flap_episodes")
 _CONDITION_KEYS = ("above", "below", "equals", "not_equals")
 _INCIDENT_KEYS = {"name", "all", "within_s", "severity", "critical", "summary", "diagnosis", "suggestion", "inhibit"}
@@ -108,6 +108,7 @@ class Rule:
     cv_above: float | None = None      # the window's std / |mean| above this: "fluctuating"
     emit: bool = True                  # False: a signal that only feeds incidents, never pages alone
     seen_finite: bool | None = None    # only once the metric was finite before (True) / while it never was (False)
+    unmapped: bool = False             # only names no dialect maps to a signal (judged by their name alone)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # keep_firing_for, flap damping
     line: int = 0
 
@@ -149,7 +150,10 @@ class Rule:
         return True
 
     def watches(self, metric: str) -> bool:
+        if self.unmapped:
+            return self.metrics.match(metric) and signal_of(base_name(metric)) is None
         return self.metrics.match(metric) or (bool(self.signals) and signal_of(base_name(metric)) in self.signals)
+
     @cached_property
     def has_threshold(self) -> bool:
         return self.above is not None or self.below is not None or self.equals is not None
@@ -242,6 +246,12 @@ class RuleSet:
         return [n for n in names
                 if not any(r.watches(n) and r.kind != "stale" and (not r.sources or source_kind in r.sources)
                            for r in self.rules)]
+
+    def by_pattern(self, names) -> list[str]:
+        """The names only ``unmapped`` rules judge: no dialect knows them, their name pattern
+        (``*loss*``) is all trainguard goes by."""
+        return [n for n in names if signal_of(base_name(n)) is None
+                and any(r.unmapped and r.watches(n) for r in self.rules)]
 
     @property
     def given_signals(self) -> frozenset[str]:
@@ -400,7 +410,7 @@ def _rule(path: str, m: dict, seen: set, lifecycles: dict[str, Lifecycle] = LIFE
         above_ratio=_number(path, line, m, "above_ratio", minimum=0),
         below_ratio=_number(path, line, m, "below_ratio", minimum=0),
         cv_above=_number(path, line, m, "cv_above", minimum=0), emit=bool(m.get("emit", True)),
-        seen_finite=m.get("seen_finite"),
+        seen_finite=m.get("seen_finite"), unmapped=bool(m.get("unmapped", False)),
         lifecycle=_lifecycle(path, line, m, lifecycles[severity], f"rule {name!r}"), line=line)
     if rule.relative and detector is not None:
         raise _err(path, line, f"rule {name!r}: above_ratio, below_ratio and cv_above compare with the "
@@ -408,6 +418,9 @@ def _rule(path: str, m: dict, seen: set, lifecycles: dict[str, Lifecycle] = LIFE
     if rule.seen_finite is not None and detector is not None:
         raise _err(path, line, f"rule {name!r}: seen_finite reads the metric's baseline; it does not combine "
                                f"with a detector")
+    if rule.unmapped and (rule.signals or not m.get("metric")):
+        raise _err(path, line, f"rule {name!r}: unmapped judges names by their pattern; give 'metric' globs "
+                               f"and no 'signal'")
     if rule.resample_s and detector is None:
         raise _err(path, line, f"rule {name!r}: resample_s needs a detector to feed")
     if not (rule.anomalous or rule.non_finite or rule.relative or rule.above is not None or rule.below is not None

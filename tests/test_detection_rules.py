@@ -243,3 +243,15 @@ def test_a_given_condition_can_exclude_a_value(tmp_path):
         assert "not_equals" in str(exc)
     else:
         raise AssertionError("an unknown condition key must be refused")
+
+
+def test_a_rule_judging_by_name_pattern_needs_globs(tmp_path):
+    p = tmp_path / "rules.yaml"
+    p.write_text("version: 1\nrules:\n  - name: r\n    signal: loss\n    unmapped: true\n    above: 1\n"
+                 "    severity: P2\n    summary: s\n")
+    try:
+        rules_mod.load(str(p))
+    except rules_mod.RulesError as exc:
+        assert "unmapped" in str(exc) and "metric" in str(exc)
+    else:
+        raise AssertionError("unmapped without metric globs must be refused")

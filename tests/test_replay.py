@@ -221,3 +221,22 @@ def test_the_summary_names_the_framework_and_the_metrics_no_rule_watches(tmp_pat
     assert rc == 0
     assert "metrics: 6 (trl names); 4 watched by the rules" in out
     assert "not watched by any rule: my_custom/accuracy, epoch;" in out
+
+
+def test_a_loop_of_its_own_has_its_loss_judged_by_name(tmp_path):
+    """A policy-gradient loop outside the big frameworks logs names no dialect knows: its loss
+    is still judged (a huge one-step jump warns) and replay says how it was judged."""
+    path = tmp_path / "mine.jsonl"
+    rows = [{"step": s, "pg/loss_total": 0.8 + 0.01 * (s % 5), "my_score": 0.1 * s} for s in range(1, 31)]
+    rows[24]["pg/loss_total"] = 900.0
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = replay(path)
+    fired = [(a["rule"], a["step"], a["metric"]) for a in result.alerts if a["status"] == "firing"]
+    assert fired == [("loss_spike_by_name", 25, "pg/loss_total")]
+    assert result.by_pattern == ["pg/loss_total"]
+    rc, out, _ = _main(str(path))
+    assert rc == 0 and "judged by name pattern only (no dialect knows them): pg/loss_total" in out
+    # a name a dialect knows is judged by its signal's rules, not by its pattern as well
+    known = tmp_path / "verl.jsonl"
+    known.write_text("".join(json.dumps({"step": r["step"], "actor/pg_loss": r["pg/loss_total"]}) + "\n" for r in rows))
+    assert not [a for a in replay(known).alerts if a["rule"] == "loss_spike_by_name"]

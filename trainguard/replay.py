@@ -65,6 +65,7 @@ class ReplayResult:
     framework: str | None = None                         # recognised from the metric names
     metrics: list[str] = field(default_factory=list)    # every name the file logged, first seen first
     unwatched: list[str] = field(default_factory=list)  # names no rule judges
+    by_pattern: list[str] = field(default_factory=list)  # names judged by their name pattern alone
 
     def alerts_by_rule(self) -> dict[str, dict[str, int]]:
         """``{rule: {"firing": n, "resolved": m}}`` in order of first appearance."""
@@ -200,6 +201,7 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
                               f"(--format FORMAT when the file is one of these but was taken for another)")
     result.framework = recognise(result.metrics)
     result.unwatched = ruleset.unwatched(result.metrics)
+    result.by_pattern = ruleset.by_pattern(result.metrics)
     result.steps = reader.steps
     result.skipped = reader.skipped
     result.ignored = reader.ignored
@@ -311,6 +313,10 @@ def summary_lines(result: ReplayResult) -> list[str]:
         known = f"{result.framework} names" if result.framework else "no framework's names recognised"
         lines.append(f"metrics: {len(result.metrics)} ({known}); "
                      f"{len(result.metrics) - len(result.unwatched)} watched by the rules")
+        if result.by_pattern:
+            shown = ", ".join(result.by_pattern[:6]) + (f" (+{len(result.by_pattern) - 6} more)"
+                                                        if len(result.by_pattern) > 6 else "")
+            lines.append(f"judged by name pattern only (no dialect knows them): {shown}")
         if result.unwatched:
             shown = ", ".join(result.unwatched[:12]) + (f" (+{len(result.unwatched) - 12} more)"
                                                          if len(result.unwatched) > 12 else "")
