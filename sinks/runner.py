@@ -34,7 +34,7 @@ from pathlib import Path
 from trainguard.kafka import KafkaSettings
 from trainguard.schemas.events import SchemaError, decode
 from trainguard.settings import number
-from trainguard.sinks.base import Sink
+from trainguard.sinks.base import Sink, csv_values
 
 log = logging.getLogger("trainguard.sinks.runner")
 
@@ -181,22 +181,25 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
 # --------------------------------------------------------------------------- configuration
 
 
-def _csv(value: str | None) -> tuple[str, ...]:
-    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
-
-
 def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str | Path | None = None,
                 group: str = DEFAULT_GROUP) -> list[Sink]:
     """The sinks the environment configures (variables in docs/sinks.md). The chat and generic
-    webhooks sit behind one :class:`~trainguard.sinks.webhooks.PagingSink`; every webhook sink
+    webhooks sit behind one :class:`~trainguard.sinks.paging.PagingSink`; every webhook sink
     keeps its outbox in :func:`~trainguard.sinks.webhooks.outbox_dir` (per ``group``)."""
     env = os.environ if env is None else env
     from trainguard.sinks.alertmanager import AlertmanagerSink
     from trainguard.sinks.console import ConsoleSink
     from trainguard.sinks.jsonl import JsonlSink
-    from trainguard.sinks.paging import PagingSettings
-    from trainguard.sinks.webhooks import (DingTalkSink, GenericWebhookSink, PagingSink, SlackSink, Templates,
-                                           WeComSink, lock_outbox_dir, outbox_dir)
+    from trainguard.sinks.paging import PagingSettings, PagingSink
+    from trainguard.sinks.webhooks import (
+        DingTalkSink,
+        GenericWebhookSink,
+        SlackSink,
+        Templates,
+        WeComSink,
+        lock_outbox_dir,
+        outbox_dir,
+    )
 
     sinks: list[Sink] = []
     if console:
@@ -224,8 +227,8 @@ def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str |
     chat: list[Sink] = []
     if env.get("TRAINGUARD_DINGTALK_WEBHOOK"):
         chat.append(DingTalkSink(env["TRAINGUARD_DINGTALK_WEBHOOK"], env.get("TRAINGUARD_DINGTALK_SECRET"),
-                                 at_mobiles=_csv(env.get("TRAINGUARD_DINGTALK_AT_MOBILES")),
-                                 at_all_severities=_csv(env.get("TRAINGUARD_DINGTALK_AT_ALL_SEVERITIES")),
+                                 at_mobiles=csv_values(env.get("TRAINGUARD_DINGTALK_AT_MOBILES")),
+                                 at_all_severities=csv_values(env.get("TRAINGUARD_DINGTALK_AT_ALL_SEVERITIES")),
                                  **common("dingtalk")))
     if env.get("TRAINGUARD_WECOM_WEBHOOK"):
         chat.append(WeComSink(env["TRAINGUARD_WECOM_WEBHOOK"], **common("wecom")))
@@ -270,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        run_sinks(settings, sinks, stop, topics=_csv(args.topics), group_id=args.group, start=args.start)
+        run_sinks(settings, sinks, stop, topics=csv_values(args.topics), group_id=args.group, start=args.start)
     finally:
         for sink in sinks:
             sink.close()
