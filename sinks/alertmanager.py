@@ -47,6 +47,8 @@ class AlertmanagerSink(WebhookSink):
     """``AlertmanagerSink("http://alertmanager:9093")`` (the base URL, without ``/api/v2``)."""
 
     name = "alertmanager"
+    url_setting = "TRAINGUARD_ALERTMANAGER_URL"
+    settings = (url_setting,)
 
     def __init__(self, url: str, *, resend_s: float = 60.0, max_active: int = 1000, max_firing_s: float = 86_400.0,
                  **kwargs):

@@ -17,6 +17,8 @@ log = logging.getLogger("trainguard.sinks")
 
 class Sink(ABC):
     name = "sink"
+    # The TRAINGUARD_* variables the sink's ``from_env`` reads (each named in trainguard/settings.py).
+    settings: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.written = 0

@@ -48,6 +48,8 @@ class PagingSettings:
     digest_interval_s: float = 7200.0  # 2 h: a channel reads a run's warnings a few times a day
     max_keys: int = 10_000                   # alerts remembered for dedup (replays are a few)
 
+    settings = ("TRAINGUARD_NOTIFY_SEVERITIES", "TRAINGUARD_DIGEST_SEVERITIES", "TRAINGUARD_DIGEST_INTERVAL_S")
+
     @classmethod
     def from_env(cls, env=None) -> "PagingSettings":
         from trainguard.settings import number, value
@@ -233,6 +235,14 @@ class PagingSink(Sink):
         self.sinks = list(sinks)
         self.state_path = Path(state_path) if state_path else None
         self.pager = Pager(settings, read_state(self.state_path, "paging state"))
+
+    @classmethod
+    def from_env(cls, env, sinks: list[Sink], state_dir: Path | None) -> "PagingSink | None":
+        """The stage in front of ``sinks`` (None without any), its settings from ``env``
+        (:attr:`PagingSettings.settings`), its state in ``state_dir/pager.json``."""
+        if not sinks:
+            return None
+        return cls(sinks, PagingSettings.from_env(env), state_path=state_dir / "pager.json" if state_dir else None)
 
     def save(self) -> None:
         if not self.state_path or not self.pager.changed:

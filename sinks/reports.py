@@ -469,6 +469,13 @@ class ReportSink(Sink):
     ``trainguard ui`` is served, so that the page links the run's page."""
 
     name = "reports"
+    settings = ("TRAINGUARD_REPORTS_DIR", "TRAINGUARD_UI_URL")
+
+    @classmethod
+    def from_env(cls, env) -> "ReportSink | None":
+        """A sink writing under ``TRAINGUARD_REPORTS_DIR``; None where it is not set."""
+        directory = settings_mod.value("TRAINGUARD_REPORTS_DIR", env)
+        return cls(directory, ui_url=settings_mod.value("TRAINGUARD_UI_URL", env) or "") if directory else None
 
     def __init__(self, directory: str | Path, ui_url: str | None = None):
         super().__init__()

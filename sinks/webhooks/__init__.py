@@ -34,6 +34,7 @@ from trainguard.sinks.webhooks.delivery import (
     Item,
     Outbox,
     PermanentError,
+    WebhookSetup,
     WebhookSink,
     lock_outbox_dir,
     outbox_dir,
@@ -53,6 +54,6 @@ from trainguard.sinks.webhooks.messages import (
 )
 
 __all__ = ["DIGEST_TEMPLATES", "TEMPLATES_DIR", "DingTalkSink", "GenericWebhookSink", "Item", "Outbox", "PagingSink",
-           "PermanentError", "SlackSink", "Templates", "WeComSink", "WebhookSink", "alert_fields",
+           "PermanentError", "SlackSink", "Templates", "WeComSink", "WebhookSetup", "WebhookSink", "alert_fields",
            "digest_fields", "dingtalk_sign", "escape_markdown", "escape_plain", "escape_slack", "lock_outbox_dir",
            "outbox_dir", "render", "title_of"]

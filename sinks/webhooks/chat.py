@@ -10,6 +10,8 @@ import json
 import time
 import urllib.parse
 
+from trainguard.settings import value
+from trainguard.sinks.base import csv_values
 from trainguard.sinks.paging import DIGEST_SCHEMA
 from trainguard.sinks.webhooks.delivery import WebhookSink
 from trainguard.sinks.webhooks.messages import escape_markdown, escape_slack
@@ -34,6 +36,16 @@ class DingTalkSink(WebhookSink):
     """DingTalk group robot (``https://oapi.dingtalk.com/robot/send?access_token=...``), markdown."""
 
     name = "dingtalk"
+    url_setting = "TRAINGUARD_DINGTALK_WEBHOOK"
+    settings = (url_setting, "TRAINGUARD_DINGTALK_SECRET", "TRAINGUARD_DINGTALK_AT_MOBILES",
+                "TRAINGUARD_DINGTALK_AT_ALL_SEVERITIES")
+
+    @classmethod
+    def options(cls, env) -> dict:
+        return {"secret": value("TRAINGUARD_DINGTALK_SECRET", env),
+                "at_mobiles": csv_values(value("TRAINGUARD_DINGTALK_AT_MOBILES", env)),
+                "at_all_severities": csv_values(value("TRAINGUARD_DINGTALK_AT_ALL_SEVERITIES", env))}
+
     def __init__(self, url: str, secret: str | None = None, *, at_mobiles: tuple[str, ...] = (),
                  at_all_severities: tuple[str, ...] = (), **kwargs):
         self.secret = secret or None
@@ -66,6 +78,8 @@ class WeComSink(WebhookSink):
     """WeCom (企业微信) group robot (``https://qyapi.weixin.qq.com/cgi-bin/webhook/send?key=...``), markdown."""
 
     name = "wecom"
+    url_setting = "TRAINGUARD_WECOM_WEBHOOK"
+    settings = (url_setting,)
     max_bytes = 4096  # WeCom's limit on markdown content
 
     def payload(self, alert: dict) -> dict:
@@ -83,6 +97,8 @@ class SlackSink(WebhookSink):
     """Slack incoming webhook: a header block, a mrkdwn section, and plain ``text`` as fallback."""
 
     name = "slack"
+    url_setting = "TRAINGUARD_SLACK_WEBHOOK"
+    settings = (url_setting,)
 
     def payload(self, alert: dict) -> dict:
         # the header is plain_text, shown as is: look-alikes there too, so that nothing in it reads

@@ -17,6 +17,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainguard.settings import value
 from trainguard.sinks.base import Sink, read_state, write_state
 from trainguard.sinks.paging import DIGEST_SCHEMA, delivery_key
 from trainguard.sinks.webhooks.messages import Templates
@@ -120,6 +121,18 @@ class WebhookSink(Sink):
 
     name = "webhook"
     retry_statuses = frozenset({408, 429})
+    url_setting: str | None = None  # the variable that gives its URL: the sink is on where it is set
+
+    @classmethod
+    def from_env(cls, env, setup: "WebhookSetup") -> "WebhookSink | None":
+        """The sink ``env`` configures (its ``settings``), None where its URL is not set."""
+        url = value(cls.url_setting, env) if cls.url_setting else None
+        return cls(url, **cls.options(env), **setup.kwargs(cls.name)) if url else None
+
+    @classmethod
+    def options(cls, env) -> dict:
+        """The keyword arguments the sink's other settings give."""
+        return {}
 
     def __init__(self, url: str, *, timeout_s: float = 10.0, backoff_s: float = 0.5, max_backoff_s: float = 60.0,
                  max_items: int = 1000, max_age_s: float = 86_400.0, outbox_path: str | Path | None = None,
@@ -314,13 +327,11 @@ def outbox_dir(env=None, group: str = "trainguard-sinks") -> tuple[Path, bool]:
     the default one: ``TRAINGUARD_OUTBOX_DIR`` as given, else ``<TRAINGUARD_DATA_DIR>/sinks-outbox``
     or ``~/.local/state/trainguard/sinks-outbox`` (``$XDG_STATE_HOME``), one folder per topic
     prefix and group there."""
-    from trainguard.settings import value
-
     env = os.environ if env is None else env
-    if env.get("TRAINGUARD_OUTBOX_DIR"):
-        return Path(env["TRAINGUARD_OUTBOX_DIR"]), False
-    if env.get("TRAINGUARD_DATA_DIR"):
-        base = Path(env["TRAINGUARD_DATA_DIR"]) / "sinks-outbox"
+    if value("TRAINGUARD_OUTBOX_DIR", env):
+        return Path(value("TRAINGUARD_OUTBOX_DIR", env)), False
+    if value("TRAINGUARD_DATA_DIR", env):
+        base = Path(value("TRAINGUARD_DATA_DIR", env)) / "sinks-outbox"
     else:
         state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
         base = Path(state) / "trainguard" / "sinks-outbox"
@@ -351,3 +362,25 @@ def lock_outbox_dir(path: Path) -> Path:
         return candidate
     raise RuntimeError(f"no outbox folder to hold near {path}")
 
+
+class WebhookSetup:
+    """What the HTTP sinks of one sinks process share: their templates (``TRAINGUARD_TEMPLATES_DIR``,
+    ``TRAINGUARD_UI_URL``) and the folder of their outboxes (:func:`outbox_dir`, per ``group``),
+    found and held when the first sink asks for its own."""
+
+    settings = ("TRAINGUARD_OUTBOX_DIR", "TRAINGUARD_DATA_DIR", "TRAINGUARD_TOPIC_PREFIX", *Templates.settings)
+
+    def __init__(self, env, group: str):
+        self.env, self.group = env, group
+        self.templates = Templates(env=env)
+        self.folder: Path | None = None  # once a sink asked
+
+    def kwargs(self, name: str) -> dict:
+        """The arguments of the sink ``name``: the templates and its outbox file."""
+        if self.folder is None:
+            folder, default = outbox_dir(self.env, self.group)
+            if default:  # shared by every process of the group on this host: one holds it
+                folder = lock_outbox_dir(folder)
+            log.info("trainguard: sinks keep their outboxes in %s", folder)
+            self.folder = folder
+        return {"templates": self.templates, "outbox_path": self.folder / f"{name}.json"}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+from trainguard.settings import value
 from trainguard.sinks.webhooks.delivery import WebhookSink
 
 
@@ -10,6 +13,13 @@ class GenericWebhookSink(WebhookSink):
     markdown) for chat-like receivers."""
 
     name = "webhook"
+    url_setting = "TRAINGUARD_WEBHOOK_URL"
+    settings = (url_setting, "TRAINGUARD_WEBHOOK_HEADERS")
+
+    @classmethod
+    def options(cls, env) -> dict:
+        headers = value("TRAINGUARD_WEBHOOK_HEADERS", env)
+        return {"headers": json.loads(headers) if headers else None}
 
     def payload(self, alert: dict) -> dict:
         return {**alert, "text": self.templates.render("title.txt", alert)}

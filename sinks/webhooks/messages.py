@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import string
 import time
 import urllib.parse
 from importlib import resources
 from pathlib import Path
 
+from trainguard.settings import value
 from trainguard.sinks.paging import DIGEST_SCHEMA
 from trainguard.sinks.reports import format_value
 from trainguard.terminal import safe
@@ -179,10 +179,12 @@ DIGEST_TEMPLATES = {"title.txt": ("digest_title.txt", "digest_line.md"),
 class Templates:
     """Loads ``name`` from ``directory`` (else the packaged one) and renders alerts with it."""
 
-    def __init__(self, directory: str | Path | None = None, ui_url: str | None = None):
-        directory = directory or os.environ.get("TRAINGUARD_TEMPLATES_DIR")
+    settings = ("TRAINGUARD_TEMPLATES_DIR", "TRAINGUARD_UI_URL")
+
+    def __init__(self, directory: str | Path | None = None, ui_url: str | None = None, env=None):
+        directory = directory or value("TRAINGUARD_TEMPLATES_DIR", env)
         self.directory = Path(directory) if directory else TEMPLATES_DIR
-        self.ui_url = ui_url if ui_url is not None else os.environ.get("TRAINGUARD_UI_URL")
+        self.ui_url = ui_url if ui_url is not None else value("TRAINGUARD_UI_URL", env)
         self._cache: dict[str, string.Template] = {}
 
     def get(self, name: str) -> string.Template:
