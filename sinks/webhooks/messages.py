@@ -7,13 +7,12 @@ import functools
 import logging
 import string
 import time
-import urllib.parse
 from importlib import resources
 from pathlib import Path
 
 from trainguard.settings import value
 from trainguard.sinks.paging import DIGEST_SCHEMA
-from trainguard.sinks.reports import format_value
+from trainguard.sinks.reports import format_value, page_url
 from trainguard.terminal import safe
 
 log = logging.getLogger("trainguard.sinks.webhooks")
@@ -133,8 +132,8 @@ def alert_fields(alert: dict, ui_url: str | None = None, escape=escape_markdown)
         "source": source,
         "host": _fmt(src.get("host")),
         "layer": _fmt(alert.get("layer")),
-        "run_page": _page_url(ui_url, alert.get("run_id")),
-        "report_page": _page_url(ui_url, alert.get("run_id"), alert.get("report")) if alert.get("report") else "",
+        "run_page": page_url(ui_url, alert.get("run_id")),
+        "report_page": page_url(ui_url, alert.get("run_id"), alert.get("report")) if alert.get("report") else "",
     }
     return {k: escape(v) for k, v in fields.items()}
 
@@ -158,16 +157,8 @@ def digest_fields(digest: dict, ui_url: str | None, escape, line: string.Templat
     fields = {"severity": _fmt(digest.get("severity")), "run": _fmt(digest.get("run_id")),
               "count": _fmt(digest.get("count")), "rules": _fmt(len(entries)),
               "since": _clock(digest.get("since")), "until": _clock(digest.get("until")),
-              "run_page": _page_url(ui_url, digest.get("run_id"))}
+              "run_page": page_url(ui_url, digest.get("run_id"))}
     return {**{k: escape(v) for k, v in fields.items()}, "entries": "\n".join(entries)}
-
-
-def _page_url(ui_url: str | None, run_id, report_id=None) -> str:
-    """The run's page (or, with ``report_id``, the report's) under ``ui_url``; "" without one."""
-    if not ui_url or not run_id:
-        return ""
-    url = f"{ui_url.rstrip('/')}/run/{urllib.parse.quote(str(run_id), safe='')}"
-    return f"{url}/report/{urllib.parse.quote(str(report_id), safe='')}" if report_id else url
 
 
 # The template a digest is rendered with instead of an alert's, and its per-rule line.

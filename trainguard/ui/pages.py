@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 import urllib.parse
 
-from trainguard.sinks.reports import PLOT_CSS, implicated
+from trainguard.sinks.reports import PLOT_CSS, implicated, int64
 from trainguard.sinks.reports import attr as _attr
 from trainguard.sinks.reports import render_html as render_report
 from trainguard.sinks.reports import shown as _shown
 from trainguard.ui.plots import kept_stride, signal_plots, steps_extent, zoom_href
 from trainguard.ui.reader import Board
-from trainguard.ui.views import int64, report_for_page, utc_time
+from trainguard.ui.views import report_for_page, utc_time
 
 REFRESH_S = 5
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainguard.sinks.reports import svg_steps_plot
+from trainguard.sinks.reports import int64, svg_steps_plot
 from trainguard.streams.rules import RuleSet
-from trainguard.ui.views import int64
 
 
 def rolling_band(values: np.ndarray, window: int, k: float) -> tuple[np.ndarray, np.ndarray]:

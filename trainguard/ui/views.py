@@ -9,7 +9,7 @@ import time
 
 import orjson
 
-from trainguard.sinks.reports import format_value
+from trainguard.sinks.reports import format_value, int64
 from trainguard.sinks.reports import shown as _shown
 
 
@@ -27,11 +27,6 @@ def short_text(v, limit: int = 256) -> str:
         except TypeError:  # an integer beyond 64 bits somewhere inside
             text = str(v)
     return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
-def int64(v) -> int | None:
-    """A 64-bit integer (what JSON readers and the page can hold), else None."""
-    return v if type(v) is int and -2**63 <= v < 2**63 else None
 
 
 def plain_value(v):
