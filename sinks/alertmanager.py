@@ -17,7 +17,7 @@ resolve a few minutes later instead of firing forever. At most ``max_active`` fi
 (default 1000), each for at most ``max_firing_s`` (default one day), are re-sent.
 
 Delivery itself (retries with backoff, outbox, once per id+status, ``undelivered()``) is
-:class:`~trainguard.sinks.webhooks.WebhookSink`'s.
+:class:`~trainguard.sinks.webhooks.delivery.WebhookSink`'s.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from collections import OrderedDict
 from datetime import datetime, timezone
 
 from trainguard.sinks.paging import muted
-from trainguard.sinks.webhooks import WebhookSink, alert_fields
+from trainguard.sinks.webhooks.delivery import WebhookSink
+from trainguard.sinks.webhooks.messages import alert_fields
 
 log = logging.getLogger("trainguard.sinks.alertmanager")
 
@@ -46,6 +47,8 @@ class AlertmanagerSink(WebhookSink):
     """``AlertmanagerSink("http://alertmanager:9093")`` (the base URL, without ``/api/v2``)."""
 
     name = "alertmanager"
+    url_setting = "TRAINGUARD_ALERTMANAGER_URL"
+    settings = (url_setting,)
 
     def __init__(self, url: str, *, resend_s: float = 60.0, max_active: int = 1000, max_firing_s: float = 86_400.0,
                  **kwargs):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import orjson
 
+from trainguard.settings import value
 from trainguard.sinks.base import Sink
 
 
@@ -19,6 +20,13 @@ def _event_id(event: dict) -> str | None:
 
 class JsonlSink(Sink):
     name = "jsonl"
+    settings = ("TRAINGUARD_ALERTS_JSONL",)
+
+    @classmethod
+    def from_env(cls, env, path: str | Path | None = None) -> "JsonlSink | None":
+        """A sink appending to ``path``, else to ``TRAINGUARD_ALERTS_JSONL``; None without either."""
+        path = path or value("TRAINGUARD_ALERTS_JSONL", env)
+        return cls(path) if path else None
 
     def __init__(self, path: str | Path):
         super().__init__()

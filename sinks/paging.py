@@ -1,6 +1,9 @@
-"""The paging stage: which alerts become chat messages, and when. Pure code, no I/O.
+"""The paging stage: which alerts become chat messages, and when. :class:`Pager` decides (pure
+code, no I/O); :class:`PagingSink` is the stage in the sinks process: one for every chat and
+generic-webhook sink, which only render and send what it passes them, and keeps the pager's
+state on disk.
 
-Alertmanager's model, shared by every chat and generic-webhook sink (they only render and send):
+Alertmanager's model, shared by every chat and generic-webhook sink:
 
 - **mute**: a firing alert that is silenced, inhibited by an open incident, acknowledged, or
   kept for incidents only pages nobody;
@@ -25,8 +28,12 @@ sinks process would have sent::
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainguard.sinks.base import Sink, csv_values, read_state, write_state
 
 PAGE = "page"
 DIGEST = "digest"
@@ -41,20 +48,18 @@ class PagingSettings:
     digest_interval_s: float = 7200.0  # 2 h: a channel reads a run's warnings a few times a day
     max_keys: int = 10_000                   # alerts remembered for dedup (replays are a few)
 
+    settings = ("TRAINGUARD_NOTIFY_SEVERITIES", "TRAINGUARD_DIGEST_SEVERITIES", "TRAINGUARD_DIGEST_INTERVAL_S")
+
     @classmethod
     def from_env(cls, env=None) -> "PagingSettings":
         from trainguard.settings import number, value
 
-        page = _csv(value("TRAINGUARD_NOTIFY_SEVERITIES", env))
-        digest = tuple(s for s in _csv(value("TRAINGUARD_DIGEST_SEVERITIES", env)) if s not in page)
+        page = csv_values(value("TRAINGUARD_NOTIFY_SEVERITIES", env))
+        digest = tuple(s for s in csv_values(value("TRAINGUARD_DIGEST_SEVERITIES", env)) if s not in page)
         interval = number("TRAINGUARD_DIGEST_INTERVAL_S", env)
         if interval <= 0:
             raise ValueError(f"TRAINGUARD_DIGEST_INTERVAL_S must be above 0, not {interval}")
         return cls(page=page, digest=digest, digest_interval_s=interval)
-
-
-def _csv(text: str | None) -> tuple[str, ...]:
-    return tuple(v.strip() for v in (text or "").split(",") if v.strip())
 
 
 @dataclass(frozen=True)
@@ -211,3 +216,55 @@ class Pager:
                 "status": DIGEST, "run_id": run_id, "severity": worst, "since": digest["since"],
                 "until": digest["until"], "ts": due, "count": sum(e["count"] for e in entries),
                 "entries": entries}
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+class PagingSink(Sink):
+    """The chat and generic-webhook sinks behind one :class:`Pager`:
+    it decides what pages (mute, dedup, digest), they render and send. With ``state_path`` the
+    pager's state (digests being gathered, alerts paged) survives a restart, saved before the
+    runner commits the batch."""
+
+    name = "paging"
+
+    def __init__(self, sinks: list[Sink], settings: PagingSettings | None = None,
+                 state_path: str | Path | None = None):
+        super().__init__()
+        self.sinks = list(sinks)
+        self.state_path = Path(state_path) if state_path else None
+        self.pager = Pager(settings, read_state(self.state_path, "paging state"))
+
+    @classmethod
+    def from_env(cls, env, sinks: list[Sink], state_dir: Path | None) -> "PagingSink | None":
+        """The stage in front of ``sinks`` (None without any), its settings from ``env``
+        (:attr:`PagingSettings.settings`), its state in ``state_dir/pager.json``."""
+        if not sinks:
+            return None
+        return cls(sinks, PagingSettings.from_env(env), state_path=state_dir / "pager.json" if state_dir else None)
+
+    def save(self) -> None:
+        if not self.state_path or not self.pager.changed:
+            return
+        write_state(self.state_path, self.pager.state())
+        self.pager.changed = False
+
+    def write(self, batch: list[dict]) -> None:
+        now = time.time()  # a digest's interval runs from the arrival of its first warning
+        self._send([m for event in batch for m in self.pager.feed(event, now)])
+
+    def advance(self, now: float) -> None:
+        self._send(self.pager.flush(now))
+
+    def _send(self, messages: list[Message]) -> None:
+        if messages:
+            events = [m.event for m in messages]
+            for sink in self.sinks:
+                sink.deliver(events)
+        self.save()
+
+    def close(self, timeout: float = 5.0) -> None:
+        for sink in self.sinks:
+            sink.close(timeout=timeout)
+        self.save()

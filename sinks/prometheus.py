@@ -58,6 +58,7 @@ from collections import OrderedDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from trainguard.schemas.events import SEVERITIES
+from trainguard.settings import value
 from trainguard.sinks.base import Sink
 from trainguard.streams.signals import signal_of
 
@@ -352,6 +353,18 @@ class PrometheusSink(Sink):
     the alerts it reads (only where the worker exports nothing: the worker counts them)."""
 
     name = "prometheus"
+    settings = ("TRAINGUARD_PROMETHEUS_PORT", "TRAINGUARD_PROMETHEUS_ADDR", "TRAINGUARD_PROMETHEUS_ALERTS")
+
+    @classmethod
+    def from_env(cls, env) -> "PrometheusSink | None":
+        """A sink serving ``/metrics`` on ``TRAINGUARD_PROMETHEUS_PORT``; None where it is not set."""
+        port = value("TRAINGUARD_PROMETHEUS_PORT", env)
+        if not port:
+            return None
+        # Alerts are the worker's to count; counting them here too doubled every summed panel.
+        sink = cls(count_alerts=value("TRAINGUARD_PROMETHEUS_ALERTS", env) == "1")
+        sink.exporter.start_http(int(port), value("TRAINGUARD_PROMETHEUS_ADDR", env))
+        return sink
 
     def __init__(self, exporter: Exporter | None = None, *, count_alerts: bool = False):
         super().__init__()

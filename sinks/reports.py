@@ -99,6 +99,15 @@ def attr(v) -> str:
     return html.escape(shown(v), quote=True)
 
 
+def page_url(ui_url: str | None, run_id, report_id=None) -> str:
+    """The run's page (or, with ``report_id``, the report's) where ``trainguard ui`` is served
+    (``ui_url``); "" without one."""
+    if not ui_url or not run_id:
+        return ""
+    url = f"{ui_url.rstrip('/')}/run/{urllib.parse.quote(str(run_id), safe='')}"
+    return f"{url}/report/{urllib.parse.quote(str(report_id), safe='')}" if report_id else url
+
+
 # ---------------------------------------------------------------- plots by step (run page and reports)
 
 _PW, _PH, _PL, _PR, _PT, _PB = 720, 220, 64, 28, 22, 30  # size; left, right, top, bottom margins, px
@@ -370,7 +379,8 @@ def _hover(st, kv, xs, ys, x0, x1, top, bottom, zoom_href) -> str:
     return "".join(out)
 
 
-def _int(v) -> int | None:
+def int64(v) -> int | None:
+    """A 64-bit integer (what JSON readers and a page can hold), else None."""
     return v if type(v) is int and -2**63 <= v < 2**63 else None
 
 
@@ -410,7 +420,7 @@ def render_html(report: dict, *, run_href: str | None = None, series: dict | Non
     signal plotted by step up to the decision (``series``: {metric: (steps, values)} the run page
     keeps, else the report's windows), linked to the run's page (``run_href``)."""
     esc = html.escape
-    step = _int(report.get("step")) if step is None else step
+    step = int64(report.get("step")) if step is None else step
     alerts = [a for a in report.get("alerts", []) if isinstance(a, dict)]
     decision = f"decision: {report['action'].upper()}"
     plots = []
@@ -420,7 +430,7 @@ def render_html(report: dict, *, run_href: str | None = None, series: dict | Non
         evidence = alert.get("evidence") or {}
         window = (report.get("windows") or {}).get(metric)
         kept = (series or {}).get(metric)
-        end = _int(alert.get("step")) if _int(alert.get("step")) is not None else step
+        end = int64(alert.get("step")) if int64(alert.get("step")) is not None else step
         if kept is not None and len(kept[0]):
             steps, values = kept
             caption = "as the run page keeps it"
@@ -436,10 +446,10 @@ def render_html(report: dict, *, run_href: str | None = None, series: dict | Non
         band = None
         if is_finite_number(evidence.get("lower")) and is_finite_number(evidence.get("upper")):
             band = (np.full(len(steps), float(evidence["lower"])), np.full(len(steps), float(evidence["upper"])))
-        markers = [{"step": _int(a.get("step")), "id": a.get("id"), "severity": a.get("severity"), "state": "firing",
+        markers = [{"step": int64(a.get("step")), "id": a.get("id"), "severity": a.get("severity"), "state": "firing",
                     "note": f"{a.get('severity')} {a.get('rule')} at step {a.get('step')}: "
                             f"{format_value(a.get('value'))}"}
-                   for a in mine if _int(a.get("step")) is not None]
+                   for a in mine if int64(a.get("step")) is not None]
         plot = svg_steps_plot(metric, steps, values, band=band, x_range=x_range, alerts=markers,
                               decisions=[(step, f"{decision} at step {step}")] if step is not None else [],
                               clip_at_zero=True)
@@ -469,6 +479,13 @@ class ReportSink(Sink):
     ``trainguard ui`` is served, so that the page links the run's page."""
 
     name = "reports"
+    settings = ("TRAINGUARD_REPORTS_DIR", "TRAINGUARD_UI_URL")
+
+    @classmethod
+    def from_env(cls, env) -> "ReportSink | None":
+        """A sink writing under ``TRAINGUARD_REPORTS_DIR``; None where it is not set."""
+        directory = settings_mod.value("TRAINGUARD_REPORTS_DIR", env)
+        return cls(directory, ui_url=settings_mod.value("TRAINGUARD_UI_URL", env) or "") if directory else None
 
     def __init__(self, directory: str | Path, ui_url: str | None = None):
         super().__init__()
@@ -486,5 +503,5 @@ class ReportSink(Sink):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
             path.with_suffix(".txt").write_text(render_text(report), encoding="utf-8")
-            run_href = f"{self.ui_url}/run/{urllib.parse.quote(report['run_id'], safe='')}" if self.ui_url else None
+            run_href = page_url(self.ui_url, report["run_id"]) or None
             path.with_suffix(".html").write_text(render_html(report, run_href=run_href), encoding="utf-8")

@@ -22,7 +22,6 @@ Messages that do not decode are logged and skipped (the worker owns the DLQ).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -33,8 +32,8 @@ from pathlib import Path
 
 from trainguard.kafka import KafkaSettings
 from trainguard.schemas.events import SchemaError, decode
-from trainguard.settings import number
-from trainguard.sinks.base import Sink
+from trainguard.settings import number, value
+from trainguard.sinks.base import Sink, csv_values
 
 log = logging.getLogger("trainguard.sinks.runner")
 
@@ -181,73 +180,39 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
 # --------------------------------------------------------------------------- configuration
 
 
-def _csv(value: str | None) -> tuple[str, ...]:
-    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
-
-
 def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str | Path | None = None,
                 group: str = DEFAULT_GROUP) -> list[Sink]:
-    """The sinks the environment configures (variables in docs/sinks.md). The chat and generic
-    webhooks sit behind one :class:`~trainguard.sinks.webhooks.PagingSink`; every webhook sink
-    keeps its outbox in :func:`~trainguard.sinks.webhooks.outbox_dir` (per ``group``)."""
+    """The sinks the environment configures (variables in docs/sinks.md; each sink reads its own,
+    the names in its ``settings``). The chat and generic webhooks sit behind one
+    :class:`~trainguard.sinks.paging.PagingSink`; every webhook sink keeps its outbox in
+    :func:`~trainguard.sinks.webhooks.outbox_dir` (per ``group``)."""
     env = os.environ if env is None else env
     from trainguard.sinks.alertmanager import AlertmanagerSink
     from trainguard.sinks.console import ConsoleSink
     from trainguard.sinks.jsonl import JsonlSink
-    from trainguard.sinks.paging import PagingSettings
-    from trainguard.sinks.webhooks import (DingTalkSink, GenericWebhookSink, PagingSink, SlackSink, Templates,
-                                           WeComSink, lock_outbox_dir, outbox_dir)
+    from trainguard.sinks.paging import PagingSink
+    from trainguard.sinks.reports import ReportSink
+    from trainguard.sinks.webhooks import DingTalkSink, GenericWebhookSink, SlackSink, WebhookSetup, WeComSink
 
-    sinks: list[Sink] = []
-    if console:
-        sinks.append(ConsoleSink())
-    jsonl_path = jsonl_path or env.get("TRAINGUARD_ALERTS_JSONL")
-    if jsonl_path:
-        sinks.append(JsonlSink(jsonl_path))
-    if env.get("TRAINGUARD_REPORTS_DIR"):
-        from trainguard.sinks.reports import ReportSink
-
-        sinks.append(ReportSink(env["TRAINGUARD_REPORTS_DIR"]))
-
-    templates = Templates(env.get("TRAINGUARD_TEMPLATES_DIR") or None, ui_url=env.get("TRAINGUARD_UI_URL") or "")
-    folder: Path | None = None
-
-    def common(name: str) -> dict:
-        nonlocal folder
-        if folder is None:
-            folder, default = outbox_dir(env, group)
-            if default:  # shared by every process of the group on this host: one holds it
-                folder = lock_outbox_dir(folder)
-            log.info("trainguard: sinks keep their outboxes in %s", folder)
-        return {"templates": templates, "outbox_path": folder / f"{name}.json"}
-
-    chat: list[Sink] = []
-    if env.get("TRAINGUARD_DINGTALK_WEBHOOK"):
-        chat.append(DingTalkSink(env["TRAINGUARD_DINGTALK_WEBHOOK"], env.get("TRAINGUARD_DINGTALK_SECRET"),
-                                 at_mobiles=_csv(env.get("TRAINGUARD_DINGTALK_AT_MOBILES")),
-                                 at_all_severities=_csv(env.get("TRAINGUARD_DINGTALK_AT_ALL_SEVERITIES")),
-                                 **common("dingtalk")))
-    if env.get("TRAINGUARD_WECOM_WEBHOOK"):
-        chat.append(WeComSink(env["TRAINGUARD_WECOM_WEBHOOK"], **common("wecom")))
-    if env.get("TRAINGUARD_SLACK_WEBHOOK"):
-        chat.append(SlackSink(env["TRAINGUARD_SLACK_WEBHOOK"], **common("slack")))
-    if env.get("TRAINGUARD_WEBHOOK_URL"):
-        headers = json.loads(env["TRAINGUARD_WEBHOOK_HEADERS"]) if env.get("TRAINGUARD_WEBHOOK_HEADERS") else None
-        chat.append(GenericWebhookSink(env["TRAINGUARD_WEBHOOK_URL"], headers=headers, **common("webhook")))
-    if chat:
-        sinks.append(PagingSink(chat, PagingSettings.from_env(env), state_path=folder / "pager.json"))
-    if env.get("TRAINGUARD_ALERTMANAGER_URL"):
-        # Alertmanager groups, routes and silences itself: it gets every alert, past no pager.
-        sinks.append(AlertmanagerSink(env["TRAINGUARD_ALERTMANAGER_URL"], **common("alertmanager")))
-    if env.get("TRAINGUARD_PROMETHEUS_PORT"):
-        from trainguard.sinks.prometheus import PrometheusSink
-
-        # Alerts are the worker's to count; counting them here too doubled every summed panel.
-        sink = PrometheusSink(count_alerts=env.get("TRAINGUARD_PROMETHEUS_ALERTS") == "1")
-        sink.exporter.start_http(int(env["TRAINGUARD_PROMETHEUS_PORT"]),
-                                 env.get("TRAINGUARD_PROMETHEUS_ADDR", "127.0.0.1"))
-        sinks.append(sink)
+    setup = WebhookSetup(env, group)
+    chat = [sink for kind in (DingTalkSink, WeComSink, SlackSink, GenericWebhookSink)
+            if (sink := kind.from_env(env, setup)) is not None]
+    sinks: list[Sink] = [ConsoleSink()] if console else []
+    for sink in (JsonlSink.from_env(env, jsonl_path), ReportSink.from_env(env),
+                 PagingSink.from_env(env, chat, setup.folder),
+                 # Alertmanager groups, routes and silences itself: it gets every alert, past no pager.
+                 AlertmanagerSink.from_env(env, setup), _prometheus(env)):
+        if sink is not None:
+            sinks.append(sink)
     return sinks
+
+
+def _prometheus(env) -> Sink | None:
+    if not value("TRAINGUARD_PROMETHEUS_PORT", env):  # prometheus-client only where it is asked for
+        return None
+    from trainguard.sinks.prometheus import PrometheusSink
+
+    return PrometheusSink.from_env(env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        run_sinks(settings, sinks, stop, topics=_csv(args.topics), group_id=args.group, start=args.start)
+        run_sinks(settings, sinks, stop, topics=csv_values(args.topics), group_id=args.group, start=args.start)
     finally:
         for sink in sinks:
             sink.close()

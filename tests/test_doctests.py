@@ -11,13 +11,13 @@ import pytest
 
 import trainguard.schemas
 import trainguard.streams
+import trainguard.ui
 
 
 def _modules():
-    for package in (trainguard.streams, trainguard.schemas):
+    for package in (trainguard.streams, trainguard.schemas, trainguard.ui):
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
             yield info.name
-    yield "trainguard.ui"
     yield "trainguard.terminal"
 
 

@@ -136,6 +136,54 @@ def test_build_sinks_from_the_environment(tmp_path):
     assert build_sinks({}, console=False) == []
 
 
+class _Recording(dict):
+    """An environment that remembers every name looked up in it."""
+
+    def __init__(self, values: dict):
+        super().__init__(values)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+def test_each_sink_reads_the_settings_it_declares_and_no_other(tmp_path):
+    from trainguard import settings
+    from trainguard.sinks.reports import ReportSink
+    from trainguard.sinks.webhooks import WebhookSetup
+
+    kinds = [JsonlSink, ReportSink, DingTalkSink, WeComSink, SlackSink, GenericWebhookSink, AlertmanagerSink,
+             PrometheusSink]
+    env = _Recording({"TRAINGUARD_ALERTS_JSONL": str(tmp_path / "a.jsonl"), "TRAINGUARD_REPORTS_DIR": str(tmp_path),
+                      "TRAINGUARD_UI_URL": "http://tg.example:8321",
+                      "TRAINGUARD_DINGTALK_WEBHOOK": "http://127.0.0.1:9/robot", "TRAINGUARD_DINGTALK_SECRET": "SECx",
+                      "TRAINGUARD_DINGTALK_AT_MOBILES": "138", "TRAINGUARD_DINGTALK_AT_ALL_SEVERITIES": "P0",
+                      "TRAINGUARD_WECOM_WEBHOOK": "http://127.0.0.1:9/wecom",
+                      "TRAINGUARD_SLACK_WEBHOOK": "http://127.0.0.1:9/slack",
+                      "TRAINGUARD_WEBHOOK_URL": "http://127.0.0.1:9/hook", "TRAINGUARD_WEBHOOK_HEADERS": "{}",
+                      "TRAINGUARD_ALERTMANAGER_URL": "http://127.0.0.1:9", "TRAINGUARD_PROMETHEUS_PORT": "0",
+                      "TRAINGUARD_PROMETHEUS_ALERTS": "1", "TRAINGUARD_DATA_DIR": str(tmp_path / "data")})
+    sinks = build_sinks(env, console=False, group=f"g-{uuid.uuid4().hex[:6]}")
+    try:
+        assert [s.name for s in sinks] == ["jsonl", "reports", "paging", "alertmanager", "prometheus"]
+        assert sinks[1].ui_url == "http://tg.example:8321" and sinks[4].count_alerts
+        declared = {n for kind in kinds for n in kind.settings} | set(WebhookSetup.settings) | set(
+            PagingSettings.settings)
+        assert declared <= set(settings.BY_NAME), declared - set(settings.BY_NAME)
+        read = {n for n in env.read if n.startswith("TRAINGUARD_")}
+        assert read <= declared, f"read but declared by no sink: {read - declared}"
+        for kind in kinds:  # what a sink declares, it reads
+            assert set(kind.settings) <= read, (kind.name, set(kind.settings) - read)
+    finally:
+        for s in sinks:
+            s.close()
+
+
 def test_the_outbox_is_on_by_default_in_the_data_folder(tmp_path):
     env = {"TRAINGUARD_WEBHOOK_URL": "http://127.0.0.1:9/hook", "TRAINGUARD_DATA_DIR": str(tmp_path),
            "TRAINGUARD_TOPIC_PREFIX": "team-a"}
