@@ -578,6 +578,20 @@ def test_a_rule_naming_a_parameter_its_detector_lacks_is_told_the_valid_ones(kin
         rules_mod.parse(_rule_with(f"{{kind: {kind}, {first.name}: [1]}}"), "team.yaml")
 
 
+@pytest.mark.parametrize("kind", sorted(__import__("trainguard.streams.detectors", fromlist=["REGISTRY"]).REGISTRY))
+def test_declared_choices_are_the_ones_the_constructor_takes(kind):
+    from trainguard.streams.detectors import REGISTRY
+
+    cls = REGISTRY[kind]
+    base = dict(cls.test_params[0]) if getattr(cls, "test_params", ()) else {}
+    for p in cls.params:
+        for choice in p.choices:
+            cls(**{**base, p.name: choice})
+        if p.choices:
+            with pytest.raises(ValueError):
+                cls(**{**base, p.name: "sideways"})
+
+
 @pytest.mark.parametrize("name", sorted(factories()))
 def test_a_rule_builds_the_detector_its_parameters_describe(name):
     from trainguard.streams import rules as rules_mod
