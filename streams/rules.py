@@ -21,6 +21,7 @@ from trainguard.schemas.events import SEVERITIES
 from trainguard.streams import policy as policy_mod
 from trainguard.streams.alerts import DEFAULTS as LIFECYCLE_DEFAULTS
 from trainguard.streams.alerts import Lifecycle
+from trainguard.streams.detectors import REGISTRY, series_kinds
 from trainguard.streams.signals import COMPUTE, SIGNALS, signal_of
 
 LAYERS = ("data", "compute", "resource")
@@ -33,15 +34,8 @@ _CONDITION_KEYS = ("above", "below", "equals", "not_equals")
 _INCIDENT_KEYS = {"name", "all", "within_s", "severity", "critical", "summary", "diagnosis", "suggestion", "inhibit"}
 
 
-def _detector_kinds() -> dict:
-    """The series detectors a rule can name, by kind (``detectors.REGISTRY``)."""
-    from trainguard.streams.detectors import REGISTRY, Detector
-
-    return {kind: cls for kind, cls in REGISTRY.items() if issubclass(cls, Detector)}
-
-
-# Kinds the engine runs itself, across sources rather than along one series.
-ENGINE_KINDS = {"stale": ("timeout_s",), "cross_rank": ("min_peers", "ratio", "z", "direction", "rel_floor")}
+# Kinds the engine runs itself, across sources rather than along one series (stale, cross_rank).
+ENGINE_KINDS = frozenset(set(REGISTRY) - set(series_kinds()))
 _POLICY_DEFAULTS = policy_mod.DEFAULTS
 
 
@@ -119,7 +113,7 @@ class Rule:
     def make_detector(self):
         """A fresh detector for one metric (series detectors only)."""
         params = {k: v for k, v in self.detector.items() if k != "kind"}
-        return _detector_kinds()[self.detector["kind"]](**params)
+        return REGISTRY[self.detector["kind"]](**params)
 
     def holds(self, value: float, anomalous: bool, mean: float = math.nan, std: float = math.nan) -> bool:
         """Whether one sample satisfies the rule (before the ``for`` duration). ``mean`` and
@@ -441,18 +435,21 @@ def _detector_spec(path: str, line: int, name: str, spec) -> dict:
     spec = {k: v for k, v in spec.items() if k != "__line__"}
     kind = spec["kind"]
     params = {k: v for k, v in spec.items() if k != "kind"}
-    kinds = _detector_kinds()
-    if kind in ENGINE_KINDS:
-        unknown = set(params) - set(ENGINE_KINDS[kind])
-        if unknown:
-            raise _err(path, line, f"rule {name!r}: detector {kind} takes {', '.join(ENGINE_KINDS[kind])}; "
-                                   f"got {', '.join(sorted(unknown))}")
-        return spec
-    if kind not in kinds:
+    cls = REGISTRY.get(kind)
+    if cls is None:
         raise _err(path, line, f"rule {name!r}: unknown detector kind {kind!r}; "
-                               f"use one of {', '.join(sorted([*kinds, *ENGINE_KINDS]))}")
+                               f"use one of {', '.join(sorted(REGISTRY))}")
+    declared = {p.name: p for p in cls.params}
+    unknown = sorted(set(params) - set(declared))
+    if unknown:
+        raise _err(path, line, f"rule {name!r}: detector {kind} has no parameter {', '.join(map(repr, unknown))}; "
+                               f"its parameters: {', '.join(declared)}")
+    for key, value in params.items():
+        problem = declared[key].problem(value)
+        if problem:
+            raise _err(path, line, f"rule {name!r}: detector {kind}: {problem}")
     try:
-        kinds[kind](**params)
+        cls(**params)
     except (TypeError, ValueError) as exc:
         raise _err(path, line, f"rule {name!r}: detector {kind}: {exc}") from None
     return spec

@@ -29,6 +29,7 @@ from trainguard.streams.detectors import (
     Level,
     Spike,
     detector_from_state,
+    series_kinds,
 )
 from trainguard.streams.detectors.mad import mad_of_sorted, median_of_sorted
 
@@ -36,23 +37,20 @@ NAN, INF = float("nan"), float("inf")
 
 
 def factories():
-    """Every value detector, small enough to be ready within a few dozen samples."""
-    return {
-        "rolling": lambda: RollingZ(window=20, k=2.5),
-        "mad": lambda: RobustMAD(window=20, k=4.0, min_samples=10),
-        "ewma": lambda: EWMA(alpha=0.1, k=3.0, min_samples=10),
-        "cusum": lambda: CUSUM(warmup=10, drift=0.5, threshold=5.0),
-        "ph": lambda: PageHinkley(min_samples=10, delta=0.01, threshold=5.0),
-        "mk": lambda: MannKendall(window=30, alpha=0.01, min_samples=10),
-        "leak": lambda: Leak(window=30, slope_per_min=0.1, r2_min=0.8, capacity=100.0),
-        "shift": lambda: DistributionShift(reference=20, window=20, every=5),
-        "collapse": lambda: Collapse(reference=20, window=10),
-        "spike": lambda: Spike(window=20, ratio=3.0, min_samples=3),
-        "level_early": lambda: Level(recent=3, reference=10, below=0.5, above=2.0),
-        "level_peak": lambda: Level(recent=3, reference=5, mode="peak", below=0.6),
-        "level_trailing": lambda: Level(recent=2, reference=5, mode="trailing", above=2.0),
-        "dead_steps": lambda: DeadSteps(target=0.0, from_start=1, min_streak=3, max_fraction=0.5),
-    }
+    """Every value detector in the registry, once per setting it declares for tests (``test_params``):
+    a detector in a new file is run through every property test below without being listed here."""
+    out = {}
+    for kind, cls in sorted(series_kinds().items()):
+        for i, params in enumerate(cls.test_params):
+            out[kind if i == 0 else f"{kind}-{i + 1}"] = lambda cls=cls, params=params: cls(**params)
+    return out
+
+
+def test_every_value_detector_declares_settings_for_the_property_tests():
+    missing = [kind for kind, cls in series_kinds().items() if not cls.test_params]
+    assert not missing, f"give these kinds test_params (small settings, ready within a few dozen samples): {missing}"
+    assert {"rolling", "mad", "ewma", "cusum", "page_hinkley", "mann_kendall", "leak", "shift", "collapse", "spike",
+            "level", "level-2", "level-3", "dead_steps"} <= set(factories())
 
 
 def roundtrip(det):
@@ -452,9 +450,9 @@ def test_cross_rank_round_trip_and_bounded_pending():
 
 def test_every_detector_has_one_name_the_rules_use_and_old_state_still_restores():
     from trainguard.streams.detectors import REGISTRY
-    from trainguard.streams.rules import _detector_kinds
+    from trainguard.streams.rules import ENGINE_KINDS
 
-    assert set(_detector_kinds()) == {k for k in REGISTRY if k != "cross_rank"}
+    assert set(series_kinds()) | ENGINE_KINDS == set(REGISTRY) and ENGINE_KINDS == {"cross_rank", "stale"}
     for kind, cls in REGISTRY.items():
         assert cls.kind == kind
     det = factories()["spike"]()
@@ -464,6 +462,30 @@ def test_every_detector_has_one_name_the_rules_use_and_old_state_still_restores(
     assert state["kind"] == "spike"
     older = {**state, "kind": "Spike"}  # how releases before the registry named it
     assert detector_from_state(older).to_state() == state
+
+
+def test_a_kind_whose_declared_params_differ_from_its_constructor_is_refused():
+    from trainguard.streams.detectors import REGISTRY, Param
+
+    with pytest.raises(TypeError, match="do not match"):
+        class Drifted(Detector):  # noqa: F841 - defining it is the test
+            kind = "drifted_for_test"
+            params = (Param("window", 10, int, "samples"),)
+
+            def __init__(self, window: int = 20):
+                self.window = window
+    assert "drifted_for_test" not in REGISTRY
+
+
+@pytest.mark.parametrize("name", sorted(factories()))
+def test_nonfinite_time_is_not_a_sample(name):
+    det = factories()[name]()
+    for i in range(40):
+        det.update(1.0 + 0.01 * (i % 3), t=float(i))
+    before = orjson.dumps(det.to_state())
+    for t in (NAN, INF, -INF):
+        assert det.update(1.0, t=t) is False
+    assert orjson.dumps(det.to_state()) == before
 
 
 @pytest.mark.parametrize("name", sorted(factories()))
@@ -533,3 +555,57 @@ def test_level_needs_a_positive_reference():
         Level(below=1.5)
     with pytest.raises(ValueError):
         Level(mode="median", below=0.5)
+
+
+# -- rules read each kind's parameters from the registry ----------------------------------
+
+
+def _rule_with(spec: str) -> str:
+    return f"version: 1\nrules:\n  - name: a\n    metric: x\n    detector: {spec}\n"
+
+
+@pytest.mark.parametrize("kind", sorted(__import__("trainguard.streams.detectors", fromlist=["REGISTRY"]).REGISTRY))
+def test_a_rule_naming_a_parameter_its_detector_lacks_is_told_the_valid_ones(kind):
+    from trainguard.streams import rules as rules_mod
+    from trainguard.streams.detectors import REGISTRY
+
+    valid = ", ".join(p.name for p in REGISTRY[kind].params)
+    with pytest.raises(rules_mod.RulesError, match=rf"team.yaml:3: rule 'a': detector {kind} has no parameter "
+                                                  rf"'windw'; its parameters: {valid}$"):
+        rules_mod.parse(_rule_with(f"{{kind: {kind}, windw: 3}}"), "team.yaml")
+    first = REGISTRY[kind].params[0]
+    with pytest.raises(rules_mod.RulesError, match=rf"detector {kind}: '{first.name}' must be "):
+        rules_mod.parse(_rule_with(f"{{kind: {kind}, {first.name}: [1]}}"), "team.yaml")
+
+
+@pytest.mark.parametrize("kind", sorted(__import__("trainguard.streams.detectors", fromlist=["REGISTRY"]).REGISTRY))
+def test_declared_choices_are_the_ones_the_constructor_takes(kind):
+    from trainguard.streams.detectors import REGISTRY
+
+    cls = REGISTRY[kind]
+    base = dict(cls.test_params[0]) if getattr(cls, "test_params", ()) else {}
+    for p in cls.params:
+        for choice in p.choices:
+            cls(**{**base, p.name: choice})
+        if p.choices:
+            with pytest.raises(ValueError):
+                cls(**{**base, p.name: "sideways"})
+
+
+@pytest.mark.parametrize("name", sorted(factories()))
+def test_a_rule_builds_the_detector_its_parameters_describe(name):
+    from trainguard.streams import rules as rules_mod
+
+    det = factories()[name]()
+    spec = ", ".join(f"{p}: {orjson.dumps(v).decode()}" for p, v in det.to_state()["params"].items())
+    rule = rules_mod.parse(_rule_with(f"{{kind: {det.kind}, {spec}}}"), "team.yaml").rules[0]
+    assert rule.make_detector().to_state() == det.to_state()
+
+
+def test_the_detectors_page_shows_the_tables_the_registry_holds():
+    from pathlib import Path
+
+    from trainguard.streams.detectors import markdown
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "detectors.md").read_text()
+    assert markdown() in page, "regenerate with: python -m trainguard.streams.detectors"

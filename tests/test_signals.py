@@ -58,3 +58,17 @@ def test_the_vocabulary_page_shows_the_tables_the_code_uses():
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "vocabulary.md").read_text()
     assert signals.markdown() in page, "regenerate with: python -m trainguard.streams.signals"
+
+
+def test_each_framework_is_one_file_and_ms_swift_extends_trl():
+    import pkgutil
+
+    from trainguard.streams import dialects
+    from trainguard.streams.dialects import ms_swift, trl
+
+    files = {m.name for m in pkgutil.iter_modules(dialects.__path__) if not m.name.startswith("_")}
+    assert len(files) == len(signals.DIALECTS) and set(signals.DIALECTS) == set(signals.SOURCES)
+    assert {"verl", "trl", "openrlhf", "ms-swift"} <= set(signals.DIALECTS)
+    assert list(signals.DIALECTS)[:2] == ["verl", "trl"] and list(signals.DIALECTS)[-1] == "seed"
+    assert trl.GRPO.items() <= trl.NAMES.items() and trl.GRPO.items() <= ms_swift.NAMES.items()
+    assert signals.DIALECTS["ms-swift"] is ms_swift.NAMES

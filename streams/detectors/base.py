@@ -7,21 +7,32 @@ detector is still warming up. ``to_state()`` returns a JSON-serialisable dict an
 ``from_state()`` rebuilds an identical detector from it, so the same object serves the
 live worker (state in a changelog-backed table), the replay command and the evaluation.
 
-A non-finite sample (NaN, +Inf, -Inf) never enters a window or a baseline: ``update``
-returns False and leaves the state untouched. ``NonFinite`` is the detector that flags
-such samples.
+``Detector.update`` is written once, here: it turns a non-finite sample (NaN, ±Inf, None, or a
+non-finite time) away before any detector sees it (``update`` returns False and the state is
+untouched; the rules' ``non_finite:`` flags such samples), then runs the detector's two halves in
+the order the class declares: ``judge`` (is x anomalous? sets ``score`` and the evidence) and
+``learn`` (x enters the window or baseline). ``judges_first = True``: x is judged against what came
+before it (a spike cannot widen its own band); False: x is learned, then judged with itself inside.
+
+Each kind declares its parameters (``params``: name, default, type, meaning), which rules read to
+check a rule's ``detector:`` mapping and the docs print (``markdown()``), and the small settings
+the property tests run it with (``test_params``). ``REGISTRY`` maps kinds to classes.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from array import array
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from sortedcontainers import SortedList
 
-__all__ = ["Stateful", "Detector", "detector_from_state", "is_finite", "saturating", "REGISTRY"]
+__all__ = ["Param", "Stateful", "Detector", "detector_from_state", "is_finite", "saturating", "REGISTRY"]
+
+_INF = math.inf
 
 REGISTRY: dict[str, type["Stateful"]] = {}  # kind -> class
 # State saved before kinds were the keys named the class; those blobs still restore.
@@ -108,16 +119,63 @@ def _decode(v: Any) -> Any:
     return v
 
 
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One constructor parameter of a detector kind, as a rule's ``detector:`` mapping gives it.
+
+    ``optional``: None is a value (what it means is in ``doc``); always so when the default is None.
+    ``default_doc`` is how a derived default reads in the docs (``window // 2``)."""
+
+    name: str
+    default: Any
+    type: type
+    doc: str
+    choices: tuple = ()
+    optional: bool = False
+    default_doc: str = ""
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` cannot be this parameter, or None."""
+        if value is None:
+            return None if self.optional or self.default is None else f"'{self.name}' must be {self.expects}"
+        if self.type is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif self.type is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, self.type)
+        if not ok or (self.choices and value not in self.choices):
+            return f"'{self.name}' must be {self.expects}, got {value!r}"
+        return None
+
+    @property
+    def expects(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(map(str, self.choices))
+        return _TYPE_WORDS.get(self.type, self.type.__name__)
+
+    @property
+    def type_doc(self) -> str:
+        words = " \\| ".join(f"`{c}`" for c in self.choices) if self.choices else self.type.__name__
+        return words + (" or null" if self.optional or self.default is None else "")
+
+
 class Stateful:
     """Base class: state round trip and the registry.
 
-    Subclasses list their constructor arguments in ``_params`` and their mutable
-    fields in ``_fields``; ``to_state``/``from_state`` handle the rest.
+    Subclasses declare their constructor arguments in ``params`` (``Param``s, checked against
+    ``__init__``'s signature when the class is made) and their mutable fields in ``_fields``;
+    ``to_state``/``from_state`` handle the rest.
     """
 
     __slots__ = ()  # subclasses that declare theirs (thousands live in a worker) get no __dict__
     kind: ClassVar[str] = ""  # a rule's name for it, and its state's key
-    _params: ClassVar[tuple[str, ...]] = ()
+    params: ClassVar[tuple[Param, ...]] = ()
+    _params: ClassVar[tuple[str, ...]] = ()  # the names of ``params``
+    cost: ClassVar[str] = ""  # work per sample, for the docs
     _fields: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -125,6 +183,8 @@ class Stateful:
         if cls.__dict__.get("kind"):
             if REGISTRY.get(cls.kind, cls) is not cls:
                 raise TypeError(f"two detectors of kind {cls.kind!r}: {REGISTRY[cls.kind].__name__}, {cls.__name__}")
+            _check_params(cls)
+            cls._params = tuple(p.name for p in cls.params)
             REGISTRY[cls.kind] = cls
             _BY_CLASS_NAME[cls.__name__] = cls
 
@@ -151,13 +211,54 @@ class Stateful:
         return f"{type(self).__name__}({args})"
 
 
+def _check_params(cls: type["Stateful"]) -> None:
+    """A kind's declared ``params`` are its constructor's arguments, in order, with its defaults."""
+    declared = [(p.name, p.default) for p in cls.params]
+    signature = [(a.name, a.default) for a in inspect.signature(cls).parameters.values()]
+    if declared != signature:
+        raise TypeError(f"{cls.__name__}.params {declared} do not match __init__{signature}")
+
+
 class Detector(Stateful):
-    """A value detector: ``update(x, t) -> bool``, ``score``, ``evidence()``, ``ready``."""
+    """A value detector: ``update(x, t) -> bool``, ``score``, ``evidence()``, ``ready``.
+
+    Subclasses write ``judge(x, t) -> bool`` and ``learn(x, t)``; both get a finite float ``x``
+    and a finite float ``t`` or None. A judge-first detector's ``learn`` reads the verdict from
+    what ``judge`` left (``last``) when it must (freeze on alarm, restart after one)."""
 
     __slots__ = ()
     score: float = 0.0
+    judges_first: ClassVar[bool] = False
+    # Settings small enough to be ready within a few dozen samples: the property tests
+    # (tests/test_detectors.py) run every kind with each of them.
+    test_params: ClassVar[tuple[dict, ...]] = ()
 
-    def update(self, x: float, t: float | None = None) -> bool:  # pragma: no cover
+    def update(self, x: float, t: float | None = None) -> bool:
+        """Learn from one sample and say whether it is anomalous (False for a non-finite one)."""
+        if type(x) is not float:  # the engine hands floats; others (None, ints, numpy) are checked here
+            if not is_finite(x):
+                return False
+            x = float(x)
+        elif x != x or x == _INF or x == -_INF:
+            return False
+        if t is not None:
+            if type(t) is not float:
+                if not is_finite(t):
+                    return False
+                t = float(t)
+            elif t != t or t == _INF or t == -_INF:
+                return False
+        if self.judges_first:
+            anomalous = self.judge(x, t)
+            self.learn(x, t)
+            return anomalous
+        self.learn(x, t)
+        return self.judge(x, t)
+
+    def judge(self, x: float, t: float | None) -> bool:  # pragma: no cover
+        raise NotImplementedError
+
+    def learn(self, x: float, t: float | None) -> None:  # pragma: no cover
         raise NotImplementedError
 
     @property

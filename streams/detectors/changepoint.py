@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .base import Detector, is_finite, saturating
+from .base import Detector, Param, saturating
 
 __all__ = ["CUSUM", "PageHinkley"]
 
@@ -18,8 +18,7 @@ class CUSUM(Detector):
     After an alarm both sums and the baseline reset, and the detector learns the new
     level during another warm-up, so one shift raises one alarm.
 
-    Parameters: ``warmup`` (samples), ``drift`` (slack k, in std), ``threshold`` (h, in
-    std), ``direction``. Cost: O(1) per sample.
+    Cost: O(1) per sample.
 
     >>> det = CUSUM(warmup=10, drift=0.5, threshold=5.0)
     >>> alarms = [det.update(v) for v in [0.0, 0.1, -0.1, 0.05, -0.05] * 2 + [1.0] * 10]
@@ -30,7 +29,13 @@ class CUSUM(Detector):
     """
 
     kind = "cusum"
-    _params = ("warmup", "drift", "threshold", "direction")
+    params = (Param("warmup", 30, int, "samples the in-control mean and std are learned from (at least 2)"),
+              Param("drift", 0.5, float, "slack k subtracted at every sample, in std"),
+              Param("threshold", 5.0, float, "alarm level h of either cumulative sum, in std"),
+              Param("direction", "both", str, "the side watched", choices=("both", "up", "down")))
+    test_params = ({"warmup": 10, "drift": 0.5, "threshold": 5.0},)
+    judges_first = True  # against the warm-up's baseline; after an alarm it learns a new one
+    cost = "O(1)"
     _fields = ("n", "mean", "m2", "gpos", "gneg", "count", "alarms", "last")
 
     def __init__(self, warmup: int = 30, drift: float = 0.5, threshold: float = 5.0,
@@ -58,16 +63,16 @@ class CUSUM(Detector):
     def reset(self) -> None:
         self.n, self.mean, self.m2, self.gpos, self.gneg = 0, 0.0, 0.0, 0.0, 0.0
 
-    def update(self, x: float, t: float | None = None) -> bool:
-        if not is_finite(x):
-            return False
-        x = float(x)
+    def learn(self, x: float, t: float | None) -> None:
         self.count += 1
-        if not self.ready:
+        if self.last is None:  # judged while warming up: x belongs to the baseline
             self.n += 1
             d = x - self.mean
             self.mean += d / self.n
             self.m2 += d * (x - self.mean)
+
+    def judge(self, x: float, t: float | None) -> bool:
+        if not self.ready:
             self.score = 0.0
             self.last = None
             return False
@@ -114,8 +119,6 @@ class PageHinkley(Detector):
     mean_i is the running mean; an alarm fires when m_t - min(m) exceeds ``threshold``
     (in the metric's unit). After an alarm the test restarts from scratch.
 
-    Parameters: ``min_samples``, ``delta`` (tolerated change), ``threshold`` (lambda),
-    ``alpha`` (forgetting factor of the cumulative sums, 1 = none), ``direction``.
     Cost: O(1) per sample.
 
     >>> det = PageHinkley(min_samples=10, delta=0.01, threshold=2.0)
@@ -125,7 +128,13 @@ class PageHinkley(Detector):
     """
 
     kind = "page_hinkley"
-    _params = ("min_samples", "delta", "threshold", "alpha", "direction")
+    params = (Param("min_samples", 30, int, "samples before the first verdict (again after an alarm)"),
+              Param("delta", 0.005, float, "tolerated change of the mean, in the metric's unit"),
+              Param("threshold", 50.0, float, "alarm level lambda, in the metric's unit"),
+              Param("alpha", 1.0, float, "forgetting factor of the cumulative sums (1: none)"),
+              Param("direction", "both", str, "the side watched", choices=("both", "up", "down")))
+    test_params = ({"min_samples": 10, "delta": 0.01, "threshold": 5.0},)
+    cost = "O(1)"
     _fields = ("n", "mean", "up", "up_min", "down", "down_min", "count", "alarms", "last")
 
     def __init__(self, min_samples: int = 30, delta: float = 0.005, threshold: float = 50.0,
@@ -153,10 +162,7 @@ class PageHinkley(Detector):
     def ready(self) -> bool:
         return self.n >= self.min_samples
 
-    def update(self, x: float, t: float | None = None) -> bool:
-        if not is_finite(x):
-            return False
-        x = float(x)
+    def learn(self, x: float, t: float | None) -> None:
         self.count += 1
         self.n += 1
         self.mean += (x - self.mean) / self.n
@@ -164,6 +170,8 @@ class PageHinkley(Detector):
         self.down = self.alpha * self.down + (self.mean - x - self.delta)
         self.up_min = min(self.up_min, self.up)
         self.down_min = min(self.down_min, self.down)
+
+    def judge(self, x: float, t: float | None) -> bool:
         if not self.ready:
             self.score = 0.0
             self.last = None
@@ -174,7 +182,7 @@ class PageHinkley(Detector):
         anomalous = stat > self.threshold
         self.score = saturating(stat, self.threshold)
         self.last = [x, self.mean, ph_up, ph_down, "up" if ph_up >= ph_down else "down", anomalous]
-        if anomalous:
+        if anomalous:  # the test restarts from scratch
             self.alarms += 1
             self.reset()
         return anomalous

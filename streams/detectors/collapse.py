@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from .base import Detector, SlidingMoments, is_finite, saturating
+from .base import Detector, Param, SlidingMoments, saturating
 
 __all__ = ["Collapse"]
 
@@ -21,8 +21,7 @@ class Collapse(SlidingMoments, Detector):
     stream, where the spread alone collapsing to 0 means every sample gets one reward).
     ``direction="down"`` watches a falling mean; ``"up"`` a rising one (e.g. a loss).
 
-    Parameters: ``reference``, ``window``, ``mean_drop``, ``spread_ratio``, ``mode``,
-    ``direction``. Cost: O(1) per sample.
+    Cost: O(1) per sample.
 
     >>> import random
     >>> rng = random.Random(0)
@@ -36,7 +35,14 @@ class Collapse(SlidingMoments, Detector):
     """
 
     kind = "collapse"
-    _params = ("reference", "window", "mean_drop", "spread_ratio", "mode", "direction")
+    params = (Param("reference", 100, int, "the first samples, kept as the healthy reference (at least 3)"),
+              Param("window", 50, int, "samples in the current window (at least 3)"),
+              Param("mean_drop", 1.0, float, "fall of the mean that counts, in reference std"),
+              Param("spread_ratio", 0.5, float, "the window's std over the reference std at most this"),
+              Param("mode", "both", str, "both conditions, or either one", choices=("both", "either")),
+              Param("direction", "down", str, "a falling mean, or a rising one (a loss)", choices=("down", "up")))
+    test_params = ({"reference": 20, "window": 10},)
+    cost = "O(1)"
     _fields = ("rn", "rmean", "rm2", "buf", "mean", "m2", "since", "count", "last")
 
     def __init__(self, reference: int = 100, window: int = 50, mean_drop: float = 1.0,
@@ -71,19 +77,18 @@ class Collapse(SlidingMoments, Detector):
         n = len(self.buf)
         self.rn, self.rmean, self.rm2 = n, self.mean, self.m2
 
-    def update(self, x: float, t: float | None = None) -> bool:
-        if not is_finite(x):
-            return False
-        x = float(x)
+    def learn(self, x: float, t: float | None) -> None:
         self.count += 1
         if self.rn < self.reference:
             self.rn += 1
             d = x - self.rmean
             self.rmean += d / self.rn
             self.rm2 += d * (x - self.rmean)
-            return False
-        self._push(x)
-        if not self.ready:
+        else:
+            self._push(x)
+
+    def judge(self, x: float, t: float | None) -> bool:
+        if not self.ready:  # also while x went to the reference
             return False
         rstd = math.sqrt(max(self.rm2, 0.0) / self.rn)
         std = math.sqrt(max(self.m2, 0.0) / len(self.buf))

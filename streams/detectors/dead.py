@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .base import Detector, is_finite
+from .base import Detector, Param
 
 __all__ = ["DeadSteps"]
 
@@ -22,8 +22,7 @@ class DeadSteps(Detector):
     - fraction (with ``max_fraction`` set): the last ``window`` points are more than
       ``max_fraction`` dead and more than ``fraction_factor`` times the rate before them.
 
-    Parameters: ``target``, ``from_start`` (default ``min_streak``), ``min_streak``,
-    ``streak_factor``, ``window``, ``max_fraction``, ``fraction_factor``. Cost: O(1) per sample.
+    Cost: O(1) per sample.
 
     >>> det = DeadSteps(target=0.0, min_streak=5)
     >>> [det.update(0.0) for _ in range(5)][-1]        # dead from the first points
@@ -39,7 +38,16 @@ class DeadSteps(Detector):
     """
 
     kind = "dead_steps"
-    _params = ("target", "from_start", "min_streak", "streak_factor", "window", "max_fraction", "fraction_factor")
+    params = (Param("target", 0.0, float, "the dead value (0 for a gradient norm, 1 for every group alike)"),
+              Param("from_start", None, int, "dead points that flag a run dead from its first point",
+                    default_doc="min_streak"),
+              Param("min_streak", 5, int, "the shortest dead streak that can flag"),
+              Param("streak_factor", 2.0, float, "a streak must exceed this times the longest earlier one"),
+              Param("window", 20, int, "points of the recent dead fraction"),
+              Param("max_fraction", None, float, "dead fraction of the window that can flag (null: off)"),
+              Param("fraction_factor", 3.0, float, "... when also this many times the rate before the window"))
+    test_params = ({"target": 0.0, "from_start": 1, "min_streak": 3, "max_fraction": 0.5},)
+    cost = "O(1)"
     _fields = ("points", "streak", "longest", "alive", "recent", "dead_before", "last")
 
     def __init__(self, target: float = 0.0, from_start: int | None = None, min_streak: int = 5,
@@ -68,22 +76,23 @@ class DeadSteps(Detector):
     def _dead(self, x: float) -> bool:
         return abs(x - self.target) <= 1e-12 * max(1.0, abs(self.target))
 
-    def update(self, x: float, t: float | None = None) -> bool:
-        if not is_finite(x):
-            return False
-        x = float(x)
+    def learn(self, x: float, t: float | None) -> None:
         dead = self._dead(x)
         if len(self.recent) == self.window:
             self.dead_before += int(self.recent[0])
         self.recent.append(1.0 if dead else 0.0)
         self.points += 1
-        if not dead:
+        if dead:
+            self.streak += 1
+        else:
             self.longest = max(self.longest, self.streak)
             self.streak = 0
             self.alive = True
+
+    def judge(self, x: float, t: float | None) -> bool:
+        if not self._dead(x):
             self.last, self.score = [x, False, 0, 0, 0.0, 0.0, ""], 0.0
             return False
-        self.streak += 1
         need = max(self.min_streak, int(self.streak_factor * self.longest) + 1)
         before = self.points - len(self.recent)
         base_rate = self.dead_before / before if before else 0.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .base import Detector, is_finite, saturating
+from .base import Detector, Param, saturating
 
 __all__ = ["EWMA"]
 
@@ -21,8 +21,7 @@ class EWMA(Detector):
     sits at 0.0 for long stretches, and against a spread of 1e-5 its first 0.0045 would be a
     134-sigma "spike".
 
-    Parameters: ``alpha``, ``k``, ``min_samples``, ``direction`` ("both", "up", "down"),
-    ``freeze_on_alarm``, ``min_std``. Cost: O(1) per sample.
+    Cost: O(1) per sample.
 
     >>> det = EWMA(alpha=0.1, k=3.0, min_samples=5)
     >>> [det.update(v) for v in [5.0, 5.2, 4.9, 5.1, 5.0, 5.05]]
@@ -34,7 +33,15 @@ class EWMA(Detector):
     """
 
     kind = "ewma"
-    _params = ("alpha", "k", "min_samples", "direction", "freeze_on_alarm", "min_std")
+    params = (Param("alpha", 0.05, float, "weight of a new sample, in (0, 1]"),
+              Param("k", 3.0, float, "alarm distance, in standard deviations"),
+              Param("min_samples", 20, int, "samples learned before the first verdict"),
+              Param("direction", "both", str, "the side watched", choices=("both", "up", "down")),
+              Param("freeze_on_alarm", False, bool, "an anomalous value is not learned"),
+              Param("min_std", 0.0, float, "the smallest spread assumed, in the metric's unit"))
+    test_params = ({"alpha": 0.1, "k": 3.0, "min_samples": 10},)
+    judges_first = True
+    cost = "O(1)"
     _fields = ("mean", "var", "count", "last")
 
     def __init__(self, alpha: float = 0.05, k: float = 3.0, min_samples: int = 20,
@@ -59,10 +66,7 @@ class EWMA(Detector):
     def ready(self) -> bool:
         return self.count >= self.min_samples
 
-    def update(self, x: float, t: float | None = None) -> bool:
-        if not is_finite(x):
-            return False
-        x = float(x)
+    def judge(self, x: float, t: float | None) -> bool:
         anomalous = False
         if self.ready:
             std = max(math.sqrt(self.var), self.min_std)
@@ -75,10 +79,12 @@ class EWMA(Detector):
         else:
             self.score = 0.0
             self.last = None
-        if anomalous and self.freeze_on_alarm:
-            self.count += 1
-            return True
+        return anomalous
+
+    def learn(self, x: float, t: float | None) -> None:
         self.count += 1
+        if self.freeze_on_alarm and self.last is not None and self.last[4]:
+            return
         if self.count == 1:
             self.mean, self.var = x, 0.0
         else:
@@ -88,7 +94,6 @@ class EWMA(Detector):
             incr = a * d
             self.mean += incr
             self.var = (1 - a) * (self.var + d * incr)
-        return anomalous
 
     def evidence(self) -> dict:
         if self.last is None:

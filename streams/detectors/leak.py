@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .base import Detector, is_finite, saturating
+from .base import Detector, Param, saturating
 
 __all__ = ["Leak"]
 
@@ -19,9 +19,7 @@ class Leak(Detector):
     explains the window (R² ≥ ``r2_min``). With a ``capacity`` (e.g. total GPU memory)
     the evidence says when the fitted line reaches it.
 
-    Parameters: ``window`` (samples), ``slope_per_min``, ``r2_min``, ``capacity``,
-    ``min_samples``. ``t`` is in seconds (the sample index when absent).
-    Cost: O(1) per sample.
+    ``t`` is in seconds (the sample index when absent). Cost: O(1) per sample.
 
     >>> det = Leak(window=60, slope_per_min=0.01, r2_min=0.8, capacity=80.0)
     >>> flags = [det.update(20.0 + 0.05 * i / 6, t=10.0 * i) for i in range(60)]  # 50 MB/min
@@ -33,7 +31,13 @@ class Leak(Detector):
     """
 
     kind = "leak"
-    _params = ("window", "slope_per_min", "r2_min", "capacity", "min_samples")
+    params = (Param("window", 120, int, "samples in the fitted window (at least 3)"),
+              Param("slope_per_min", 0.0, float, "climb per minute that flags, in the metric's unit"),
+              Param("r2_min", 0.8, float, "the least share of the window the line must explain"),
+              Param("capacity", None, float, "the level that is exhaustion (the evidence says when)"),
+              Param("min_samples", None, int, "samples before the first verdict", default_doc="window // 2"))
+    test_params = ({"window": 30, "slope_per_min": 0.1, "r2_min": 0.8, "capacity": 100.0},)
+    cost = "O(1) (running sums, anchored time)"
     _fields = ("xs", "ts", "t0", "sums", "since", "count", "last")
 
     def __init__(self, window: int = 120, slope_per_min: float = 0.0, r2_min: float = 0.8,
@@ -85,11 +89,8 @@ class Leak(Detector):
             r2 = 1.0 if abs(slope) == 0 else 0.0
         return slope, intercept, min(max(r2, 0.0), 1.0)
 
-    def update(self, x: float, t: float | None = None) -> bool:
-        if not is_finite(x) or (t is not None and not is_finite(t)):
-            return False
-        x = float(x)
-        t = float(t) if t is not None else float(self.count)
+    def learn(self, x: float, t: float | None) -> None:
+        t = t if t is not None else float(self.count)
         if not self.xs:
             self.t0 = t
         if len(self.xs) >= self.window:
@@ -114,6 +115,9 @@ class Leak(Detector):
         self.since += 1
         if self.since >= self.window:
             self._recompute()
+
+    def judge(self, x: float, t: float | None) -> bool:
+        t = self.ts[-1]  # as learned: the sample index when absent
         if not self.ready:
             self.score = 0.0
             self.last = None

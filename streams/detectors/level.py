@@ -7,7 +7,7 @@ from array import array
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 
-from .base import Detector, is_finite
+from .base import Detector, Param
 
 __all__ = ["Level"]
 
@@ -33,8 +33,7 @@ class Level(Detector):
     The reference must be positive (ratios of signed or zero levels mean nothing) and at
     least ``floor``.
 
-    Parameters: ``recent``, ``reference``, ``mode``, ``below``, ``above``, ``min_reference``,
-    ``floor``. Cost: O(reference) per sample in C (sorted lists kept with ``bisect``); ``early``
+    Cost: O(reference) per sample in C (sorted lists kept with ``bisect``); ``early``
     keeps ``reference`` points at most and its median is fixed once they are in.
 
     >>> det = Level(recent=2, reference=25, below=0.5, min_reference=1)
@@ -47,7 +46,18 @@ class Level(Detector):
     __slots__ = ("recent", "reference", "mode", "below", "above", "min_reference", "floor", "recent_buf", "ref_buf",
                  "ref_sorted", "early", "peak", "count", "last", "score")
     kind = "level"
-    _params = ("recent", "reference", "mode", "below", "above", "min_reference", "floor")
+    params = (Param("recent", 5, int, "the last points whose median is the level now"),
+              Param("reference", 25, int, "points of the reference level"),
+              Param("mode", "early", str, "the reference: the run's start, its best, or the points just before",
+                    choices=MODES),
+              Param("below", None, float, "flag a level under this ratio of the reference (0 < below < 1)"),
+              Param("above", None, float, "flag a level over this ratio of the reference (> 1)"),
+              Param("min_reference", 3, int, "reference points before the first verdict"),
+              Param("floor", 0.0, float, "the least reference that is judged"))
+    test_params = ({"recent": 3, "reference": 10, "below": 0.5, "above": 2.0},
+                   {"recent": 3, "reference": 5, "mode": "peak", "below": 0.6},
+                   {"recent": 2, "reference": 5, "mode": "trailing", "above": 2.0})
+    cost = "O(log W) (sorted packed arrays, `bisect`)"
     _fields = ("recent_buf", "ref_buf", "ref_sorted", "early", "peak", "count", "last")
 
     @staticmethod
@@ -101,18 +111,15 @@ class Level(Detector):
             return self.peak
         return med
 
-    def update(self, x: float, t: float | None = None) -> bool:
-        if type(x) is not float:  # the engine hands floats; others (None, ints, numpy) are checked here
-            if not is_finite(x):
-                return False
-            x = float(x)
-        elif x != x or x == math.inf or x == -math.inf:
-            return False
+    def learn(self, x: float, t: float | None) -> None:
         self.count += 1
         recent = self.recent_buf
         if len(recent) == self.recent:  # the oldest recent point becomes reference
             self._to_reference(recent.pop(0))
         recent.append(x)
+
+    def judge(self, x: float, t: float | None) -> bool:
+        recent = self.recent_buf
         self.score, self.last = 0.0, None
         if self._ref_size() < self.min_reference:
             return False

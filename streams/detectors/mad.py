@@ -7,7 +7,7 @@ from collections import deque
 
 from sortedcontainers import SortedList
 
-from .base import Detector, is_finite, saturating
+from .base import Detector, Param, saturating
 
 __all__ = ["RobustMAD", "median_of_sorted", "mad_of_sorted"]
 
@@ -86,7 +86,6 @@ class RobustMAD(Detector):
     change is infinitely surprising. Anomalous when |z| > k (``direction`` "both", "up"
     or "down" restricts the side).
 
-    Parameters: ``window``, ``k``, ``min_samples`` (warm-up), ``direction``.
     Cost: O(log² window) per sample (SortedList insert/remove and a two-list select).
 
     >>> det = RobustMAD(window=20, k=4.0, min_samples=5)
@@ -99,7 +98,13 @@ class RobustMAD(Detector):
     """
 
     kind = "mad"
-    _params = ("window", "k", "min_samples", "direction")
+    params = (Param("window", 100, int, "the previous samples judged against"),
+              Param("k", 4.0, float, "alarm distance, in robust standard deviations (1.4826 MAD)"),
+              Param("min_samples", None, int, "samples before the first verdict", default_doc="max(3, window // 2)"),
+              Param("direction", "both", str, "the side watched", choices=("both", "up", "down")))
+    test_params = ({"window": 20, "k": 4.0, "min_samples": 10},)
+    judges_first = True  # a spike does not widen its own band
+    cost = "O(log² W) (SortedList)"
     _fields = ("buf", "sorted", "s1", "s2", "count", "last")
 
     def __init__(self, window: int = 100, k: float = 4.0, min_samples: int | None = None,
@@ -134,10 +139,7 @@ class RobustMAD(Detector):
                 scale = 0.0
         return med, mad, scale
 
-    def update(self, x: float, t: float | None = None) -> bool:
-        if not is_finite(x):
-            return False
-        x = float(x)
+    def judge(self, x: float, t: float | None) -> bool:
         anomalous = False
         if self.ready:
             med, mad, scale = self._stats()
@@ -150,7 +152,9 @@ class RobustMAD(Detector):
         else:
             self.score = 0.0
             self.last = None
-        # learn
+        return anomalous
+
+    def learn(self, x: float, t: float | None) -> None:
         if len(self.buf) == self.window:
             old = self.buf[0]
             self.sorted.remove(old)
@@ -164,7 +168,6 @@ class RobustMAD(Detector):
         if self.count % self.window == 0:  # refresh the running sums exactly
             self.s1 = math.fsum(self.buf)
             self.s2 = math.fsum(v * v for v in self.buf)
-        return anomalous
 
     def evidence(self) -> dict:
         if self.last is None:

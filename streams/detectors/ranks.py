@@ -6,7 +6,7 @@ from typing import Hashable
 
 import numpy as np
 
-from .base import Stateful, is_finite
+from .base import Param, Stateful, is_finite
 
 __all__ = ["CrossRank"]
 
@@ -41,7 +41,14 @@ class CrossRank(Stateful):
     """
 
     kind = "cross_rank"
-    _params = ("min_peers", "ratio", "z", "direction", "rel_floor", "max_pending")
+    params = (Param("min_peers", 4, int, "ranks that must report a step before it is judged (at least 2)"),
+              Param("ratio", 2.0, float, "a flagged rank is also this many times the median (null: z alone)",
+                    optional=True),
+              Param("z", 3.5, float, "robust z beyond which a rank is far from its peers"),
+              Param("direction", "high", str, "slow ranks (high), low ones, or both", choices=("high", "low", "both")),
+              Param("rel_floor", 0.05, float, "the MAD is at least this share of the median"),
+              Param("max_pending", 64, int, "steps held while their ranks report; the oldest is dropped"))
+    cost = "O(R log R) per step for R ranks"
 
     def __init__(self, min_peers: int = 4, ratio: float | None = 2.0, z: float = 3.5,
                  direction: str = "high", rel_floor: float = 0.05, max_pending: int = 64):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from .base import Detector, SlidingMoments, is_finite, saturating
+from .base import Detector, Param, SlidingMoments, saturating
 
 __all__ = ["RollingZ"]
 
@@ -19,7 +19,6 @@ class RollingZ(SlidingMoments, Detector):
     mean and the sum of squared deviations are kept as running sums over a ring buffer
     (sliding Welford update) and recomputed exactly every ``window`` samples.
 
-    Parameters: ``window`` (samples), ``k`` (std factor), ``clip_lower``.
     Cost: O(1) per sample (O(window) once every ``window`` samples).
 
     >>> det = RollingZ(window=20, k=2.5)
@@ -36,7 +35,11 @@ class RollingZ(SlidingMoments, Detector):
     """
 
     kind = "rolling"
-    _params = ("window", "k", "clip_lower")
+    params = (Param("window", 50, int, "samples in the window (at least 2); no verdict before half of them"),
+              Param("k", 2.5, float, "band half-width, in window standard deviations"),
+              Param("clip_lower", True, bool, "the lower bound is at least 0 (latencies, counts)"))
+    test_params = ({"window": 20, "k": 2.5},)
+    cost = "O(1) (sliding Welford; exact recompute every `window` samples)"
     _fields = ("buf", "mean", "m2", "since", "count", "last")
 
     def __init__(self, window: int = 50, k: float = 2.5, clip_lower: bool = True):
@@ -57,12 +60,11 @@ class RollingZ(SlidingMoments, Detector):
     def ready(self) -> bool:
         return len(self.buf) >= self.window // 2
 
-    def update(self, x: float, t: float | None = None) -> bool:
-        if not is_finite(x):
-            return False
-        x = float(x)
+    def learn(self, x: float, t: float | None) -> None:
         self._push(x)
         self.count += 1
+
+    def judge(self, x: float, t: float | None) -> bool:
         if not self.ready:
             self.last = None
             self.score = 0.0

@@ -7,7 +7,7 @@ from collections import deque
 
 import numpy as np
 
-from .base import Detector, is_finite, saturating
+from .base import Detector, Param, saturating
 
 __all__ = ["DistributionShift", "ks_2samp"]
 
@@ -42,7 +42,6 @@ class DistributionShift(Detector):
     p < ``alpha`` and the KS distance D ≥ ``min_distance`` (an effect size, so a huge
     window does not flag a negligible shift). The verdict stays until the next test.
 
-    Parameters: ``reference``, ``window``, ``every``, ``alpha``, ``min_distance``.
     Cost: O(W log W) every ``every`` samples, i.e. O(W log W / every) amortised.
 
     >>> import random
@@ -57,7 +56,13 @@ class DistributionShift(Detector):
     """
 
     kind = "shift"
-    _params = ("reference", "window", "every", "alpha", "min_distance")
+    params = (Param("reference", 200, int, "the first samples, kept as the healthy reference (at least 5)"),
+              Param("window", 100, int, "the last samples tested against it (at least 5)"),
+              Param("every", 10, int, "samples between two tests"),
+              Param("alpha", 0.001, float, "p-value below which the distributions differ"),
+              Param("min_distance", 0.2, float, "the least KS distance D that flags (an effect size)"))
+    test_params = ({"reference": 20, "window": 20, "every": 5},)
+    cost = "O(W log W / every) amortised"
     _fields = ("ref", "cur", "since", "count", "shifted", "d", "p", "tested_at")
 
     def __init__(self, reference: int = 200, window: int = 100, every: int = 10,
@@ -76,6 +81,7 @@ class DistributionShift(Detector):
         self.p = 1.0
         self.tested_at: int | None = None
         self.score = 0.0
+        self.to_reference = True
 
     @property
     def ready(self) -> bool:
@@ -86,17 +92,17 @@ class DistributionShift(Detector):
         self.ref = list(self.cur)[-self.reference:]
         self.shifted, self.d, self.p, self.score = False, 0.0, 1.0, 0.0
 
-    def update(self, x: float, t: float | None = None) -> bool:
-        if not is_finite(x):
-            return False
-        x = float(x)
+    def learn(self, x: float, t: float | None) -> None:
         self.count += 1
-        if len(self.ref) < self.reference:
+        self.to_reference = len(self.ref) < self.reference  # not state: read by judge right after
+        if self.to_reference:
             self.ref.append(x)
-            return False
-        self.cur.append(x)
-        self.since += 1
-        if len(self.cur) < self.window:
+        else:
+            self.cur.append(x)
+            self.since += 1
+
+    def judge(self, x: float, t: float | None) -> bool:
+        if self.to_reference or len(self.cur) < self.window:
             return False
         if self.since >= self.every or self.tested_at is None:
             self.since = 0

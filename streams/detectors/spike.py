@@ -6,7 +6,7 @@ import math
 from array import array
 from bisect import bisect_left, insort
 
-from .base import Detector, is_finite
+from .base import Detector, Param
 
 __all__ = ["Spike"]
 
@@ -26,7 +26,6 @@ class Spike(Detector):
     are seen: KL starts at 0 (the policy begins as the reference), so with ``start: 0`` and a
     rule's ``above: 0.8`` a KL of 10,000 on the first logged step is judged, not learned.
 
-    Parameters: ``window``, ``ratio``, ``min_samples``, ``floor``, ``direction``, ``start``.
     Cost: O(window) per sample, in C: the window in arrival order and sorted, as packed
     arrays of at most ``window`` floats (8 bytes each), kept with ``bisect`` (cheaper than a
     balanced tree at these sizes).
@@ -40,7 +39,15 @@ class Spike(Detector):
 
     __slots__ = ("window", "ratio", "min_samples", "floor", "direction", "start", "buf", "sorted", "last", "score")
     kind = "spike"
-    _params = ("window", "ratio", "min_samples", "floor", "direction", "start")
+    params = (Param("window", 40, int, "the previous samples whose median is the reference"),
+              Param("ratio", 10.0, float, "flag a value more than this times the median (> 1)"),
+              Param("min_samples", 3, int, "samples before the median is used"),
+              Param("floor", 0.0, float, "the least value that can flag (up)"),
+              Param("direction", "up", str, "above median x ratio, or below median / ratio", choices=("up", "down")),
+              Param("start", None, float, "the level the signal starts from, used until min_samples (KL: 0)"))
+    test_params = ({"window": 20, "ratio": 3.0, "min_samples": 3},)
+    judges_first = True  # the median is not dragged by the spike it judges
+    cost = "O(log W) (packed array + bisect)"
     _fields = ("buf", "sorted", "last")
 
     def __init__(self, window: int = 40, ratio: float = 10.0, min_samples: int = 3, floor: float = 0.0,
@@ -64,13 +71,7 @@ class Spike(Detector):
     def ready(self) -> bool:
         return len(self.buf) >= self.min_samples
 
-    def update(self, x: float, t: float | None = None) -> bool:
-        if type(x) is not float:  # the engine hands floats; others (None, ints, numpy) are checked here
-            if not is_finite(x):
-                return False
-            x = float(x)
-        elif x != x or x == math.inf or x == -math.inf:
-            return False
+    def judge(self, x: float, t: float | None) -> bool:
         window = self.sorted
         n = len(window)
         anomalous = False
@@ -93,12 +94,14 @@ class Spike(Detector):
                 self.score, self.last = (1.0 if anomalous else 0.0), [x, med, None, anomalous]
             else:
                 self.last = [x, med, None, False]
-        buf = self.buf
-        if n == self.window:
+        return anomalous
+
+    def learn(self, x: float, t: float | None) -> None:
+        buf, window = self.buf, self.sorted
+        if len(buf) == self.window:
             del window[bisect_left(window, buf.pop(0))]
         buf.append(x)
         insort(window, x)
-        return anomalous
 
     def evidence(self) -> dict:
         if self.last is None:

@@ -9,7 +9,7 @@ from collections import deque
 import numpy as np
 from sortedcontainers import SortedList
 
-from .base import Detector, is_finite, saturating
+from .base import Detector, Param, saturating
 
 __all__ = ["MannKendall", "theil_sen"]
 
@@ -57,7 +57,6 @@ class MannKendall(Detector):
     without ``t``) is at least that steep. The Theil-Sen slope is computed on demand
     (O(W²)) in ``evidence()`` and only on a candidate alarm in ``update``.
 
-    Parameters: ``window``, ``alpha``, ``direction``, ``min_samples``, ``min_slope``.
     Cost: O(log W) per sample.
 
     >>> det = MannKendall(window=30, alpha=0.01, direction="up")
@@ -69,7 +68,13 @@ class MannKendall(Detector):
     """
 
     kind = "mann_kendall"
-    _params = ("window", "alpha", "direction", "min_samples", "min_slope")
+    params = (Param("window", 60, int, "samples tested (at least 4)"),
+              Param("alpha", 0.01, float, "p-value below which the window trends"),
+              Param("direction", "both", str, "the trend watched", choices=("both", "up", "down")),
+              Param("min_samples", None, int, "samples before the first verdict", default_doc="max(10, window // 2)"),
+              Param("min_slope", None, float, "the least Theil-Sen slope that flags, per second of t (null: any)"))
+    test_params = ({"window": 30, "alpha": 0.01, "min_samples": 10},)
+    cost = "O(log W) (incremental S); Theil–Sen O(W²) only on demand"
     _fields = ("xs", "ts", "sorted", "s", "ties", "count", "last")
 
     def __init__(self, window: int = 60, alpha: float = 0.01, direction: str = "both",
@@ -129,16 +134,15 @@ class MannKendall(Detector):
         """Theil-Sen slope of the window, per unit of t (per sample without t)."""
         return theil_sen(np.fromiter(self.ts, float, len(self.ts)), np.fromiter(self.xs, float, len(self.xs)))
 
-    def update(self, x: float, t: float | None = None) -> bool:
-        if not is_finite(x):
-            return False
-        x = float(x)
+    def learn(self, x: float, t: float | None) -> None:
         if len(self.xs) >= self.window:
             self._remove_oldest()
         self._add(x)
         self.xs.append(x)
-        self.ts.append(float(t) if t is not None else float(self.count))
+        self.ts.append(t if t is not None else float(self.count))
         self.count += 1
+
+    def judge(self, x: float, t: float | None) -> bool:
         if not self.ready:
             self.score = 0.0
             self.last = None
