@@ -387,7 +387,7 @@ def test_a_tensorboard_log_tree_with_several_runs_names_them_and_the_way_out(tmp
     assert f"trainguard replay {tmp_path / 'proj' / 'grpo-a'}" in message
     empty = tmp_path / "nothing"
     empty.mkdir()
-    with pytest.raises(ReadError, match="nor does any directory under it|in any directory under it"):
+    with pytest.raises(ReadError, match="in it or under it"):
         detect_format(empty)
 
 
@@ -514,7 +514,7 @@ def test_errors_name_the_file(tmp_path):
     assert str(odd) in str(exc.value) and "cannot tell the format" in str(exc.value)
     with pytest.raises(ReadError, match="unknown format 'parquet'"):
         open_reader(data("sample.csv"), fmt="parquet")
-    assert set(FORMATS) == {"jsonl", "csv", "hf", "tensorboard", "verl", "hflog"}
+    assert set(FORMATS) == {"jsonl", "csv", "hf", "tensorboard", "verl", "hflog", "wandb", "swanlab"}
 
 
 def test_forced_format_with_alias():

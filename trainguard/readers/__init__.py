@@ -21,7 +21,9 @@ Formats (``fmt`` names, aliases in brackets):
 - ``tensorboard`` (tb, tfevents): ``events.out.tfevents.*`` files, or a directory of them;
 - ``verl`` (log, console): verl console output, ``step:12 - key:value - ...``;
 - ``hflog`` (transformers, trl): Hugging Face ``Trainer`` / TRL console output, the logs
-  dicts it prints (``{'loss': 0.69, 'grad_norm': 1.2, ...}``, ``nan`` as Python prints it).
+  dicts it prints (``{'loss': 0.69, 'grad_norm': 1.2, ...}``, ``nan`` as Python prints it);
+- ``wandb`` (wb): a W&B run's ``run-<id>.wandb`` file, or its run folder (needs ``wandb``);
+- ``swanlab``: a SwanLab run's ``run-<id>.swanlab`` file, or its run folder (needs ``swanlab``).
 
 Files may be gzip-compressed. Values are floats with NaN/Inf kept as ``nan``/``inf``
 (a NaN loss is the most important thing a replay can find). Steps come in file order, a
@@ -49,8 +51,13 @@ from .csvfile import CsvReader, step_column
 from .hf import TrainerStateReader
 from .hfconsole import HFConsoleReader, looks_like_console
 from .jsonl import JsonlReader
+from .recordlog import run_file
+from .swanlab import MAGIC as SWANLAB_MAGIC
+from .swanlab import SwanLabReader
 from .tensorboard import TensorBoardReader, looks_like_tfrecord
 from .verl import VerlLogReader, parse_line
+from .wandb import MAGIC as WANDB_MAGIC
+from .wandb import WandbReader
 
 READERS: dict[str, type[StepReader]] = {
     "jsonl": JsonlReader,
@@ -59,10 +66,13 @@ READERS: dict[str, type[StepReader]] = {
     "tensorboard": TensorBoardReader,
     "verl": VerlLogReader,
     "hflog": HFConsoleReader,
+    "wandb": WandbReader,
+    "swanlab": SwanLabReader,
 }
 ALIASES = {"json": "jsonl", "ndjson": "jsonl", "events": "jsonl", "tsv": "csv", "trainer_state": "hf",
            "huggingface": "hf", "tb": "tensorboard", "tfevents": "tensorboard", "log": "verl",
-           "console": "verl", "text": "verl", "transformers": "hflog", "trl": "hflog", "hf_console": "hflog"}
+           "console": "verl", "text": "verl", "transformers": "hflog", "trl": "hflog", "hf_console": "hflog",
+           "wb": "wandb", "weights_and_biases": "wandb"}
 FORMATS = tuple(READERS)
 # What each format is, for the messages that say what replay reads.
 DESCRIPTIONS = {
@@ -72,6 +82,8 @@ DESCRIPTIONS = {
     "tensorboard": "TensorBoard event files (or a log directory)",
     "verl": "a verl console log ('step:12 - actor/kl_loss:0.001 - ...')",
     "hflog": "a Hugging Face Trainer / TRL console log (\"{'loss': 0.69, 'grad_norm': 1.2, ...}\" lines)",
+    "wandb": "a W&B run file (run-<id>.wandb) or run folder",
+    "swanlab": "a SwanLab run file (run-<id>.swanlab) or run folder",
 }
 
 
@@ -104,8 +116,11 @@ def detect_format(path: str | os.PathLike) -> str:
 
         if run_directories(path):  # its own event files, or a TensorBoard tree's
             return "tensorboard"
-        raise ReadError(path, "directory holds neither trainer_state.json nor events.out.tfevents.* files "
-                              "(in it or in any directory under it)")
+        for fmt, suffix in (("wandb", ".wandb"), ("swanlab", ".swanlab")):
+            if run_file(path, suffix):
+                return fmt
+        raise ReadError(path, "directory holds no trainer_state.json, events.out.tfevents.* files (in it or "
+                              "under it), W&B run-*.wandb or SwanLab run-*.swanlab file")
     name = _strip_gz(os.path.basename(path).lower())
     if "tfevents" in name:
         return "tensorboard"
@@ -119,6 +134,10 @@ def detect_format(path: str | os.PathLike) -> str:
         raise ReadError(path, "file is empty")
     if looks_like_tfrecord(head):
         return "tensorboard"
+    if head.startswith(WANDB_MAGIC):
+        return "wandb"
+    if head.startswith(SWANLAB_MAGIC):
+        return "swanlab"
     text = head.decode("utf-8", errors="replace")
     lines = text.splitlines()
     if len(head) == _SNIFF_BYTES and len(lines) > 1:
@@ -170,6 +189,11 @@ def open_reader(path: str | os.PathLike, fmt: str | None = None) -> StepReader:
     name = _canonical(fmt, path) if fmt else detect_format(path)
     if name == "hf" and os.path.isdir(path):
         path = os.path.join(path, "trainer_state.json")
+    elif name in ("wandb", "swanlab") and os.path.isdir(path):
+        found = run_file(path, "." + name)
+        if found is None:
+            raise ReadError(path, f"no run-*.{name} file in this folder or a run folder under it")
+        path = found
     return READERS[name](path)
 
 
