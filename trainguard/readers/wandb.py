@@ -4,8 +4,8 @@ latest run, works too). Each ``history`` record is one logged step: its ``_step`
 record's step) is the step, every number under the key it was logged with (``train/loss``);
 ``NaN`` / ``Infinity`` as W&B writes them, ``null`` (a metric logged as None: TRL 1.x logs an
 all-NaN metric so) as NaN; W&B's own ``_timestamp``/``_runtime`` and media, tables and
-histograms (nested keys beside a ``_type``) are left out. The records are protobuf messages of W&B's own schema, so reading one
-needs the ``wandb`` package (``pip install wandb``); the container is read without it
+histograms (nested keys beside a ``_type``) are left out. The records are protobuf messages of
+W&B's own schema, so reading one needs the ``wandb`` package (``pip install wandb``); the container is read without it
 (:mod:`trainguard.readers.recordlog`). A W&B history exported to JSON lines
 (``wandb-history.jsonl``, ``_step`` per row) is the ``jsonl`` format.
 """
