@@ -977,6 +977,8 @@ class Engine:
                 det = detectors.get(slot)
                 if det is None:
                     det = detectors[slot] = rule.make_detector()
+                if rule.paired is not None:  # e.g. the trained-on reward beside a validation score
+                    det.pair(state.known.get(rule.paired))
                 flagged = finite and det.update(value, ts)
                 if not flagged and rule.has_threshold and slot in firing:
                     flagged = True

@@ -28,7 +28,7 @@ LAYERS = ("data", "compute", "resource")
 _RULE_KEYS = {"name", "metric", "signal", "anomalous", "above", "below", "equals", "non_finite", "for",
               "for_seconds", "severity", "critical", "immediate", "summary", "diagnosis", "suggestion", "sources",
               "detector", "resample_s", "above_ratio", "below_ratio", "cv_above", "given", "emit", "seen_finite",
-              "keep_firing_for", "flap_window", "flap_episodes", "unmapped"}
+              "keep_firing_for", "flap_window", "flap_episodes", "unmapped", "paired"}
 _LIFECYCLE_KEYS = ("keep_firing_for", "flap_window", "flap_episodes")
 _CONDITION_KEYS = ("above", "below", "equals", "not_equals")
 _INCIDENT_KEYS = {"name", "all", "within_s", "severity", "critical", "summary", "diagnosis", "suggestion", "inhibit"}
@@ -103,6 +103,7 @@ class Rule:
     emit: bool = True                  # False: a signal that only feeds incidents, never pages alone
     seen_finite: bool | None = None    # only once the metric was finite before (True) / while it never was (False)
     unmapped: bool = False             # only names no dialect maps to a signal (judged by their name alone)
+    paired: str | None = None          # a signal whose latest value the detector is given beside each sample
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # keep_firing_for, flap damping
     line: int = 0
 
@@ -250,7 +251,7 @@ class RuleSet:
     @property
     def given_signals(self) -> frozenset[str]:
         """Signals some rule's ``given:`` reads: the engine remembers their latest values."""
-        return frozenset(s for r in self.rules for s in r.given)
+        return frozenset(s for r in self.rules for s in (*r.given, *((r.paired,) if r.paired else ())))
 
 
 # --------------------------------------------------------------------------- loading
@@ -404,7 +405,7 @@ def _rule(path: str, m: dict, seen: set, lifecycles: dict[str, Lifecycle] = LIFE
         above_ratio=_number(path, line, m, "above_ratio", minimum=0),
         below_ratio=_number(path, line, m, "below_ratio", minimum=0),
         cv_above=_number(path, line, m, "cv_above", minimum=0), emit=bool(m.get("emit", True)),
-        seen_finite=m.get("seen_finite"), unmapped=bool(m.get("unmapped", False)),
+        seen_finite=m.get("seen_finite"), unmapped=bool(m.get("unmapped", False)), paired=m.get("paired"),
         lifecycle=_lifecycle(path, line, m, lifecycles[severity], f"rule {name!r}"), line=line)
     if rule.relative and detector is not None:
         raise _err(path, line, f"rule {name!r}: above_ratio, below_ratio and cv_above compare with the "
@@ -415,6 +416,12 @@ def _rule(path: str, m: dict, seen: set, lifecycles: dict[str, Lifecycle] = LIFE
     if rule.unmapped and (rule.signals or not m.get("metric")):
         raise _err(path, line, f"rule {name!r}: unmapped judges names by their pattern; give 'metric' globs "
                                f"and no 'signal'")
+    if rule.paired is not None:
+        if rule.paired not in SIGNALS:
+            raise _err(path, line, f"rule {name!r}: 'paired' names unknown signal {rule.paired!r}")
+        if detector is None or not hasattr(REGISTRY[detector["kind"]], "pair"):
+            raise _err(path, line, f"rule {name!r}: 'paired' needs a detector that judges two signals "
+                                   f"({', '.join(k for k, c in REGISTRY.items() if hasattr(c, 'pair'))})")
     if rule.resample_s and detector is None:
         raise _err(path, line, f"rule {name!r}: resample_s needs a detector to feed")
     if not (rule.anomalous or rule.non_finite or rule.relative or rule.above is not None or rule.below is not None

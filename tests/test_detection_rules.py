@@ -255,3 +255,33 @@ def test_a_rule_judging_by_name_pattern_needs_globs(tmp_path):
         assert "unmapped" in str(exc) and "metric" in str(exc)
     else:
         raise AssertionError("unmapped without metric globs must be refused")
+
+
+def _validated_run(f: Feed, rewards, golds, every=20):
+    """verl's names: the trained-on reward each step, a validation score every ``every`` steps."""
+    for i, (reward, gold) in enumerate(zip(rewards, golds)):
+        for k in range(every):
+            step = i * every + k + 1
+            f.now += 10
+            metrics = {"critic/score/mean": reward + 0.01 * (k % 3)}
+            if k == every - 1:
+                metrics["val-core/math/reward/mean@1"] = gold
+            f.send(step, metrics)
+
+
+def test_reward_rising_while_the_validation_score_falls_warns():
+    f = Feed(run="hacking")
+    _validated_run(f, [0.30, 0.40, 0.50, 0.60, 0.70, 0.80], [0.52, 0.50, 0.47, 0.43, 0.40, 0.36])
+    [alert] = f.firing("reward_hacking")
+    assert alert["severity"] == "P2" and alert["metric"] == "val-core/math/reward/mean@1"
+    assert alert["evidence"]["proxy_rise_p_value"] < 0.05 and alert["evidence"]["gold_change"] < -0.1
+
+
+def test_reward_and_validation_rising_together_or_a_noisy_plateau_stay_quiet():
+    f = Feed(run="learning")
+    _validated_run(f, [0.30, 0.40, 0.50, 0.60, 0.70, 0.80], [0.40, 0.44, 0.47, 0.52, 0.55, 0.60])
+    assert f.firing("reward_hacking") == []
+    f = Feed(run="plateau")  # a small validation set: one answer moves it by a tenth
+    _validated_run(f, [0.30, 0.40, 0.50, 0.60, 0.70, 0.80, 0.82, 0.85],
+                   [0.20, 0.233, 0.2, 0.167, 0.233, 0.2, 0.167, 0.2])
+    assert f.firing("reward_hacking") == []

@@ -147,3 +147,12 @@ def test_an_entropy_near_zero_warns_whatever_the_run_started_at():
     for trace in ("verl-gsm8k-ppo-qwen05b-resp512", "verl-gsm8k-ppo-qwen05b-resp256"):
         assert not steps_of(firing(trace), "entropy_near_zero")
     assert not steps_of(firing("verl-ppo-gsm8k-qwen7b-resumed-dstack", ADDED), "entropy_near_zero")
+
+
+@needs_dev
+def test_healthy_runs_with_validation_scores_are_not_taken_for_reward_hacking():
+    """verl GRPO runs whose validation sets (AIME's 30 problems, AMC, MATH) wobble while the
+    reward rises in the first hundred steps."""
+    for trace in ("verl-grpo-1p5b-baseline", "verl-grpo-7b-soft-thinking", "verl-grpo-1p5b-soft-0p1",
+                  "verl-grpo-llama3b-soft-thinking", "verl-gsm8k-ppo-qwen05b-resp256"):
+        assert not steps_of(firing(trace), "reward_hacking"), trace

@@ -21,10 +21,13 @@ class ProxyGold(Detector):
     - the proxy rises: one-sided Mann-Kendall p below ``alpha``, and its median over the window's
       second half is at least ``min_rise`` (relative) above its median over the first half;
     - the gold does not: its Theil-Sen change over the window, relative to its median, is at
-      most ``max_gold_change`` (0: flat or falling).
+      most ``max_gold_change`` (0: flat or falling), and, with ``gold_alpha`` set, its fall is
+      significant too (one-sided Mann-Kendall p below it): a validation set of 30 problems moves
+      by a tenth on one answer, so a flat-looking gold is often noise.
 
     A run whose reward and validation rise together, or whose reward is flat, stays quiet.
-    Parameters: ``window``, ``min_points``, ``alpha``, ``min_rise``, ``max_gold_change``.
+    Parameters: ``window``, ``min_points``, ``alpha``, ``min_rise``, ``max_gold_change``,
+    ``gold_alpha``.
 
     >>> det = ProxyGold(window=6, min_points=4)
     >>> def feed(proxy, gold):
@@ -44,26 +47,29 @@ class ProxyGold(Detector):
               Param("min_rise", 0.1, float, "the proxy's rise, second half's median over the first half's, "
                                             "relative to the first"),
               Param("max_gold_change", 0.0, float, "the gold's Theil-Sen change over the window relative to its "
-                                                   "median, at most this (0: flat or falling)"))
+                                                   "median, at most this (0: flat or falling)"),
+              Param("gold_alpha", None, float, "the gold's fall must be significant too: one-sided "
+                                               "Mann-Kendall p below this (null: any flat or falling gold)"))
     test_params = ({"window": 6, "min_points": 4},)
     cost = "O(window²) per gold point (a few dozen pairs)"
     judges_first = False
-    __slots__ = ("window", "min_points", "alpha", "min_rise", "max_gold_change", "golds", "proxies", "pending",
+    __slots__ = ("window", "min_points", "alpha", "min_rise", "max_gold_change", "gold_alpha", "golds", "proxies", "pending",
                  "took", "last", "score")
     _fields = ("golds", "proxies", "pending", "took", "last")
 
     def __init__(self, window: int = 8, min_points: int = 4, alpha: float = 0.1, min_rise: float = 0.1,
-                 max_gold_change: float = 0.0):
+                 max_gold_change: float = 0.0, gold_alpha: float | None = None):
         self.window = max(4, int(window))
         self.min_points = max(4, min(int(min_points), self.window))
         self.alpha = float(alpha)
         self.min_rise = float(min_rise)
         self.max_gold_change = float(max_gold_change)
+        self.gold_alpha = None if gold_alpha is None else float(gold_alpha)
         self.golds: deque = deque(maxlen=self.window)
         self.proxies: deque = deque(maxlen=self.window)
         self.pending: float | None = None  # the proxy's value beside the next gold point
         self.took = False                   # whether the last gold point came with a proxy value
-        self.last: list | None = None      # [gold, proxy p, proxy rise, gold change, anomalous]
+        self.last: list | None = None      # [gold, proxy p, proxy rise, gold change, gold p, anomalous]
         self.score = 0.0
 
     def pair(self, proxy) -> None:
@@ -94,20 +100,23 @@ class ProxyGold(Detector):
         rise = (after - before) / max(abs(before), 1e-9)
         slope = theil_sen(list(range(n)), golds)
         gold_change = slope * (n - 1) / max(abs(statistics.median(golds)), 1e-9)
-        anomalous = p < self.alpha and rise >= self.min_rise and gold_change <= self.max_gold_change
+        gold_p = _rising_p([-g for g in golds])  # that the gold falls
+        gold_ok = gold_change <= self.max_gold_change and (self.gold_alpha is None or gold_p < self.gold_alpha)
+        anomalous = p < self.alpha and rise >= self.min_rise and gold_ok
         # how far the proxy's rise is past the test's boundary (0.5 there), when the gold is not rising
         z = _z_of_p(min(1.0, 2 * p)) if p < 0.5 else 0.0
-        self.score = saturating(z, _z_of_p(2 * self.alpha)) if gold_change <= self.max_gold_change else 0.0
-        self.last = [x, p, rise, gold_change, anomalous]
+        self.score = saturating(z, _z_of_p(2 * self.alpha)) if gold_ok else 0.0
+        self.last = [x, p, rise, gold_change, gold_p, anomalous]
         return anomalous
 
     def evidence(self) -> dict:
         if self.last is None:
             return {"detector": self.kind, "ready": False, "points": len(self.golds)}
-        gold, p, rise, gold_change, anomalous = self.last
+        gold, p, rise, gold_change, gold_p, anomalous = self.last
         return {"detector": self.kind, "value": gold, "anomalous": anomalous, "points": len(self.golds),
                 "proxy": list(self.proxies), "gold": list(self.golds), "proxy_rise_p_value": p,
-                "proxy_rise": rise, "gold_change": gold_change, "alpha": self.alpha, "min_rise": self.min_rise,
+                "proxy_rise": rise, "gold_change": gold_change, "gold_fall_p_value": gold_p, "alpha": self.alpha,
+                "min_rise": self.min_rise,
                 "max_gold_change": self.max_gold_change}
 
 
