@@ -306,7 +306,7 @@ def test_a_generation_kl_error_above_0_05_warns_and_a_jump_warns_at_once():
         f.send(step, nemo_rl_step(rng))
     for step in range(41, 44):
         f.now += 30
-        f.send(step, nemo_rl_step(rng, gen_kl=0.06))          # 100x its level; NeMo-RL #2260 reports 0.15-0.65
+        f.send(step, nemo_rl_step(rng, gen_kl=0.06))          # 100x its level; NVIDIA-NeMo/RL#2260: 0.15-0.65
     assert [a["step"] for a in f.firing("mismatch_spike")] == [41]
     assert [a["step"] for a in f.firing("mismatch_kl_high")] == [43]
     assert all(a["severity"] == "P2" for a in f.firing() if a["rule"] in MISMATCH_RULES), "no page without a gradient"
