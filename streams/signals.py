@@ -55,6 +55,13 @@ SIGNALS: dict[str, str] = {
     "gen_time": "seconds spent generating rollouts per step",
     "throughput": "training throughput (tokens or iterations per second)",
     "memory_gb": "peak accelerator memory of the trainer process, GB",
+    # training-inference mismatch: the rollout engine's probabilities of the sampled tokens against
+    # the trainer's, same tokens and weights (docs/vocabulary.md gives each framework's levels)
+    "mismatch_prob_diff": "mean abs(p_train - p_rollout) over the sampled tokens (0 when they agree)",
+    "mismatch_prob_diff_max": "largest abs(p_train - p_rollout) of one token in the batch",
+    "mismatch_prob_corr": "Pearson correlation of p_train and p_rollout over the sampled tokens (1 when they agree)",
+    "mismatch_mult_prob_error": "mean exp(abs(log p_train - log p_rollout)) per sampled token (1 when they agree)",
+    "mismatch_kl": "KL of the rollout engine's to the trainer's probabilities, k3 per sampled token (0 when alike)",
     # the seed documents' own names (a dialect of their own)
     "rollout_latency_ms": "rollout latency, ms",
     "empty_response_ratio": "fraction of empty responses",

@@ -259,7 +259,7 @@ def test_a_rule_judging_by_name_pattern_needs_globs(tmp_path):
 
 def _validated_run(f: Feed, rewards, golds, every=20):
     """verl's names: the trained-on reward each step, a validation score every ``every`` steps."""
-    for i, (reward, gold) in enumerate(zip(rewards, golds)):
+    for i, (reward, gold) in enumerate(zip(rewards, golds, strict=True)):
         for k in range(every):
             step = i * every + k + 1
             f.now += 10
@@ -285,3 +285,95 @@ def test_reward_and_validation_rising_together_or_a_noisy_plateau_stay_quiet():
     _validated_run(f, [0.30, 0.40, 0.50, 0.60, 0.70, 0.80, 0.82, 0.85],
                    [0.20, 0.233, 0.2, 0.167, 0.233, 0.2, 0.167, 0.2])
     assert f.firing("reward_hacking") == []
+
+
+MISMATCH_RULES = ("mismatch_prob_diff_high", "mismatch_mult_prob_error_high", "mismatch_kl_high", "mismatch_spike",
+                  "mismatch_grad_norm_spike")
+
+
+def nemo_rl_step(rng, gen_kl=5e-4, mult=1.01, grad=0.3):
+    """One NeMo-RL GRPO step as its logger names it (train/ prefix), healthy figures by default."""
+    return {"train/loss": 0.02 + rng.gauss(0, 0.005), "train/reward": 0.5 + rng.gauss(0, 0.05),
+            "train/grad_norm": grad * (1 + 0.2 * rng.random()), "train/approx_entropy": 0.6 + rng.gauss(0, 0.02),
+            "train/gen_kl_error": gen_kl * (1 + 0.3 * rng.random()),
+            "train/token_mult_prob_error": mult + 0.005 * rng.random()}
+
+
+def test_a_healthy_nemo_rl_run_raises_no_mismatch_alert():
+    f, rng = Feed(), random.Random(7)
+    for step in range(1, 400):
+        f.now += 30
+        f.send(step, nemo_rl_step(rng))
+    assert not [a for a in f.firing() if a["rule"] in MISMATCH_RULES]
+
+
+def test_the_levels_nemo_rls_own_test_suites_accept_stay_quiet():
+    """Its MoE suites accept a mean gen_kl_error up to 0.02, token_mult_prob_error up to 1.1 (the band: 1.05)."""
+    f, rng = Feed(), random.Random(13)
+    for step in range(1, 300):
+        f.now += 30
+        f.send(step, nemo_rl_step(rng, gen_kl=0.012, mult=1.03))
+    assert not [a for a in f.firing() if a["rule"] in MISMATCH_RULES]
+
+
+def test_a_token_probability_error_above_1_05_warns_when_it_lasts():
+    f, rng = Feed(), random.Random(8)
+    for step in range(1, 31):
+        f.now += 30
+        f.send(step, nemo_rl_step(rng, mult=1.08 if step == 20 else 1.01))   # one batch above 1.05
+    assert not f.firing("mismatch_mult_prob_error_high"), "a single batch above 1.05 is not a sustained error"
+    for step in range(31, 34):
+        f.now += 30
+        f.send(step, nemo_rl_step(rng, mult=1.08))
+    alerts = f.firing("mismatch_mult_prob_error_high")
+    assert [(a["step"], a["severity"], a["metric"]) for a in alerts] == [(33, "P2", "train/token_mult_prob_error")]
+
+
+def test_a_generation_kl_error_above_0_05_warns_and_a_jump_warns_at_once():
+    f, rng = Feed(), random.Random(9)
+    for step in range(1, 41):
+        f.now += 30
+        f.send(step, nemo_rl_step(rng))
+    for step in range(41, 44):
+        f.now += 30
+        f.send(step, nemo_rl_step(rng, gen_kl=0.06))          # 100x its level; NVIDIA-NeMo/RL#2260: 0.15-0.65
+    assert [a["step"] for a in f.firing("mismatch_spike")] == [41]
+    assert [a["step"] for a in f.firing("mismatch_kl_high")] == [43]
+    assert all(a["severity"] == "P2" for a in f.firing() if a["rule"] in MISMATCH_RULES), "no page without a gradient"
+
+
+def test_a_mismatch_jump_then_a_gradient_norm_spike_is_one_incident_naming_the_mismatch():
+    f, rng = Feed(), random.Random(10)
+    for step in range(1, 41):
+        f.now += 30
+        f.send(step, nemo_rl_step(rng))
+    for step in range(41, 50):
+        f.now += 30
+        f.send(step, nemo_rl_step(rng, gen_kl=0.03, grad=6.0 if step >= 45 else 0.3))   # the gradient follows
+    incident = f.firing("mismatch_grad_norm_spike")
+    assert len(incident) == 1 and incident[0]["step"] == 45 and incident[0]["severity"] == "P1"
+    assert {m["rule"] for m in incident[0]["evidence"]["members"]} == {"mismatch_spike", "grad_norm_spike"}
+    assert "mismatch is the likely cause" in incident[0]["diagnosis"]
+    assert "importance sampling" in incident[0]["suggestion"] and "rollout_correction" in incident[0]["suggestion"]
+    assert "precision" in incident[0]["suggestion"]
+
+
+def test_a_gradient_norm_spike_without_a_mismatch_is_no_mismatch_incident():
+    f, rng = Feed(), random.Random(11)
+    for step in range(1, 50):
+        f.now += 30
+        f.send(step, nemo_rl_step(rng, grad=6.0 if step == 45 else 0.3))
+    assert f.firing("grad_norm_spike") and not f.firing("mismatch_grad_norm_spike")
+
+
+def test_the_verl_mean_probability_difference_warns_above_0_01_and_not_below():
+    f, rng = Feed(), random.Random(12)
+    for step in range(1, 200):                                # healthy verl runs sit at 0.001-0.009
+        f.now += 60
+        f.send(step, {"training/rollout_probs_diff_mean": 0.004 + 0.004 * rng.random(),
+                      "training/rollout_probs_diff_max": 0.3 + 0.7 * rng.random(), "actor/grad_norm": 0.2})
+    assert not [a for a in f.firing() if a["rule"] in MISMATCH_RULES], "the max reaches 1.0 on healthy runs"
+    for step in range(200, 203):
+        f.now += 60
+        f.send(step, {"training/rollout_probs_diff_mean": 0.012, "actor/grad_norm": 0.2})
+    assert [(a["step"], a["severity"]) for a in f.firing("mismatch_prob_diff_high")] == [(202, "P2")]

@@ -53,6 +53,10 @@ DEV_CASES = [
     # one-step spikes warn (the explosion rules page when the next point confirms them)
     ("verl-grpo-1p5b-dirichlet-noise-drift", "grad_norm_spike", 93, 98),
     ("verl-grpo-1p5b-dirichlet-noise-drift", "kl_spike", 93, 98),
+    # its rollout/trainer probability difference doubles (0.056 -> 0.10 -> 0.18) as the gradient norm
+    # hits 10.25 at step 98: the mismatch warning and the incident that pages on both
+    ("verl-grpo-1p5b-dirichlet-noise-drift", "mismatch_spike", 93, 98),
+    ("verl-grpo-1p5b-dirichlet-noise-drift", "mismatch_grad_norm_spike", 93, 98),
     ("trl-grpo-vl3b-length-collapse", "response_length_below_start", 20, 30),
 ]
 
@@ -156,3 +160,25 @@ def test_healthy_runs_with_validation_scores_are_not_taken_for_reward_hacking():
     for trace in ("verl-grpo-1p5b-baseline", "verl-grpo-7b-soft-thinking", "verl-grpo-1p5b-soft-0p1",
                   "verl-grpo-llama3b-soft-thinking", "verl-gsm8k-ppo-qwen05b-resp256"):
         assert not steps_of(firing(trace), "reward_hacking"), trace
+
+
+MISMATCH_RULES = ("mismatch_prob_diff_high", "mismatch_mult_prob_error_high", "mismatch_kl_high", "mismatch_spike",
+                  "mismatch_grad_norm_spike")
+
+
+@needs_dev
+def test_the_mismatch_rules_stay_silent_on_healthy_verl_runs_that_log_it():
+    """verl runs with calculate_log_probs: means of 0.0008-0.0088 (0.0026 -> 0.0088 over one run), maxima of 1.0."""
+    for trace in ("verl-grpo-7b-soft-thinking", "verl-grpo-llama3b-soft-thinking", "verl-grpo-1p5b-soft-0p1"):
+        assert not [a for a in firing(trace) if a["rule"] in MISMATCH_RULES], trace
+    assert not [a for a in firing("verl-ppo-gsm8k-qwen05b-agentic-rag", ADDED) if a["rule"] in MISMATCH_RULES]
+
+
+@needs_dev
+def test_a_run_whose_rollout_disagrees_tenfold_from_the_start_warns_once_and_pages_only_with_the_gradient():
+    """The Dirichlet-noise run's mean probability difference is 0.098 from step 1, ten times verl's 0.01."""
+    alerts = firing("verl-grpo-1p5b-dirichlet-noise-drift")
+    assert steps_of(alerts, "mismatch_prob_diff_high") == [3]       # 3 logged points above 0.01
+    pages = [a for a in alerts if a["rule"] in MISMATCH_RULES and a["severity"] in LOUD]
+    assert pages and all(a["rule"] == "mismatch_grad_norm_spike" for a in pages) and pages[0]["step"] == 98
+

@@ -21,15 +21,22 @@ def test_no_name_means_two_signals_and_every_signal_is_described():
     "response_clip_ratio"), ("frac_reward_zero_std", "frac_zero_std"), ("critic/score/mean", "reward_mean"),
     ("Total rewards mean", "reward_mean"), ("Tokens/sec", "throughput"), ("memory(GiB)", "memory_gb"),
     ("actor/perf/max_memory_allocated_gb", "memory_gb"), ("Average reward score", "reward_mean"),
+    ("training/rollout_probs_diff_mean", "mismatch_prob_diff"), ("rollout_corr/k3_kl", "mismatch_kl"),
+    ("training/rollout_actor_probs_pearson_corr", "mismatch_prob_corr"), ("train/gen_kl_error", "mismatch_kl"),
+    ("train/token_mult_prob_error", "mismatch_mult_prob_error"), ("train/approx_entropy", "entropy"),
+    ("train/kl_penalty", "kl"), ("timing/train/total_step_time", "step_time"),
 ])
 def test_names_resolve_to_their_signal(name, signal):
     assert signals.signal_of(name) == signal
 
 
 @pytest.mark.parametrize("name", ["objective/entropy", "eval/kl", "val-core/math/reward/mean@1", "gpu/util[0]",
-                                  "critic/rewards/mean", "my/own_metric"])
+                                  "critic/rewards/mean", "my/own_metric", "rollout_corr/kl",
+                                  "training/rollout_probs_diff_valid", "train/policy_kl_error"])
 def test_names_that_are_not_training_signals_stay_unresolved(name):
-    """TRL's objective/entropy is a sequence NLL; eval and validation figures are not training."""
+    """TRL's objective/entropy is a sequence NLL; eval and validation figures are not training; verl's
+    rollout_corr/kl is the k1 estimate of the mismatch KL (its k3_kl is the signal), NeMo-RL's
+    policy_kl_error the KL the other way round."""
     assert signals.signal_of(name) is None
 
 
@@ -40,6 +47,8 @@ def test_names_that_are_not_training_signals_stay_unresolved(name):
     (["train/policy_loss", "train/kl", "train/actor_lr", "train/response_clip_ratio"], "openrlhf"),
     (["Train loss", "It/sec", "Tokens/sec", "Peak mem"], "mlx-lm"),
     (["act_loss", "cri_loss", "average reward score"], "deepspeed-chat"),
+    (["train/loss", "train/grad_norm", "train/reward", "train/gen_kl_error", "train/token_mult_prob_error"],
+     "nemo-rl"),
     (["my/metric"], None),
 ])
 def test_a_run_is_recognised_from_its_keys(keys, framework):

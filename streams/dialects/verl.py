@@ -7,7 +7,10 @@ SOURCE = ("verl-project/verl (formerly volcengine/verl) 0.10.0.dev @1dda039b, co
           "verl/trainer/ppo/metric_utils.py (compute_data_metrics, compute_timing_metrics, "
           "compute_throughout_metrics), verl/trainer/ppo/ray_trainer.py (apply_kl_penalty, fit), "
           "verl/workers/utils/losses.py, verl/workers/engine_workers.py; before 0.8 "
-          "verl/workers/actor/dp_actor.py and verl/workers/critic/dp_critic.py")
+          "verl/workers/actor/dp_actor.py and verl/workers/critic/dp_critic.py; the mismatch: "
+          "verl/utils/debug/metrics.py (calculate_debug_metrics, 0.6+; ray_trainer.py fit in 0.4-0.5), "
+          "verl/trainer/ppo/rollout_corr_helper.py (compute_offpolicy_metrics, 0.6.1+; 0.6.0 mismatch_helper.py), "
+          "docs/faq/faq.rst (rollout_probs_diff_mean below 0.005, above 0.01 a precision issue)")
 
 NAMES: dict[str, str] = {
     "actor/kl_loss": "kl",                          # with actor.use_kl_loss
@@ -41,4 +44,13 @@ NAMES: dict[str, str] = {
     "perf/throughput": "throughput",
     "perf/max_memory_allocated_gb": "memory_gb",
     "actor/perf/max_memory_allocated_gb": "memory_gb",  # 0.8+
+    # with actor_rollout_ref.rollout.calculate_log_probs=True (0.4+; the correlation 0.6+); the
+    # "log_prob diff" of the docstring is taken between probabilities (exp of the log-probs)
+    "training/rollout_probs_diff_mean": "mismatch_prob_diff",
+    "training/rollout_probs_diff_max": "mismatch_prob_diff_max",
+    "training/rollout_actor_probs_pearson_corr": "mismatch_prob_corr",
+    # with algorithm.rollout_correction (0.6.1+); 0.6.0 named it mismatch/mismatch_k3_kl. Its
+    # rollout_corr/kl is the plain log-ratio mean (k1, can be negative): left out
+    "rollout_corr/k3_kl": "mismatch_kl",
+    "mismatch/mismatch_k3_kl": "mismatch_kl",
 }
