@@ -304,9 +304,21 @@ def main(argv: list[str] | None = None) -> int:
         return node_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args) or 0
+        if args.command in TALKS_TO_KAFKA and (args.command != "demo" or args.bootstrap):
+            unreachable = _unreachable(args)
+            if unreachable:
+                print(f"trainguard {args.command}: {unreachable}", file=sys.stderr)
+                return 2
+        status = args.func(args) or 0
+        sys.stdout.flush()  # inside the try: a reader gone (`| head`) is handled here, not at exit
+        return status
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`trainguard runs | head`): stop quietly, as `cat` would. Point
+        # stdout at /dev/null so the interpreter's last flush does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except ModuleNotFoundError as exc:
         extra = EXTRA_FOR.get((exc.name or "").partition(".")[0])
         if extra is None:
@@ -315,6 +327,22 @@ def main(argv: list[str] | None = None) -> int:
               f"(confluent-kafka and orjson only) leaves out: pip install 'trainguard[{extra}]' "
               f"(or 'trainguard[all]')", file=sys.stderr)
         return 2
+
+
+# Commands that talk to Kafka: checked first, so a wrong address is one line within seconds.
+TALKS_TO_KAFKA = ("worker", "demo", "tail", "runs", "status", "ui", "command", "silence", "ack", "resolve",
+                  "sinks", "dlq")
+
+
+def _unreachable(args) -> str | None:
+    from trainguard.kafka import KafkaSettings
+    from trainguard.reach import Unreachable, check
+
+    try:
+        check(KafkaSettings.from_env(bootstrap=getattr(args, "bootstrap", None)))
+    except Unreachable as exc:
+        return str(exc)
+    return None
 
 
 # A missing package -> the extra that brings it (pyproject.toml).
