@@ -56,6 +56,12 @@ def _command(args) -> int:
     return command_main(args)
 
 
+def _dlq(args) -> int:
+    from trainguard.dlq import main as dlq_main
+
+    return dlq_main(args)
+
+
 def _runs(args) -> int:
     from trainguard.operate import runs_main
 
@@ -209,6 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print each event as one JSON object a line instead (for jq and scripts)")
     p.set_defaults(func=_tail)
+
+    p = command("dlq", "list what the workers rejected: when, from which run and producer, and why",
+                "Reads the dead-letter topic to its end, oldest first, and exits; --follow keeps printing new "
+                "ones until Ctrl-C. Reads without a consumer group.")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new dead letters until Ctrl-C")
+    p.add_argument("--run", help="only the records of this run id (as far as the rejected record names it)")
+    p.add_argument("--json", action="store_true",
+                   help="each dead letter as it is on the topic, one JSON object a line (the bytes in raw_b64)")
+    p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
+    p.set_defaults(func=_dlq)
 
     p = command("runs", "list the runs the workers watch, one line each",
                 "Last step, last event, breaker state, rollbacks, newest healthy checkpoint, open alerts; "

@@ -76,7 +76,7 @@ class Reorder:
         return [line for _, _, line in out]
 
 
-def _ends(consumer) -> dict[tuple[str, int], int]:
+def partition_ends(consumer) -> dict[tuple[str, int], int]:
     """The current end of every assigned partition that holds anything."""
     ends = {}
     for tp in consumer.assignment():
@@ -130,7 +130,7 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
         failures: set[str] = set()
         # History (--from beginning) is read up to the ends fixed now, then printed fully in order;
         # what comes after waits reorder_s in a buffer so that a fast ack follows its command.
-        backlog = _ends(consumer) if start == "beginning" else {}
+        backlog = partition_ends(consumer) if start == "beginning" else {}
         history = bool(backlog)
         buffer = Reorder(reorder_s)
         quiet_since = time.monotonic()
