@@ -384,11 +384,12 @@ def status_main(args) -> int:
         print(safe_json(ev.encode(status).decode()))
         return 0
     try:
-        print(format_status(status))
+        shown = format_status(status)
     except Exception as exc:  # valid, but of a shape this release cannot show
         print(f"trainguard status: run {safe(args.run)}'s status has fields this release cannot show "
               f"({type(exc).__name__}: {safe(str(exc))[:200]}); --json prints it as it is", file=sys.stderr)
         return EXIT_BAD_INPUT
+    print(shown)
     return 0
 
 
