@@ -314,6 +314,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        try:
+            return _run(argv)
+        finally:  # inside the try: a reader gone (`| head`) is handled here, not at exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`trainguard runs | head`): stop quietly, as `cat` would. Point
+        # stdout at /dev/null so the interpreter's last flush does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _run(argv: list[str]) -> int:
     if argv[:1] == ["node"]:  # the node agent parses its own flags
         from trainguard.producers.node import main as node_main
 
@@ -325,16 +338,9 @@ def main(argv: list[str] | None = None) -> int:
             if unreachable:
                 print(f"trainguard {args.command}: {unreachable}", file=sys.stderr)
                 return 2
-        status = args.func(args) or 0
-        sys.stdout.flush()  # inside the try: a reader gone (`| head`) is handled here, not at exit
-        return status
+        return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        # The reader went away (`trainguard runs | head`): stop quietly, as `cat` would. Point
-        # stdout at /dev/null so the interpreter's last flush does not complain either.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
     except ModuleNotFoundError as exc:
         extra = EXTRA_FOR.get((exc.name or "").partition(".")[0])
         if extra is None:
