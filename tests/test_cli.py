@@ -188,8 +188,8 @@ def test_a_broker_out_of_reach_is_one_line_within_seconds(args):
 
 
 def test_a_wrong_host_and_a_port_that_is_not_kafka_say_which():
-    unknown = subprocess.run([sys.executable, "-m", "trainguard.cli", "runs", "--bootstrap", "no-such-host.invalid:9092"],
-                             capture_output=True, text=True, timeout=30)
+    unknown = subprocess.run([sys.executable, "-m", "trainguard.cli", "runs", "--bootstrap",
+                              "no-such-host.invalid:9092"], capture_output=True, text=True, timeout=30)
     assert unknown.returncode == 2 and "(no host named no-such-host.invalid)" in unknown.stderr, unknown.stderr
     with socket.socket() as mute:  # accepts connections (the backlog) and never answers
         mute.bind(("127.0.0.1", 0))

@@ -11,9 +11,9 @@ import time
 import orjson
 import pytest
 
+from streams.engine import Engine
 from tests.integration import WorkerProcess, produce
 from tests.test_tail import HOSTILE
-from streams.engine import Engine
 
 pytestmark = pytest.mark.integration
 

@@ -13,6 +13,7 @@ Exit status: 0 applied, 1 rejected or failed by the trainer, 2 bad input or no b
 from __future__ import annotations
 
 import getpass
+import os
 import socket
 import math
 import sys
@@ -498,8 +499,7 @@ def short_ids(ids, at_least: int = 8) -> dict[str, str]:
     for i, full in enumerate(ids):
         n = at_least
         for other in (ids[i - 1] if i else "", ids[i + 1] if i + 1 < len(ids) else ""):
-            common = next((k for k, (a, b) in enumerate(zip(full, other)) if a != b), min(len(full), len(other)))
-            n = max(n, common + 1)
+            n = max(n, len(os.path.commonprefix([full, other])) + 1)
         out[full] = full[:n]
     return out
 
