@@ -111,10 +111,11 @@ def wait_until(fetch, timeout: float = 60.0, what: str = "condition"):
     pytest.fail(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
 
 
-def produce(settings: KafkaSettings, topic: str, key: str, values: list[bytes]) -> None:
+def produce(settings: KafkaSettings, topic: str, key: str, values: list[bytes], timestamps_ms=None) -> None:
+    """``values`` keyed by ``key``; with ``timestamps_ms``, each record's CreateTime."""
     p = Producer({"bootstrap.servers": settings.bootstrap, "partitioner": "murmur2_random"})
-    for v in values:
-        p.produce(topic, v, key)
+    for i, v in enumerate(values):
+        p.produce(topic, v, key, **({"timestamp": timestamps_ms[i]} if timestamps_ms else {}))
     assert p.flush(10) == 0
 
 

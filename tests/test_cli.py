@@ -156,3 +156,76 @@ def test_the_worker_writes_nothing_in_its_working_directory(kafka, tmp_path):
         worker.kill()
     assert list(workdir.iterdir()) == []
     assert (data / f"{worker.app_id}-data").is_dir()
+
+
+# Every command that talks to Kafka, with the arguments it needs.
+KAFKA_COMMANDS = [("worker",), ("demo", "--bootstrap", "BOOTSTRAP"), ("tail",), ("runs",), ("status", "r1"),
+                  ("ui", "--port", "0"), ("command", "r1", "pause", "--reason", "x"),
+                  ("silence", "r1", "--for", "1h", "--reason", "x"), ("ack", "abcd", "--reason", "x"),
+                  ("resolve", "abcd", "--reason", "x"), ("sinks",), ("dlq",)]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("args", KAFKA_COMMANDS, ids=lambda a: a[0])
+def test_a_broker_out_of_reach_is_one_line_within_seconds(args):
+    bootstrap = f"127.0.0.1:{_closed_port()}"
+    argv = [bootstrap if a == "BOOTSTRAP" else a for a in args]
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "trainguard.cli", *argv], capture_output=True, text=True,
+                          timeout=30, env={**os.environ, "TRAINGUARD_BOOTSTRAP": bootstrap})
+    took = time.monotonic() - started
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        f"trainguard {args[0]}: cannot reach the Kafka broker at {bootstrap} (connection refused on port "
+        f"{bootstrap.rpartition(':')[2]}); start one with `trainguard broker` or set TRAINGUARD_BOOTSTRAP "
+        f"(or --bootstrap)"], done.stderr
+    assert took < 5, f"{took:.1f} s"
+
+
+def test_a_wrong_host_and_a_port_that_is_not_kafka_say_which():
+    unknown = subprocess.run([sys.executable, "-m", "trainguard.cli", "runs", "--bootstrap",
+                              "no-such-host.invalid:9092"], capture_output=True, text=True, timeout=30)
+    assert unknown.returncode == 2 and "(no host named no-such-host.invalid)" in unknown.stderr, unknown.stderr
+    with socket.socket() as mute:  # accepts connections (the backlog) and never answers
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(16)
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "trainguard.cli", "tail", "--bootstrap",
+                               f"127.0.0.1:{mute.getsockname()[1]}"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "accepts connections but does not answer as Kafka" in done.stderr
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("args", [("runs",), ("runs", "--json"), ("status", "pipe-1"), ("dlq",),
+                                  ("tail", "--from", "beginning")], ids=" ".join)
+def test_a_reader_that_goes_away_ends_the_command_quietly(kafka, args):
+    """`trainguard runs | head -0`: the pipe is closed before the command writes a line."""
+    from streams.engine import Engine
+    from tests.integration import produce
+    from trainguard.schemas import events as ev
+
+    status = {"schema": "status/1", "run_id": "pipe-1", "ts": 1.7e9, "last_step": 7, "last_event_ts": 1.7e9,
+              "breaker": {"status": "closed", "rollbacks": 0}, "open_alerts": []}
+    produce(kafka, kafka.topics.status, "pipe-1", [orjson.dumps(status)])
+    produce(kafka, kafka.topics.dlq, "", [orjson.dumps(Engine.dead_letter(b"x", "not valid JSON").value)])
+    produce(kafka, kafka.topics.acks, "pipe-1", [ev.encode(ev.ack_event("c1", "pipe-1", "applied"))])
+    prefix = kafka.topics.events.rsplit(".", 1)[0]
+    read, write = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", *args], stdout=write, stderr=subprocess.PIPE,
+                            env={**os.environ, "TRAINGUARD_BOOTSTRAP": kafka.bootstrap,
+                                 "TRAINGUARD_TOPIC_PREFIX": prefix})
+    os.close(write)
+    os.close(read)  # gone before the first line
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 141, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err and b"Exception ignored" not in err, err.decode()

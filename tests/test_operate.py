@@ -269,7 +269,8 @@ def test_an_alert_acknowledged_and_resolved_by_hand_end_to_end(kafka, tmp_path):
             raise AssertionError(f"status never showed {text!r}: {shown.stdout}{shown.stderr}")
 
         status_shows(alert["id"])  # the run's status is out: the alert's run can be looked up
-        acked = _runs(kafka, "ack", alert["id"], "--reason", "looking at the batch")
+        assert alert["id"][:8] in _runs(kafka, "runs").stdout, "runs shows the start of the id"
+        acked = _runs(kafka, "ack", alert["id"][:8], "--reason", "looking at the batch")
         assert acked.returncode == 0, acked.stderr
         status_shows("acknowledged by")
         resolved = _runs(kafka, "resolve", alert["id"], "--reason", "batch skipped by hand")
@@ -277,7 +278,7 @@ def test_an_alert_acknowledged_and_resolved_by_hand_end_to_end(kafka, tmp_path):
         assert f"resolved {alert['id']} of run hand-1: resolved by hand by" in resolved.stdout
         status_shows("open alerts: none")
         missing = _runs(kafka, "resolve", "no-such-alert", "--reason", "x")
-        assert missing.returncode == 1 and "no run lists no-such-alert" in missing.stderr
+        assert missing.returncode == 1 and "no open alert of any run is or starts with no-such-alert" in missing.stderr
     finally:
         alerts.close()
         logger.close(quiet=True)
@@ -321,3 +322,54 @@ def test_runs_and_status_print_no_escape_sequence_and_count_bad_statuses(kafka):
     assert "run esc-1: closedclick" in shown.stdout and "P0 RESOLVED all clear" in shown.stdout
     assert "silenced (every rule) until ? by ?" in shown_odd.stdout
     assert "last step -" in shown_odd.stdout and "dropped many event(s)" in shown_odd.stdout
+
+
+def test_ack_and_silence_take_the_start_of_an_id_and_name_the_matches_when_several_fit(kafka):
+    """The ids `runs` shows (the shortest unique start, 8 characters or more) are what `ack`,
+    `resolve` and `silence --end` accept; a start several ids share is refused, listing them."""
+    import orjson
+
+    from tests.integration import TopicReader, produce
+    from trainguard.schemas import events as ev
+
+    def status(run_id, alerts, **fields):
+        return {"schema": "status/1", "run_id": run_id, "ts": 1.7e9, "last_step": 7, "last_event_ts": 1.7e9,
+                "breaker": {"status": "closed", "rollbacks": 0}, "open_alerts": alerts, **fields}
+
+    def alert(alert_id, rule):
+        return {"id": alert_id, "rule": rule, "severity": "P1", "metric": "kl", "value": 1.0, "step": 7}
+
+    produce(kafka, kafka.topics.status, "pre-1", [orjson.dumps(status(
+        "pre-1", [alert("7f3a1c2d9e0011aa", "kl_spike"), alert("7f3a1c2d77aa00bb", "entropy_collapse")],
+        silences=[{"id": "s-9b8c7d6e", "until": 4.1e9, "reason": "warm-up", "by": "me"}]))])
+    produce(kafka, kafka.topics.status, "pre-2", [orjson.dumps(status("pre-2", [alert("c0ffee0042", "non_finite")]))])
+
+    table = _runs(kafka, "runs")
+    assert table.returncode == 0, table.stderr
+    row = next(line for line in table.stdout.splitlines() if line.startswith("pre-1"))
+    assert "kl_spike 7f3a1c2d9" in row and "entropy_collapse 7f3a1c2d7" in row, row
+
+    events = TopicReader(kafka, kafka.topics.events, decode=lambda raw: ev.decode(raw, expect=(ev.OPERATOR,)))
+    try:
+        acked = _runs(kafka, "ack", "c0ff", "--reason", "on it")
+        assert acked.returncode == 0, acked.stderr
+        assert "acknowledged c0ffee0042 of run pre-2" in acked.stdout
+        sent = events.wait_for(lambda e: e.get("action") == "ack", what="the ack")
+        assert (sent["run_id"], sent["alert_id"]) == ("pre-2", "c0ffee0042")
+
+        several = _runs(kafka, "ack", "7f3a1c2d", "--reason", "on it")
+        assert several.returncode == 2, several.stderr
+        assert ("7f3a1c2d is the start of 2 open alert ids: 7f3a1c2d77aa00bb (P1 entropy_collapse of run pre-1); "
+                "7f3a1c2d9e0011aa (P1 kl_spike of run pre-1); give more of it") in several.stderr
+        too_short = _runs(kafka, "resolve", "7f", "--reason", "x", "--wait", "0")
+        assert too_short.returncode == 2 and "at least 4 characters" in too_short.stderr
+        none = _runs(kafka, "ack", "dead", "--reason", "x")
+        assert none.returncode == 1 and "`trainguard runs` lists each run's open alerts with their ids" in none.stderr
+
+        ended = _runs(kafka, "silence", "pre-1", "--end", "s-9b8c", "--reason", "done")
+        assert ended.returncode == 0 and "ended silence s-9b8c7d6e of run pre-1" in ended.stdout, ended.stderr
+        sent = events.wait_for(lambda e: e.get("action") == "unsilence", what="the unsilence")
+        assert sent["id"] == "s-9b8c7d6e"
+        assert len([e for e in events.seen if e.get("action") == "ack"]) == 1, "nothing sent for a refused id"
+    finally:
+        events.close()

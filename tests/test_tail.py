@@ -108,6 +108,75 @@ def test_tail_follows_one_run_and_shows_commands_and_acks(kafka):
     assert "run=other" not in text
 
 
+def _story(run_id: str, t_ms: int) -> list[tuple[str, dict, int]]:
+    """An alert, the command it caused and the trainer's ack, published 1 ms apart from ``t_ms``:
+    (topic role, event, record time)."""
+    alert = {**_alert(run_id, 7), "ts": t_ms / 1000, "onset": {"step": 7, "ts": t_ms / 1000}}
+    command = ev.command_event(run_id, "stop", reason=[alert["id"]], issued=(t_ms + 1) / 1000, detail="critical")
+    ack = ev.ack_event(command["id"], run_id, "applied", "stopped", ts=(t_ms + 2) / 1000)
+    return [("alerts", alert, t_ms), ("control", command, t_ms + 1), ("acks", ack, t_ms + 2)]
+
+
+def _publish_backwards(kafka, stories) -> None:
+    """Every ack first, then the commands, then the alerts: the order a reader may well meet them."""
+    for role in ("acks", "control", "alerts"):
+        for role_, event, ms in (s for story in stories for s in story):
+            if role_ == role:
+                produce(kafka, getattr(kafka.topics, role), event["run_id"], [ev.encode(event)], [ms])
+
+
+def _kinds(lines: list[str]) -> list[tuple[str, str]]:
+    import orjson
+
+    return [(e["run_id"], e["schema"].split("/")[0]) for e in map(orjson.loads, lines)]
+
+
+def test_tail_from_the_beginning_prints_in_the_order_things_happened(kafka):
+    t0 = int(time.time() * 1000) - 60_000
+    stories = [_story(f"order-{i}", t0 + 10 * i) for i in range(4)]
+    _publish_backwards(kafka, stories)
+    out, err, stop = io.StringIO(), io.StringIO(), threading.Event()
+    t = threading.Thread(target=tail, args=(kafka,), kwargs=dict(start="beginning", as_json=True, stop=stop,
+                                                                   stdout=out, stderr=err))
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and out.getvalue().count("\n") < 12:
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        t.join(15)
+    expected = [(e["run_id"], e["schema"].split("/")[0]) for story in stories for _, e, _ in story]
+    assert _kinds(out.getvalue().splitlines()) == expected, err.getvalue()
+
+
+def test_tail_live_holds_an_early_ack_back_until_its_command_and_alert(kafka):
+    out, err, stop = io.StringIO(), io.StringIO(), threading.Event()
+    t = threading.Thread(target=tail, args=(kafka,), kwargs=dict(start="end", as_json=True, stop=stop,
+                                                                   stdout=out, stderr=err))
+    t.start()
+    try:
+        # Until a record on each topic comes through, the reader may not have found the ends yet.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "waiting for alerts" not in err.getvalue():
+            time.sleep(0.1)
+        time.sleep(1.0)
+        _publish_backwards(kafka, [_story("warm", int(time.time() * 1000))])
+        while time.monotonic() < deadline and out.getvalue().count("\n") < 3:
+            time.sleep(0.2)
+        assert out.getvalue().count("\n") >= 3, err.getvalue()
+        seen = len(out.getvalue().splitlines())
+        live = _story("live", int(time.time() * 1000))
+        _publish_backwards(kafka, [live])
+        while time.monotonic() < deadline and len(out.getvalue().splitlines()) < seen + 3:
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        t.join(15)
+    shown = [k for k in _kinds(out.getvalue().splitlines()) if k[0] == "live"]
+    assert shown == [("live", "alert"), ("live", "command"), ("live", "ack")], err.getvalue()
+
+
 def test_sinks_subcommand_delivers_to_the_configured_jsonl(kafka, tmp_path):
     produce(kafka, kafka.topics.alerts, "sink-1", [ev.encode(_alert("sink-1", 9))])
     target = tmp_path / "alerts.jsonl"

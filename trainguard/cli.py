@@ -56,6 +56,12 @@ def _command(args) -> int:
     return command_main(args)
 
 
+def _dlq(args) -> int:
+    from trainguard.dlq import main as dlq_main
+
+    return dlq_main(args)
+
+
 def _runs(args) -> int:
     from trainguard.operate import runs_main
 
@@ -210,6 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print each event as one JSON object a line instead (for jq and scripts)")
     p.set_defaults(func=_tail)
 
+    p = command("dlq", "list what the workers rejected: when, from which run and producer, and why",
+                "Reads the dead-letter topic to its end, oldest first, and exits; --follow keeps printing new "
+                "ones until Ctrl-C. Reads without a consumer group.")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new dead letters until Ctrl-C")
+    p.add_argument("--run", help="only the records of this run id (as far as the rejected record names it)")
+    p.add_argument("--json", action="store_true",
+                   help="each dead letter as it is on the topic, one JSON object a line (the bytes in raw_b64)")
+    p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
+    p.set_defaults(func=_dlq)
+
     p = command("runs", "list the runs the workers watch, one line each",
                 "Last step, last event, breaker state, rollbacks, newest healthy checkpoint, open alerts; "
                 "from the status the workers keep on the compacted status topic.")
@@ -298,12 +314,30 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        try:
+            return _run(argv)
+        finally:  # inside the try: a reader gone (`| head`) is handled here, not at exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`trainguard runs | head`): stop quietly, as `cat` would. Point
+        # stdout at /dev/null so the interpreter's last flush does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _run(argv: list[str]) -> int:
     if argv[:1] == ["node"]:  # the node agent parses its own flags
         from trainguard.producers.node import main as node_main
 
         return node_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        if args.command in TALKS_TO_KAFKA and (args.command != "demo" or args.bootstrap):
+            unreachable = _unreachable(args)
+            if unreachable:
+                print(f"trainguard {args.command}: {unreachable}", file=sys.stderr)
+                return 2
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
@@ -315,6 +349,22 @@ def main(argv: list[str] | None = None) -> int:
               f"(confluent-kafka and orjson only) leaves out: pip install 'trainguard[{extra}]' "
               f"(or 'trainguard[all]')", file=sys.stderr)
         return 2
+
+
+# Commands that talk to Kafka: checked first, so a wrong address is one line within seconds.
+TALKS_TO_KAFKA = ("worker", "demo", "tail", "runs", "status", "ui", "command", "silence", "ack", "resolve",
+                  "sinks", "dlq")
+
+
+def _unreachable(args) -> str | None:
+    from trainguard.kafka import KafkaSettings
+    from trainguard.reach import Unreachable, check
+
+    try:
+        check(KafkaSettings.from_env(bootstrap=getattr(args, "bootstrap", None)))
+    except Unreachable as exc:
+        return str(exc)
+    return None
 
 
 # A missing package -> the extra that brings it (pyproject.toml).

@@ -13,6 +13,7 @@ Exit status: 0 applied, 1 rejected or failed by the trainer, 2 bad input or no b
 from __future__ import annotations
 
 import getpass
+import os
 import socket
 import math
 import sys
@@ -256,8 +257,9 @@ def _by_severity(alerts: list) -> list:
     return sorted(alerts, key=lambda a: (str(a.get("severity") or "P9"), a["rule"]))
 
 
-def _alerts_brief(status: dict) -> str:
-    return ", ".join(f"{a.get('severity') or '?'} {a['rule']}" for a in _by_severity(status["open_alerts"])) or "-"
+def _alerts_brief(status: dict, short: dict[str, str]) -> str:
+    return ", ".join(f"{a.get('severity') or '?'} {a['rule']}" + (f" {short[a['id']]}" if a.get("id") in short else "")
+                     for a in _by_severity(status["open_alerts"])) or "-"
 
 
 def _shown(v) -> str:
@@ -269,13 +271,17 @@ def format_runs(statuses: dict[str, dict], now: float | None = None) -> str:
     terminal-safe; a status whose fields this release cannot show gets a line saying so."""
     now = time.time() if now is None else now
     rows = [("RUN", "STEP", "LAST EVENT", "STATE", "ROLLBACKS", "HEALTHY CKPT", "OPEN ALERTS")]
-    order = sorted(statuses.values(), key=lambda s: s.get("last_event_ts") or 0, reverse=True)
-    for s in (safe_event(s) for s in order):
+    order = [safe_event(s) for s in sorted(statuses.values(), key=lambda s: s.get("last_event_ts") or 0, reverse=True)]
+    try:  # each open alert with the shortest unique start of its id, which ack and resolve accept
+        short = short_ids(a["id"] for s in order for a in s["open_alerts"] if isinstance(a.get("id"), str))
+    except Exception:  # a status of a shape this release cannot show: its line says so below
+        short = {}
+    for s in order:
         try:
             ckpt = s.get("last_healthy_checkpoint")
             rows.append((s["run_id"], _shown(s.get("last_step")), _ago(s.get("last_event_ts"), now), _state(s),
                          _shown(s["breaker"]["rollbacks"]), _shown(ckpt.get("step")) if ckpt else "-",
-                         _alerts_brief(s)))
+                         _alerts_brief(s, short)))
         except Exception as exc:  # valid, but of a shape this release cannot show: say so, show the rest
             rows.append((s["run_id"], "?", "?", f"unreadable status ({type(exc).__name__})", "?", "?", "?"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
@@ -379,11 +385,12 @@ def status_main(args) -> int:
         print(safe_json(ev.encode(status).decode()))
         return 0
     try:
-        print(format_status(status))
+        shown = format_status(status)
     except Exception as exc:  # valid, but of a shape this release cannot show
         print(f"trainguard status: run {safe(args.run)}'s status has fields this release cannot show "
               f"({type(exc).__name__}: {safe(str(exc))[:200]}); --json prints it as it is", file=sys.stderr)
         return EXIT_BAD_INPUT
+    print(shown)
     return 0
 
 
@@ -406,15 +413,31 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
+def _silence_id(settings: KafkaSettings, run_id: str, given: str) -> str:
+    """The id of ``run_id``'s silence that is ``given`` or starts with it; ``given`` itself when
+    the run's status lists none (or cannot be read)."""
+    from confluent_kafka import KafkaException
+
+    try:
+        status = read_statuses(settings).get(run_id) or {}
+    except KafkaException:
+        return given
+    known = {x["id"]: f"{'rule ' + str(x['rule']) if x.get('rule') else 'every rule'} until {_clock(x.get('until'))}"
+             for x in status.get("silences") or () if isinstance(x, dict) and isinstance(x.get("id"), str)}
+    return match_id(given, known, "silence") or given
+
+
 def silence_main(args) -> int:
     """``trainguard silence RUN --for 2h --reason ...`` (or ``--end ID``)."""
     from trainguard.producers.publisher import Publisher
 
     who = f"{getpass.getuser()}@{socket.gethostname()}"
+    settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
     try:
         if not args.reason.strip():
             raise ValueError("--reason must say why (it is kept with the silence and shown in status)")
         if args.end:
+            args.end = _silence_id(settings, args.run, args.end)
             event = ev.operator_event(args.run, "unsilence", silence_id=args.end, reason=args.reason, by=who)
         else:
             if args.duration is None:
@@ -425,7 +448,6 @@ def silence_main(args) -> int:
     except (ValueError, ev.SchemaError) as exc:
         print(f"trainguard silence: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
     publisher = Publisher(settings, linger_ms=0)
     try:
         # Keyed by the run, on the events topic: the worker that owns the run applies it in order.
@@ -450,12 +472,51 @@ def silence_main(args) -> int:
 # --------------------------------------------------------------------------- ack and resolve
 
 
-def _run_of_alert(settings: KafkaSettings, alert_id: str) -> str | None:
-    """The run whose status lists ``alert_id`` among its open alerts."""
+MIN_ID_PREFIX = 4
+
+
+def match_id(given: str, known: dict[str, str], what: str) -> str | None:
+    """The id in ``known`` (id -> what it is) that is ``given`` or the only one starting with
+    it; None when none is. ValueError for a prefix shorter than ``MIN_ID_PREFIX`` or one that
+    several ids start with (they are listed)."""
+    if given in known:
+        return given
+    matches = sorted(i for i in known if i.startswith(given))
+    if matches and len(given) < MIN_ID_PREFIX:
+        raise ValueError(f"give at least {MIN_ID_PREFIX} characters of the {what} id, not {safe(given)!r}")
+    if len(matches) > 1:
+        listed = "; ".join(f"{safe(m)} ({safe(known[m])})" for m in matches[:10])
+        more = f" and {len(matches) - 10} more" if len(matches) > 10 else ""
+        raise ValueError(f"{safe(given)} is the start of {len(matches)} {what} ids: {listed}{more}; give more of it")
+    return matches[0] if matches else None
+
+
+def short_ids(ids, at_least: int = 8) -> dict[str, str]:
+    """Each id's shortest prefix (``at_least`` characters or more) that no other of ``ids``
+    starts with: what `runs` shows and `ack` / `resolve` accept."""
+    ids = sorted(set(ids))
+    out = {}
+    for i, full in enumerate(ids):
+        n = at_least
+        for other in (ids[i - 1] if i else "", ids[i + 1] if i + 1 < len(ids) else ""):
+            n = max(n, len(os.path.commonprefix([full, other])) + 1)
+        out[full] = full[:n]
+    return out
+
+
+def _open_alert(settings: KafkaSettings, given: str, run_id: str | None) -> tuple[str, str] | None:
+    """``(alert id, run id)`` of the open alert whose id is ``given`` or starts with it, among
+    the runs' statuses (``run_id``'s only, when given); None when no open alert is."""
+    known, run_of = {}, {}
     for status in read_statuses(settings).values():
-        if any(a.get("id") == alert_id for a in status["open_alerts"]):
-            return status["run_id"]
-    return None
+        if run_id is not None and status["run_id"] != run_id:
+            continue
+        for a in status["open_alerts"]:
+            if isinstance(a.get("id"), str):
+                known[a["id"]] = f"{a.get('severity') or '?'} {a.get('rule')} of run {status['run_id']}"
+                run_of[a["id"]] = status["run_id"]
+    found = match_id(given, known, "open alert")
+    return (found, run_of[found]) if found else None
 
 
 def alert_main(args) -> int:
@@ -472,19 +533,27 @@ def alert_main(args) -> int:
         return EXIT_BAD_INPUT
     settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
     run_id = args.run
+    alert_id = args.alert
     try:
-        if run_id is None:
-            run_id = _run_of_alert(settings, args.alert)
+        try:
+            found = _open_alert(settings, alert_id, run_id)
+        except KafkaException:
             if run_id is None:
-                print(f"{name}: no run lists {args.alert} among its open alerts (`trainguard runs` and "
-                      f"`trainguard status RUN` show them; give --run if the status is not out yet)", file=sys.stderr)
-                return EXIT_REFUSED
-        event = ev.operator_event(run_id, action, alert_id=args.alert, reason=args.reason,
+                raise
+            found = None  # the run is given: the id goes as it is
+        if found is not None:
+            alert_id, run_id = found
+        elif run_id is None:
+            print(f"{name}: no open alert of any run is or starts with {safe(alert_id)} (`trainguard runs` lists "
+                  f"each run's open alerts with their ids; give --run if the run's status is not out yet)",
+                  file=sys.stderr)
+            return EXIT_REFUSED
+        event = ev.operator_event(run_id, action, alert_id=alert_id, reason=args.reason,
                                   by=f"{getpass.getuser()}@{socket.gethostname()}")
         alerts = None
         if action == "resolve" and args.wait > 0:
             alerts, _missing = topic_reader(settings, [settings.topics.alerts], start="now")
-    except (KafkaException, ev.SchemaError) as exc:
+    except (KafkaException, ev.SchemaError, ValueError) as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     publisher = Publisher(settings, linger_ms=0)
@@ -498,7 +567,7 @@ def alert_main(args) -> int:
     finally:
         publisher.close(2)
     if alerts is None:
-        print(f"{'acknowledged' if action == 'ack' else 'resolve sent for'} {args.alert} of run {run_id}; "
+        print(f"{'acknowledged' if action == 'ack' else 'resolve sent for'} {alert_id} of run {run_id}; "
               f"`trainguard status {run_id}` shows it within a few seconds")
         return EXIT_APPLIED
     try:
@@ -511,8 +580,8 @@ def alert_main(args) -> int:
                     alert = ev.decode(msg.value(), expect=(ev.ALERT, ev.REPORT))
                 except ev.SchemaError:
                     continue
-                if alert.get("id") == args.alert and alert.get("status") == "resolved":
-                    print(f"resolved {args.alert} of run {run_id}: {safe(str(alert.get('resolution', '')))}")
+                if alert.get("id") == alert_id and alert.get("status") == "resolved":
+                    print(f"resolved {alert_id} of run {run_id}: {safe(str(alert.get('resolution', '')))}")
                     return EXIT_APPLIED
     finally:
         alerts.close()

@@ -3,7 +3,10 @@
 Reads the alerts, control and acks topics without a consumer group: every partition is
 assigned from the chosen end (``--from end``, the default, shows what happens from now on;
 ``--from beginning`` shows the history first). Nothing is committed, so any number of
-people can tail the same cluster without disturbing the sinks' group. Runs until Ctrl-C
+people can tail the same cluster without disturbing the sinks' group. Lines come in the order
+the records were published (their timestamps), whatever topic they are on: the history is read
+to its end and sorted before it is printed; live, each record waits ``REORDER_S`` for one
+published before it on another topic (an ack read before its command). Runs until Ctrl-C
 (or SIGTERM). When nothing arrives, a status line says what it is waiting on (on a terminal;
 otherwise it is said once, on stderr).
 
@@ -24,10 +27,69 @@ from trainguard.kafka import KafkaSettings, TopicDecoder, topic_reader
 
 TOPICS = ("alerts", "control", "acks")
 
+# Live, a record waits this long for one published before it on another topic (an ack read
+# before its command). Reading the history, everything is sorted.
+REORDER_S = 1.0
+# Reading the history: nothing more for this long ends it even short of the ends (a gap left
+# by a transaction marker at a partition's end).
+BACKLOG_STALL_S = 3.0
+# Causes before effects when two records share a millisecond.
+_ROLE_ORDER = {"alerts": 0, "control": 1, "acks": 2}
+
+
+def _order_key(msg, event: dict, role: str) -> tuple:
+    """When the record was published (its timestamp; the event's own time when it has none),
+    then alert before command before ack, then where it lies."""
+    kind, ms = msg.timestamp()
+    if kind == 0 or ms is None or ms < 0:  # TIMESTAMP_NOT_AVAILABLE
+        ms = int(1000 * (event.get("ts") or event.get("issued") or 0))
+    return ms, _ROLE_ORDER.get(role, 3), msg.topic(), msg.partition(), msg.offset()
+
+
+class Reorder:
+    """Lines held back until ``reorder_s`` after they arrived, released in the order of their
+    keys: when one is due, every line with a smaller key goes out before it."""
+
+    def __init__(self, reorder_s: float):
+        self.reorder_s = reorder_s
+        self._held: list[tuple[tuple, float, str]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def add(self, key: tuple, line: str) -> None:
+        self._held.append((key, time.monotonic(), line))
+
+    def take(self, everything: bool = False) -> list[str]:
+        if not self._held:
+            return []
+        if everything:
+            out, self._held = sorted(self._held), []
+            return [line for _, _, line in out]
+        now = time.monotonic()
+        due = [key for key, arrived, _ in self._held if now - arrived >= self.reorder_s]
+        if not due:
+            return []
+        cutoff = max(due)
+        out = sorted(h for h in self._held if h[0] <= cutoff)
+        self._held = [h for h in self._held if h[0] > cutoff]
+        return [line for _, _, line in out]
+
+
+def partition_ends(consumer) -> dict[tuple[str, int], int]:
+    """The current end of every assigned partition that holds anything."""
+    ends = {}
+    for tp in consumer.assignment():
+        low, high = consumer.get_watermark_offsets(tp, timeout=10)
+        if high > low:
+            ends[(tp.topic, tp.partition)] = high
+    return ends
+
 
 def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None, detail: bool = False,
          as_json: bool = False, stop: threading.Event | None = None, stdout: TextIO | None = None,
-         stderr: TextIO | None = None, topics=TOPICS, idle_s: float = 2.0) -> int:
+         stderr: TextIO | None = None, topics=TOPICS, idle_s: float = 2.0,
+         reorder_s: float = REORDER_S) -> int:
     """Print every alert, command and ack (of ``run``, or all) until ``stop`` is set: one
     coloured line each, or with ``as_json`` the events themselves, one JSON object a line
     (for ``jq`` and scripts; status then goes to stderr only)."""
@@ -65,8 +127,13 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
             print(waiting, file=stderr, flush=True)
         status_shown = False
         last_event = time.monotonic()
-        shown = 0
         failures: set[str] = set()
+        # History (--from beginning) is read up to the ends fixed now, then printed fully in order;
+        # what comes after waits reorder_s in a buffer so that a fast ack follows its command.
+        backlog = partition_ends(consumer) if start == "beginning" else {}
+        history = bool(backlog)
+        buffer = Reorder(reorder_s)
+        quiet_since = time.monotonic()
         while not stop.is_set():
             try:
                 messages = consumer.consume(num_messages=500, timeout=0.5)
@@ -76,12 +143,13 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
                     print(f"trainguard tail: reading failed ({exc}); retrying", file=stderr, flush=True)
                 stop.wait(1.0)
                 continue
-            lines = []
             for msg in messages:
                 if msg.error():
                     if msg.error().code() != KafkaError._PARTITION_EOF:
                         print(f"trainguard tail: consumer error: {msg.error()}", file=stderr)
                     continue
+                if msg.offset() + 1 >= backlog.get((msg.topic(), msg.partition()), 0):
+                    backlog.pop((msg.topic(), msg.partition()), None)
                 decoded = decoder.decode(msg.topic(), msg.value())
                 if decoded is None or decoded[1] is None:
                     continue
@@ -89,27 +157,29 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
                 if run is not None and event["run_id"] != run:
                     continue
                 try:  # every string from the topic made terminal-safe; the JSON keeps its meaning
-                    lines.append(safe_json(orjson.dumps(event).decode()) if as_json
-                                 else console.format(safe_event(event)))
+                    line = (safe_json(orjson.dumps(event).decode()) if as_json
+                            else console.format(safe_event(event)))
                 except Exception as exc:  # a valid event of a shape the line cannot show: count it, go on
                     decoder.skip(f"{decoded[0]}: not shown ({type(exc).__name__})",
                                  f"{msg.topic()}[{msg.partition()}]@{msg.offset()}: {exc!r}")
+                    continue
+                buffer.add(_order_key(msg, event, decoded[0]), line)
+            if messages:
+                quiet_since = time.monotonic()
+            if history and backlog and time.monotonic() - quiet_since < BACKLOG_STALL_S:
+                continue  # the history is not all read yet: print none of it out of order
+            lines = buffer.take(everything=history)
+            history = False
             if lines:
-                if status_shown:
-                    stdout.write("\r\033[K")
-                    status_shown = False
-                stdout.write("".join(line + "\n" for line in lines))
-                stdout.flush()
-                shown += len(lines)
+                status_shown = _write(stdout, lines, status_shown)
                 last_event = time.monotonic()
-            elif status_on_tty and not status_shown and time.monotonic() - last_event >= idle_s:
+            elif status_on_tty and not status_shown and not buffer and time.monotonic() - last_event >= idle_s:
                 skipped = f" ({decoder.skipped} invalid record(s) skipped)" if decoder.skipped else ""
                 stdout.write(f"\r\033[2m{waiting}{skipped}\033[0m")
                 stdout.flush()
                 status_shown = True
-        if status_shown:
-            stdout.write("\r\033[K")
-            stdout.flush()
+        # Stopped: what is held back goes out, in order, and the status line is cleared.
+        _write(stdout, buffer.take(everything=True), status_shown)
         if decoder.skipped:
             print(f"trainguard tail: {decoder.summary()}", file=stderr)
     finally:
@@ -130,6 +200,15 @@ def main(args) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _write(stdout, lines: list[str], status_shown: bool) -> bool:
+    """``lines`` over the status line (cleared first when shown); False: no status line now."""
+    if status_shown:
+        stdout.write("\r\033[K")
+    stdout.write("".join(line + "\n" for line in lines))
+    stdout.flush()
+    return False
 
 
 def _isatty(stream) -> bool:
