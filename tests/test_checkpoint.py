@@ -87,9 +87,9 @@ def test_events_are_acked_only_after_outputs_state_and_markers_are_delivered():
 
     log = run(scenario())
     assert log[:4] == [
+        ("outputs delivered",),
         ("send", "state", 2, b"run-1", b"state-v1"),
         ("send", "windows", 2, b"run-1|src@0", b"window"),
-        ("outputs delivered",),
         ("changelogs delivered",),
     ]
     assert set(log[4:6]) == {("send", "state", 2, FLUSH_MARKER, b""), ("send", "windows", 2, FLUSH_MARKER, b"")}
@@ -221,6 +221,26 @@ def test_events_stay_held_while_outputs_are_undelivered_and_are_acked_once_they_
     assert "3 alerts/commands not delivered" in caplog.text and "delivered after" in caplog.text
 
 
+def test_no_state_is_written_while_an_output_is_undelivered_so_a_killed_worker_sends_it_again():
+    """The state holds each run's last applied offset: written while an alert was undelivered,
+    a worker restored from it would skip the alert's event as a replay, and the alert would
+    never go out. Killed while outputs are undelivered, the worker has written nothing."""
+    async def scenario():
+        world = Undelivered([2] * 1000)  # the broker refuses the alerts until the worker is killed
+        cp = world.checkpoint(retry_s=0.001)
+        world.state.change(b"run-1", b"offset-11")
+        cp.hold(["e11"])
+        cp.flush()
+        while len(world.log) < 5:
+            await asyncio.sleep(0.001)
+        cp.in_flight.cancel()  # kill -9: the flush never finishes
+        await asyncio.sleep(0)
+        return world.log
+
+    log = run(scenario())
+    assert set(log) == {("outputs undelivered", 2)}, "no state write, no marker, no ack"
+
+
 def test_a_state_entry_that_cannot_be_written_is_left_out_and_the_flush_goes_on(caplog):
     class Bad(Entries):
         def serialize(self, key):
@@ -323,6 +343,51 @@ def test_a_trainers_ack_is_acknowledged_only_after_the_breaker_change_it_caused_
     assert ("routed", "alert", "firing") in log, log
     acked = log.index(("ack", "ack-0"))
     assert log.index(("outputs delivered",)) < acked and log.index(("changelogs delivered",)) < acked
+    assert any(entry[0] == "changelog" and entry[2] == b"r" for entry in log[:acked]), "the breaker's state first"
+
+
+def test_a_trainers_ack_stays_unacknowledged_while_the_alert_it_caused_is_undelivered():
+    """The same for messages of trainguard.control.acks when the broker refuses the alert
+    (command_failed) the ack raised: neither the breaker's change nor the ack's offset goes out
+    until the alert is delivered."""
+    from tests.test_detection import TRAINER, Recorder, _detection, _message
+    from trainguard.schemas import events as ev
+    from trainguard.streams import rules as rules_mod
+    from trainguard.streams.engine import Engine
+
+    class Refusing(Recorder):
+        undelivered = 0
+
+        async def delivered(self) -> int:
+            self.log.append(("outputs undelivered", self.undelivered))
+            return self.undelivered
+
+    async def scenario():
+        recorder = Refusing()
+        engine = Engine(rules_mod.default())
+        detection = _detection(recorder, engine)
+        detection.checkpoint.retry_s = 0.01
+        messages = [_message(step, ev.metrics_event("r", step, {"actor/pg_loss": 0.1}, src=TRAINER))
+                    for step in range(1, 11)]
+        messages.append(_message(11, ev.checkpoint_event("r", 10, "/ckpt/10")))
+        messages.append(_message(12, ev.metrics_event("r", 11, {"actor/pg_loss": float("nan")}, src=TRAINER)))
+        detection.events(messages, [m.offset for m in messages])
+        await detection.checkpoint.in_flight
+        command = engine.status("r")["breaker"]["pending_command"]
+        recorder.log.clear()
+        recorder.undelivered = 1  # the broker refuses the alert the refusal raises
+        detection.ack(_message(0, ev.ack_event(command, "r", "failed", "no such checkpoint")), "ack-0")
+        await asyncio.sleep(0.1)
+        while_refused = list(recorder.log)
+        recorder.undelivered = 0
+        await detection.checkpoint.in_flight
+        return while_refused, recorder.log
+
+    while_refused, log = asyncio.run(scenario())
+    assert ("routed", "alert", "firing") in while_refused and ("outputs undelivered", 1) in while_refused
+    assert not [e for e in while_refused if e[0] in ("ack", "changelog")], while_refused
+    acked = log.index(("ack", "ack-0"))
+    assert log.index(("outputs undelivered", 0)) < acked
     assert any(entry[0] == "changelog" and entry[2] == b"r" for entry in log[:acked]), "the breaker's state first"
 
 
