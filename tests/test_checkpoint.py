@@ -313,6 +313,50 @@ def test_outputs_the_producer_refused_are_sent_again_before_their_events_are_ack
     assert "sending" in caplog.text and "again" in caplog.text
 
 
+@pytest.mark.integration
+def test_an_output_larger_than_librdkafkas_default_is_held_never_dropped_and_the_worker_sends_it(
+        kafka, monkeypatch):
+    """Brokers that take 4 MiB messages (TRAINGUARD_MAX_MESSAGE_BYTES): a 1.5 MB alert is under
+    the router's limit, so it is no dead letter. A producer on librdkafka's own 1,000,000-byte
+    limit refuses to queue it: it stays undelivered and its event unacknowledged, counted, never
+    dropped. The worker's output producer takes what the brokers take and delivers it."""
+    from chaos.scenarios import _set_topic_config
+    from trainguard.streams.app import output_publisher
+
+    monkeypatch.setenv("TRAINGUARD_MAX_MESSAGE_BYTES", str(4 << 20))
+    _set_topic_config(kafka, kafka.topics.alerts, "max.message.bytes", str(4 << 20))
+    _set_topic_config(kafka, kafka.topics.alerts, "segment.bytes", str(16 << 20))  # the test broker's is small
+    big = _alert(7, pad=1_500_000)
+    acked: list = []
+
+    async def ack(event):
+        acked.append(event)
+
+    async def attempt(publisher):
+        router = OutputRouter(publisher, kafka.topics, kafka.partitions, max_bytes=(4 << 20) - (64 << 10))
+        cp = Checkpoint([], deliver_outputs=lambda: router.delivered(5.0), deliver_changelogs=asyncio.sleep,
+                        ack=ack, retry_s=0.05)
+        router.route([big])
+        cp.hold(["e7"])
+        cp.flush()
+        try:
+            await asyncio.wait_for(asyncio.shield(cp.in_flight), 3.0)
+        except asyncio.TimeoutError:
+            cp.in_flight.cancel()
+        return cp.undelivered
+
+    limited = Publisher(kafka, linger_ms=1)
+    assert run(attempt(limited)) == 1 and acked == [], "refused at produce(): held, not acked"
+    assert limited.dropped >= 2, "each attempt refused and counted"
+    alerts = TopicReader(kafka, kafka.topics.alerts, decode=orjson.loads)  # over the schemas' event limit
+    try:
+        assert run(attempt(output_publisher(kafka))) == 0 and acked == ["e7"]
+        got = alerts.wait_for(lambda a: a["id"] == "a7", timeout=20, what="the 1.5 MB alert")
+    finally:
+        alerts.close()
+    assert len(got["evidence"]["pad"]) == 1_500_000
+
+
 def test_a_trainers_ack_is_acknowledged_only_after_the_breaker_change_it_caused_is_delivered():
     """Messages of trainguard.control.acks are held like events: a refused rollback re-arms the
     breaker (state) and raises command_failed (an output); the ack's offset waits for both."""
