@@ -578,7 +578,7 @@ def refused_outputs(where: KafkaCluster | KafkaSettings, refuse_s: float = 60.0,
     run's loss turns NaN twice; the worker is killed with -9 between the two and started again;
     then the alerts topic takes messages again. A trainer's listener applies and acks each
     rollback, a sinks process pages a real HTTP receiver. Each NaN must cause one firing alert
-    (its step) and one command naming it. Figures: ``refused_outputs_lost`` (a NaN's alert or
+    (its step) and one command. Figures: ``refused_outputs_lost`` (a NaN's alert or
     command missing from its topic, an alert never paged, a command never applied),
     ``refused_outputs_duplicated`` (pages received twice, commands applied twice), the same
     ids published twice on the topics (at-least-once across the kill: absorbed by the sinks and
@@ -644,7 +644,17 @@ def refused_outputs(where: KafkaCluster | KafkaSettings, refuse_s: float = 60.0,
             out["seconds_to_deliver_after"] = round(time.monotonic() - taken_again, 1)
         except AssertionError:
             out["seconds_to_deliver_after"] = None
-        time.sleep(5.0)
+        last_nan = scenarios._offset_of(settings, settings.topics.events, partition,
+                                        lambda e: e.get("step") == nans[-1] and e.get("schema") == ev.METRICS)
+        deadline = time.monotonic() + 60
+        while (scenarios._committed(settings, worker.app_id, settings.topics.events, partition) <= last_nan
+               and time.monotonic() < deadline):
+            time.sleep(1.0)
+        committed = scenarios._committed(settings, worker.app_id, settings.topics.events, partition)
+        out["committed_past_the_nans_after"] = committed > last_nan
+        out["seconds_to_commit_after"] = round(time.monotonic() - taken_again, 1) if committed > last_nan else None
+        out["committed_after"], out["last_nan_offset"] = committed, last_nan
+        time.sleep(2.0)
         pacer.stop()
         applier.stop()
         published = [a for a in alerts.drain(quiet_s=2.0) if a.get("schema") == ev.ALERT]
@@ -670,16 +680,16 @@ def refused_outputs(where: KafkaCluster | KafkaSettings, refuse_s: float = 60.0,
         receiver.stop()
     nan_alerts = {step: {a["id"] for a in published if a.get("rule") == "non_finite" and a.get("step") == step
                          and a.get("status") == "firing"} for step in nans}
-    nan_commands = {step: {c["id"] for c in commands if set(c.get("reason") or ()) & nan_alerts[step]}
-                    for step in nans}
-    missing_on_topics = sum(not nan_alerts[s] for s in nans) + sum(not nan_commands[s] for s in nans)
+    # each NaN decides once (a rollback, or a stop if it came back too soon): one command each
+    missing_on_topics = sum(not nan_alerts[s] for s in nans) + max(0, len(nans) - len({c["id"] for c in commands}))
     never_paged = len(firing - {i for i, status in pages if status == "firing"})
     never_applied = len({c["id"] for c in commands} - set(applier.applied))
     alert_copies = Counter((a["id"], a.get("status")) for a in published)
+    rule_of = {(a["id"], a.get("status")): a.get("rule") for a in published}
     command_copies = Counter(c["id"] for c in commands)
     return {**out, "nan_steps": nans, "nan_offset": nan_offset, "committed_while_refused": committed_meanwhile,
             "acked_early": int(committed_meanwhile > nan_offset),
-            "alerts": len(alert_copies), "alert_rules": dict(Counter(a.get("rule") for a, _ in alert_copies)),
+            "alerts": len(alert_copies), "alert_rules": dict(Counter(rule_of.values())),
             "commands": len(command_copies),
             "missing_on_topics": missing_on_topics, "never_paged": never_paged, "never_applied": never_applied,
             "alerts_published_twice": sum(n - 1 for n in alert_copies.values()),

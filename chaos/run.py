@@ -27,8 +27,9 @@ On the cluster (``chaos/cluster.py``):
   HTTP receiver. ``refused_outputs_lost``: a NaN's alert or command missing from its topic, an
   alert never paged, a command never applied (target 0); ``refused_outputs_duplicated``: pages
   received twice, commands applied twice (target 0); beside them the ids published twice on the
-  topics (at-least-once across the kill, absorbed downstream) and events committed past the
-  first NaN while its alert was refused (``refused_outputs_acked_early``).
+  topics (at-least-once across the kill, absorbed downstream), events committed past the first
+  NaN while its alert was refused (``refused_outputs_acked_early``, target 0), and seconds from
+  the topic taking messages again until the group's offset passes the last NaN (None: not in 60 s).
 
 On the embedded broker or the cluster:
 
@@ -288,7 +289,7 @@ def summary(results: dict, where: dict) -> dict:
     if "refused_outputs" in results:
         r = results["refused_outputs"]
         for k in ("refused_outputs_lost", "refused_outputs_duplicated", "alerts_published_twice",
-                  "commands_published_twice", "acked_early"):
+                  "commands_published_twice", "acked_early", "seconds_to_commit_after"):
             s[k if k.startswith("refused") else f"refused_outputs_{k}"] = r[k]
     if "exactly_once" in results:
         r = results["exactly_once"]
