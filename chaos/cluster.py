@@ -535,3 +535,165 @@ def exactly_once(cluster: KafkaCluster, runs: int = 8, steps: int = 1000, log_di
     """Faust's transactional mode beside the default, on the same work (``_throughput``)."""
     results = {g: _throughput(cluster, g, runs, steps, log_dir) for g in ("at_least_once", "exactly_once")}
     return {f"{g}_{k}": v for g, r in results.items() for k, v in r.items() if k != "guarantee"}
+
+
+class _Applier(threading.Thread):
+    """The trainer's side of the loop: applies each command its listener hands over (a rollback:
+    the run says it rolled back, so the next NaN decides again), acks it, counts it by id."""
+
+    def __init__(self, listener, pacer: Pacer):
+        super().__init__(daemon=True)
+        self.listener, self.pacer = listener, pacer
+        self.applied: Counter = Counter()
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            for command in self.listener.poll_all():
+                self.applied[command["id"]] += 1
+                self.listener.ack(command, "applied")
+                if command["action"] == "rollback":
+                    step = command["target"]["step"]
+                    self.pacer.call(lambda lg, _step, step=step: lg.lifecycle("rolled_back", step=step))
+            self._halt.wait(0.05)
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.ident is not None:
+            self.join(5)
+
+
+def _commands_on(control, n: int, worker, timeout: float = 30.0) -> None:
+    """Until ``n`` distinct commands are on the control topic (a NaN's command: its alert's id,
+    the reason it names, is not known while the alerts topic refuses it)."""
+    ids: set = set()
+    control.wait_for(lambda c: c.get("schema") == ev.COMMAND and (ids.add(c["id"]) or len(ids) >= n),
+                     timeout=timeout, what=f"command {n}", worker=worker)
+
+
+def refused_outputs(where: KafkaCluster | KafkaSettings, refuse_s: float = 60.0, rate: float = 20.0,
+                    log_dir=None) -> dict:
+    """The broker refuses every message to the alerts topic for ``refuse_s`` (its
+    ``max.message.bytes`` set below any alert: Apache Kafka answers MESSAGE_TOO_LARGE) while a
+    run's loss turns NaN twice; the worker is killed with -9 between the two and started again;
+    then the alerts topic takes messages again. A trainer's listener applies and acks each
+    rollback, a sinks process pages a real HTTP receiver. Each NaN must cause one firing alert
+    (its step) and one command. Figures: ``refused_outputs_lost`` (a NaN's alert or
+    command missing from its topic, an alert never paged, a command never applied),
+    ``refused_outputs_duplicated`` (pages received twice, commands applied twice), the same
+    ids published twice on the topics (at-least-once across the kill: absorbed by the sinks and
+    the listener), and events committed past the first NaN while its alert was refused."""
+    from tests.integration import Receiver, SinksProcess, TopicReader, WorkerProcess
+    from trainguard.producers.control import ControlListener
+
+    settings = _settings(where) if isinstance(where, KafkaCluster) else where  # the tests' one broker
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-refused-"))
+    run_id = f"chaos-refused-{uuid.uuid4().hex[:4]}"
+    partition = partition_for(run_id, settings.partitions)
+    create_topics(settings)
+    receiver = Receiver()
+    worker = WorkerProcess(settings, log_dir).start()
+    sinks = SinksProcess(settings, log_dir, scenarios.sinks_env(receiver.url, log_dir)).start()
+    alerts = TopicReader(settings, settings.topics.alerts)
+    control = TopicReader(settings, settings.topics.control)
+    logger = TrainerLogger(run_id, settings, host="chaos")
+    listener = ControlListener(run_id, settings).start()
+    pacer = Pacer(logger, rate)
+    applier = _Applier(listener, pacer)
+    out: dict = {"refuse_s": refuse_s, "rate": rate}
+    nans: list[int] = []
+    refusing = False
+    try:
+        worker.wait_ready(120)
+        scenarios.sinks_started(sinks)
+        listener.wait_ready()
+        pacer.start()
+        applier.start()
+        time.sleep(1.0)
+        pacer.call(lambda lg, step: lg.checkpoint_saved(step, f"/ckpt/step-{step}"))
+        time.sleep(2.0)
+        scenarios._set_topic_config(settings, settings.topics.alerts, "max.message.bytes", "64")
+        refusing, refused_at = True, time.monotonic()
+        say("refused_outputs", f"the alerts topic refuses every message for {refuse_s:.0f} s")
+        time.sleep(2.0)  # the config reaches every node leading an alerts partition
+        nans.append(pacer.nan())
+        _commands_on(control, 1, worker)
+        nan_offset = scenarios._offset_of(settings, settings.topics.events, partition,
+                                          lambda e: e.get("step") == nans[0] and e.get("schema") == ev.METRICS)
+        time.sleep(max(0.0, refuse_s / 3 - (time.monotonic() - refused_at)))
+        committed_meanwhile = scenarios._committed(settings, worker.app_id, settings.topics.events, partition)
+        worker.kill(signal.SIGKILL)
+        say("refused_outputs", f"worker killed -9 {time.monotonic() - refused_at:.0f} s into the refusal "
+                               f"(its group committed offset {committed_meanwhile}, the first NaN at {nan_offset})")
+        worker = WorkerProcess(settings, log_dir, app_id=worker.app_id).start()
+        worker.wait_ready(120)
+        time.sleep(2.0)
+        nans.append(pacer.nan())
+        _commands_on(control, 2, worker)
+        committed_meanwhile = max(committed_meanwhile,
+                                  scenarios._committed(settings, worker.app_id, settings.topics.events, partition))
+        out["alerts_while_refused"] = len(alerts.drain(quiet_s=0.5))
+        time.sleep(max(0.0, refuse_s - (time.monotonic() - refused_at)))
+        scenarios._set_topic_config(settings, settings.topics.alerts, "max.message.bytes", None)
+        refusing, taken_again = False, time.monotonic()
+        say("refused_outputs", "the alerts topic takes messages again")
+        try:
+            for step in nans:
+                alerts.wait_for(lambda a, step=step: a.get("rule") == "non_finite" and a.get("step") == step
+                                and a.get("status") == "firing", timeout=60, what=f"the NaN alert of step {step}")
+            out["seconds_to_deliver_after"] = round(time.monotonic() - taken_again, 1)
+        except AssertionError:
+            out["seconds_to_deliver_after"] = None
+        last_nan = scenarios._offset_of(settings, settings.topics.events, partition,
+                                        lambda e: e.get("step") == nans[-1] and e.get("schema") == ev.METRICS)
+        deadline = time.monotonic() + 60
+        while (scenarios._committed(settings, worker.app_id, settings.topics.events, partition) <= last_nan
+               and time.monotonic() < deadline):
+            time.sleep(1.0)
+        committed = scenarios._committed(settings, worker.app_id, settings.topics.events, partition)
+        out["committed_past_the_nans_after"] = committed > last_nan
+        out["seconds_to_commit_after"] = round(time.monotonic() - taken_again, 1) if committed > last_nan else None
+        out["committed_after"], out["last_nan_offset"] = committed, last_nan
+        time.sleep(2.0)
+        pacer.stop()
+        applier.stop()
+        published = [a for a in alerts.drain(quiet_s=2.0) if a.get("schema") == ev.ALERT]
+        commands = [c for c in control.drain(quiet_s=1.0) if c.get("schema") == ev.COMMAND]
+        firing = {a["id"] for a in published if a.get("status") == "firing"}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not firing <= {b.get("id") for b in receiver.bodies()}:
+            time.sleep(0.2)
+        time.sleep(2.0)  # long enough for a duplicate page to show
+        pages = Counter((b.get("id"), b.get("status")) for b in receiver.bodies())
+        out["crashes"] = scenarios._crashed(worker)
+    finally:
+        if refusing:
+            scenarios._set_topic_config(settings, settings.topics.alerts, "max.message.bytes", None)
+        pacer.stop()
+        applier.stop()
+        alerts.close()
+        control.close()
+        listener.close()
+        logger.close(5, quiet=True)
+        worker.kill()
+        sinks.stop()
+        receiver.stop()
+    nan_alerts = {step: {a["id"] for a in published if a.get("rule") == "non_finite" and a.get("step") == step
+                         and a.get("status") == "firing"} for step in nans}
+    # each NaN decides once (a rollback, or a stop if it came back too soon): one command each
+    missing_on_topics = sum(not nan_alerts[s] for s in nans) + max(0, len(nans) - len({c["id"] for c in commands}))
+    never_paged = len(firing - {i for i, status in pages if status == "firing"})
+    never_applied = len({c["id"] for c in commands} - set(applier.applied))
+    alert_copies = Counter((a["id"], a.get("status")) for a in published)
+    rule_of = {(a["id"], a.get("status")): a.get("rule") for a in published}
+    command_copies = Counter(c["id"] for c in commands)
+    return {**out, "nan_steps": nans, "nan_offset": nan_offset, "committed_while_refused": committed_meanwhile,
+            "acked_early": int(committed_meanwhile > nan_offset),
+            "alerts": len(alert_copies), "alert_rules": dict(Counter(rule_of.values())),
+            "commands": len(command_copies),
+            "missing_on_topics": missing_on_topics, "never_paged": never_paged, "never_applied": never_applied,
+            "alerts_published_twice": sum(n - 1 for n in alert_copies.values()),
+            "commands_published_twice": sum(n - 1 for n in command_copies.values()),
+            "refused_outputs_lost": missing_on_topics + never_paged + never_applied,
+            "refused_outputs_duplicated": sum(n - 1 for n in pages.values())
+            + sum(n - 1 for n in applier.applied.values())}

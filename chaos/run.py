@@ -21,6 +21,15 @@ On the cluster (``chaos/cluster.py``):
   next page with static membership (``TRAINGUARD_INSTANCE_ID``) and without.
 - ``exactly_once``: Faust's ``processing_guarantee="exactly_once"`` beside the default: whether it
   works, events a second, NaN alerts published twice across a kill -9.
+- ``refused_outputs``: the alerts topic refuses every message for 60 s (its ``max.message.bytes``
+  below any alert) while a run's loss turns NaN twice, the worker killed with -9 between the two
+  and started again; a listener applies and acks the rollbacks, a sinks process pages a real
+  HTTP receiver. ``refused_outputs_lost``: a NaN's alert or command missing from its topic, an
+  alert never paged, a command never applied (target 0); ``refused_outputs_duplicated``: pages
+  received twice, commands applied twice (target 0); beside them the ids published twice on the
+  topics (at-least-once across the kill, absorbed downstream), events committed past the first
+  NaN while its alert was refused (``refused_outputs_acked_early``, target 0), and seconds from
+  the topic taking messages again until the group's offset passes the last NaN (None: not in 60 s).
 
 On the embedded broker or the cluster:
 
@@ -114,11 +123,14 @@ TARGETS = {
     "broker_kill_duplicate_pages": (0, "le"),
     "broker_kill_duplicate_commands": (0, "le"),
     "cluster_restart_rejudged_events": (0, "le"),
+    "refused_outputs_lost": (0, "le"),
+    "refused_outputs_duplicated": (0, "le"),
+    "refused_outputs_acked_early": (0, "le"),
 }
 
 # Stop or restart their broker themselves (memory storage, one port): an embedded broker each.
 TANSU_ONLY = ("broker_restart", "close", "shutdown", "listener_reset")
-CLUSTER_ONLY = ("broker_kill", "cluster_restart", "election", "exactly_once")
+CLUSTER_ONLY = ("broker_kill", "cluster_restart", "election", "exactly_once", "refused_outputs")
 
 
 def run(only: set[str], quick: bool, broker: str = "apache-kafka") -> tuple[dict, dict]:
@@ -153,6 +165,10 @@ def run_on_cluster(kafka, only: set[str], quick: bool) -> dict:
     if "exactly_once" in only:
         print("exactly_once: Faust's transactions beside at-least-once ...", file=sys.stderr, flush=True)
         out["exactly_once"] = cluster.exactly_once(kafka, runs=4 if quick else 8)
+    if "refused_outputs" in only:
+        print("refused_outputs: the alerts topic refuses for a minute, a NaN run, the worker killed -9 ...",
+              file=sys.stderr, flush=True)
+        out["refused_outputs"] = cluster.refused_outputs(kafka, refuse_s=30 if quick else 60)
     if "cluster_restart" in only:  # last: every node is killed and started again
         print("cluster_restart: every node killed -9 and started with its storage ...", file=sys.stderr, flush=True)
         out["cluster_restart"] = cluster.cluster_restart(kafka, steps=200 if quick else 400)
@@ -270,6 +286,11 @@ def summary(results: dict, where: dict) -> dict:
         s["cluster_restart_rejudged_events"] = results["cluster_restart"]["cluster_restart_rejudged_events"]
     if "election" in results:
         s.update(results["election"])
+    if "refused_outputs" in results:
+        r = results["refused_outputs"]
+        for k in ("refused_outputs_lost", "refused_outputs_duplicated", "alerts_published_twice",
+                  "commands_published_twice", "acked_early", "seconds_to_commit_after"):
+            s[k if k.startswith("refused") else f"refused_outputs_{k}"] = r[k]
     if "exactly_once" in results:
         r = results["exactly_once"]
         for k in ("works", "events_per_s", "alerts_published_twice"):
@@ -300,7 +321,7 @@ def main(argv=None) -> int:
                                                "shutdown, hostile, worker_kill, forged, listener_reset, "
                                                "chat_injections, sinks_restart, ui, "
                                                "tiny_runs, many_metrics, hostile_crash_loops, "
-                                               "broker_kill, cluster_restart, election, exactly_once")
+                                               "broker_kill, cluster_restart, election, exactly_once, refused_outputs")
     ap.add_argument("--broker", choices=("apache-kafka", "tansu"), default=None,
                     help="apache-kafka (default where `make kafka` resolved its jars): a three-node cluster for "
                          "every scenario but those that restart the broker; tansu: the embedded broker only")

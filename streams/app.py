@@ -175,10 +175,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     if not app.conf.consumer_group_instance_id:  # static members are replaced by the broker itself
         app.trainguard_members = Memberships(data_dir(app_id), app_id)
 
-    # Alerts, commands and dead letters have a producer of their own (librdkafka, its own
-    # thread and connection): through Faust's they queued behind the changelog's large
-    # batches, and a command waited for a state write it has nothing to do with.
-    output_producer = Publisher(settings, linger_ms=1)
+    output_producer = output_publisher(settings)
     atexit.register(output_producer.flush, 5.0)
     router = OutputRouter(output_producer, settings.topics, control_partitions_of(settings),
                           max_bytes=engine.limits.record_bytes)
@@ -204,6 +201,17 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     detection = Detection(engine, router, checkpoint, exporter, feed)
     _agents_and_timers(app, detection, settings, batch_max, batch_within_s)
     return app
+
+
+def output_publisher(settings: KafkaSettings) -> Publisher:
+    """Alerts, commands and dead letters have a producer of their own (librdkafka, its own
+    thread and connection): through Faust's they queued behind the changelog's large batches,
+    and a command waited for a state write it has nothing to do with. It takes messages as large
+    as the brokers do (``TRAINGUARD_MAX_MESSAGE_BYTES``; librdkafka's own limit is 1,000,000):
+    the router makes larger outputs dead letters, and one the producer refused would stay
+    undelivered, its events held, for good."""
+    return Publisher(settings, linger_ms=1,
+                     producer_config={"message.max.bytes": integer("TRAINGUARD_MAX_MESSAGE_BYTES")})
 
 
 def _keys():

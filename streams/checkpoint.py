@@ -8,16 +8,22 @@ A :class:`Checkpoint` goes through three steps, as Quix Streams' checkpoint does
 1. **hold** the events whose effects are in the engine (state marked dirty) and in the
    output router's producer, not yet delivered;
 2. when **due** (``every_s`` since the last flush, or too many events held), **flush**:
-   write each state entry changed since the last flush once, with its value now (a deleted
-   entry as a tombstone), to its table's changelog; then, in a task, so detection never waits
-   on the round trip:
+   take each state entry changed since the last flush once, with its value now (a deleted
+   entry as a tombstone); then, in a task, so detection never waits on the round trip:
 
    a. wait until the outputs (alerts, commands) are delivered: while some are not (the broker
       is gone, or refuses them), keep the events held and try again, as long as it takes,
-   b. wait until the changelog writes are delivered, and end each written partition's log
-      with a one-record marker (some brokers, the embedded Tansu among them, report a
-      partition's end from its last batch's base, so recovery would stop short),
+   b. write the entries taken to their tables' changelogs, wait until they are delivered, and
+      end each written partition's log with a one-record marker (some brokers, the embedded
+      Tansu among them, report a partition's end from its last batch's base, so recovery
+      would stop short),
    c. acknowledge the held events.
+
+The state goes out only after the outputs: it holds each run's last applied offset, so a
+worker restored from state written while an alert was undelivered would skip that alert's
+event as a replay, and the alert would never be sent. In this order a worker killed before
+(b) reads the events again on top of the earlier state and sends their outputs again (the
+same ids; those already delivered once arrive twice, which the sinks and the listener absorb).
 
 One flush at a time: while one finishes, changes and events accumulate for the next. A flush
 that fails leaves its events unacknowledged (read again), and says so. A state entry that
@@ -102,16 +108,15 @@ class Checkpoint:
         if self.in_flight is not None and not self.in_flight.done():
             return False
         held, self.held = self.held, []
-        written: set = set()  # (changelog, partition)
+        records: list = []  # (changelog, partition, key, value), written once the outputs are delivered
         for entries, changelog, encode_key in self.changelogs:
             for key, partition in entries.dirty.items():  # serialised now: exactly the events held
                 value = self._record(entries, key)
                 if value is not False:
-                    changelog.send(partition, encode_key(key), value)
-                    written.add((changelog, partition))
+                    records.append((changelog, partition, encode_key(key), value))
             entries.dirty.clear()
         self.last_flush = self.clock()
-        self.in_flight = asyncio.ensure_future(self._finish(held, written))
+        self.in_flight = asyncio.ensure_future(self._finish(held, records))
         self.in_flight.add_done_callback(self._finished)
         return True
 
@@ -130,9 +135,13 @@ class Checkpoint:
                   "from its last saved value)", key, problem)
         return False
 
-    async def _finish(self, held: list, written: set) -> None:
+    async def _finish(self, held: list, records: list) -> None:
         await self._outputs_delivered(len(held))  # a. the alerts and commands of these events
-        if written:  # b. the state, then a marker ending each written partition's log
+        if records:  # b. the state, then a marker ending each written partition's log
+            written: set = set()  # (changelog, partition)
+            for changelog, partition, key, value in records:
+                changelog.send(partition, key, value)
+                written.add((changelog, partition))
             await self.deliver_changelogs()
             for changelog, partition in written:
                 changelog.send(partition, FLUSH_MARKER, b"")

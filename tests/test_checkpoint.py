@@ -87,9 +87,9 @@ def test_events_are_acked_only_after_outputs_state_and_markers_are_delivered():
 
     log = run(scenario())
     assert log[:4] == [
+        ("outputs delivered",),
         ("send", "state", 2, b"run-1", b"state-v1"),
         ("send", "windows", 2, b"run-1|src@0", b"window"),
-        ("outputs delivered",),
         ("changelogs delivered",),
     ]
     assert set(log[4:6]) == {("send", "state", 2, FLUSH_MARKER, b""), ("send", "windows", 2, FLUSH_MARKER, b"")}
@@ -221,6 +221,26 @@ def test_events_stay_held_while_outputs_are_undelivered_and_are_acked_once_they_
     assert "3 alerts/commands not delivered" in caplog.text and "delivered after" in caplog.text
 
 
+def test_no_state_is_written_while_an_output_is_undelivered_so_a_killed_worker_sends_it_again():
+    """The state holds each run's last applied offset: written while an alert was undelivered,
+    a worker restored from it would skip the alert's event as a replay, and the alert would
+    never go out. Killed while outputs are undelivered, the worker has written nothing."""
+    async def scenario():
+        world = Undelivered([2] * 1000)  # the broker refuses the alerts until the worker is killed
+        cp = world.checkpoint(retry_s=0.001)
+        world.state.change(b"run-1", b"offset-11")
+        cp.hold(["e11"])
+        cp.flush()
+        while len(world.log) < 5:
+            await asyncio.sleep(0.001)
+        cp.in_flight.cancel()  # kill -9: the flush never finishes
+        await asyncio.sleep(0)
+        return world.log
+
+    log = run(scenario())
+    assert set(log) == {("outputs undelivered", 2)}, "no state write, no marker, no ack"
+
+
 def test_a_state_entry_that_cannot_be_written_is_left_out_and_the_flush_goes_on(caplog):
     class Bad(Entries):
         def serialize(self, key):
@@ -293,6 +313,50 @@ def test_outputs_the_producer_refused_are_sent_again_before_their_events_are_ack
     assert "sending" in caplog.text and "again" in caplog.text
 
 
+@pytest.mark.integration
+def test_an_output_larger_than_librdkafkas_default_is_held_never_dropped_and_the_worker_sends_it(
+        kafka, monkeypatch):
+    """Brokers that take 4 MiB messages (TRAINGUARD_MAX_MESSAGE_BYTES): a 1.5 MB alert is under
+    the router's limit, so it is no dead letter. A producer on librdkafka's own 1,000,000-byte
+    limit refuses to queue it: it stays undelivered and its event unacknowledged, counted, never
+    dropped. The worker's output producer takes what the brokers take and delivers it."""
+    from chaos.scenarios import _set_topic_config
+    from trainguard.streams.app import output_publisher
+
+    monkeypatch.setenv("TRAINGUARD_MAX_MESSAGE_BYTES", str(4 << 20))
+    _set_topic_config(kafka, kafka.topics.alerts, "max.message.bytes", str(4 << 20))
+    _set_topic_config(kafka, kafka.topics.alerts, "segment.bytes", str(16 << 20))  # the test broker's is small
+    big = _alert(7, pad=1_500_000)
+    acked: list = []
+
+    async def ack(event):
+        acked.append(event)
+
+    async def attempt(publisher):
+        router = OutputRouter(publisher, kafka.topics, kafka.partitions, max_bytes=(4 << 20) - (64 << 10))
+        cp = Checkpoint([], deliver_outputs=lambda: router.delivered(5.0), deliver_changelogs=asyncio.sleep,
+                        ack=ack, retry_s=0.05)
+        router.route([big])
+        cp.hold(["e7"])
+        cp.flush()
+        try:
+            await asyncio.wait_for(asyncio.shield(cp.in_flight), 3.0)
+        except asyncio.TimeoutError:
+            cp.in_flight.cancel()
+        return cp.undelivered
+
+    limited = Publisher(kafka, linger_ms=1)
+    assert run(attempt(limited)) == 1 and acked == [], "refused at produce(): held, not acked"
+    assert limited.dropped >= 2, "each attempt refused and counted"
+    alerts = TopicReader(kafka, kafka.topics.alerts, decode=orjson.loads)  # over the schemas' event limit
+    try:
+        assert run(attempt(output_publisher(kafka))) == 0 and acked == ["e7"]
+        got = alerts.wait_for(lambda a: a["id"] == "a7", timeout=20, what="the 1.5 MB alert")
+    finally:
+        alerts.close()
+    assert len(got["evidence"]["pad"]) == 1_500_000
+
+
 def test_a_trainers_ack_is_acknowledged_only_after_the_breaker_change_it_caused_is_delivered():
     """Messages of trainguard.control.acks are held like events: a refused rollback re-arms the
     breaker (state) and raises command_failed (an output); the ack's offset waits for both."""
@@ -323,6 +387,51 @@ def test_a_trainers_ack_is_acknowledged_only_after_the_breaker_change_it_caused_
     assert ("routed", "alert", "firing") in log, log
     acked = log.index(("ack", "ack-0"))
     assert log.index(("outputs delivered",)) < acked and log.index(("changelogs delivered",)) < acked
+    assert any(entry[0] == "changelog" and entry[2] == b"r" for entry in log[:acked]), "the breaker's state first"
+
+
+def test_a_trainers_ack_stays_unacknowledged_while_the_alert_it_caused_is_undelivered():
+    """The same for messages of trainguard.control.acks when the broker refuses the alert
+    (command_failed) the ack raised: neither the breaker's change nor the ack's offset goes out
+    until the alert is delivered."""
+    from tests.test_detection import TRAINER, Recorder, _detection, _message
+    from trainguard.schemas import events as ev
+    from trainguard.streams import rules as rules_mod
+    from trainguard.streams.engine import Engine
+
+    class Refusing(Recorder):
+        undelivered = 0
+
+        async def delivered(self) -> int:
+            self.log.append(("outputs undelivered", self.undelivered))
+            return self.undelivered
+
+    async def scenario():
+        recorder = Refusing()
+        engine = Engine(rules_mod.default())
+        detection = _detection(recorder, engine)
+        detection.checkpoint.retry_s = 0.01
+        messages = [_message(step, ev.metrics_event("r", step, {"actor/pg_loss": 0.1}, src=TRAINER))
+                    for step in range(1, 11)]
+        messages.append(_message(11, ev.checkpoint_event("r", 10, "/ckpt/10")))
+        messages.append(_message(12, ev.metrics_event("r", 11, {"actor/pg_loss": float("nan")}, src=TRAINER)))
+        detection.events(messages, [m.offset for m in messages])
+        await detection.checkpoint.in_flight
+        command = engine.status("r")["breaker"]["pending_command"]
+        recorder.log.clear()
+        recorder.undelivered = 1  # the broker refuses the alert the refusal raises
+        detection.ack(_message(0, ev.ack_event(command, "r", "failed", "no such checkpoint")), "ack-0")
+        await asyncio.sleep(0.1)
+        while_refused = list(recorder.log)
+        recorder.undelivered = 0
+        await detection.checkpoint.in_flight
+        return while_refused, recorder.log
+
+    while_refused, log = asyncio.run(scenario())
+    assert ("routed", "alert", "firing") in while_refused and ("outputs undelivered", 1) in while_refused
+    assert not [e for e in while_refused if e[0] in ("ack", "changelog")], while_refused
+    acked = log.index(("ack", "ack-0"))
+    assert log.index(("outputs undelivered", 0)) < acked
     assert any(entry[0] == "changelog" and entry[2] == b"r" for entry in log[:acked]), "the breaker's state first"
 
 
