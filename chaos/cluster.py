@@ -184,14 +184,6 @@ def _nan_paged(pacer: Pacer, alerts, checkpoint_step: int, timeout: float = 60.0
     return step, seconds
 
 
-def _duplicate_commands(commands: list[dict]) -> int:
-    """Commands issued twice: the same id again, or a second id for the same decision (the same
-    alerts behind it), as ``scenarios.worker_kill`` counts them."""
-    ids = {c["id"] for c in commands}
-    decisions = {tuple(sorted(c.get("reason") or ())) for c in commands}
-    return (len(commands) - len(ids)) + (len(ids) - len(decisions))
-
-
 def broker_kill(cluster: KafkaCluster, up_s: float = 5.0, down_s: float = 20.0, after_s: float = 10.0,
                 rate: float = 200.0, log_dir=None) -> dict:
     """The broker leading a run's events partition is killed with -9 while the run logs
@@ -277,7 +269,8 @@ def broker_kill(cluster: KafkaCluster, up_s: float = 5.0, down_s: float = 20.0, 
             "log_worst_ms": round(pacer.worst_log_s * 1000, 2), "nan_paged_s": paged,
             "broker_kill_missed_alerts": sum(s is None for s in paged),
             "pages": sum(pages.values()), "broker_kill_duplicate_pages": sum(n - 1 for n in pages.values()),
-            "commands": len(commands), "broker_kill_duplicate_commands": _duplicate_commands(commands),
+            "commands": len(commands), "commands_published_twice": scenarios.command_duplicates(commands)[0],
+            "broker_kill_duplicate_commands": scenarios.command_duplicates(commands)[1],
             "worker_crashes": 0 if worker_alive else 1}
 
 

@@ -50,7 +50,8 @@ On the embedded broker or the cluster:
 - ``worker_kill``: a worker killed with -9 right after it paged, three times, while a run logs,
   and started again (it ends its dead predecessor's group membership, then joins); a sinks
   process pages a real HTTP receiver and is restarted once: seconds until the new worker pages
-  the run's next NaN, alerts missed, pages received twice, commands issued twice.
+  the run's next NaN, alerts missed, pages received twice, commands issued twice (a second id for
+  one decision; copies under one id, which the listener refuses, are counted apart).
 - ``ui``: records with an injection payload in every string field of every record kind, and
   malformed or misplaced ones, beside a run a real worker judges; every page of ``trainguard
   ui`` rendered in Debian's chromium: markup a record put on a page (``ui_injections``), the

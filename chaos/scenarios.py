@@ -335,7 +335,8 @@ def worker_kill(kills: int = 3, log_dir=None, extra_env: dict | None = None) -> 
     committed) and started again, ``kills`` times, while a run logs; a sinks process pages a
     real HTTP receiver and is itself restarted once. Figures: seconds from each restart until
     the new worker pages the run's next NaN, alerts missed, alerts published twice (the same id:
-    at-least-once, absorbed by the sinks), pages received twice, commands issued twice."""
+    at-least-once, absorbed by the sinks), pages received twice, commands issued twice (a second
+    command id for one decision; a copy under the same id is counted apart, the listener refuses it)."""
     import signal
     import tempfile
     from collections import Counter
@@ -412,13 +413,20 @@ def worker_kill(kills: int = 3, log_dir=None, extra_env: dict | None = None) -> 
             worker.kill()
             sinks.stop()
             receiver.stop()
-    ids = {c["id"] for c in commands}
-    decisions = {tuple(sorted(c.get("reason") or ())) for c in commands}
+    copies, second_ids = command_duplicates(commands)
     return {"kills": kills, "worker_recovery_s": max(recovery) if recovery else None, "recoveries_s": recovery,
             "worker_kill_missed_alerts": missed, "alerts_published_twice": len(firing) - len(set(firing)),
             "pages": sum(pages.values()), "worker_kill_duplicate_pages": sum(n - 1 for n in pages.values()),
             "alerts_never_paged": unpaged, "commands": len(commands),
-            "worker_kill_duplicate_commands": (len(commands) - len(ids)) + (len(ids) - len(decisions))}
+            "commands_published_twice": copies, "worker_kill_duplicate_commands": second_ids}
+
+
+def command_duplicates(commands: list[dict]) -> tuple[int, int]:
+    """(copies of a command under an id already seen: at-least-once delivery, which the listener
+    refuses as a replay; second ids for a decision already issued: those would be applied twice)."""
+    ids = {c["id"] for c in commands}
+    decisions = {tuple(sorted(c.get("reason") or ())) for c in commands}
+    return len(commands) - len(ids), len(ids) - len(decisions)
 
 
 def hostile_input(bad_per_kind: int = 20, log_dir=None) -> dict:
