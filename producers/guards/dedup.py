@@ -11,8 +11,9 @@ False
 
 Similarity is the Jaccard similarity of character 5-grams of the normalised text (lower case,
 runs of white space as one space), estimated by MinHash and looked up with datasketch's LSH,
-so a lookup costs the same whatever the number of prompts held. Only prompts admitted within
-the last interval are held: older ones can no longer refuse anything.
+so a lookup costs the same whatever the number of prompts held; LSH's candidates count only when
+their estimated similarity reaches the threshold. Only prompts admitted within the last interval
+are held (about 1.5 KB each with 128 permutations): older ones can no longer refuse anything.
 """
 
 from __future__ import annotations
@@ -58,10 +59,13 @@ class SimilarTexts:
             raise ValueError(f"threshold must be between 0 and 1 (a Jaccard similarity), got {threshold!r}")
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity!r}")
-        self.num_perm, self.ngram, self.capacity = num_perm, ngram, capacity
-        self._lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+        self.num_perm, self.ngram, self.capacity, self.threshold = num_perm, ngram, capacity, threshold
+        # Bands tuned to miss few near-duplicates; the candidates' false positives are then
+        # weeded out by their estimated similarity.
+        self._lsh = MinHashLSH(threshold=threshold, num_perm=num_perm, weights=(0.1, 0.9))
         self._order: collections.deque[int] = collections.deque()
         self.values: dict[int, object] = {}
+        self._hashes: dict[int, object] = {}
         self._next = 0
 
     def __len__(self) -> int:
@@ -72,13 +76,16 @@ class SimilarTexts:
 
     def similar(self, m) -> list[object]:
         """Values of the held texts similar to the text of MinHash ``m``."""
-        return [self.values[k] for k in self._lsh.query(m)]
+        mine = m.hashvalues
+        return [self.values[k] for k in self._lsh.query(m)
+                if (self._hashes[k] == mine).mean() >= self.threshold]
 
     def add(self, m, value) -> None:
         key = self._next
         self._next += 1
         self._lsh.insert(key, m)
         self.values[key] = value
+        self._hashes[key] = m.hashvalues
         self._order.append(key)
         while len(self._order) > self.capacity:
             self.pop_oldest()
@@ -90,6 +97,7 @@ class SimilarTexts:
         key = self._order.popleft()
         self._lsh.remove(key)
         del self.values[key]
+        del self._hashes[key]
 
 
 class PromptDeduplicator:
