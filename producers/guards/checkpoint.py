@@ -115,20 +115,20 @@ def write_manifest(checkpoint_dir, *, parts: dict[str, str], meta: dict, version
 
 def check_checkpoint(checkpoint_dir, *, expect_versions: dict[str, str] | None = None,
                      require: tuple[str, ...] = REQUIRED_PARTS, hashes: bool = True,
-                     events: TrainerLogger | None = None) -> Manifest:
+                     events: TrainerLogger | None = None, step: int | None = None) -> Manifest:
     """The checkpoint's manifest if every part is present, whole and of the expected version;
     else :class:`CheckpointError`. ``require``: parts that must be there (add
     ``"rollout_cache"`` when the run resumes from one). ``hashes=False`` compares sizes only
-    (hashing reads every byte: about a second per GB)."""
+    (hashing reads every byte: about a second per GB). ``step``: the step the trainer is at,
+    for the event (a refusal at start-up: None)."""
     root = Path(checkpoint_dir)
     report = GuardEvents(events, "checkpoint")
     try:
         manifest = _check(root, expect_versions or {}, require, hashes)
     except CheckpointError as exc:
-        report.report({"guard/checkpoint/refused": 1.0}, decision="refused", reason=str(exc))
+        report.report({"guard/checkpoint/refused": 1.0}, step=step, decision="refused", reason=str(exc))
         raise
-    report.report({"guard/checkpoint/refused": 0.0}, step=manifest.step if type(manifest.step) is int else None,
-                  decision="verified", reason=str(root))
+    report.report({"guard/checkpoint/refused": 0.0}, step=step, decision="verified", reason=str(root))
     return manifest
 
 
