@@ -10,9 +10,10 @@ one call through half-open, and a success closes it again.
 
 ``breaker(batch)`` is ``score(batch)``, or 0.0 when it hung for 30 s, failed, or the breaker is
 open. Calls run on a daemon thread of the breaker's, so a hung call cannot hang the loop or the
-process's exit; its thread is left to finish on its own. At most ``max_abandoned`` abandoned
-calls may still be running: past that the component is not called (it answers with the
-fallback) until one returns. A component that hangs while holding the GIL (a C extension that
+process's exit; its thread is left to finish on its own. At most ``max_abandoned`` (16)
+abandoned calls may still be running: past that the component is not called, not even by a
+trial or a probe (the fallback answers), until one of them returns: a component whose calls
+never return costs 16 idle threads, not one per call. A component that hangs while holding the GIL (a C extension that
 never releases it) hangs every thread; run such a component in a process of its own.
 
 For TRL: :func:`trl_reward_func`; for verl: :func:`verl_compute_score` (``docs/guards.md``).
@@ -88,7 +89,7 @@ class CircuitBreaker:
 
     def __init__(self, fn: Callable, *, name: str | None = None, timeout_s: float = 30.0, failure_threshold: int = 3,
                  fallback: Any = None, probe: Callable[[], Any] | None = None, probe_interval_s: float = 10.0,
-                 reset_after_s: float = 60.0, max_abandoned: int = 4,
+                 reset_after_s: float = 60.0, max_abandoned: int = 16,
                  failure_types: tuple[type[BaseException], ...] = (Exception,),
                  events: TrainerLogger | None = None, clock: Callable[[], float] = time.monotonic):
         if not callable(fn):
