@@ -1,5 +1,7 @@
-"""TRL's real ``GRPOTrainer`` with a reward function that hangs: the breaker opens, training
-goes on scoring with the fallback, and the breaker closes when the reward function recovers."""
+"""The breaker in the frameworks' own reward paths: TRL's real ``GRPOTrainer`` with a reward
+function that hangs (the breaker opens, training goes on scoring with the fallback, and the
+breaker closes when the reward function recovers), and verl's ``NaiveRewardManager`` with a
+``compute_score`` that hangs."""
 
 from __future__ import annotations
 
@@ -72,3 +74,49 @@ def test_an_async_reward_function_is_refused_with_a_reason():
 
     with pytest.raises(TypeError, match="async reward function"):
         trl_reward_func(scored)
+
+
+def test_verl_naive_reward_manager_scores_through_a_hung_compute_score(tmp_path):
+    """verl's own NaiveRewardManager, on a DataProto as its rollouts hand it over."""
+    import numpy as np
+    import torch
+    from transformers import AutoTokenizer
+    from verl import DataProto
+    from verl.workers.reward_manager.naive import NaiveRewardManager
+
+    from trainguard.producers.guards import verl_compute_score
+
+    tokenizer = AutoTokenizer.from_pretrained(build_model(tmp_path / "model"))
+    hang, release = threading.Event(), threading.Event()
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if hang.is_set():
+            release.wait(HANG_S)
+        return float(ground_truth in solution_str.split())
+
+    def batch(pairs):
+        prompts = [tokenizer(p).input_ids for p, _ in pairs]
+        responses = [tokenizer(r).input_ids for _, r in pairs]
+        lp, lr = max(map(len, prompts)), max(map(len, responses))
+        pid = torch.tensor([[0] * (lp - len(p)) + p for p in prompts])
+        rid = torch.tensor([r + [0] * (lr - len(r)) for r in responses])
+        mask = torch.tensor([[0] * (lp - len(p)) + [1] * len(p) + [1] * len(r) + [0] * (lr - len(r))
+                             for p, r in zip(prompts, responses, strict=True)])
+        return DataProto.from_dict(
+            tensors={"prompts": pid, "responses": rid, "attention_mask": mask},
+            non_tensors={"data_source": np.array(["toy"] * len(pairs), dtype=object),
+                         "reward_model": np.array([{"ground_truth": "w3"}] * len(pairs), dtype=object)})
+
+    guarded = verl_compute_score(compute_score, timeout_s=0.5, failure_threshold=2, reset_after_s=60)
+    manager = NaiveRewardManager(tokenizer, num_examine=0, compute_score=guarded)
+    try:
+        data = batch([("w1 w2", "w3 w4"), ("w1 w2", "w5"), ("w9", "w3")])
+        assert manager(data).sum(-1).tolist() == [1.0, 0.0, 1.0]
+        hang.set()
+        t0 = time.monotonic()
+        scores = manager(data).sum(-1).tolist()
+        assert time.monotonic() - t0 < 5              # two timeouts, then no waiting at all
+        assert scores == [pytest.approx(2 / 3)] * 3    # the recent mean for the same problem
+        assert guarded.breaker.state == "open"
+    finally:
+        release.set()
