@@ -410,3 +410,10 @@ def test_a_manifest_is_not_written_for_an_incomplete_checkpoint(tmp_path):
         write_manifest(d, parts={"parameters": "model.safetensors", "optimizer": "model.safetensors"},
                        meta={"step": 1, "scheduler_step": 1, "rng_seeds": {}})
     assert not (d / MANIFEST).exists()
+
+
+def test_importing_the_guards_imports_no_framework():
+    code = ("import sys, trainguard.producers.guards\n"
+            "print(sorted(m for m in ('torch', 'trl', 'transformers', 'verl', 'jsonschema') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
