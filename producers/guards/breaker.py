@@ -286,7 +286,7 @@ class ScoreCache:
         if not math.isfinite(score):
             return  # a NaN must not answer for anyone
         if len(self.index) >= self.index.capacity:
-            self._sum -= self.index.oldest()  # type: ignore[operator]
+            self._sum -= self.index.oldest()
         self.index.add(self.index.hash(text), score)
         self._sum += score
 
@@ -294,7 +294,7 @@ class ScoreCache:
         scores = self.index.similar(self.index.hash(text)) if len(self.index) else []
         if scores:
             self.hits += 1
-            return sum(scores) / len(scores)  # type: ignore[arg-type]
+            return sum(scores) / len(scores)
         self.misses += 1
         if self.default is not None:
             return self.default
