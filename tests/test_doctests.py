@@ -1,4 +1,4 @@
-"""The examples in the docstrings of streams/, schemas/, the run page and trainguard.terminal are run, so
+"""The examples in the docstrings of streams/, schemas/, producers/guards/, the run page and trainguard.terminal are run, so
 they stay true."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ import pkgutil
 
 import pytest
 
+import trainguard.producers.guards
 import trainguard.schemas
 import trainguard.streams
 import trainguard.ui
 
 
 def _modules():
-    for package in (trainguard.streams, trainguard.schemas, trainguard.ui):
+    for package in (trainguard.streams, trainguard.schemas, trainguard.ui, trainguard.producers.guards):
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
             yield info.name
     yield "trainguard.terminal"

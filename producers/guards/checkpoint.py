@@ -1,0 +1,175 @@
+"""A manifest beside each checkpoint, and a check before loading one that fails with an
+explicit error, never a silent skip.
+
+>>> write_manifest("/ckpt/step_500", parts={"parameters": "model.safetensors",   # doctest: +SKIP
+...     "optimizer": "optimizer.pt", "rollout_cache": "rollout/"},
+...     versions={"rollout_cache": "v2.1"},
+...     meta={"step": 500, "scheduler_step": 500, "rng_seeds": {"torch": 1}, "dataset_offset": 64000})
+>>> check_checkpoint("/ckpt/step_500", expect_versions={"rollout_cache": "v2.1"})   # doctest: +SKIP
+CheckpointError: rollout cache version mismatch: expected v2.1, got v2.0
+
+The manifest (``trainguard-manifest.json``) lists every file of every part (parameters,
+optimizer state, rollout cache, others the trainer names) with its size and SHA-256, each
+part's format version, the meta-state (step, scheduler step, RNG seeds, dataset offset) and
+the manifest's own format version and checksum, so an edited or truncated manifest is refused
+as well as a changed file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainguard.producers.guards._events import GuardEvents
+from trainguard.producers.trainer import TrainerLogger
+
+FORMAT = "trainguard-checkpoint/1"
+MANIFEST = "trainguard-manifest.json"
+REQUIRED_PARTS = ("parameters", "optimizer")
+REQUIRED_META = ("step", "scheduler_step", "rng_seeds", "dataset_offset")
+# How errors name the parts (any other part is named by its key).
+PART_NAMES = {"parameters": "parameters", "optimizer": "optimizer state", "rollout_cache": "rollout cache",
+              "scheduler": "scheduler state"}
+_CHUNK = 8 << 20
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint must not be loaded; the message says what is wrong."""
+
+
+@dataclass
+class Manifest:
+    path: Path
+    data: dict
+
+    @property
+    def meta(self) -> dict:
+        return self.data["meta"]
+
+    @property
+    def step(self) -> int:
+        return self.data["meta"]["step"]
+
+
+def _part(name: str) -> str:
+    return PART_NAMES.get(name, name)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: Path, rel: str) -> list[str]:
+    target = root / rel
+    if target.is_dir():
+        return sorted(str(p.relative_to(root)) for p in target.rglob("*") if p.is_file())
+    return [rel]
+
+
+def _checksum(data: dict) -> str:
+    body = {k: v for k, v in data.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_manifest(checkpoint_dir, *, parts: dict[str, str], meta: dict, versions: dict[str, str] | None = None,
+                   events: TrainerLogger | None = None) -> Path:
+    """Write the manifest of the checkpoint in ``checkpoint_dir`` (after its files are written).
+
+    ``parts``: part name -> a file or folder relative to the checkpoint folder. ``meta``: the
+    meta-state, with at least ``step``, ``scheduler_step``, ``rng_seeds``, ``dataset_offset``.
+    ``versions``: part name -> the format version of that part (checked on load)."""
+    root = Path(checkpoint_dir)
+    missing_meta = [k for k in REQUIRED_META if k not in meta]
+    if missing_meta:
+        raise CheckpointError(f"meta-state incomplete: {', '.join(missing_meta)} missing")
+    for name in REQUIRED_PARTS:
+        if name not in parts:
+            raise CheckpointError(f"{_part(name)} missing: no {name!r} in parts")
+    listed: dict[str, dict] = {}
+    for name, rel in parts.items():
+        if not (root / rel).exists():
+            raise CheckpointError(f"{_part(name)} missing: {rel} is not in {root}")
+        files = {f: {"bytes": (root / f).stat().st_size, "sha256": _sha256(root / f)} for f in _files(root, rel)}
+        if not files:
+            raise CheckpointError(f"{_part(name)} missing: {rel} in {root} holds no files")
+        listed[name] = {"path": rel, "version": (versions or {}).get(name), "files": files}
+    data = {"format": FORMAT, "written": time.time(), "meta": json.loads(json.dumps(meta)), "parts": listed}
+    data["checksum"] = _checksum(data)
+    path = root / MANIFEST
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)  # a crash mid-write leaves the old manifest or none, never half of one
+    GuardEvents(events, "checkpoint").report({"guard/checkpoint/manifest_bytes": float(path.stat().st_size)},
+                                             step=meta["step"] if type(meta["step"]) is int else None,
+                                             decision="written", reason=str(root))
+    return path
+
+
+def check_checkpoint(checkpoint_dir, *, expect_versions: dict[str, str] | None = None,
+                     require: tuple[str, ...] = REQUIRED_PARTS, hashes: bool = True,
+                     events: TrainerLogger | None = None, step: int | None = None) -> Manifest:
+    """The checkpoint's manifest if every part is present, whole and of the expected version;
+    else :class:`CheckpointError`. ``require``: parts that must be there (add
+    ``"rollout_cache"`` when the run resumes from one). ``hashes=False`` compares sizes only
+    (hashing reads every byte: about a second per GB). ``step``: the step the trainer is at,
+    for the event (a refusal at start-up: None)."""
+    root = Path(checkpoint_dir)
+    report = GuardEvents(events, "checkpoint")
+    try:
+        manifest = _check(root, expect_versions or {}, require, hashes)
+    except CheckpointError as exc:
+        report.report({"guard/checkpoint/refused": 1.0}, step=step, decision="refused", reason=str(exc))
+        raise
+    report.report({"guard/checkpoint/refused": 0.0}, step=step, decision="verified", reason=str(root))
+    return manifest
+
+
+def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...], hashes: bool) -> Manifest:
+    path = root / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint manifest missing: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint manifest corrupted: {path} is not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"checkpoint manifest corrupted: {path} is not a JSON object")
+    if data.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint manifest format mismatch: expected {FORMAT}, got {data.get('format')}")
+    if data.get("checksum") != _checksum(data):
+        raise CheckpointError(f"checkpoint manifest corrupted: {path} does not match its checksum")
+    meta, parts = data.get("meta"), data.get("parts")
+    if not isinstance(meta, dict) or not isinstance(parts, dict):
+        raise CheckpointError(f"checkpoint manifest corrupted: {path} lacks meta or parts")
+    missing_meta = [k for k in REQUIRED_META if k not in meta]
+    if missing_meta:
+        raise CheckpointError(f"meta-state incomplete: {', '.join(missing_meta)} missing")
+    for name in require:
+        if name not in parts:
+            raise CheckpointError(f"{_part(name)} missing: the manifest lists no {name!r}")
+    for name, want in expect_versions.items():
+        if name not in parts:
+            raise CheckpointError(f"{_part(name)} missing: the manifest lists no {name!r}")
+        got = parts[name].get("version")
+        if got != want:
+            raise CheckpointError(f"{_part(name)} version mismatch: expected {want}, got {got}")
+    for name, part in parts.items():
+        for rel, info in part["files"].items():
+            f = root / rel
+            if not f.is_file():
+                raise CheckpointError(f"{_part(name)} missing: {rel} is not in {root}")
+            size = f.stat().st_size
+            if size != info["bytes"]:
+                raise CheckpointError(f"{_part(name)} corrupted: {rel} has {size} bytes, "
+                                      f"the manifest says {info['bytes']}")
+            if hashes and _sha256(f) != info["sha256"]:
+                raise CheckpointError(f"{_part(name)} corrupted: {rel} does not match its SHA-256 in the manifest")
+    return Manifest(path, data)
