@@ -243,3 +243,105 @@ def test_messages_link_the_run_page_and_the_report_where_the_ui_is_served():
     assert "http://tg.example:8321/run/ppo%207b%2Fx/report/report-c1" in text
     plain = Templates(ui_url="").render("markdown.md", alert)
     assert "Run page" not in plain and "http://" not in plain  # no UI configured: no dead links
+
+
+class _HostileReceiver:
+    """A raw HTTP server answering every POST as ``answer(conn)`` does (a redirect, a reply a byte
+    at a time, an endless body): what a misconfigured proxy or a hostile endpoint sends."""
+
+    def __init__(self, answer):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/hook"
+        self.requests = 0
+        self.answer = answer
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn):
+        try:
+            conn.recv(65536)
+            self.requests += 1
+            self.answer(conn)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def stop(self):
+        self.sock.close()
+
+
+def _redirect(conn):
+    conn.sendall(b"HTTP/1.1 302 Found\r\nLocation: http://127.0.0.1:9/elsewhere\r\nContent-Length: 0\r\n\r\n")
+
+
+def _dribble(conn):
+    """Headers a byte at a time, then (HTTP/1.0: the response keeps the socket) a body likewise."""
+    for byte in b"HTTP/1.0 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 1000:
+        conn.sendall(bytes([byte]))
+        time.sleep(0.5 if byte != ord("x") else 1.0)
+
+
+def _endless(conn):
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10000000000\r\n\r\n")
+    chunk = b"x" * 65536
+    for _ in range(20_000):  # 1.3 GB if it were all read
+        conn.sendall(chunk)
+
+
+def test_a_redirect_is_not_taken_for_a_delivery():
+    receiver = _HostileReceiver(_redirect)
+    sink = GenericWebhookSink(receiver.url, **FAST)
+    try:
+        sink.deliver([_alert(0)])
+        assert sink.flush(timeout=20)
+        [gone] = sink.undelivered()
+        assert sink.sent == 0 and "HTTP 302" in gone["last_error"] and "redirects" in gone["last_error"]
+    finally:
+        sink.close(timeout=1)
+        receiver.stop()
+
+
+def test_a_receiver_answering_a_byte_at_a_time_cannot_hold_the_sender():
+    receiver = _HostileReceiver(_dribble)
+    sink = GenericWebhookSink(receiver.url, backoff_s=0.05, max_backoff_s=0.1, timeout_s=2)
+    try:
+        started = time.monotonic()
+        sink.deliver([_alert(0)])
+        _wait(lambda: sink.outbox.pending and sink.outbox.pending[0].attempts >= 2, timeout=20,
+              what="a second attempt after the first timed out")
+        assert time.monotonic() - started < 10, "each attempt ends at the 2 s deadline, not at the dribble's end"
+        assert "no complete answer within 2 s" in (sink.outbox.pending[0].last_error or "")
+    finally:
+        sink.close(timeout=1)
+        receiver.stop()
+
+
+def test_a_huge_answer_is_not_read():
+    import resource
+
+    receiver = _HostileReceiver(_endless)
+    sink = GenericWebhookSink(receiver.url, **FAST)
+    try:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        sink.deliver([_alert(0)])
+        assert sink.flush(timeout=20) and sink.sent == 1
+        grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        assert grown_mb < 100, f"the sender read {grown_mb:.0f} MB of an answer"
+    finally:
+        sink.close(timeout=1)
+        receiver.stop()

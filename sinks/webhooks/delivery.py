@@ -11,8 +11,10 @@ import os
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
+import http.client
+import socket
+import ssl
+import urllib.parse
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,16 +240,15 @@ class WebhookSink(Sink):
 
     def _post_json(self, payload) -> None:
         data = json.dumps(payload, ensure_ascii=False, default=str).encode()
-        req = urllib.request.Request(self.url(), data=data, headers=self.headers, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                body = resp.read()
-                self.check_response(resp.status, body)
-        except urllib.error.HTTPError as exc:
-            detail = f"HTTP {exc.code}: {exc.read()[:200]!r}"
-            if 400 <= exc.code < 500 and exc.code not in self.retry_statuses:
-                raise PermanentError(detail) from None
-            raise OSError(detail) from None
+        status, body = post(self.url(), data, self.headers, self.timeout_s)
+        if 300 <= status < 400:  # followed, a POST can become a GET that delivers nothing
+            raise PermanentError(f"HTTP {status}: the receiver redirects; configure the URL it redirects to")
+        if status >= 400:
+            detail = f"HTTP {status}: {body[:200]!r}"
+            if status < 500 and status not in self.retry_statuses:
+                raise PermanentError(detail)
+            raise OSError(detail)
+        self.check_response(status, body)
 
     def _count(self, outcome: str, n: int = 1) -> None:
         if self._metric is not None:
@@ -384,3 +385,53 @@ class WebhookSetup:
             log.info("trainguard: sinks keep their outboxes in %s", folder)
             self.folder = folder
         return {"templates": self.templates, "outbox_path": self.folder / f"{name}.json"}
+
+
+MAX_RESPONSE_BYTES = 64 << 10  # a receiver's answer is a status and a line of JSON: the rest is not read
+
+
+def post(url: str, data: bytes, headers: dict, timeout_s: float) -> tuple[int, bytes]:
+    """POST ``data`` to ``url``; (status, the first MAX_RESPONSE_BYTES of the body). The whole
+    exchange ends within ``timeout_s``: a receiver that answers a byte at a time cannot hold
+    the sender (a socket timeout alone applies to each read), redirects are not followed, and
+    a huge answer is not read. Raises OSError (timeouts included) when there is no answer."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise PermanentError(f"not an http(s) URL: {url[:80]!r}")
+    if parts.scheme == "https":
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            parts.hostname, parts.port, timeout=timeout_s, context=ssl.create_default_context())
+    else:
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    expired = threading.Event()
+    opened: list[socket.socket] = []  # the connection's socket (the response keeps it once the
+    # connection object lets go of it, as it does for an HTTP/1.0 answer)
+
+    def cut() -> None:  # the deadline: shut the socket so that a blocked read returns
+        expired.set()
+        for sock in opened:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(timeout_s, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        conn.connect()
+        if conn.sock is not None:
+            opened.append(conn.sock)
+        conn.request("POST", path, body=data, headers=headers)
+        resp = conn.getresponse()
+        body = resp.read(MAX_RESPONSE_BYTES)
+        return resp.status, body
+    except (OSError, http.client.HTTPException) as exc:
+        if expired.is_set():
+            raise TimeoutError(f"no complete answer within {timeout_s:g} s") from None
+        raise OSError(f"{type(exc).__name__}: {exc}") from None
+    finally:
+        timer.cancel()
+        conn.close()
+
