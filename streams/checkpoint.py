@@ -54,7 +54,8 @@ class Changelog(Protocol):
 
 class DirtyEntries(Protocol):
     """What changed since the last flush: ``dirty`` maps key -> partition; ``serialize(key)``
-    is the entry's value now (None once deleted)."""
+    is the entry's value now (None once deleted). Where it has one, ``written(key, value)`` is
+    told each value the flush wrote (the engine then holds an idle tiny run as those bytes)."""
 
     dirty: dict
 
@@ -104,11 +105,14 @@ class Checkpoint:
         held, self.held = self.held, []
         written: set = set()  # (changelog, partition)
         for entries, changelog, encode_key in self.changelogs:
+            told = getattr(entries, "written", None)
             for key, partition in entries.dirty.items():  # serialised now: exactly the events held
                 value = self._record(entries, key)
                 if value is not False:
                     changelog.send(partition, encode_key(key), value)
                     written.add((changelog, partition))
+                    if told is not None:
+                        told(key, value)
             entries.dirty.clear()
         self.last_flush = self.clock()
         self.in_flight = asyncio.ensure_future(self._finish(held, written))
