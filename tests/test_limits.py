@@ -146,7 +146,7 @@ def test_an_idle_tiny_run_costs_a_few_kilobytes():
             if i % 100 == 0:
                 written(engine)
         written(engine)
-        engine.status_outputs()
+        list(engine.status_outputs())
 
     invent(0, 100)  # every code path taken once
     gc.collect()
