@@ -310,6 +310,7 @@ class Detection:
         self.checkpoint = checkpoint
         self.exporter = exporter
         self.feed = feed
+        self._release = False  # many runs were forgotten: memory goes back once their tombstones are out
 
     def events(self, messages: list, held: list) -> None:
         """Messages of the events topic, in order; ``held`` are what to acknowledge once the
@@ -348,11 +349,20 @@ class Detection:
         forgotten = self.engine.forgotten
         outputs = self.engine.tick()
         if self.engine.forgotten - forgotten >= 100:
-            release_memory()
+            release_memory()  # what the engine held, now
+            self._release = True  # and what the changelog's producer holds, once it is delivered
         if outputs:
             self.router.route(outputs)
         if outputs or self.engine.dirty:  # alerts, or runs forgotten: their tombstones
-            self.checkpoint.flush()
+            if self.checkpoint.flush() and self._release:
+                # The changelog's producer holds the tombstones until they are delivered: after 20,000
+                # forgotten runs, tens of MB for half a minute, which the first release did not reach.
+                assert self.checkpoint.in_flight is not None  # flush() started it
+                self.checkpoint.in_flight.add_done_callback(lambda _: release_memory())
+                self._release = False
+        elif self._release:
+            release_memory()
+            self._release = False
         self.router.route(self.engine.status_outputs())
 
     def flush_if_due(self) -> None:

@@ -60,7 +60,8 @@ class Changelog(Protocol):
 
 class DirtyEntries(Protocol):
     """What changed since the last flush: ``dirty`` maps key -> partition; ``serialize(key)``
-    is the entry's value now (None once deleted)."""
+    is the entry's value now (None once deleted). Where it has one, ``written(key, value)`` is
+    told each value the flush wrote (the engine then holds an idle tiny run as those bytes)."""
 
     dirty: dict
 
@@ -110,10 +111,13 @@ class Checkpoint:
         held, self.held = self.held, []
         records: list = []  # (changelog, partition, key, value), written once the outputs are delivered
         for entries, changelog, encode_key in self.changelogs:
+            told = getattr(entries, "written", None)
             for key, partition in entries.dirty.items():  # serialised now: exactly the events held
                 value = self._record(entries, key)
                 if value is not False:
                     records.append((changelog, partition, encode_key(key), value))
+                    if told is not None:  # the value as taken: the engine may hold an idle run as it
+                        told(key, value)
             entries.dirty.clear()
         self.last_flush = self.clock()
         self.in_flight = asyncio.ensure_future(self._finish(held, records))

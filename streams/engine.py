@@ -24,7 +24,7 @@ import socket
 import time
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, ClassVar, MutableMapping, cast
+from typing import Any, ClassVar, Iterator, MutableMapping, cast
 
 import numpy as np
 import orjson
@@ -245,7 +245,9 @@ class RunState:
         d["v"] = STATE_VERSION
         d["breaker"] = self.breaker.to_state()
         d["cross"] = {k: v.to_state() for k, v in self.cross.items()}
-        return orjson.dumps(d)
+        # A copy of exactly its size: orjson's buffer of 8-16 KB would be held for each run's
+        # record until the changelog's producer sent it (20,000 of them after a burst of runs).
+        return bytes(memoryview(orjson.dumps(d)))
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "RunState":
@@ -359,6 +361,9 @@ class Engine:
         self.summary_retention_s = float(summary_retention_s)
         self._status_at: dict[bytes, float] = {}   # run -> when its status was last published
         self._final: dict[bytes, dict] = {}        # forgotten run -> its summary, not yet published
+        # Idle tiny runs, held as the bytes the checkpoint wrote to the changelog (``written``) ->
+        # when they are forgotten. The clock looks no further into them.
+        self._parked: dict[bytes, float] = {}
         self.limits = limits or Limits()
         # A run's state is forgotten (tombstoned) this long after it finished or was stopped, and
         # after this long without any event: without an end, state grew by every run ever seen.
@@ -404,11 +409,56 @@ class Engine:
         if state is None:
             state = RunState(events=0)
             self.store[key] = state
-        elif type(state) is bytes:  # restored from the changelog: decode once, on first use
+        elif type(state) is bytes:  # restored from the changelog (or parked): decode once, on first use
             state = RunState.from_bytes(state)
             self.store[key] = state
-            log.info("trainguard: restored run %s at offset %d", key.decode(errors="replace"), state.offset)
+            if self._parked.pop(key, None) is None:
+                log.info("trainguard: restored run %s at offset %d", key.decode(errors="replace"), state.offset)
+            else:  # a parked tiny run woke: its sources are held as bytes too
+                run_id = key.decode()
+                for sid in state.sources:
+                    skey = keys.source_key(run_id, sid)
+                    raw = self.store.get(skey)
+                    if type(raw) is bytes:
+                        self.store[skey] = SourceState.from_bytes(raw, self.rules)
         return state
+
+    def _look(self, key: bytes) -> RunState:
+        """The run's state to read, not to change: a parked run stays parked."""
+        state = self.store.get(key)
+        if type(state) is bytes and key in self._parked:
+            return RunState.from_bytes(state)
+        return self._run(key)
+
+    def _tiny(self, run: RunState) -> bool:
+        """A run of a few events that reported no checkpoint and was not announced: what anyone who
+        can write to the events topic can invent, by the thousand."""
+        return (run.events is not None and run.events <= self.limits.tiny_run_events and not run.checkpoints
+                and not run.announced)
+
+    def _park_until(self, run: RunState) -> float | None:
+        """When an idle tiny run held as bytes is forgotten; None for a run that is not parked."""
+        if not self._tiny(run) or run.finished or not run.last_seen:
+            return None
+        return max(seen[0] for seen in run.last_seen.values()) + self.limits.tiny_run_ttl_s
+
+    def written(self, key: bytes, value: bytes | None) -> None:
+        """The checkpoint wrote ``value``, the entry as it is now, to the changelog. A tiny run's
+        entries are then held as those bytes until its next event decodes them (as a restarted
+        worker decodes what it restored): one block each instead of a few hundred small objects,
+        which the allocator could not give back to the system once thousands of invented runs had
+        been held at the same time."""
+        if value is None:
+            return
+        run_key = key.split(b"|", 1)[0]
+        if run_key not in self._parked:
+            run = self.store.get(run_key)
+            until = self._park_until(run) if type(run) is RunState else None
+            if until is None:
+                return
+            self._parked[run_key] = until
+        self.store[key] = value
+        self._kept.pop(key, None)
 
     def _source(self, key: bytes, kind: str) -> SourceState:
         state = self.store.get(key)
@@ -1204,11 +1254,21 @@ class Engine:
         outputs: list[Output] = []
         wall = time.time()
         for key in [k for k in list(self.store.keys()) if keys.is_run_key(k)]:
+            if type(self.store[key]) is bytes and key not in self._parked:  # restored: parked if tiny
+                until = self._park_until(RunState.from_bytes(self.store[key]))
+                if until is not None:
+                    self._parked[key] = until
+            until = self._parked.get(key)
+            if until is not None:  # an idle tiny run: nothing to judge (it is not judged for silence)
+                if now > until:
+                    self.forget(key, keep_summary=False)
+                elif wall - self._status_at.get(key, 0.0) >= STATUS_REFRESH_S:
+                    self.touched.add(key)
+                continue
             run = self._run(key)
             last = max((seen[0] for seen in run.last_seen.values()), default=None)
             # A run that reported a checkpoint keeps it as a rollback target for the usual time.
-            tiny = (run.events is not None and run.events <= self.limits.tiny_run_events and not run.checkpoints
-                    and not run.announced)
+            tiny = self._tiny(run)
             if (run.finished and now - (run.finished_at or last or now) > self.finished_grace_s) or \
                     (last is not None and now - last > (self.limits.tiny_run_ttl_s if tiny else self.idle_ttl_s)):
                 self.forget(key, keep_summary=not tiny)
@@ -1273,7 +1333,7 @@ class Engine:
         key = run_id.encode()
         if key not in self.store:
             return None
-        run = self._run(key)
+        run = self._look(key)
         trainer = run.last_seen.get("trainer")
         steps = [seen[1] for seen in run.last_seen.values() if seen[1] is not None]
         healthy = next((c for c in reversed(run.checkpoints) if c.get("healthy")), None)
@@ -1298,18 +1358,20 @@ class Engine:
             "limits": {cap: dict(entry) for cap, entry in run.limits.items()},
         }
 
-    def status_outputs(self) -> list[Output]:
+    def status_outputs(self) -> Iterator[Output]:
         """A status for every run touched since the last call; a forgotten run's is its summary
-        (``state_freed``), kept on the compacted status topic for ``summary_retention_s``."""
-        now = time.time()
-        outputs = []
-        for key in self.touched:
+        (``state_freed``), kept on the compacted status topic for ``summary_retention_s``. Each is
+        made as the caller takes it, so take them all at once: a burst of 20,000 new runs made a
+        list of 100 MB, which the allocator kept after it was freed."""
+        touched, self.touched = self.touched, set()
+        return self._statuses(touched, time.time())
+
+    def _statuses(self, touched: set, now: float) -> Iterator[Output]:
+        for key in touched:
             value = self._final.pop(key, None) or self.status(key.decode())
-            outputs.append(Output(OutputKind.STATUS, key.decode(), value))  # None: a tombstone
             if value is not None and key in self.store:
                 self._status_at[key] = now
-        self.touched.clear()
-        return outputs
+            yield Output(OutputKind.STATUS, key.decode(), value)  # None: a tombstone
 
     def summary(self, run_key: bytes) -> dict | None:
         """The run's last status as it is forgotten: how it ended, its rollbacks, the alerts still
@@ -1317,7 +1379,7 @@ class Engine:
         status = self.status(run_key.decode())
         if status is None:
             return None
-        run = self._run(run_key)
+        run = self._look(run_key)
         ended = run.breaker.status == policy.STOPPED or run.finished
         outcome = ("stopped" if run.breaker.status == policy.STOPPED else "finished") if ended else "idle"
         return {**status, "state_freed": True, "outcome": outcome,

@@ -207,4 +207,5 @@ class MinuteWindows:
         agg = self.store.get(key)
         if agg is None or type(agg) is bytes:
             return agg
-        return orjson.dumps(agg.to_dict() if type(agg) is OpenWindow else agg)
+        # Exactly its size, as in close(): the changelog's producer holds it until it is sent.
+        return bytes(memoryview(orjson.dumps(agg.to_dict() if type(agg) is OpenWindow else agg)))

@@ -462,3 +462,30 @@ def test_reading_waits_while_a_stuck_flush_holds_a_full_batch_of_events():
         return stalled
 
     assert run(scenario()), "no more reading while a full batch waits behind undelivered outputs"
+
+
+def test_a_flush_leaves_an_idle_tiny_run_held_as_the_bytes_it_wrote():
+    """The checkpoint tells the engine what it wrote; a tiny run (anyone who can write to the
+    events topic can invent thousands) is then held as exactly those bytes, a run that logged
+    more as the objects it is judged with."""
+    from tests.test_detection import TRAINER, Recorder, _detection, _message
+    from trainguard.schemas import events as ev
+    from trainguard.streams import rules as rules_mod
+    from trainguard.streams.engine import Engine
+
+    async def scenario():
+        recorder = Recorder()
+        engine = Engine(rules_mod.default())
+        detection = _detection(recorder, engine)
+        messages = [_message(0, ev.metrics_event("tiny", 1, {"actor/pg_loss": 0.1}, src=TRAINER))]
+        messages += [_message(step, ev.metrics_event("long", step, {"actor/pg_loss": 0.1}, src=TRAINER))
+                     for step in range(1, 11)]
+        detection.events(messages, [m.offset for m in messages])
+        await detection.checkpoint.in_flight
+        return engine, {entry[2]: entry[3] for entry in recorder.log if entry[:2] == ("changelog", "state")}
+
+    engine, changelog = asyncio.run(scenario())
+    tiny = [k for k in changelog if k.startswith(b"tiny")]
+    assert len(tiny) == 2 and all(engine.store[k] is changelog[k] for k in tiny), changelog.keys()
+    assert all(type(engine.store[k]) is not bytes for k in changelog if k.startswith(b"long"))
+    assert engine.status("tiny")["last_step"] == 1

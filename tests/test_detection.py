@@ -101,3 +101,36 @@ def test_a_finished_run_is_forgotten_by_the_clock_with_tombstones_and_a_status_t
     assert engine.forgotten == 1 and b"r" not in engine.store
     assert ("changelog", "state", b"r", None) in log
     assert ("routed", "status", None) in log
+
+
+def test_memory_goes_back_once_the_tombstones_of_many_forgotten_runs_are_delivered(monkeypatch):
+    """Memory of forgotten runs goes back to the system at once, and again once their tombstones
+    are delivered: the changelog's producer holds them until then."""
+    from trainguard.streams import app as app_mod
+
+    async def scenario():
+        recorder = Recorder()
+        monkeypatch.setattr(app_mod, "release_memory", lambda: recorder.log.append(("memory released",)))
+        engine = Engine(rules_mod.default())
+        now = [1000.0]
+        engine.clock = lambda: now[0]
+        detection = _detection(recorder, engine)
+        messages = [_message(i, ev.metrics_event(f"tiny-{i}", 1, {"actor/pg_loss": 0.1}, src=TRAINER))
+                    for i in range(150)]
+        detection.events(messages, [m.offset for m in messages])
+        await detection.checkpoint.in_flight
+        recorder.log.clear()
+        now[0] += engine.limits.tiny_run_ttl_s + 1
+        detection.tick()
+        assert recorder.log.count(("memory released",)) == 1, "what the engine held, at once"
+        await detection.checkpoint.in_flight
+        await asyncio.sleep(0)  # the flush's done callbacks
+        return engine, recorder.log
+
+    engine, log = asyncio.run(scenario())
+    assert engine.forgotten == 150 and not engine.store
+    tombstones = [i for i, entry in enumerate(log) if entry[0] == "changelog" and entry[3] is None]
+    assert len(tombstones) == 300, "each run and its source"
+    assert log.count(("memory released",)) == 2
+    released = len(log) - 1 - log[::-1].index(("memory released",))
+    assert max(tombstones) < log.index(("changelogs delivered",)) < released, "and once the tombstones are out"

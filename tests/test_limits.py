@@ -97,3 +97,93 @@ def test_a_tiny_run_that_reported_a_checkpoint_keeps_it_for_the_usual_time():
     now[0] += 61
     engine.tick()
     assert b"ckpt" in engine.store, "a rollback target is not forgotten as a tiny run"
+
+
+def written(engine: Engine) -> dict:
+    """What a flush of the checkpoint does to the state: each changed entry written to the
+    changelog, and the engine told what was written."""
+    out = {key: engine.serialize(key) for key in engine.dirty}
+    for key, value in out.items():
+        engine.written(key, value)
+    engine.dirty.clear()
+    return out
+
+
+def test_an_idle_tiny_run_is_held_as_its_changelog_bytes_and_judged_as_if_it_were_not():
+    limits = Limits(tiny_run_events=3, tiny_run_ttl_s=60)
+    parked, plain = Engine(RULES, limits=limits), Engine(RULES, limits=limits)
+    parked.clock = plain.clock = lambda: 10_000.0
+    src = ev.source("trainer", "h", 0)
+    # The NaN's alert opens while the run is tiny, stays open while it is parked, resolves after
+    # two clean points and opens again at the next NaN, as in a run never parked.
+    steps = [{"actor/kl_loss": 0.01}, {"actor/kl_loss": float("nan")}, {"actor/kl_loss": 0.02},
+             {"actor/kl_loss": 0.01}, {"actor/kl_loss": float("nan")}]
+    fired = []
+    for step, metrics in enumerate(steps):
+        raw = ev.encode(ev.metrics_event("tiny", step, metrics, src=src, ts=1_000.0 + step))
+        outputs = parked.handle(raw, 0, step)
+        assert [o.value for o in outputs] == [o.value for o in plain.handle(raw, 0, step)], step
+        fired += [(o.value["rule"], o.value["status"]) for o in outputs if o.kind == "alert"]
+        values = written(parked)
+        if step < limits.tiny_run_events:  # idle between its events: the bytes the changelog holds
+            assert values and all(parked.store[key] is value for key, value in values.items()), step
+        else:  # a run past a few events is held as it is judged
+            assert not any(type(v) is bytes for v in parked.store.values()), step
+    assert fired == [("non_finite", "firing"), ("non_finite", "resolved"), ("non_finite", "firing")], fired
+    assert {**parked.status("tiny"), "ts": 0} == {**plain.status("tiny"), "ts": 0}
+
+
+def test_an_idle_tiny_run_costs_a_few_kilobytes():
+    import gc
+    import tracemalloc
+
+    engine = Engine(RULES, limits=Limits(tiny_run_events=3, tiny_run_ttl_s=60))
+    src = ev.source("trainer", "attacker", 0)
+
+    def invent(first: int, n: int) -> None:
+        for i in range(first, first + n):
+            engine.handle(ev.encode(ev.metrics_event(f"tiny-{i}", 1, {"loss": 0.5}, src=src)), 0, 0)
+            if i % 100 == 0:
+                written(engine)
+        written(engine)
+        list(engine.status_outputs())
+
+    invent(0, 100)  # every code path taken once
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        invent(100, 1000)
+        gc.collect()
+        per_run = (tracemalloc.get_traced_memory()[0] - before) / 1000
+    finally:
+        tracemalloc.stop()
+    # Measured: 2.0 KB; 8.1 KB as objects, and 17 KB while orjson's buffers were kept.
+    assert per_run < 3000, f"{per_run:.0f} bytes per idle tiny run"
+
+
+def test_the_clock_forgets_a_parked_tiny_run_without_waking_it():
+    limits = Limits(tiny_run_events=3, tiny_run_ttl_s=60)
+    engine = Engine(RULES, idle_ttl_s=7 * 86400, limits=limits)
+    now = [10_000.0]
+    engine.clock = lambda: now[0]
+    feed(engine, "tiny", 1, {"actor/kl_loss": 0.01})
+    changelog = written(engine)
+    now[0] += 30
+    engine.tick()
+    assert engine.status("tiny")["last_step"] == 0
+    assert type(engine.store[b"tiny"]) is bytes, "the clock and the status read a parked run, it stays parked"
+    now[0] += 31
+    engine.tick()
+    assert not any(k.startswith(b"tiny") for k in engine.store)
+    assert engine.dirty == {b"tiny": 0, b"tiny|trainer:h:0:-": 0}, "forgotten with tombstones in the changelog"
+    assert {o.key: o.value for o in engine.status_outputs()} == {"tiny": None}
+
+    # A worker that restored the tiny run from the changelog parks it too, and forgets it in time.
+    restored = Engine(RULES, dict(changelog), idle_ttl_s=7 * 86400, limits=limits)
+    restored.clock = lambda: 10_030.0
+    restored.tick()
+    assert all(type(v) is bytes for v in restored.store.values())
+    restored.clock = lambda: 10_061.0
+    restored.tick()
+    assert not restored.store
