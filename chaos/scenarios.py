@@ -951,6 +951,32 @@ def _tombstones(settings: KafkaSettings, topic: str, prefix: bytes, quiet_s: flo
     return sum(latest.values())
 
 
+def _changelogs_quiet(settings: KafkaSettings, quiet_s: float = 5.0, timeout_s: float = 180.0) -> float:
+    """Wait until the worker's changelog topics stop growing (its producer has sent what the
+    flushes queued); the seconds it took. Memory still queued for sending is in flight, not left."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"chaos-quiet-{uuid.uuid4().hex[:8]}"})
+    started = time.monotonic()
+    try:
+        last_total, still_since = -1, time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            topics = c.list_topics(timeout=5).topics
+            total = 0
+            for name, meta in topics.items():
+                if name.endswith("-changelog"):
+                    for p in meta.partitions:
+                        total += c.get_watermark_offsets(TopicPartition(name, p), timeout=5, cached=False)[1]
+            if total != last_total:
+                last_total, still_since = total, time.monotonic()
+            elif time.monotonic() - still_since >= quiet_s:
+                break
+            time.sleep(1.0)
+    finally:
+        c.close()
+    return round(time.monotonic() - started, 1)
+
+
 def tiny_runs(runs: int = 20_000, ttl_s: float = 20.0, waves: int = 1, log_dir=None) -> dict:
     """Invented run ids, one tiny event each (the lowest-trust topic: anyone who can write to it),
     through a real worker whose tiny runs live ``ttl_s``, in ``waves`` of ``runs``: its RSS
@@ -988,7 +1014,7 @@ def tiny_runs(runs: int = 20_000, ttl_s: float = 20.0, waves: int = 1, log_dir=N
             send(0, 500)  # warm: every code path taken once, then forgotten
             time.sleep(ttl_s + 7)
             settled = _rss_mb(proc)
-            peaks, afters, forgot = [], [], 0
+            peaks, afters, forgot, drained = [], [], 0, []
             for wave in range(waves):
                 started, sent = time.monotonic(), 500 + (wave + 1) * runs
                 send(sent - runs, runs)
@@ -1000,6 +1026,7 @@ def tiny_runs(runs: int = 20_000, ttl_s: float = 20.0, waves: int = 1, log_dir=N
                         if forgot >= sent:
                             break
                     time.sleep(0.5)
+                drained.append(_changelogs_quiet(settings))  # what the flushes queued is sent
                 time.sleep(6)  # the tick after the last forgetting: memory handed back
                 peaks.append(peak)
                 afters.append(_rss_mb(proc))
@@ -1010,6 +1037,7 @@ def tiny_runs(runs: int = 20_000, ttl_s: float = 20.0, waves: int = 1, log_dir=N
     return {"runs": runs, "waves": waves, "tiny_run_ttl_s": ttl_s, "rss_settled_mb": settled,
             "rss_peak_mb": peaks, "rss_after_ttl_mb": afters, "forgotten": forgot,
             "sent_with_warm_up": 500 + waves * runs, "crashes": 0 if alive else 1,
+            "changelogs_drained_after_s": drained,
             "worker_rss_mb_per_1000_tiny_runs": round((afters[0] - settled) * per_k, 2),
             "worker_rss_mb_per_1000_tiny_runs_held": round((max(peaks) - settled) * per_k, 2),
             "worker_rss_mb_per_1000_tiny_runs_next_waves":
