@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from trainguard.schemas import signing
+from trainguard.settings import value
 
 NOBODY = 65534  # the image's user (Dockerfile: USER nobody)
 KEY_ID = "compose"
@@ -79,7 +80,7 @@ def init(root: Path, scope: str, owner: int = NOBODY) -> None:
 def show(root: Path, what: str, scope: str | None) -> str:
     if what == "ui":
         host = os.environ.get("KAFKA_ADVERTISED_HOST") or "localhost"
-        token = os.environ.get("TRAINGUARD_UI_TOKEN") or (root / "ui" / "ui.token").read_text().strip()
+        token = value("TRAINGUARD_UI_TOKEN") or (root / "ui" / "ui.token").read_text().strip()
         return f"http://{host}:8321/?token={token}"
     if what == "trainer" and scope:  # another team's scope: derived on demand, nothing stored
         return "\n".join(signing.exports(master(root), "trainer", scope))

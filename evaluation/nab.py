@@ -46,10 +46,12 @@ from multiprocessing import Pool
 from pathlib import Path
 
 try:
+    from trainguard.settings import value
     from trainguard.streams.detectors import RobustMAD
 except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from streams.detectors import RobustMAD  # type: ignore
+    from trainguard.settings import value
 
 PUBLISHED = [  # name in results/final_results.json -> label on the scoreboard
     ("ARTime", "ARTime"),
@@ -72,7 +74,7 @@ _EPOCH = datetime(1970, 1, 1)
 
 
 def shared_dir() -> Path:
-    env = os.environ.get("TRAINGUARD_SHARED")
+    env = value("TRAINGUARD_SHARED")
     if env:
         return Path(env).resolve()
     return Path(__file__).resolve().parents[1].parent / "shared"

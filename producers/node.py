@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
 import threading
 import time
 from typing import Any, Callable
 
+from trainguard import settings as settings_mod
 from trainguard.kafka import KafkaSettings
 from trainguard.schemas import events as ev
 
@@ -447,12 +447,13 @@ def _status_line(agent: NodeAgent, metrics: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainguard node",
                                      description="Publish this machine's GPU and host metrics for a run.")
-    parser.add_argument("--run-id", default=os.environ.get("TRAINGUARD_RUN_ID"),
+    parser.add_argument("--run-id", default=settings_mod.value("TRAINGUARD_RUN_ID"),
                         help="the run these resources serve (default: $TRAINGUARD_RUN_ID)")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between samples (default 5)")
     parser.add_argument("--once", action="store_true", help="take and publish one sample, print it, exit")
     parser.add_argument("--host", help="host name to report (default: this machine's)")
-    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or 127.0.0.1:9092)")
+    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or "
+                                            f"{settings_mod.default('TRAINGUARD_BOOTSTRAP')})")
     return parser
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from trainguard.kafka import KafkaSettings
 from trainguard.schemas.events import SchemaError, decode
-from trainguard.settings import number
+from trainguard.settings import integer, number, value
 from trainguard.sinks.base import Sink
 
 log = logging.getLogger("trainguard.sinks.runner")
@@ -201,15 +201,16 @@ def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str |
     sinks: list[Sink] = []
     if console:
         sinks.append(ConsoleSink())
-    jsonl_path = jsonl_path or env.get("TRAINGUARD_ALERTS_JSONL")
+    jsonl_path = jsonl_path or value("TRAINGUARD_ALERTS_JSONL", env)
     if jsonl_path:
         sinks.append(JsonlSink(jsonl_path))
-    if env.get("TRAINGUARD_REPORTS_DIR"):
+    if value("TRAINGUARD_REPORTS_DIR", env):
         from trainguard.sinks.reports import ReportSink
 
-        sinks.append(ReportSink(env["TRAINGUARD_REPORTS_DIR"]))
+        sinks.append(ReportSink(value("TRAINGUARD_REPORTS_DIR", env)))
 
-    templates = Templates(env.get("TRAINGUARD_TEMPLATES_DIR") or None, ui_url=env.get("TRAINGUARD_UI_URL") or "")
+    templates = Templates(value("TRAINGUARD_TEMPLATES_DIR", env) or None,
+                          ui_url=value("TRAINGUARD_UI_URL", env) or "")
     folder: Path | None = None
 
     def common(name: str) -> dict:
@@ -222,30 +223,31 @@ def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str |
         return {"templates": templates, "outbox_path": folder / f"{name}.json"}
 
     chat: list[Sink] = []
-    if env.get("TRAINGUARD_DINGTALK_WEBHOOK"):
-        chat.append(DingTalkSink(env["TRAINGUARD_DINGTALK_WEBHOOK"], env.get("TRAINGUARD_DINGTALK_SECRET"),
-                                 at_mobiles=_csv(env.get("TRAINGUARD_DINGTALK_AT_MOBILES")),
-                                 at_all_severities=_csv(env.get("TRAINGUARD_DINGTALK_AT_ALL_SEVERITIES")),
+    if value("TRAINGUARD_DINGTALK_WEBHOOK", env):
+        chat.append(DingTalkSink(value("TRAINGUARD_DINGTALK_WEBHOOK", env), value("TRAINGUARD_DINGTALK_SECRET", env),
+                                 at_mobiles=_csv(value("TRAINGUARD_DINGTALK_AT_MOBILES", env)),
+                                 at_all_severities=_csv(value("TRAINGUARD_DINGTALK_AT_ALL_SEVERITIES", env)),
                                  **common("dingtalk")))
-    if env.get("TRAINGUARD_WECOM_WEBHOOK"):
-        chat.append(WeComSink(env["TRAINGUARD_WECOM_WEBHOOK"], **common("wecom")))
-    if env.get("TRAINGUARD_SLACK_WEBHOOK"):
-        chat.append(SlackSink(env["TRAINGUARD_SLACK_WEBHOOK"], **common("slack")))
-    if env.get("TRAINGUARD_WEBHOOK_URL"):
-        headers = json.loads(env["TRAINGUARD_WEBHOOK_HEADERS"]) if env.get("TRAINGUARD_WEBHOOK_HEADERS") else None
-        chat.append(GenericWebhookSink(env["TRAINGUARD_WEBHOOK_URL"], headers=headers, **common("webhook")))
+    if value("TRAINGUARD_WECOM_WEBHOOK", env):
+        chat.append(WeComSink(value("TRAINGUARD_WECOM_WEBHOOK", env), **common("wecom")))
+    if value("TRAINGUARD_SLACK_WEBHOOK", env):
+        chat.append(SlackSink(value("TRAINGUARD_SLACK_WEBHOOK", env), **common("slack")))
+    if value("TRAINGUARD_WEBHOOK_URL", env):
+        raw_headers = value("TRAINGUARD_WEBHOOK_HEADERS", env)
+        headers = json.loads(raw_headers) if raw_headers else None
+        chat.append(GenericWebhookSink(value("TRAINGUARD_WEBHOOK_URL", env), headers=headers, **common("webhook")))
     if chat:
         sinks.append(PagingSink(chat, PagingSettings.from_env(env), state_path=folder / "pager.json"))
-    if env.get("TRAINGUARD_ALERTMANAGER_URL"):
+    if value("TRAINGUARD_ALERTMANAGER_URL", env):
         # Alertmanager groups, routes and silences itself: it gets every alert, past no pager.
-        sinks.append(AlertmanagerSink(env["TRAINGUARD_ALERTMANAGER_URL"], **common("alertmanager")))
-    if env.get("TRAINGUARD_PROMETHEUS_PORT"):
+        sinks.append(AlertmanagerSink(value("TRAINGUARD_ALERTMANAGER_URL", env), **common("alertmanager")))
+    if value("TRAINGUARD_PROMETHEUS_PORT", env):
         from trainguard.sinks.prometheus import PrometheusSink
 
         # Alerts are the worker's to count; counting them here too doubled every summed panel.
-        sink = PrometheusSink(count_alerts=env.get("TRAINGUARD_PROMETHEUS_ALERTS") == "1")
-        sink.exporter.start_http(int(env["TRAINGUARD_PROMETHEUS_PORT"]),
-                                 env.get("TRAINGUARD_PROMETHEUS_ADDR", "127.0.0.1"))
+        sink = PrometheusSink(count_alerts=value("TRAINGUARD_PROMETHEUS_ALERTS", env) == "1")
+        sink.exporter.start_http(integer("TRAINGUARD_PROMETHEUS_PORT", env),
+                                 value("TRAINGUARD_PROMETHEUS_ADDR", env))
         sinks.append(sink)
     return sinks
 

@@ -47,6 +47,7 @@ from pathlib import Path
 from trainguard.sinks.base import Sink
 from trainguard.sinks.paging import DIGEST_SCHEMA, Message, Pager, PagingSettings, delivery_key
 from trainguard.sinks.reports import format_value
+from trainguard.settings import value
 from trainguard.terminal import safe
 
 log = logging.getLogger("trainguard.sinks.webhooks")
@@ -215,9 +216,9 @@ class Templates:
     """Loads ``name`` from ``directory`` (else the packaged one) and renders alerts with it."""
 
     def __init__(self, directory: str | Path | None = None, ui_url: str | None = None):
-        directory = directory or os.environ.get("TRAINGUARD_TEMPLATES_DIR")
+        directory = directory or value("TRAINGUARD_TEMPLATES_DIR")
         self.directory = Path(directory) if directory else TEMPLATES_DIR
-        self.ui_url = ui_url if ui_url is not None else os.environ.get("TRAINGUARD_UI_URL")
+        self.ui_url = ui_url if ui_url is not None else value("TRAINGUARD_UI_URL")
         self._cache: dict[str, string.Template] = {}
 
     def get(self, name: str) -> string.Template:
@@ -703,13 +704,11 @@ def outbox_dir(env=None, group: str = "trainguard-sinks") -> tuple[Path, bool]:
     the default one: ``TRAINGUARD_OUTBOX_DIR`` as given, else ``<TRAINGUARD_DATA_DIR>/sinks-outbox``
     or ``~/.local/state/trainguard/sinks-outbox`` (``$XDG_STATE_HOME``), one folder per topic
     prefix and group there."""
-    from trainguard.settings import value
-
     env = os.environ if env is None else env
-    if env.get("TRAINGUARD_OUTBOX_DIR"):
-        return Path(env["TRAINGUARD_OUTBOX_DIR"]), False
-    if env.get("TRAINGUARD_DATA_DIR"):
-        base = Path(env["TRAINGUARD_DATA_DIR"]) / "sinks-outbox"
+    if value("TRAINGUARD_OUTBOX_DIR", env):
+        return Path(value("TRAINGUARD_OUTBOX_DIR", env)), False
+    if value("TRAINGUARD_DATA_DIR", env):
+        base = Path(value("TRAINGUARD_DATA_DIR", env)) / "sinks-outbox"
     else:
         state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
         base = Path(state) / "trainguard" / "sinks-outbox"

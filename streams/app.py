@@ -149,7 +149,7 @@ class _ExporterFeed:
         exporter.observe_batch(events, samples, self.lag)
 
 
-def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None = None, app_id: str = "trainguard",
+def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None = None, app_id: str | None = None,
                batch_max: int = 1000, batch_within_s: float = 0.02, rebalance_timeout_s: float | None = None,
                prometheus_port: int | None = None, prometheus_addr: str | None = None,
                state_flush_s: float = 0.5):
@@ -161,6 +161,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     metrics (throughput, lag, alerts, dead letters, key run metrics) on ``/metrics`` there,
     bound to ``prometheus_addr`` (or ``TRAINGUARD_PROMETHEUS_ADDR``, default 127.0.0.1)."""
     settings = settings or KafkaSettings.from_env()
+    app_id = app_id or cast(str, setting("TRAINGUARD_APP_ID"))
     ruleset = rules_mod.load(rules_path)
     signing_key, verify_keys, require_signed = _keys()
     app = _faust_app(settings, app_id, rebalance_timeout_s)
@@ -503,7 +504,7 @@ def leave_orphaned_memberships(app) -> None:
 
 
 def run_worker(settings: KafkaSettings | None = None, *, rules_path: str | None = None, loglevel: str = "warning",
-               app_id: str = "trainguard", prometheus_port: int | None = None,
+               app_id: str | None = None, prometheus_port: int | None = None,
                prometheus_addr: str | None = None) -> int:
     """``trainguard worker``: run until Ctrl-C / SIGTERM."""
     try:

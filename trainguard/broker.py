@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainguard import settings as settings_mod
 from trainguard.kafka import KafkaSettings, create_topics
 
 
@@ -24,7 +25,7 @@ class BrokerError(RuntimeError):
 
 
 def find_binary() -> str:
-    explicit = os.environ.get("TRAINGUARD_TANSU_BIN")
+    explicit = settings_mod.value("TRAINGUARD_TANSU_BIN")
     if explicit:
         if not os.access(explicit, os.X_OK):
             raise BrokerError(f"TRAINGUARD_TANSU_BIN={explicit} is not an executable file.")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import orjson
 
+from trainguard import settings as settings_mod
 from trainguard.kafka import KafkaSettings
 
 CHECKPOINT_EVERY = 20
@@ -222,7 +223,7 @@ def main(args) -> int:
 
     summary = {"alerts": watcher.alerts, "commands": watcher.commands, "acks": watcher.acks,
                "steps_after_rollback": result["steps_after_rollback"], "seconds": round(time.time() - started, 1)}
-    setup_started = os.environ.get("TRAINGUARD_DEMO_SETUP_STARTED")  # `make demo`: its setup counts too
+    setup_started = settings_mod.value("TRAINGUARD_DEMO_SETUP_STARTED")  # `make demo`: its setup counts too
     if setup_started and setup_started.isdigit():
         summary["seconds_with_setup"] = round(time.time() - int(setup_started))
     print(f"\ndemo summary: {summary['alerts']} alerts, commands {summary['commands']}, acks {summary['acks']}, "

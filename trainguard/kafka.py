@@ -10,27 +10,28 @@ The Faust worker translates the same settings to its own credentials object.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from trainguard import settings as _settings
+
 log = logging.getLogger("trainguard.kafka")
 
-DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
-ENV_PREFIX = "TRAINGUARD_KAFKA_"
+DEFAULT_BOOTSTRAP = _settings.default("TRAINGUARD_BOOTSTRAP")
+_PREFIX = _settings.default("TRAINGUARD_TOPIC_PREFIX")
 
 
 @dataclass(frozen=True)
 class Topics:
-    events: str = "trainguard.events"
-    alerts: str = "trainguard.alerts"
-    control: str = "trainguard.control"
-    acks: str = "trainguard.control.acks"
-    dlq: str = "trainguard.dlq"
-    status: str = "trainguard.status"  # compacted: the latest status of each run (runs, status)
+    events: str = f"{_PREFIX}.events"
+    alerts: str = f"{_PREFIX}.alerts"
+    control: str = f"{_PREFIX}.control"
+    acks: str = f"{_PREFIX}.control.acks"
+    dlq: str = f"{_PREFIX}.dlq"
+    status: str = f"{_PREFIX}.status"  # compacted: the latest status of each run (runs, status)
 
     def all(self) -> list[str]:
         return [self.events, self.alerts, self.control, self.acks, self.dlq, self.status]
@@ -44,22 +45,17 @@ class Topics:
 @dataclass(frozen=True)
 class KafkaSettings:
     bootstrap: str = DEFAULT_BOOTSTRAP
-    partitions: int = 4
+    partitions: int = int(_settings.default("TRAINGUARD_PARTITIONS"))
     topics: Topics = field(default_factory=Topics)
     client: dict = field(default_factory=dict)  # extra librdkafka settings (security ...)
 
     @classmethod
     def from_env(cls, env: dict | None = None, **overrides) -> "KafkaSettings":
-        env = os.environ if env is None else env
-        client = {k[len(ENV_PREFIX):].lower().replace("_", "."): v
-                  for k, v in env.items() if k.startswith(ENV_PREFIX) and v != ""}
-        prefix = env.get("TRAINGUARD_TOPIC_PREFIX", "trainguard")
-        topics = Topics.with_prefix(prefix)
         values = dict(
-            bootstrap=env.get("TRAINGUARD_BOOTSTRAP", DEFAULT_BOOTSTRAP),
-            partitions=int(env.get("TRAINGUARD_PARTITIONS", "4")),
-            topics=topics,
-            client=client,
+            bootstrap=_settings.value("TRAINGUARD_BOOTSTRAP", env),
+            partitions=_settings.integer("TRAINGUARD_PARTITIONS", env),
+            topics=Topics.with_prefix(_settings.value("TRAINGUARD_TOPIC_PREFIX", env)),
+            client=_settings.kafka_client(env),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -260,9 +256,7 @@ def topic_config(topic: str) -> dict[str, str]:
     run, and drops those older than the summary retention (a live run's is republished often)."""
     if topic.rsplit(".", 1)[-1] != "status":
         return {}
-    from trainguard.settings import number
-
-    retention_ms = int(number("TRAINGUARD_RUN_SUMMARY_RETENTION_S") * 1000)
+    retention_ms = int(_settings.number("TRAINGUARD_RUN_SUMMARY_RETENTION_S") * 1000)
     return {"cleanup.policy": "compact,delete", "retention.ms": str(retention_ms)}
 
 

@@ -1,7 +1,8 @@
 """Every ``TRAINGUARD_*`` environment variable, in one table: its default, who reads it and
 what it does. ``docs/settings.md`` is generated from it (``python -m trainguard.settings``), and
 a test fails when the code reads a variable this table does not name, so none goes
-undocumented. ``value(name)`` reads one through the table (an unknown name is a bug)."""
+undocumented. ``value(name)`` reads one through the table (an unknown name is a bug); nothing else reads them
+(``tests/test_settings_table.py`` fails on any other read, and on a read at import time)."""
 
 from __future__ import annotations
 
@@ -145,9 +146,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_TEST_BOOTSTRAP", None, "tests", "run the integration tests on this cluster"),
     Setting("TRAINGUARD_TEST_BROKER", None, "tests",
             "`embedded`: the embedded broker even where Apache Kafka is at hand (`make kafka`, Docker)"),
+    Setting("TRAINGUARD_SHARED", None, "evaluation", "the folder that holds the NAB benchmark (default: `../shared`)"),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
+KAFKA_PREFIX = "TRAINGUARD_KAFKA_"
+
+
+def default(name: str) -> str:
+    """The table's default of a setting that has one (no environment read)."""
+    found = BY_NAME[name].default
+    if found is None:
+        raise KeyError(f"{name} has no default")
+    return found
 
 
 def value(name: str, env=None) -> str | None:
@@ -155,6 +166,14 @@ def value(name: str, env=None) -> str | None:
     setting = BY_NAME[name]
     env = os.environ if env is None else env
     return env.get(name, setting.default)
+
+
+def kafka_client(env=None) -> dict[str, str]:
+    """``TRAINGUARD_KAFKA_<SETTING>`` as librdkafka settings: ``security.protocol`` for
+    ``TRAINGUARD_KAFKA_SECURITY_PROTOCOL`` (empty values left out)."""
+    env = os.environ if env is None else env
+    return {k[len(KAFKA_PREFIX):].lower().replace("_", "."): v
+            for k, v in env.items() if k.startswith(KAFKA_PREFIX) and v != ""}
 
 
 def number(name: str, env=None) -> float:
