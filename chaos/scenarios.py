@@ -18,9 +18,10 @@ from contextlib import contextmanager
 import orjson
 
 from trainguard.broker import EmbeddedBroker, free_port
-from trainguard.kafka import KafkaSettings, Topics, create_topics, partition_for
+from trainguard.core.admin import create_topics
+from trainguard.core.kafka import KafkaSettings, Topics, partition_for
+from trainguard.core.publisher import Publisher
 from trainguard.producers.control import ControlListener
-from trainguard.producers.publisher import Publisher
 from trainguard.producers.trainer import TrainerLogger
 from trainguard.schemas import events as ev
 
@@ -213,7 +214,7 @@ def listener_restart(lookback_s: float = 30.0, stale_age_s: float = 60.0) -> dic
 def _changelog_bytes(settings: KafkaSettings, topic: str, prefixes: tuple[bytes, ...], seconds: float = 5.0) -> int:
     """Bytes of the latest value of every key starting with one of ``prefixes`` in a changelog
     topic (a tombstone counts 0): what a worker would restore for those runs."""
-    from trainguard.kafka import topic_reader
+    from trainguard.core.reader import topic_reader
 
     c, _missing = topic_reader(settings, [topic], timeout=5, log_level=0)
     latest: dict[bytes, int] = {}
@@ -927,7 +928,7 @@ def _rss_mb(proc) -> float:
 def _tombstones(settings: KafkaSettings, topic: str, prefix: bytes, quiet_s: float = 3.0) -> int:
     """Keys starting with ``prefix`` whose latest record on ``topic`` says the run was forgotten:
     a tombstone, or a summary of a run whose state was freed."""
-    from trainguard.kafka import topic_reader
+    from trainguard.core.reader import topic_reader
 
     c, _missing = topic_reader(settings, [topic], timeout=5, log_level=0)
     latest: dict[bytes, bool] = {}

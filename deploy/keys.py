@@ -23,8 +23,8 @@ import secrets
 import sys
 from pathlib import Path
 
+from trainguard.core.settings import value
 from trainguard.schemas import signing
-from trainguard.settings import value
 
 NOBODY = 65534  # the image's user (Dockerfile: USER nobody)
 KEY_ID = "compose"

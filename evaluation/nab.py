@@ -46,12 +46,12 @@ from multiprocessing import Pool
 from pathlib import Path
 
 try:
-    from trainguard.settings import value
+    from trainguard.core.settings import value
     from trainguard.streams.detectors import RobustMAD
 except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from streams.detectors import RobustMAD  # type: ignore
-    from trainguard.settings import value
+    from trainguard.core.settings import value
 
 PUBLISHED = [  # name in results/final_results.json -> label on the scoreboard
     ("ARTime", "ARTime"),

@@ -34,8 +34,8 @@ import uuid
 from collections import OrderedDict
 from typing import Callable
 
-from trainguard.kafka import KafkaSettings, partition_for
-from trainguard.producers.publisher import Publisher
+from trainguard.core.kafka import KafkaSettings, partition_for
+from trainguard.core.publisher import Publisher
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import Keyring, TrainerKey, sign_trainer, unsigned_allowed, verify, verify_own
 

@@ -18,7 +18,7 @@ Robustness, because a monitoring daemon must outlive what it monitors:
 - any other per-GPU read error leaves that value out of this sample and the loop goes on;
   ``gpu/responding[i]`` turns 0 when even the basic memory query fails (a GPU that fell
   off the bus is itself the signal);
-- publishing never blocks or raises (see :class:`~trainguard.producers.publisher.Publisher`).
+- publishing never blocks or raises (see :class:`~trainguard.core.publisher.Publisher`).
 
 Units: memory in GiB (2**30 bytes, as verl's ``perf/max_memory_allocated_gb``), power in W,
 temperature in °C, ECC counts are NVML's *volatile* counters (since the last driver
@@ -35,8 +35,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from trainguard import settings as settings_mod
-from trainguard.kafka import KafkaSettings
+from trainguard.core import settings as settings_mod
+from trainguard.core.kafka import KafkaSettings
 from trainguard.schemas import events as ev
 
 log = logging.getLogger("trainguard.node")
@@ -105,7 +105,7 @@ class NodeAgent:
     @property
     def publisher(self):
         if self._publisher is None:
-            from trainguard.producers.publisher import Publisher
+            from trainguard.core.publisher import Publisher
 
             self._publisher = Publisher(self.settings)
         return self._publisher

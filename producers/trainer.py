@@ -26,9 +26,9 @@ import socket
 import sys
 import time
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core.kafka import KafkaSettings
+from trainguard.core.publisher import Publisher
 from trainguard.producers.control import authored
-from trainguard.producers.publisher import Publisher
 from trainguard.schemas import events as ev
 
 log = logging.getLogger("trainguard.trainer")

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from trainguard.settings import default, number, value
+from trainguard.core.settings import default, number, value
 
 PAGE = "page"
 DIGEST = "digest"

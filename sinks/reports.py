@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from trainguard import settings as settings_mod
+from trainguard.core import settings as settings_mod
 from trainguard.sinks.base import Sink
 
 

@@ -31,9 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core.kafka import KafkaSettings
+from trainguard.core.settings import integer, number, value
 from trainguard.schemas.events import SchemaError, decode
-from trainguard.settings import integer, number, value
 from trainguard.sinks.base import Sink
 
 log = logging.getLogger("trainguard.sinks.runner")
@@ -98,7 +98,7 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
     ``TRAINGUARD_SINKS_MAX_AGE_S``) are skipped."""
     from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError
 
-    from trainguard.kafka import topic_reader
+    from trainguard.core.reader import topic_reader
 
     names = _topic_names(settings, topics)
     if start not in (None, "beginning", "end"):
@@ -195,8 +195,16 @@ def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str |
     from trainguard.sinks.console import ConsoleSink
     from trainguard.sinks.jsonl import JsonlSink
     from trainguard.sinks.paging import PagingSettings
-    from trainguard.sinks.webhooks import (DingTalkSink, GenericWebhookSink, PagingSink, SlackSink, Templates,
-                                           WeComSink, lock_outbox_dir, outbox_dir)
+    from trainguard.sinks.webhooks import (
+        DingTalkSink,
+        GenericWebhookSink,
+        PagingSink,
+        SlackSink,
+        Templates,
+        WeComSink,
+        lock_outbox_dir,
+        outbox_dir,
+    )
 
     sinks: list[Sink] = []
     if console:

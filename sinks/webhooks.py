@@ -44,10 +44,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainguard.core.settings import value
 from trainguard.sinks.base import Sink
 from trainguard.sinks.paging import DIGEST_SCHEMA, Message, Pager, PagingSettings, delivery_key
 from trainguard.sinks.reports import format_value
-from trainguard.settings import value
 from trainguard.terminal import safe
 
 log = logging.getLogger("trainguard.sinks.webhooks")
@@ -352,7 +352,7 @@ class Outbox:
 
 def _counter():
     try:
-        from trainguard.sinks.prometheus import NOTIFICATIONS
+        from trainguard.streams.exporter import NOTIFICATIONS
         return NOTIFICATIONS
     except ImportError:  # prometheus-client not installed: the sink still works
         return None

@@ -26,11 +26,12 @@ from typing import cast
 
 import faust
 
-from trainguard.kafka import KafkaSettings, control_partitions_of
-from trainguard.producers.publisher import Publisher
+from trainguard.core.admin import control_partitions_of
+from trainguard.core.kafka import KafkaSettings, faust_credentials
+from trainguard.core.publisher import Publisher
+from trainguard.core.settings import integer, number
+from trainguard.core.settings import value as setting
 from trainguard.schemas.signing import load_keys, signing_key_for_worker, unsigned_allowed
-from trainguard.settings import integer, number
-from trainguard.settings import value as setting
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.checkpoint import Checkpoint, OutputRouter
 from trainguard.streams.engine import Engine, Limits
@@ -79,30 +80,6 @@ class _TableChangelog:
 
     def send(self, partition: int, key: bytes, value: bytes | None) -> None:
         self.table.send_changelog(partition, key, value, key_serializer="raw", value_serializer="raw")
-
-
-def _credentials(settings: KafkaSettings):
-    """Translate the librdkafka-style security settings to Faust's credentials."""
-    c = settings.client
-    protocol = c.get("security.protocol", "PLAINTEXT").upper()
-    if protocol == "PLAINTEXT":
-        return None
-    ssl_context = None
-    if "SSL" in protocol:
-        from faust.auth import ssl
-
-        ssl_context = ssl.create_default_context(cafile=c.get("ssl.ca.location"))
-        if c.get("ssl.certificate.location"):
-            ssl_context.load_cert_chain(c["ssl.certificate.location"], c.get("ssl.key.location"),
-                                        c.get("ssl.key.password"))
-    if protocol.startswith("SASL"):
-        mechanism = c.get("sasl.mechanism", "PLAIN").upper()
-        if mechanism.startswith("SCRAM") or mechanism == "PLAIN":
-            return faust.SASLCredentials(username=c.get("sasl.username"), password=c.get("sasl.password"),
-                                         mechanism=mechanism, ssl_context=ssl_context)
-        return faust.GSSAPICredentials(kerberos_service_name=c.get("sasl.kerberos.service.name", "kafka"),
-                                       mechanism=mechanism, ssl_context=ssl_context)
-    return faust.SSLCredentials(ssl_context)
 
 
 class _ExporterFeed:
@@ -231,7 +208,7 @@ def _faust_app(settings: KafkaSettings, app_id: str, rebalance_timeout_s: float 
     return WorkerApp(
         app_id,
         broker=[f"kafka://{b}" for b in settings.bootstrap.split(",")],
-        broker_credentials=_credentials(settings),
+        broker_credentials=faust_credentials(settings),
         store="memory://",
         datadir=data_dir(app_id),
         topic_partitions=settings.partitions,
@@ -269,7 +246,7 @@ def _serve_prometheus(app: WorkerApp, engine: Engine, port: int | None, addr: st
         port = integer("TRAINGUARD_PROMETHEUS_PORT")
     if port is None:
         return None, None
-    from trainguard.sinks.prometheus import KEY_METRICS, Exporter
+    from trainguard.streams.exporter import KEY_METRICS, Exporter
 
     more = [n.strip() for n in (setting("TRAINGUARD_PROMETHEUS_METRICS") or "").split(",") if n.strip()]
     exporter = Exporter(key_metrics=(*KEY_METRICS, *more))

@@ -45,7 +45,7 @@ from aiokafka.protocol.group import LeaveGroupRequest
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as aiokafka_driver
 
-from trainguard.settings import integer
+from trainguard.core.settings import integer
 
 if TYPE_CHECKING:
     from trainguard.streams.engine import Engine

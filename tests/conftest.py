@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.kafka import KafkaSettings, Topics, create_topics
-from trainguard.settings import value
+from trainguard.core.admin import create_topics
+from trainguard.core.kafka import KafkaSettings, Topics
+from trainguard.core.settings import value
 
 # Screenshots the browser tests saved, listed at the end of the run.
 SCREENSHOTS: list = []

@@ -17,9 +17,9 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from trainguard import settings
 from trainguard.cli import build_parser
-from trainguard.kafka import Topics
+from trainguard.core import settings
+from trainguard.core.kafka import Topics
 from trainguard.schemas import events as ev
 from trainguard.schemas import signing
 

@@ -1,4 +1,4 @@
-"""Every TRAINGUARD_* variable the code reads is in trainguard/settings.py and is read through it
+"""Every TRAINGUARD_* variable the code reads is in trainguard/core/settings.py and is read through it
 (never from os.environ directly, never at import time), and docs/settings.md and the README's
 environment table are generated from that table."""
 
@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-from trainguard import settings
+from trainguard.core import settings
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ["trainguard", "producers", "streams", "sinks", "schemas", "rules", "tests/conftest.py"]
@@ -28,17 +28,17 @@ def test_every_variable_the_code_reads_is_in_the_table():
     known = set(settings.BY_NAME)
     passthrough = {n for n in _names_in_code() if n.startswith("TRAINGUARD_KAFKA")}  # librdkafka settings
     missing = _names_in_code() - known - passthrough
-    assert not missing, f"add these to trainguard/settings.py (and regenerate docs/settings.md): {sorted(missing)}"
+    assert not missing, f"add these to trainguard/core/settings.py (and regenerate docs/settings.md): {sorted(missing)}"
 
 
 def test_the_docs_are_generated_from_the_table():
     assert (ROOT / "docs" / "settings.md").read_text() == settings.markdown(), \
-        "regenerate: python -m trainguard.settings > docs/settings.md"
+        "regenerate: python -m trainguard.core.settings > docs/settings.md"
 
 
 def test_the_readme_table_is_generated_from_the_table():
     readme = (ROOT / "README.md").read_text()
-    assert settings.readme_table() in readme, "regenerate: python -m trainguard.settings --readme"
+    assert settings.readme_table() in readme, "regenerate: python -m trainguard.core.settings --readme"
 
 
 def test_a_value_comes_from_the_environment_or_the_default():
@@ -108,7 +108,7 @@ def test_settings_are_read_only_through_the_table_and_never_at_import_time():
         if file != TABLE:
             direct += [f"{where}:{n}" for n in direct_reads(tree)]
         on_import += [f"{where}:{n}" for n in import_time_reads(tree)]
-    assert not direct, f"read these through trainguard.settings (value/number/integer): {direct}"
+    assert not direct, f"read these through trainguard.core.settings (value/number/integer): {direct}"
     assert not on_import, f"read these when needed, not at import time: {on_import}"
 
 
@@ -128,7 +128,7 @@ def test_the_checks_find_the_reads_they_forbid():
 
 
 def test_a_setting_without_a_value_reads_its_one_default():
-    from trainguard.kafka import KafkaSettings
+    from trainguard.core.kafka import KafkaSettings
     from trainguard.sinks.paging import PagingSettings
 
     assert KafkaSettings() == KafkaSettings.from_env({})

@@ -16,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard import settings as settings_mod
-from trainguard.kafka import KafkaSettings, create_topics
+from trainguard.core import settings as settings_mod
+from trainguard.core.admin import create_topics
+from trainguard.core.kafka import KafkaSettings
 
 
 class BrokerError(RuntimeError):

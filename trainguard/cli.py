@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from trainguard import settings as settings_mod
+from trainguard.core import settings as settings_mod
 
 
 def _broker(args) -> int:
@@ -19,7 +19,7 @@ def _broker(args) -> int:
 
 
 def _worker(args) -> int:
-    from trainguard.kafka import KafkaSettings
+    from trainguard.core.kafka import KafkaSettings
     from trainguard.streams.app import run_worker
 
     return run_worker(KafkaSettings.from_env(bootstrap=args.bootstrap), rules_path=args.rules,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import orjson
 
-from trainguard import settings as settings_mod
-from trainguard.kafka import KafkaSettings
+from trainguard.core import settings as settings_mod
+from trainguard.core.kafka import KafkaSettings
 
 CHECKPOINT_EVERY = 20
 
@@ -70,7 +70,7 @@ class Watcher(threading.Thread):
         self.ready = threading.Event()
 
     def run(self) -> None:
-        from trainguard.kafka import topic_reader
+        from trainguard.core.reader import topic_reader
         from trainguard.schemas import events as ev
 
         t = self.settings.topics

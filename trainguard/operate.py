@@ -13,18 +13,20 @@ Exit status: 0 applied, 1 rejected or failed by the trainer, 2 bad input or no b
 from __future__ import annotations
 
 import getpass
-import socket
 import math
+import socket
 import sys
 import time
 import uuid
 from typing import TextIO
 
-from trainguard.kafka import KafkaSettings, TopicDecoder, control_partitions_of, partition_for, topic_reader
+from trainguard.core.admin import control_partitions_of
+from trainguard.core.kafka import KafkaSettings, partition_for
+from trainguard.core.reader import TopicDecoder, topic_reader
 from trainguard.schemas import events as ev
+from trainguard.schemas.signing import operator_signed
 from trainguard.sinks.reports import format_value
 from trainguard.terminal import safe, safe_event, safe_json
-from trainguard.schemas.signing import operator_signed
 
 # Actions an operator sends by hand (the worker's own also include skip_data, checkpoint_now).
 MANUAL_ACTIONS = ("pause", "resume", "stop", "rollback")
@@ -86,7 +88,7 @@ def send_command(settings: KafkaSettings, command: dict, *, wait_s: float = 60.0
     the trainer's ack. Returns the exit status (see the module's docstring)."""
     from confluent_kafka import KafkaException
 
-    from trainguard.producers.publisher import Publisher
+    from trainguard.core.publisher import Publisher
 
     out, err = out or sys.stdout, err or sys.stderr
     run_id = command["run_id"]
@@ -408,7 +410,7 @@ def parse_duration(text: str) -> float:
 
 def silence_main(args) -> int:
     """``trainguard silence RUN --for 2h --reason ...`` (or ``--end ID``)."""
-    from trainguard.producers.publisher import Publisher
+    from trainguard.core.publisher import Publisher
 
     who = f"{getpass.getuser()}@{socket.gethostname()}"
     try:
@@ -464,7 +466,7 @@ def alert_main(args) -> int:
     resolution; a condition that still holds fires again after the rule's duration)."""
     from confluent_kafka import KafkaException
 
-    from trainguard.producers.publisher import Publisher
+    from trainguard.core.publisher import Publisher
 
     action, name = args.command, f"trainguard {args.command}"
     if not args.reason.strip():

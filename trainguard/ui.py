@@ -49,7 +49,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import orjson
 
-from trainguard.kafka import KafkaSettings, TopicDecoder, Topics, topic_reader
+from trainguard.core.kafka import KafkaSettings, Topics
+from trainguard.core.reader import TopicDecoder, topic_reader
 from trainguard.schemas import events as ev
 from trainguard.sinks.reports import PLOT_CSS, format_value, implicated, svg_steps_plot
 from trainguard.sinks.reports import attr as _attr
@@ -942,7 +943,7 @@ class UiServer:
 
 
 def main(args) -> int:
-    from trainguard import settings as settings_mod
+    from trainguard.core import settings as settings_mod
     from trainguard.streams import rules as rules_mod
 
     settings = KafkaSettings.from_env(bootstrap=args.bootstrap)

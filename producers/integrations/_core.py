@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.control import ControlListener
 from trainguard.producers.trainer import TrainerLogger
 

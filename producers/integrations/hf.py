@@ -65,7 +65,7 @@ import time
 
 from transformers import TrainerCallback
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.integrations._core import Decision, GuardBase
 from trainguard.readers.hfconsole import PLAIN_LOSS
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import atexit
 import os
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.integrations._core import GuardBase, Unsupported, reporting_end
 
 __all__ = ["OpenRLHFBackend", "attach", "StopTraining"]

@@ -1,5 +1,5 @@
 """Every ``TRAINGUARD_*`` environment variable, in one table: its default, who reads it and
-what it does. ``docs/settings.md`` is generated from it (``python -m trainguard.settings``), and
+what it does. ``docs/settings.md`` is generated from it (``python -m trainguard.core.settings``), and
 a test fails when the code reads a variable this table does not name, so none goes
 undocumented. ``value(name)`` reads one through the table (an unknown name is a bug); nothing else reads them
 (``tests/test_settings_table.py`` fails on any other read, and on a read at import time)."""
@@ -200,7 +200,7 @@ README_NAMES = ("TRAINGUARD_BOOTSTRAP", "TRAINGUARD_PARTITIONS", "TRAINGUARD_TOP
                 "TRAINGUARD_FINISHED_GRACE_S", "TRAINGUARD_RUN_TTL_S", "TRAINGUARD_COMMAND_KEY",
                 "TRAINGUARD_COMMAND_KEY_FILE", "TRAINGUARD_COMMAND_KEY_ID", "TRAINGUARD_COMMAND_PUBLIC_KEYS",
                 "TRAINGUARD_TRAINER_KEY", "TRAINGUARD_OPERATOR_KEY")
-README_BEGIN = "<!-- settings table: python -m trainguard.settings --readme -->"
+README_BEGIN = "<!-- settings table: python -m trainguard.core.settings --readme -->"
 README_END = "<!-- end of settings table -->"
 
 
@@ -225,8 +225,8 @@ def markdown() -> str:
     """``docs/settings.md``."""
     lines = ["# Settings",
              "",
-             "Every environment variable trainguard reads (generated from `trainguard/settings.py`:",
-             "`python -m trainguard.settings > docs/settings.md`).",
+             "Every environment variable trainguard reads (generated from `trainguard/core/settings.py`:",
+             "`python -m trainguard.core.settings > docs/settings.md`).",
              "",
              "| variable | default | read by | meaning |",
              "|---|---|---|---|"]
@@ -241,7 +241,7 @@ if __name__ == "__main__":
     from pathlib import Path
 
     if sys.argv[1:] == ["--readme"]:  # rewrite the README's table in place
-        readme = Path(__file__).resolve().parents[1] / "README.md"
+        readme = Path(__file__).resolve().parents[2] / "README.md"
         readme.write_text(with_readme_table(readme.read_text()))
     else:
         print(markdown(), end="")

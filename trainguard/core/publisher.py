@@ -32,7 +32,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core.kafka import KafkaSettings
 
 log = logging.getLogger("trainguard.producer")
 
