@@ -25,6 +25,7 @@ Acks and the trainer's checkpoint and lifecycle events are signed with the train
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -482,10 +483,8 @@ class ControlListener:
                 else:
                     log.debug("trainguard: control listener retrying: %s", exc)
                 if consumer is not None:
-                    try:
+                    with contextlib.suppress(Exception):
                         consumer.close()
-                    except Exception:
-                        pass
                     consumer = None
                 self._stop.wait(2.0)
         if consumer is not None:

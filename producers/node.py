@@ -28,6 +28,7 @@ load, so a rise is news), XID counts are critical XID events seen since the agen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import socket
 import sys
@@ -37,6 +38,7 @@ from typing import Any, Callable
 
 from trainguard.core import settings as settings_mod
 from trainguard.core.kafka import KafkaSettings
+from trainguard.producers.never_raise import never_raises
 from trainguard.schemas import events as ev
 
 log = logging.getLogger("trainguard.node")
@@ -95,10 +97,8 @@ class NodeAgent:
         self._prev_cpu = None       # (monotonic time, cpu_times) for iowait deltas
         self._prev_disk = None      # (monotonic time, disk_io_counters)
         if self._psutil is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._psutil.cpu_percent(interval=None)  # prime: the next call measures since now
-            except Exception:
-                pass
 
     # ------------------------------------------------------------------ publishing
 
@@ -115,10 +115,8 @@ class NodeAgent:
         metrics = self.collect()
         event = ev.metrics_event(self.run_id, self.step, metrics, src=self.source, layer="resource")
         self.step += 1
-        try:
+        with never_raises(f"node agent: could not publish sample {event['step']}"):  # a broken encoder, say
             self.publisher.publish(self.settings.topics.events, self.run_id, ev.encode(event))
-        except Exception as exc:  # the publisher does not raise; a broken encoder must not stop the loop
-            log.warning("node agent: could not publish sample %d: %s", event["step"], exc)
         return metrics
 
     def run(self, stop: threading.Event, on_sample: Callable[["NodeAgent", dict], None] | None = None) -> None:
@@ -149,16 +147,12 @@ class NodeAgent:
 
     def close(self) -> None:
         if self._xid_set is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._nvml.nvmlEventSetFree(self._xid_set)
-            except Exception:
-                pass
             self._xid_set = None
         if self._nvml_started:
-            try:
+            with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()
-            except Exception:
-                pass
             self._nvml_started = False
         if self._publisher is not None:
             self._publisher.flush(5.0)
@@ -401,10 +395,8 @@ class NodeAgent:
         if registered:
             self._xid_set = event_set
         else:
-            try:
+            with contextlib.suppress(Exception):
                 nv.nvmlEventSetFree(event_set)
-            except Exception:
-                pass
 
     def _drain_xid_events(self, limit: int = 1000) -> None:
         if self._xid_set is None:
