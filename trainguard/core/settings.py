@@ -168,6 +168,12 @@ def value(name: str, env=None) -> str | None:
     return env.get(name, setting.default)
 
 
+def text(name: str, env=None) -> str:
+    """A setting that has a default, as text (never None)."""
+    found = value(name, env)
+    return default(name) if found is None else found
+
+
 def kafka_client(env=None) -> dict[str, str]:
     """``TRAINGUARD_KAFKA_<SETTING>`` as librdkafka settings: ``security.protocol`` for
     ``TRAINGUARD_KAFKA_SECURITY_PROTOCOL`` (empty values left out)."""
@@ -226,7 +232,11 @@ def markdown() -> str:
     lines = ["# Settings",
              "",
              "Every environment variable trainguard reads (generated from `trainguard/core/settings.py`:",
-             "`python -m trainguard.core.settings > docs/settings.md`).",
+             "`python -m trainguard.core.settings > docs/settings.md`). The code reads them only through",
+             "that module (`value`, `number`, `integer`, `text`; `kafka_client` for `TRAINGUARD_KAFKA_*`),",
+             "when they are needed and never while a module is imported, so each has one default, the one",
+             "below, and a process that changes its environment before starting a component is heard",
+             "(`tests/test_settings_table.py` fails on any other read).",
              "",
              "| variable | default | read by | meaning |",
              "|---|---|---|---|"]
