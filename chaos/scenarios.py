@@ -159,7 +159,8 @@ def _command(run_id: str, action: str, issued: float, ttl: float = 300.0) -> dic
             "target": None, "reason": [], "issued": issued, "expires": issued + ttl, "detail": "chaos"}
 
 
-def _produce(settings: KafkaSettings, topic: str, key: str, events: list[dict], written_at: float | None = None) -> None:
+def _produce(settings: KafkaSettings, topic: str, key: str, events: list[dict],
+             written_at: float | None = None) -> None:
     """``written_at``: the messages' Kafka timestamp (default: now), to stand for old messages."""
     from confluent_kafka import Producer
 
@@ -1140,7 +1141,7 @@ def hostile_crash_loops(restarts: int = 2, sources: int = 11_500, names: int = 2
         try:
             worker.wait_ready()
             p = _event_producer(settings)
-            for kind, records in attacks.items():
+            for records in attacks.values():
                 for e in records:
                     p.produce(settings.topics.events, _json_bytes(e), e["run_id"])
                 p.poll(0)

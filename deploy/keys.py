@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True)
     p = sub.add_parser("init", help="make what is missing, derive the handouts")
     p.add_argument("--scope", default="*", help="the runs the trainers' key covers (default: every run)")
-    p.add_argument("--owner", type=int, default=NOBODY, help="the uid that owns the files (the group is left as it is: only the owner may read)")
+    p.add_argument("--owner", type=int, default=NOBODY,
+                   help="the uid that owns the files (the group is left as it is: only the owner may read)")
     p = sub.add_parser("show", help="print one handout")
     p.add_argument("what", choices=("trainer", "operator", "ui"))
     p.add_argument("scope", nargs="?", help="trainer: a scope other than the stack's")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import socket
 import sys
@@ -48,7 +49,7 @@ GIB = float(1 << 30)
 
 def _psutil():
     try:
-        import psutil  # type: ignore
+        import psutil
 
         return psutil
     except ImportError:
@@ -94,8 +95,8 @@ class NodeAgent:
         self._errors_said: set[tuple[int, str, str]] = set()
         self._psutil = _psutil()
         self._host_said = False
-        self._prev_cpu = None       # (monotonic time, cpu_times) for iowait deltas
-        self._prev_disk = None      # (monotonic time, disk_io_counters)
+        self._prev_cpu: tuple[float, Any] | None = None   # (monotonic time, cpu_times) for iowait deltas
+        self._prev_disk: tuple[float, Any] | None = None  # (monotonic time, disk_io_counters)
         if self._psutil is not None:
             with contextlib.suppress(Exception):
                 self._psutil.cpu_percent(interval=None)  # prime: the next call measures since now
@@ -233,7 +234,7 @@ class NodeAgent:
             return False  # said once; NVML does not come back without a restart of the agent
         try:
             if self._nvml is None:
-                import pynvml  # type: ignore
+                import pynvml
 
                 self._nvml = pynvml
             nv = self._nvml
@@ -317,13 +318,13 @@ class NodeAgent:
             m["gpu/hw_slowdown" + sfx] = 1.0 if int(reasons) & thermal else 0.0
         for name, kind in (("ecc_uncorrected", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED"),
                            ("ecc_corrected", "NVML_MEMORY_ERROR_TYPE_CORRECTED")):
-            v = self._read(i, name, lambda kind=kind: nv.nvmlDeviceGetTotalEccErrors(
-                h, getattr(nv, kind), nv.NVML_VOLATILE_ECC))
+            v = self._read(i, name, functools.partial(nv.nvmlDeviceGetTotalEccErrors, h, getattr(nv, kind),
+                                                      nv.NVML_VOLATILE_ECC))
             if v is not None:
                 m[f"gpu/{name}{sfx}"] = float(v)
         for name, cause in (("retired_pages_sbe", "NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS"),
                             ("retired_pages_dbe", "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR")):
-            pages = self._read(i, name, lambda cause=cause: nv.nvmlDeviceGetRetiredPages(h, getattr(nv, cause)))
+            pages = self._read(i, name, functools.partial(nv.nvmlDeviceGetRetiredPages, h, getattr(nv, cause)))
             if pages is not None:
                 m[f"gpu/{name}{sfx}"] = float(len(pages))
         pending = self._read(i, "retired_pages_pending", lambda: nv.nvmlDeviceGetRetiredPagesPendingStatus(h))
@@ -369,8 +370,8 @@ class NodeAgent:
             total, seen = 0, False
             for link in links:
                 for kind in kinds:
-                    v = self._read(i, f"{name}:{link}:{kind}", lambda link=link, kind=kind:
-                                   nv.nvmlDeviceGetNvLinkErrorCounter(h, link, getattr(nv, kind)))
+                    v = self._read(i, f"{name}:{link}:{kind}",
+                                   functools.partial(nv.nvmlDeviceGetNvLinkErrorCounter, h, link, getattr(nv, kind)))
                     if v is not None:
                         total += int(v)
                         seen = True

@@ -29,10 +29,11 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from trainguard.core.kafka import KafkaSettings
-from trainguard.core.settings import integer, number, value
+from trainguard.core.settings import integer, number, text, value
 from trainguard.schemas.events import SchemaError, decode
 from trainguard.sinks.base import Sink
 
@@ -185,7 +186,7 @@ def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
 
 
-def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str | Path | None = None,
+def build_sinks(env: Mapping[str, str] | None = None, console: bool = True, jsonl_path: str | Path | None = None,
                 group: str = DEFAULT_GROUP) -> list[Sink]:
     """The sinks the environment configures (variables in docs/sinks.md). The chat and generic
     webhooks sit behind one :class:`~trainguard.sinks.webhooks.PagingSink`; every webhook sink
@@ -212,10 +213,10 @@ def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str |
     jsonl_path = jsonl_path or value("TRAINGUARD_ALERTS_JSONL", env)
     if jsonl_path:
         sinks.append(JsonlSink(jsonl_path))
-    if value("TRAINGUARD_REPORTS_DIR", env):
+    if reports := value("TRAINGUARD_REPORTS_DIR", env):
         from trainguard.sinks.reports import ReportSink
 
-        sinks.append(ReportSink(value("TRAINGUARD_REPORTS_DIR", env)))
+        sinks.append(ReportSink(reports))
 
     templates = Templates(value("TRAINGUARD_TEMPLATES_DIR", env) or None,
                           ui_url=value("TRAINGUARD_UI_URL", env) or "")
@@ -231,38 +232,40 @@ def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str |
         return {"templates": templates, "outbox_path": folder / f"{name}.json"}
 
     chat: list[Sink] = []
-    if value("TRAINGUARD_DINGTALK_WEBHOOK", env):
-        chat.append(DingTalkSink(value("TRAINGUARD_DINGTALK_WEBHOOK", env), value("TRAINGUARD_DINGTALK_SECRET", env),
+    if url := value("TRAINGUARD_DINGTALK_WEBHOOK", env):
+        chat.append(DingTalkSink(url, value("TRAINGUARD_DINGTALK_SECRET", env),
                                  at_mobiles=_csv(value("TRAINGUARD_DINGTALK_AT_MOBILES", env)),
                                  at_all_severities=_csv(value("TRAINGUARD_DINGTALK_AT_ALL_SEVERITIES", env)),
                                  **common("dingtalk")))
-    if value("TRAINGUARD_WECOM_WEBHOOK", env):
-        chat.append(WeComSink(value("TRAINGUARD_WECOM_WEBHOOK", env), **common("wecom")))
-    if value("TRAINGUARD_SLACK_WEBHOOK", env):
-        chat.append(SlackSink(value("TRAINGUARD_SLACK_WEBHOOK", env), **common("slack")))
-    if value("TRAINGUARD_WEBHOOK_URL", env):
+    if url := value("TRAINGUARD_WECOM_WEBHOOK", env):
+        chat.append(WeComSink(url, **common("wecom")))
+    if url := value("TRAINGUARD_SLACK_WEBHOOK", env):
+        chat.append(SlackSink(url, **common("slack")))
+    if url := value("TRAINGUARD_WEBHOOK_URL", env):
         raw_headers = value("TRAINGUARD_WEBHOOK_HEADERS", env)
         headers = json.loads(raw_headers) if raw_headers else None
-        chat.append(GenericWebhookSink(value("TRAINGUARD_WEBHOOK_URL", env), headers=headers, **common("webhook")))
+        chat.append(GenericWebhookSink(url, headers=headers, **common("webhook")))
     if chat:
+        assert folder is not None  # common() chose it for the first chat sink
         sinks.append(PagingSink(chat, PagingSettings.from_env(env), state_path=folder / "pager.json"))
-    if value("TRAINGUARD_ALERTMANAGER_URL", env):
+    if url := value("TRAINGUARD_ALERTMANAGER_URL", env):
         # Alertmanager groups, routes and silences itself: it gets every alert, past no pager.
-        sinks.append(AlertmanagerSink(value("TRAINGUARD_ALERTMANAGER_URL", env), **common("alertmanager")))
+        sinks.append(AlertmanagerSink(url, **common("alertmanager")))
     if value("TRAINGUARD_PROMETHEUS_PORT", env):
         from trainguard.sinks.prometheus import PrometheusSink
 
         # Alerts are the worker's to count; counting them here too doubled every summed panel.
         sink = PrometheusSink(count_alerts=value("TRAINGUARD_PROMETHEUS_ALERTS", env) == "1")
         sink.exporter.start_http(integer("TRAINGUARD_PROMETHEUS_PORT", env),
-                                 value("TRAINGUARD_PROMETHEUS_ADDR", env))
+                                 text("TRAINGUARD_PROMETHEUS_ADDR", env))
         sinks.append(sink)
     return sinks
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainguard.sinks.runner",
-                                     description="Deliver trainguard alerts to the sinks configured in the environment.")
+                                     description="Deliver trainguard alerts to the sinks configured in the "
+                                                 "environment.")
     parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: TRAINGUARD_BOOTSTRAP)")
     parser.add_argument("--topics", default="alerts", help="comma-separated: alerts,control,acks (default: alerts)")
     parser.add_argument("--group", default=DEFAULT_GROUP, help="consumer group (default: %(default)s)")

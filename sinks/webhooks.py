@@ -705,10 +705,10 @@ def outbox_dir(env=None, group: str = "trainguard-sinks") -> tuple[Path, bool]:
     or ``~/.local/state/trainguard/sinks-outbox`` (``$XDG_STATE_HOME``), one folder per topic
     prefix and group there."""
     env = os.environ if env is None else env
-    if value("TRAINGUARD_OUTBOX_DIR", env):
-        return Path(value("TRAINGUARD_OUTBOX_DIR", env)), False
-    if value("TRAINGUARD_DATA_DIR", env):
-        base = Path(value("TRAINGUARD_DATA_DIR", env)) / "sinks-outbox"
+    if chosen := value("TRAINGUARD_OUTBOX_DIR", env):
+        return Path(chosen), False
+    if data_dir := value("TRAINGUARD_DATA_DIR", env):
+        base = Path(data_dir) / "sinks-outbox"
     else:
         state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
         base = Path(state) / "trainguard" / "sinks-outbox"

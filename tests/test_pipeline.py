@@ -130,7 +130,7 @@ def test_a_worker_that_dies_hands_its_runs_to_its_peer_with_their_windows(kafka,
             sims.append(sim)
             loggers.append(TrainerLogger(run, kafka, host="h"))
         for _ in range(40):
-            for logger, sim in zip(loggers, sims):
+            for logger, sim in zip(loggers, sims, strict=True):
                 logger.log(sim.step(), sim.current_step)
         for logger in loggers:
             logger.publisher.flush(10)
@@ -143,7 +143,7 @@ def test_a_worker_that_dies_hands_its_runs_to_its_peer_with_their_windows(kafka,
         time.sleep(3)  # past a commit interval
         second.kill()
         for _ in range(6):  # the simulated KL passes 0.8 on the fifth faulty step
-            for logger, sim in zip(loggers, sims):
+            for logger, sim in zip(loggers, sims, strict=True):
                 logger.log(sim.step(), sim.current_step)
         for logger in loggers:
             logger.publisher.flush(10)

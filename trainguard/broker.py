@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from trainguard.core import settings as settings_mod
@@ -179,7 +180,7 @@ def kafka_or_embedded(bootstrap: str | None, log_path: str | Path) -> tuple[Kafk
     return broker.settings(), broker
 
 
-def local_key_file(env: dict | None = None) -> Path | None:
+def local_key_file(env: Mapping[str, str] | None = None) -> Path | None:
     """The command key for local use: ``$XDG_CONFIG_HOME/trainguard/command.key`` (made once,
     readable by its owner only), unless a key is configured already (None then)."""
     from trainguard.schemas.signing import load_keys, new_key_line

@@ -151,6 +151,9 @@ def run_trainer(settings: KafkaSettings, run_id: str, *, fault: str, fault_step:
                 say("trainer: demo deadline reached")
                 break
             metrics = sim.step()
+            if metrics is None:  # a hung trainer publishes nothing, and takes no command
+                time.sleep(step_seconds)
+                continue
             step = sim.current_step
             logger.log(metrics, step)
             node.log(sim.node_metrics(), step)

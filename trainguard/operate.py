@@ -213,17 +213,21 @@ def read_statuses(settings: KafkaSettings, timeout_s: float = 15.0,
                     continue
                 run_id = (msg.key() or b"").decode("utf-8", "replace")
                 decoded = decoder.decode(topic, msg.value())  # a status from another release: skipped
-                if decoded is not None and decoded[1] is None:
+                status = decoded[1] if decoded is not None else None
+                if decoded is None:
+                    pass
+                elif status is None:
                     statuses.pop(run_id, None)
-                elif decoded is not None and decoded[1]["run_id"] != run_id:
+                elif status["run_id"] != run_id:
                     decoder.skip("status: keyed by another run", f"key {run_id[:80]!r}, run_id "
-                                                                 f"{decoded[1]['run_id'][:80]!r}")
-                elif decoded is not None and (decoded[1].get("retained_until") or math.inf) < time.time():
+                                                                 f"{status['run_id'][:80]!r}")
+                elif (status.get("retained_until") or math.inf) < time.time():
                     statuses.pop(run_id, None)  # a finished run's summary past its retention
-                elif decoded is not None:
-                    statuses[run_id] = decoded[1]
-                if msg.offset() + 1 >= ends.get(msg.partition(), 0):
-                    ends.pop(msg.partition(), None)
+                else:
+                    statuses[run_id] = status
+                partition, offset = msg.partition(), msg.offset()
+                if partition is not None and offset is not None and offset + 1 >= ends.get(partition, 0):
+                    ends.pop(partition, None)
         if ends:
             raise KafkaException(f"read {topic} for {timeout_s:.0f} s without reaching its end")
     finally:
@@ -232,7 +236,7 @@ def read_statuses(settings: KafkaSettings, timeout_s: float = 15.0,
 
 
 def _ago(ts: float | None, now: float) -> str:
-    if type(ts) not in (int, float):
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
         return "never"
     s = max(0.0, now - ts)
     return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
@@ -281,7 +285,7 @@ def format_runs(statuses: dict[str, dict], now: float | None = None) -> str:
         except Exception as exc:  # valid, but of a shape this release cannot show: say so, show the rest
             rows.append((s["run_id"], "?", "?", f"unreadable status ({type(exc).__name__})", "?", "?", "?"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows)
 
 
 def format_status(s: dict, now: float | None = None) -> str:

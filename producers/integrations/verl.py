@@ -91,13 +91,14 @@ class VerlBackend(GuardBase):
 
     # -- verl's backend interface --------------------------------------------------------
 
-    def log(self, data: dict, step: int, **_ignored) -> None:
+    def log(self, data: dict, step: int, **_ignored) -> bool:  # type: ignore[override]  # verl passes data=
+        """verl's backend call (it ignores the result): publish, then the step boundary."""
         if not self._started:
             self._started = True
             self.lifecycle("started", step=int(step))
-        super().log(data, int(step))
+        published = super().log(data, int(step))
         if self.trainer is None or self.listener is None:
-            return
+            return published
         decision = self.step_boundary(int(step))
         if decision.stop and self.on_stop == "raise":
             self.close(timeout=10.0)
@@ -105,6 +106,7 @@ class VerlBackend(GuardBase):
         total = getattr(self.trainer, "total_training_steps", None)
         if total is not None and not decision.rolled_back and int(step) >= int(total):
             self.finish()  # verl's last step: fit() returns right after this call
+        return published
 
     def finish(self) -> None:
         self.close("stopped" if self.stopped else "finished")

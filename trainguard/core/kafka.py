@@ -12,6 +12,7 @@ Faust's, so a run's whole story is in one partition whoever wrote it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainguard.core import settings as _settings
 
@@ -46,10 +47,10 @@ class KafkaSettings:
 
     @classmethod
     def from_env(cls, env: dict | None = None, **overrides) -> "KafkaSettings":
-        values = dict(
-            bootstrap=_settings.value("TRAINGUARD_BOOTSTRAP", env),
+        values: dict[str, Any] = dict(
+            bootstrap=_settings.text("TRAINGUARD_BOOTSTRAP", env),
             partitions=_settings.integer("TRAINGUARD_PARTITIONS", env),
-            topics=Topics.with_prefix(_settings.value("TRAINGUARD_TOPIC_PREFIX", env)),
+            topics=Topics.with_prefix(_settings.text("TRAINGUARD_TOPIC_PREFIX", env)),
             client=_settings.kafka_client(env),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -68,7 +69,8 @@ def murmur2(data: bytes) -> int:
     length4 = length // 4
     for i in range(length4):
         i4 = i * 4
-        k = (data[i4] & 0xFF) + ((data[i4 + 1] & 0xFF) << 8) + ((data[i4 + 2] & 0xFF) << 16) + ((data[i4 + 3] & 0xFF) << 24)
+        k = ((data[i4] & 0xFF) + ((data[i4 + 1] & 0xFF) << 8) + ((data[i4 + 2] & 0xFF) << 16)
+             + ((data[i4 + 3] & 0xFF) << 24))
         k = (k * m) & 0xFFFFFFFF
         k ^= k >> r
         k = (k * m) & 0xFFFFFFFF

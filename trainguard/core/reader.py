@@ -84,8 +84,10 @@ class TopicDecoder:
         if role is None:
             self.skip("unknown topic", f"{topic} is none of the project's topics")
             return None
-        if raw is None and role == "status":
-            return role, None
+        if raw is None:  # a tombstone: a status topic's way to remove a run, no other's
+            if role == "status":
+                return role, None
+            raw = b""  # decoded as the empty message it is
         try:
             return role, ev.decode(raw, expect=self.expect[topic])
         except ev.SchemaError as exc:
