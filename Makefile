@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 FRAMEWORKS := $(VENV)/.frameworks
 
-.PHONY: setup frameworks system kafka demo test test-unit eval bench scale chaos clean
+.PHONY: setup frameworks system kafka demo test test-unit lint eval bench scale chaos clean
 
 # The project's Python environment, rebuilt when pyproject.toml changes: what the demo,
 # the evaluation, the benchmarks and chaos need (worker, node agent, embedded broker, test tools).
@@ -57,6 +57,10 @@ test: setup frameworks system kafka
 
 test-unit: setup frameworks
 	$(BIN)/python -m pytest -q -m "not integration"
+
+# ruff over every package, the tests and the tools; mypy over every package of the product.
+lint: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_lint.py tests/test_types.py
 
 eval: setup
 	$(BIN)/python evaluation/run.py

@@ -55,13 +55,14 @@ async def reporter(meter: Meter) -> None:
 
 
 def app_settings(bootstrap: str, prefix: str, partitions: int):
-    from trainguard.kafka import KafkaSettings, Topics
+    from trainguard.core.kafka import KafkaSettings, Topics
 
     return KafkaSettings(bootstrap=bootstrap, partitions=partitions, topics=Topics.with_prefix(prefix))
 
 
 def run_trainguard(settings, app_id: str) -> None:
     import faust
+
     from trainguard.streams.app import create_app
 
     app = create_app(settings, app_id=app_id)

@@ -12,6 +12,7 @@ import time
 from collections import deque
 
 import numpy as np
+
 from trainguard.streams.baseline import BaselineBlock
 from trainguard.streams.detectors.rolling import RollingZ
 

@@ -37,11 +37,11 @@ import urllib.request
 from pathlib import Path
 
 import orjson
-from trainguard.schemas import events as ev
+from throughput import consume, cpu_seconds
 from workload import CLEANUP, ROOT, Steps, fresh_settings, percentile, prefill, progress
 
 from trainguard.broker import free_port
-from throughput import consume, cpu_seconds
+from trainguard.schemas import events as ev
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -191,7 +191,7 @@ class AlertTimes(threading.Thread):
 
     def __init__(self, settings):
         super().__init__(daemon=True)
-        from trainguard.kafka import topic_reader
+        from trainguard.core.reader import topic_reader
 
         self.c, _ = topic_reader(settings, [settings.topics.alerts], **{"fetch.wait.max.ms": 5})
         self.arrived: dict[str, float] = {}
@@ -409,6 +409,7 @@ def main(argv=None) -> int:
     import json
 
     import workload
+
     from trainguard.schemas.signing import ensure_key
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -30,9 +30,6 @@ import uuid
 from pathlib import Path
 
 import orjson
-from trainguard.producers.control import ControlListener
-from trainguard.producers.publisher import Publisher
-from trainguard.schemas import events as ev
 from workload import (
     TRAINER_SRC,
     Child,
@@ -42,6 +39,10 @@ from workload import (
     percentile,
     progress,
 )
+
+from trainguard.core.publisher import Publisher
+from trainguard.producers.control import ControlListener
+from trainguard.schemas import events as ev
 
 
 class LoadProducer(threading.Thread):
@@ -82,7 +83,7 @@ class Collector(threading.Thread):
 
     def __init__(self, settings, topic: str):
         super().__init__(daemon=True)
-        from trainguard.kafka import topic_reader
+        from trainguard.core.reader import topic_reader
 
         self.c, _missing = topic_reader(settings, [topic], **{"fetch.wait.max.ms": 5})
         self.seen: dict[str, tuple[float, dict]] = {}  # run id -> first (arrival, record)

@@ -13,12 +13,12 @@ import logging
 import time
 
 import numpy as np
-from trainguard.producers.publisher import Publisher
-from trainguard.producers.trainer import TrainerLogger
 from workload import Steps, fresh_settings
 
 from trainguard.broker import free_port
-from trainguard.kafka import KafkaSettings, Topics
+from trainguard.core.kafka import KafkaSettings, Topics
+from trainguard.core.publisher import Publisher
+from trainguard.producers.trainer import TrainerLogger
 
 
 def _timed(logger: TrainerLogger, steps: Steps, calls: int) -> tuple[np.ndarray, np.ndarray]:

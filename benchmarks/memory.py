@@ -26,10 +26,11 @@ import tracemalloc
 
 import numpy as np
 from detector_cost import AdaptiveThreshold
+from workload import TRAINER_SRC, Steps, progress
+
 from trainguard.schemas import events as ev
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
-from workload import TRAINER_SRC, Steps, progress
 
 
 def run(steps: Steps, quick: bool = False) -> dict:

@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fleet
 import workload
-from trainguard.schemas.signing import ensure_key
 from workload import (
     CLEANUP,
     ROOT,
@@ -40,6 +39,8 @@ from workload import (
     prefill,
     progress,
 )
+
+from trainguard.schemas.signing import ensure_key
 
 FIGURES = ("detector", "log", "memory", "throughput", "latency", "scaling", "fleet")
 BROKERS = ("tansu", "kafka")
@@ -243,7 +244,9 @@ def fleet_rows(r: dict) -> list[tuple]:
 
 def table(r: dict) -> str:
     """Tansu's and Apache Kafka's figures beside each other, each with its own reference."""
-    verdict = lambda ok: "-" if ok is None else ("pass" if ok else "MISS")
+    def verdict(ok) -> str:
+        return "-" if ok is None else ("pass" if ok else "MISS")
+
     header = ("figure", "reference (same run)", "Tansu", "ref", "ratio", "", "Kafka", "ref", "ratio", "",
               "target")
     none = ("", "", "", "")
@@ -258,7 +261,10 @@ def table(r: dict) -> str:
     for fig, ours, ref_name, ref, ratio, target, ok in fleet_rows(r):
         body.append((fig, ref_name, *none, ours, ref, ratio, verdict(ok), target))
     widths = [max(len(str(x[i])) for x in [header, *body]) for i in range(len(header))]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    def line(cells) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(b) for b in body)])
 
 

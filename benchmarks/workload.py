@@ -21,9 +21,10 @@ import uuid
 from pathlib import Path
 
 import orjson
-from trainguard.schemas import events as ev
 
-from trainguard.kafka import KafkaSettings, Topics, create_topics
+from trainguard.core.admin import create_topics
+from trainguard.core.kafka import KafkaSettings, Topics
+from trainguard.schemas import events as ev
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -24,9 +24,10 @@ from pathlib import Path
 import orjson
 
 from chaos import scenarios
-from trainguard.kafka import KafkaSettings, Topics, create_topics, partition_for
+from trainguard.core.admin import create_topics
+from trainguard.core.kafka import KafkaSettings, Topics, partition_for
+from trainguard.core.publisher import Publisher
 from trainguard.kafka_cluster import KafkaCluster
-from trainguard.producers.publisher import Publisher
 from trainguard.producers.trainer import TrainerLogger
 from trainguard.schemas import events as ev
 

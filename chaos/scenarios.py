@@ -18,9 +18,10 @@ from contextlib import contextmanager
 import orjson
 
 from trainguard.broker import EmbeddedBroker, free_port
-from trainguard.kafka import KafkaSettings, Topics, create_topics, partition_for
+from trainguard.core.admin import create_topics
+from trainguard.core.kafka import KafkaSettings, Topics, partition_for
+from trainguard.core.publisher import Publisher
 from trainguard.producers.control import ControlListener
-from trainguard.producers.publisher import Publisher
 from trainguard.producers.trainer import TrainerLogger
 from trainguard.schemas import events as ev
 
@@ -158,7 +159,8 @@ def _command(run_id: str, action: str, issued: float, ttl: float = 300.0) -> dic
             "target": None, "reason": [], "issued": issued, "expires": issued + ttl, "detail": "chaos"}
 
 
-def _produce(settings: KafkaSettings, topic: str, key: str, events: list[dict], written_at: float | None = None) -> None:
+def _produce(settings: KafkaSettings, topic: str, key: str, events: list[dict],
+             written_at: float | None = None) -> None:
     """``written_at``: the messages' Kafka timestamp (default: now), to stand for old messages."""
     from confluent_kafka import Producer
 
@@ -213,7 +215,7 @@ def listener_restart(lookback_s: float = 30.0, stale_age_s: float = 60.0) -> dic
 def _changelog_bytes(settings: KafkaSettings, topic: str, prefixes: tuple[bytes, ...], seconds: float = 5.0) -> int:
     """Bytes of the latest value of every key starting with one of ``prefixes`` in a changelog
     topic (a tombstone counts 0): what a worker would restore for those runs."""
-    from trainguard.kafka import topic_reader
+    from trainguard.core.reader import topic_reader
 
     c, _missing = topic_reader(settings, [topic], timeout=5, log_level=0)
     latest: dict[bytes, int] = {}
@@ -935,7 +937,7 @@ def _rss_mb(proc) -> float:
 def _tombstones(settings: KafkaSettings, topic: str, prefix: bytes, quiet_s: float = 3.0) -> int:
     """Keys starting with ``prefix`` whose latest record on ``topic`` says the run was forgotten:
     a tombstone, or a summary of a run whose state was freed."""
-    from trainguard.kafka import topic_reader
+    from trainguard.core.reader import topic_reader
 
     c, _missing = topic_reader(settings, [topic], timeout=5, log_level=0)
     latest: dict[bytes, bool] = {}
@@ -1175,7 +1177,7 @@ def hostile_crash_loops(restarts: int = 2, sources: int = 11_500, names: int = 2
         try:
             worker.wait_ready()
             p = _event_producer(settings)
-            for kind, records in attacks.items():
+            for records in attacks.values():
                 for e in records:
                     p.produce(settings.topics.events, _json_bytes(e), e["run_id"])
                 p.poll(0)

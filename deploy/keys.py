@@ -23,6 +23,7 @@ import secrets
 import sys
 from pathlib import Path
 
+from trainguard.core.settings import value
 from trainguard.schemas import signing
 
 NOBODY = 65534  # the image's user (Dockerfile: USER nobody)
@@ -79,7 +80,7 @@ def init(root: Path, scope: str, owner: int = NOBODY) -> None:
 def show(root: Path, what: str, scope: str | None) -> str:
     if what == "ui":
         host = os.environ.get("KAFKA_ADVERTISED_HOST") or "localhost"
-        token = os.environ.get("TRAINGUARD_UI_TOKEN") or (root / "ui" / "ui.token").read_text().strip()
+        token = value("TRAINGUARD_UI_TOKEN") or (root / "ui" / "ui.token").read_text().strip()
         return f"http://{host}:8321/?token={token}"
     if what == "trainer" and scope:  # another team's scope: derived on demand, nothing stored
         return "\n".join(signing.exports(master(root), "trainer", scope))
@@ -92,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True)
     p = sub.add_parser("init", help="make what is missing, derive the handouts")
     p.add_argument("--scope", default="*", help="the runs the trainers' key covers (default: every run)")
-    p.add_argument("--owner", type=int, default=NOBODY, help="the uid that owns the files (the group is left as it is: only the owner may read)")
+    p.add_argument("--owner", type=int, default=NOBODY,
+                   help="the uid that owns the files (the group is left as it is: only the owner may read)")
     p = sub.add_parser("show", help="print one handout")
     p.add_argument("what", choices=("trainer", "operator", "ui"))
     p.add_argument("scope", nargs="?", help="trainer: a scope other than the stack's")

@@ -42,14 +42,17 @@ import tempfile
 import time
 from collections import deque
 from datetime import datetime
+from itertools import pairwise
 from multiprocessing import Pool
 from pathlib import Path
 
 try:
+    from trainguard.core.settings import value
     from trainguard.streams.detectors import RobustMAD
 except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from streams.detectors import RobustMAD  # type: ignore
+    from trainguard.core.settings import value
 
 PUBLISHED = [  # name in results/final_results.json -> label on the scoreboard
     ("ARTime", "ARTime"),
@@ -72,7 +75,7 @@ _EPOCH = datetime(1970, 1, 1)
 
 
 def shared_dir() -> Path:
-    env = os.environ.get("TRAINGUARD_SHARED")
+    env = value("TRAINGUARD_SHARED")
     if env:
         return Path(env).resolve()
     return Path(__file__).resolve().parents[1].parent / "shared"
@@ -141,7 +144,7 @@ class _RelativeEntropy:
             return 0.0
         nc, kl = len(self.cur), 0.0
         denom = nr + 0.5 * B
-        for c, r in zip(self.cur_n, self.ref_n):
+        for c, r in zip(self.cur_n, self.ref_n, strict=True):
             if c:
                 pc = c / nc
                 kl += pc * math.log(pc * denom / (r + 0.5))
@@ -193,7 +196,7 @@ class NabScorer:
             self.stamps.append(t)
             if len(self.stamps) < self.step_samples:
                 return 0.0
-            steps = sorted(b - a for a, b in zip(self.stamps, self.stamps[1:]))
+            steps = sorted(b - a for a, b in pairwise(self.stamps))
             step = steps[len(steps) // 2]
             lag = int(round(self.season_s / step)) if step > 0 else 0
             if lag < 2:
@@ -226,7 +229,7 @@ class NabScorer:
             zs.append(self.entropy.update(x))
         zs.append(self._season_z(x, t))
         score = 0.0
-        for z, rm in zip(zs, self.maxes):
+        for z, rm in zip(zs, self.maxes, strict=True):
             z = min(z, self.z_cap)
             m = rm.max_then_push(z)
             if self.n >= self.warmup and m > 0:
@@ -265,14 +268,14 @@ def run_file(args: tuple[str, str, str]) -> tuple[str, int, float]:
     t0 = time.perf_counter()
     secs = [_seconds(t) for t in ts]
     det = NabScorer()
-    scores = [det.update(v, t) for v, t in zip(vs, secs)]  # one value at a time, in order
+    scores = [det.update(v, t) for v, t in zip(vs, secs, strict=True)]  # one value at a time, in order
     elapsed = time.perf_counter() - t0
     out = Path(out_dir) / rel
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["timestamp", "anomaly_score"])
-        for t, s in zip(ts, scores):
+        for t, s in zip(ts, scores, strict=True):
             w.writerow([t, repr(min(max(s, 0.0), 1.0))])
     return rel, len(vs), elapsed
 

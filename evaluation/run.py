@@ -49,8 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import real  # noqa: E402
-from faults import (CHECKPOINT_EVERY, EXPECTED_RULES, HEALTHY_STEPS, SUDDEN, Scenario,  # noqa: E402
-                    fault_scenarios, healthy_scenarios)
+from faults import CHECKPOINT_EVERY, EXPECTED_RULES, HEALTHY_STEPS, SUDDEN, Scenario, fault_scenarios, healthy_scenarios  # noqa: E402
 
 from trainguard.schemas import events as ev  # noqa: E402
 from trainguard.simulator import SimulatedPPO  # noqa: E402
@@ -262,7 +261,7 @@ def print_table(summary: dict, extra: dict) -> None:
                      " ".join(f"{r}:{n}" for r, n in t["fired_during"].items()) or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for i, r in enumerate(rows):
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)) + " | " + r[-1])
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + " | " + r[-1])
         if i == 0:
             print("-+-".join("-" * w for w in widths) + "-+-" + "-" * 22)
     print()

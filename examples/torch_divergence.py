@@ -132,7 +132,8 @@ def train(settings, run_id: str, checkpoint_dir: str | os.PathLike, *, steps: in
                 break
             if decision.rolled_back:
                 ok = same_as_checkpoint(model, optimizer, decision.checkpoint_path)
-                result["rollbacks"].append({"at_step": step, "at_batch": data_index, "resume_step": decision.resume_step,
+                result["rollbacks"].append({"at_step": step, "at_batch": data_index,
+                                            "resume_step": decision.resume_step,
                                             "path": decision.checkpoint_path, "weights_match": ok,
                                             "skip_batches": decision.skip_batches})
                 say(f"example: rolled back at step {step} to {decision.checkpoint_path} "

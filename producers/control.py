@@ -25,6 +25,7 @@ Acks and the trainer's checkpoint and lifecycle events are signed with the train
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -32,10 +33,10 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, cast
 
-from trainguard.kafka import KafkaSettings, partition_for
-from trainguard.producers.publisher import Publisher
+from trainguard.core.kafka import KafkaSettings, partition_for
+from trainguard.core.publisher import Publisher
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import Keyring, TrainerKey, sign_trainer, unsigned_allowed, verify, verify_own
 
@@ -311,9 +312,9 @@ class ControlListener:
                     if seen_up_to + 1 >= high and time.monotonic() - last >= 0.5:
                         return
                     continue
-                last, seen_up_to = time.monotonic(), msg.offset()
+                last, seen_up_to = time.monotonic(), cast(int, msg.offset())  # a record has one
                 try:
-                    ack = ev.decode(msg.value(), expect=(ev.ACK,))
+                    ack = ev.decode(msg.value() or b"", expect=(ev.ACK,))
                 except Exception:  # a bad record on the lowest-trust topic: skipped, never fatal
                     ack = None
                 if ack is not None and ack["run_id"] == self.run_id and ack["command_id"] not in self._acked \
@@ -348,7 +349,7 @@ class ControlListener:
         consumer.assign([TopicPartition(topic, partition, offset)])
 
     def _log_replaced(self, consumer, topic: str, partition: int, position: int,
-                      last_read: tuple[int, bytes] | None) -> bool:
+                      last_read: tuple[int, bytes | None] | None) -> bool:
         """Whether the message before ``position`` is gone or another one (the log was replaced).
         Asked only when the broker's end is below the position: some brokers (the embedded one)
         report the end of the last record batch's first record, below the true end."""
@@ -389,7 +390,7 @@ class ControlListener:
         consumer = None
         partition = 0
         next_offset = -1            # the offset after the last message read (-1: none yet)
-        last_read: tuple[int, bytes] | None = None
+        last_read: tuple[int, bytes | None] | None = None
         checked = time.monotonic()
         bounced = threading.Event()  # the connection to a broker dropped: it may come back empty
 
@@ -453,19 +454,20 @@ class ControlListener:
                             continue
                 if msg is None:
                     continue
-                if msg.error():
-                    code = msg.error().code()
-                    if code in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
-                        self._reset(consumer, topic, partition, f"offset out of range: {msg.error().str()}")
+                error = msg.error()
+                if error:
+                    if error.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+                        self._reset(consumer, topic, partition, f"offset out of range: {error.str()}")
                         next_offset, last_read = -1, None
                     else:
-                        log.debug("trainguard: control consumer: %s", msg.error())
+                        log.debug("trainguard: control consumer: %s", error)
                     continue
-                next_offset = msg.offset() + 1
-                last_read = (msg.offset(), msg.value())
+                offset, raw = cast(int, msg.offset()), msg.value()  # a record has an offset
+                next_offset = offset + 1
+                last_read = (offset, raw)
                 kind, ms = msg.timestamp()
                 try:
-                    command = self.check(msg.value(), ms / 1000.0 if kind != 0 and ms > 0 else None)
+                    command = self.check(raw or b"", ms / 1000.0 if kind != 0 and ms > 0 else None)
                 except Exception as exc:  # one odd record must not stop the commands behind it
                     log.warning("trainguard: control message at offset %d ignored: %s: %s", msg.offset(),
                                 type(exc).__name__, exc)
@@ -482,10 +484,8 @@ class ControlListener:
                 else:
                     log.debug("trainguard: control listener retrying: %s", exc)
                 if consumer is not None:
-                    try:
+                    with contextlib.suppress(Exception):
                         consumer.close()
-                    except Exception:
-                        pass
                     consumer = None
                 self._stop.wait(2.0)
         if consumer is not None:

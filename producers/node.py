@@ -18,7 +18,7 @@ Robustness, because a monitoring daemon must outlive what it monitors:
 - any other per-GPU read error leaves that value out of this sample and the loop goes on;
   ``gpu/responding[i]`` turns 0 when even the basic memory query fails (a GPU that fell
   off the bus is itself the signal);
-- publishing never blocks or raises (see :class:`~trainguard.producers.publisher.Publisher`).
+- publishing never blocks or raises (see :class:`~trainguard.core.publisher.Publisher`).
 
 Units: memory in GiB (2**30 bytes, as verl's ``perf/max_memory_allocated_gb``), power in W,
 temperature in °C, ECC counts are NVML's *volatile* counters (since the last driver
@@ -28,15 +28,18 @@ load, so a rise is news), XID counts are critical XID events seen since the agen
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import logging
-import os
 import socket
 import sys
 import threading
 import time
 from typing import Any, Callable
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core import settings as settings_mod
+from trainguard.core.kafka import KafkaSettings
+from trainguard.producers.never_raise import never_raises
 from trainguard.schemas import events as ev
 
 log = logging.getLogger("trainguard.node")
@@ -46,7 +49,7 @@ GIB = float(1 << 30)
 
 def _psutil():
     try:
-        import psutil  # type: ignore
+        import psutil
 
         return psutil
     except ImportError:
@@ -92,20 +95,18 @@ class NodeAgent:
         self._errors_said: set[tuple[int, str, str]] = set()
         self._psutil = _psutil()
         self._host_said = False
-        self._prev_cpu = None       # (monotonic time, cpu_times) for iowait deltas
-        self._prev_disk = None      # (monotonic time, disk_io_counters)
+        self._prev_cpu: tuple[float, Any] | None = None   # (monotonic time, cpu_times) for iowait deltas
+        self._prev_disk: tuple[float, Any] | None = None  # (monotonic time, disk_io_counters)
         if self._psutil is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._psutil.cpu_percent(interval=None)  # prime: the next call measures since now
-            except Exception:
-                pass
 
     # ------------------------------------------------------------------ publishing
 
     @property
     def publisher(self):
         if self._publisher is None:
-            from trainguard.producers.publisher import Publisher
+            from trainguard.core.publisher import Publisher
 
             self._publisher = Publisher(self.settings)
         return self._publisher
@@ -115,10 +116,8 @@ class NodeAgent:
         metrics = self.collect()
         event = ev.metrics_event(self.run_id, self.step, metrics, src=self.source, layer="resource")
         self.step += 1
-        try:
+        with never_raises(f"node agent: could not publish sample {event['step']}"):  # a broken encoder, say
             self.publisher.publish(self.settings.topics.events, self.run_id, ev.encode(event))
-        except Exception as exc:  # the publisher does not raise; a broken encoder must not stop the loop
-            log.warning("node agent: could not publish sample %d: %s", event["step"], exc)
         return metrics
 
     def run(self, stop: threading.Event, on_sample: Callable[["NodeAgent", dict], None] | None = None) -> None:
@@ -149,16 +148,12 @@ class NodeAgent:
 
     def close(self) -> None:
         if self._xid_set is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._nvml.nvmlEventSetFree(self._xid_set)
-            except Exception:
-                pass
             self._xid_set = None
         if self._nvml_started:
-            try:
+            with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()
-            except Exception:
-                pass
             self._nvml_started = False
         if self._publisher is not None:
             self._publisher.flush(5.0)
@@ -239,7 +234,7 @@ class NodeAgent:
             return False  # said once; NVML does not come back without a restart of the agent
         try:
             if self._nvml is None:
-                import pynvml  # type: ignore
+                import pynvml
 
                 self._nvml = pynvml
             nv = self._nvml
@@ -323,13 +318,13 @@ class NodeAgent:
             m["gpu/hw_slowdown" + sfx] = 1.0 if int(reasons) & thermal else 0.0
         for name, kind in (("ecc_uncorrected", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED"),
                            ("ecc_corrected", "NVML_MEMORY_ERROR_TYPE_CORRECTED")):
-            v = self._read(i, name, lambda kind=kind: nv.nvmlDeviceGetTotalEccErrors(
-                h, getattr(nv, kind), nv.NVML_VOLATILE_ECC))
+            v = self._read(i, name, functools.partial(nv.nvmlDeviceGetTotalEccErrors, h, getattr(nv, kind),
+                                                      nv.NVML_VOLATILE_ECC))
             if v is not None:
                 m[f"gpu/{name}{sfx}"] = float(v)
         for name, cause in (("retired_pages_sbe", "NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS"),
                             ("retired_pages_dbe", "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR")):
-            pages = self._read(i, name, lambda cause=cause: nv.nvmlDeviceGetRetiredPages(h, getattr(nv, cause)))
+            pages = self._read(i, name, functools.partial(nv.nvmlDeviceGetRetiredPages, h, getattr(nv, cause)))
             if pages is not None:
                 m[f"gpu/{name}{sfx}"] = float(len(pages))
         pending = self._read(i, "retired_pages_pending", lambda: nv.nvmlDeviceGetRetiredPagesPendingStatus(h))
@@ -375,8 +370,8 @@ class NodeAgent:
             total, seen = 0, False
             for link in links:
                 for kind in kinds:
-                    v = self._read(i, f"{name}:{link}:{kind}", lambda link=link, kind=kind:
-                                   nv.nvmlDeviceGetNvLinkErrorCounter(h, link, getattr(nv, kind)))
+                    v = self._read(i, f"{name}:{link}:{kind}",
+                                   functools.partial(nv.nvmlDeviceGetNvLinkErrorCounter, h, link, getattr(nv, kind)))
                     if v is not None:
                         total += int(v)
                         seen = True
@@ -401,10 +396,8 @@ class NodeAgent:
         if registered:
             self._xid_set = event_set
         else:
-            try:
+            with contextlib.suppress(Exception):
                 nv.nvmlEventSetFree(event_set)
-            except Exception:
-                pass
 
     def _drain_xid_events(self, limit: int = 1000) -> None:
         if self._xid_set is None:
@@ -447,12 +440,13 @@ def _status_line(agent: NodeAgent, metrics: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainguard node",
                                      description="Publish this machine's GPU and host metrics for a run.")
-    parser.add_argument("--run-id", default=os.environ.get("TRAINGUARD_RUN_ID"),
+    parser.add_argument("--run-id", default=settings_mod.value("TRAINGUARD_RUN_ID"),
                         help="the run these resources serve (default: $TRAINGUARD_RUN_ID)")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between samples (default 5)")
     parser.add_argument("--once", action="store_true", help="take and publish one sample, print it, exit")
     parser.add_argument("--host", help="host name to report (default: this machine's)")
-    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or 127.0.0.1:9092)")
+    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or "
+                                            f"{settings_mod.default('TRAINGUARD_BOOTSTRAP')})")
     return parser
 
 

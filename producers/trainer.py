@@ -26,9 +26,10 @@ import socket
 import sys
 import time
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core.kafka import KafkaSettings
+from trainguard.core.publisher import Publisher
 from trainguard.producers.control import authored
-from trainguard.producers.publisher import Publisher
+from trainguard.producers.never_raise import never_raises
 from trainguard.schemas import events as ev
 
 log = logging.getLogger("trainguard.trainer")
@@ -67,33 +68,34 @@ class TrainerLogger:
         # from invented run ids), at its first step unless an integration said so before.
         self._announce = kind == "trainer"
 
+    def _failed(self, what: str, exc: BaseException) -> None:
+        """An event that could not be made (never_raises reports here): counted as dropped."""
+        self.publisher.dropped += 1
+        log.debug("trainguard: %s: %s: %s", what, type(exc).__name__, exc)
+
     # -- metrics -------------------------------------------------------------------
 
+    @never_raises("log() dropped a step", fallback=False)
     def log(self, metrics: dict, step: int, *, tags: dict[str, str] | None = None, ts: float | None = None) -> bool:
         """Publish one step's metrics as one event. Never raises; False if it was not queued."""
         if self._announce:
             self.lifecycle("started", step=step if type(step) is int else None)
-        try:
-            if all(type(v) is float for v in metrics.values()):
-                values = dict(metrics)  # the common case: nothing to convert
-            else:
-                values = {}
-                for name, v in metrics.items():
-                    try:
-                        values[name] = _as_float(v)
-                    except (TypeError, ValueError):
-                        self.skipped_values += 1  # strings, lists, None ...: not metrics
-            lost = self.publisher.lost()
-            if lost:
-                values["trainguard/dropped_events"] = float(lost)
-            event = ev.metrics_event(self.run_id, int(step), values, src=self.source,
-                                     ts=time.time() if ts is None else ts, tags=tags)
-            self._last_step = event["step"]
-            return self.publisher.publish(self._topic, self.run_id, ev.encode(event))
-        except Exception as exc:
-            self.publisher.dropped += 1
-            log.debug("trainguard: log() dropped a step: %s", exc)
-            return False
+        if all(type(v) is float for v in metrics.values()):
+            values = dict(metrics)  # the common case: nothing to convert
+        else:
+            values = {}
+            for name, v in metrics.items():
+                try:
+                    values[name] = _as_float(v)
+                except (TypeError, ValueError):
+                    self.skipped_values += 1  # strings, lists, None ...: not metrics
+        lost = self.publisher.lost()
+        if lost:
+            values["trainguard/dropped_events"] = float(lost)
+        event = ev.metrics_event(self.run_id, int(step), values, src=self.source,
+                                 ts=time.time() if ts is None else ts, tags=tags)
+        self._last_step = event["step"]
+        return self.publisher.publish(self._topic, self.run_id, ev.encode(event))
 
     def log_metric(self, name: str, value, tags: dict[str, str] | None = None, step: int | None = None) -> None:
         """The seed's per-value API: values of one step are sent together as one event."""
@@ -117,32 +119,26 @@ class TrainerLogger:
 
     # -- checkpoints and lifecycle ------------------------------------------------------
 
+    @never_raises("checkpoint_saved() dropped a checkpoint", fallback=False)
     def checkpoint_saved(self, step: int, path: str) -> bool:
-        """Report a checkpoint the trainer can roll back to."""
-        try:
-            self.flush_step()
-            event = ev.checkpoint_event(self.run_id, int(step), str(path), src=self.source)
-            # Signed, and recorded as a rollback target for this process's listeners.
-            return self.publisher.publish(self._topic, self.run_id, authored(event))
-        except Exception:
-            self.publisher.dropped += 1
-            return False
+        """Report a checkpoint the trainer can roll back to. Never raises."""
+        self.flush_step()
+        event = ev.checkpoint_event(self.run_id, int(step), str(path), src=self.source)
+        # Signed, and recorded as a rollback target for this process's listeners.
+        return self.publisher.publish(self._topic, self.run_id, authored(event))
 
+    @never_raises("lifecycle() dropped an event", fallback=False)
     def lifecycle(self, what: str, step: int | None = None, detail: dict | None = None) -> bool:
-        """started / finished / heartbeat / rolled_back / paused / resumed / stopped."""
+        """started / finished / heartbeat / rolled_back / paused / resumed / stopped. Never raises."""
         if what == "started":
             if not self._announce:
                 return True  # said once already
             self._announce = False
-        try:
-            event = ev.lifecycle_event(self.run_id, what, step=step, src=self.source, detail=detail)
-            queued = self.publisher.publish(self._topic, self.run_id, authored(event))
-            if queued and what in ("finished", "stopped"):
-                self.ended = what
-            return queued
-        except Exception:
-            self.publisher.dropped += 1
-            return False
+        event = ev.lifecycle_event(self.run_id, what, step=step, src=self.source, detail=detail)
+        queued = self.publisher.publish(self._topic, self.run_id, authored(event))
+        if queued and what in ("finished", "stopped"):
+            self.ended = what
+        return queued
 
     # -- shutdown -----------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ import orjson
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from trainguard import settings as _settings
+from trainguard.core import settings as _settings
 
 log = logging.getLogger("trainguard.signing")
 

@@ -103,7 +103,7 @@ class AlertmanagerSink(WebhookSink):
             out["generatorURL"] = report
         return out
 
-    def payload(self, alert: dict) -> list[dict]:
+    def payload(self, alert: dict) -> list[dict]:  # type: ignore[override]  # Alertmanager's API takes a list
         return [self.postable(alert)]
 
     # -- keep firing alerts alive in Alertmanager until they resolve

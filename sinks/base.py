@@ -28,10 +28,11 @@ class Sink(ABC):
     def write(self, batch: list[dict]) -> None:
         """Deliver a batch of decoded events (alerts, commands, acks)."""
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:  # noqa: B027  # optional hook: most sinks hold nothing
+        # to release; ``timeout``: how long one with a queue may take to deliver it
         """Release resources; pending output is flushed."""
 
-    def advance(self, now: float) -> None:
+    def advance(self, now: float) -> None:  # noqa: B027  # optional hook: only the paging stage has due output
         """Called by the runner at every poll, with or without events: output that is due by
         ``now`` (the paging stage's digests) goes out."""
 

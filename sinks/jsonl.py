@@ -6,7 +6,7 @@ from pathlib import Path
 
 import orjson
 
-from trainguard.settings import value
+from trainguard.core.settings import value
 from trainguard.sinks.base import Sink
 
 
@@ -55,5 +55,5 @@ class JsonlSink(Sink):
         self._fh.write(b"".join(out))
         self._fh.flush()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         self._fh.close()

@@ -33,6 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainguard.core.settings import default, number, value
 from trainguard.sinks.base import Sink, csv_values, read_state, write_state
 
 PAGE = "page"
@@ -43,17 +44,17 @@ _RANK = {"P0": 0, "P1": 1, "P2": 2, "P3": 3}
 
 @dataclass(frozen=True)
 class PagingSettings:
-    page: tuple[str, ...] = ("P0", "P1")    # sent at once, each
-    digest: tuple[str, ...] = ("P2",)       # gathered per run, one message per interval
-    digest_interval_s: float = 7200.0  # 2 h: a channel reads a run's warnings a few times a day
+    # the table's defaults: P0 and P1 sent at once, each; P2 gathered per run, one message per
+    # interval of 2 h (a channel reads a run's warnings a few times a day)
+    page: tuple[str, ...] = field(default_factory=lambda: csv_values(default("TRAINGUARD_NOTIFY_SEVERITIES")))
+    digest: tuple[str, ...] = field(default_factory=lambda: csv_values(default("TRAINGUARD_DIGEST_SEVERITIES")))
+    digest_interval_s: float = field(default_factory=lambda: float(default("TRAINGUARD_DIGEST_INTERVAL_S")))
     max_keys: int = 10_000                   # alerts remembered for dedup (replays are a few)
 
     settings = ("TRAINGUARD_NOTIFY_SEVERITIES", "TRAINGUARD_DIGEST_SEVERITIES", "TRAINGUARD_DIGEST_INTERVAL_S")
 
     @classmethod
     def from_env(cls, env=None) -> "PagingSettings":
-        from trainguard.settings import number, value
-
         page = csv_values(value("TRAINGUARD_NOTIFY_SEVERITIES", env))
         digest = tuple(s for s in csv_values(value("TRAINGUARD_DIGEST_SEVERITIES", env)) if s not in page)
         interval = number("TRAINGUARD_DIGEST_INTERVAL_S", env)

@@ -19,11 +19,12 @@ import re
 import time
 import urllib.parse
 from pathlib import Path
+from typing import TypeGuard
 
 import numpy as np
 import orjson
 
-from trainguard import settings as settings_mod
+from trainguard.core import settings as settings_mod
 from trainguard.sinks.base import Sink
 
 
@@ -83,7 +84,7 @@ def render_text(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def is_finite_number(v) -> bool:
+def is_finite_number(v) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
@@ -260,7 +261,7 @@ def svg_steps_plot(name: str, steps, values, *, band=None, x_range=None, alerts=
     # axes: y ticks (decades on a log scale), step ticks
     if log_scale:
         decades = list(range(math.ceil(lo), math.floor(hi) + 1))
-        ticks = [(d, format_value(10.0 ** d)) for d in decades]
+        ticks: list[tuple[float, str]] = [(d, format_value(10.0 ** d)) for d in decades]
     else:
         values_at, spacing = nice_ticks(lo, hi)
         ticks = [(t, _label(t, spacing)) for t in values_at]
@@ -333,10 +334,10 @@ def svg_steps_plot(name: str, steps, values, *, band=None, x_range=None, alerts=
             continue
         at = np.flatnonzero(np.isclose(st[kept], s))
         if len(at) and not finite_kept[at[-1]]:
-            cy = top + 5  # on the non-finite tick
+            cy = float(top + 5)  # on the non-finite tick
         else:  # on the line: the drawn point nearest its step (downsampled, it may not be drawn itself)
             near = np.flatnonzero(finite_kept)
-            cy = top + 5
+            cy = float(top + 5)
             if len(near):
                 dist = np.abs(st[kept][near] - s)[::-1]
                 cy = float(ys[near[len(near) - 1 - int(np.argmin(dist))]])  # the newest of the nearest
@@ -405,7 +406,7 @@ def _window_series(window: dict, alert: dict, end: int) -> tuple[list[int], list
         end -= 1
     steps = list(range(end - len(values) + 1, end + 1))
     try:
-        non_finite = not math.isfinite(float(last))  # NaN / Inf, or its name: drawn at the alert's step
+        non_finite = not math.isfinite(float(last))  # type: ignore[arg-type]  # None: TypeError, caught below
     except (TypeError, ValueError):
         non_finite = False
     if non_finite:

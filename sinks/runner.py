@@ -30,9 +30,9 @@ import threading
 import time
 from pathlib import Path
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core.kafka import KafkaSettings
+from trainguard.core.settings import number, value
 from trainguard.schemas.events import SchemaError, decode
-from trainguard.settings import number, value
 from trainguard.sinks.base import Sink, csv_values
 
 log = logging.getLogger("trainguard.sinks.runner")
@@ -97,7 +97,7 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
     ``TRAINGUARD_SINKS_MAX_AGE_S``) are skipped."""
     from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError
 
-    from trainguard.kafka import topic_reader
+    from trainguard.core.reader import topic_reader
 
     names = _topic_names(settings, topics)
     if start not in (None, "beginning", "end"):
@@ -186,7 +186,7 @@ def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str |
     the names in its ``settings``). The chat and generic webhooks sit behind one
     :class:`~trainguard.sinks.paging.PagingSink`; every webhook sink keeps its outbox in
     :func:`~trainguard.sinks.webhooks.outbox_dir` (per ``group``)."""
-    env = os.environ if env is None else env
+    env = dict(os.environ) if env is None else env
     from trainguard.sinks.alertmanager import AlertmanagerSink
     from trainguard.sinks.console import ConsoleSink
     from trainguard.sinks.jsonl import JsonlSink
@@ -195,8 +195,8 @@ def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str |
     from trainguard.sinks.webhooks import DingTalkSink, GenericWebhookSink, SlackSink, WebhookSetup, WeComSink
 
     setup = WebhookSetup(env, group)
-    chat = [sink for kind in (DingTalkSink, WeComSink, SlackSink, GenericWebhookSink)
-            if (sink := kind.from_env(env, setup)) is not None]
+    chat: list[Sink] = [webhook for kind in (DingTalkSink, WeComSink, SlackSink, GenericWebhookSink)
+                        if (webhook := kind.from_env(env, setup)) is not None]
     sinks: list[Sink] = [ConsoleSink()] if console else []
     for sink in (JsonlSink.from_env(env, jsonl_path), ReportSink.from_env(env),
                  PagingSink.from_env(env, chat, setup.folder),
@@ -217,7 +217,8 @@ def _prometheus(env) -> Sink | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainguard.sinks.runner",
-                                     description="Deliver trainguard alerts to the sinks configured in the environment.")
+                                     description="Deliver trainguard alerts to the sinks configured in the "
+                                                 "environment.")
     parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: TRAINGUARD_BOOTSTRAP)")
     parser.add_argument("--topics", default="alerts", help="comma-separated: alerts,control,acks (default: alerts)")
     parser.add_argument("--group", default=DEFAULT_GROUP, help="consumer group (default: %(default)s)")

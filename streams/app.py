@@ -26,11 +26,12 @@ from typing import cast
 
 import faust
 
-from trainguard.kafka import KafkaSettings, control_partitions_of
-from trainguard.producers.publisher import Publisher
+from trainguard.core.admin import control_partitions_of
+from trainguard.core.kafka import KafkaSettings, faust_credentials
+from trainguard.core.publisher import Publisher
+from trainguard.core.settings import integer, number
+from trainguard.core.settings import value as setting
 from trainguard.schemas.signing import load_keys, signing_key_for_worker, unsigned_allowed
-from trainguard.settings import integer, number
-from trainguard.settings import value as setting
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.checkpoint import Checkpoint, OutputRouter
 from trainguard.streams.engine import Engine, Limits
@@ -81,30 +82,6 @@ class _TableChangelog:
         self.table.send_changelog(partition, key, value, key_serializer="raw", value_serializer="raw")
 
 
-def _credentials(settings: KafkaSettings):
-    """Translate the librdkafka-style security settings to Faust's credentials."""
-    c = settings.client
-    protocol = c.get("security.protocol", "PLAINTEXT").upper()
-    if protocol == "PLAINTEXT":
-        return None
-    ssl_context = None
-    if "SSL" in protocol:
-        from faust.auth import ssl
-
-        ssl_context = ssl.create_default_context(cafile=c.get("ssl.ca.location"))
-        if c.get("ssl.certificate.location"):
-            ssl_context.load_cert_chain(c["ssl.certificate.location"], c.get("ssl.key.location"),
-                                        c.get("ssl.key.password"))
-    if protocol.startswith("SASL"):
-        mechanism = c.get("sasl.mechanism", "PLAIN").upper()
-        if mechanism.startswith("SCRAM") or mechanism == "PLAIN":
-            return faust.SASLCredentials(username=c.get("sasl.username"), password=c.get("sasl.password"),
-                                         mechanism=mechanism, ssl_context=ssl_context)
-        return faust.GSSAPICredentials(kerberos_service_name=c.get("sasl.kerberos.service.name", "kafka"),
-                                       mechanism=mechanism, ssl_context=ssl_context)
-    return faust.SSLCredentials(ssl_context)
-
-
 class _ExporterFeed:
     """Collects, per batch, what the Prometheus exporter needs from the decoded events (an
     ``Engine.on_event`` observer): the newest event time and, per run, the latest values of the
@@ -149,7 +126,7 @@ class _ExporterFeed:
         exporter.observe_batch(events, samples, self.lag)
 
 
-def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None = None, app_id: str = "trainguard",
+def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None = None, app_id: str | None = None,
                batch_max: int = 1000, batch_within_s: float = 0.02, rebalance_timeout_s: float | None = None,
                prometheus_port: int | None = None, prometheus_addr: str | None = None,
                state_flush_s: float = 0.5):
@@ -161,6 +138,7 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     metrics (throughput, lag, alerts, dead letters, key run metrics) on ``/metrics`` there,
     bound to ``prometheus_addr`` (or ``TRAINGUARD_PROMETHEUS_ADDR``, default 127.0.0.1)."""
     settings = settings or KafkaSettings.from_env()
+    app_id = app_id or cast(str, setting("TRAINGUARD_APP_ID"))
     ruleset = rules_mod.load(rules_path)
     signing_key, verify_keys, require_signed = _keys()
     app = _faust_app(settings, app_id, rebalance_timeout_s)
@@ -238,7 +216,7 @@ def _faust_app(settings: KafkaSettings, app_id: str, rebalance_timeout_s: float 
     return WorkerApp(
         app_id,
         broker=[f"kafka://{b}" for b in settings.bootstrap.split(",")],
-        broker_credentials=_credentials(settings),
+        broker_credentials=faust_credentials(settings),
         store="memory://",
         datadir=data_dir(app_id),
         topic_partitions=settings.partitions,
@@ -276,7 +254,7 @@ def _serve_prometheus(app: WorkerApp, engine: Engine, port: int | None, addr: st
         port = integer("TRAINGUARD_PROMETHEUS_PORT")
     if port is None:
         return None, None
-    from trainguard.sinks.prometheus import KEY_METRICS, Exporter
+    from trainguard.streams.exporter import KEY_METRICS, Exporter
 
     more = [n.strip() for n in (setting("TRAINGUARD_PROMETHEUS_METRICS") or "").split(",") if n.strip()]
     exporter = Exporter(key_metrics=(*KEY_METRICS, *more))
@@ -521,7 +499,7 @@ def leave_orphaned_memberships(app) -> None:
 
 
 def run_worker(settings: KafkaSettings | None = None, *, rules_path: str | None = None, loglevel: str = "warning",
-               app_id: str = "trainguard", prometheus_port: int | None = None,
+               app_id: str | None = None, prometheus_port: int | None = None,
                prometheus_addr: str | None = None) -> int:
     """``trainguard worker``: run until Ctrl-C / SIGTERM."""
     try:

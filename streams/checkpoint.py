@@ -43,8 +43,8 @@ from typing import Any, Awaitable, Callable, Literal, Protocol
 
 import orjson
 
-from trainguard.kafka import Topics, partition_for
-from trainguard.producers.publisher import Publisher
+from trainguard.core.kafka import Topics, partition_for
+from trainguard.core.publisher import Publisher
 from trainguard.streams.engine import Engine
 from trainguard.streams.keys import FLUSH_MARKER
 

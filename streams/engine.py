@@ -288,7 +288,7 @@ class Limits:
 
     @classmethod
     def from_settings(cls) -> "Limits":
-        from trainguard.settings import integer, number
+        from trainguard.core.settings import integer, number
 
         record = integer("TRAINGUARD_MAX_MESSAGE_BYTES") - (64 << 10)
         if record < 64 << 10:

@@ -45,7 +45,7 @@ from aiokafka.protocol.group import LeaveGroupRequest
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as aiokafka_driver
 
-from trainguard.settings import integer
+from trainguard.core.settings import integer
 
 if TYPE_CHECKING:
     from trainguard.streams.engine import Engine
@@ -90,7 +90,6 @@ def changed_upstream() -> list[str]:
 # worker uses Faust's agent path (and says so).
 BULK_LANE_SUPPORTED = faust.__version__.startswith("0.15.") and \
     "faust.transport.consumer:Consumer._drain_messages" not in changed_upstream()
-FETCH_MAX_WAIT_MS = integer("TRAINGUARD_FETCH_MAX_WAIT_MS")
 
 BulkHandler = Callable[[list], Awaitable[None]]
 log = logging.getLogger("trainguard.worker")
@@ -99,7 +98,8 @@ log = logging.getLogger("trainguard.worker")
 class QuickFetchThread(aiokafka_driver.AIOKafkaConsumerThread):
     def _create_worker_consumer(self, transport):
         consumer = super()._create_worker_consumer(transport)
-        consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS  # read by the fetcher aiokafka builds on start
+        # read by the fetcher aiokafka builds on start
+        consumer._fetch_max_wait_ms = integer("TRAINGUARD_FETCH_MAX_WAIT_MS")
         return consumer
 
     async def on_partitions_assigned(self, assigned, generation_id: int = 0) -> None:

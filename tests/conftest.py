@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.kafka import KafkaSettings, Topics, create_topics
+from trainguard.core.admin import create_topics
+from trainguard.core.kafka import KafkaSettings, Topics
+from trainguard.core.settings import value
 
 # Screenshots the browser tests saved, listed at the end of the run.
 SCREENSHOTS: list = []
@@ -63,9 +65,9 @@ def choose_broker(env, docker_answers, maven_kafka=_maven_kafka) -> str:
     """"address" (TRAINGUARD_TEST_BOOTSTRAP), "kafka" (Apache Kafka from `make kafka`'s jars),
     "container" (Apache Kafka in Docker) or "embedded" (Tansu). TRAINGUARD_TEST_BROKER=embedded
     asks for the last without looking for the others."""
-    if env.get("TRAINGUARD_TEST_BOOTSTRAP"):
+    if value("TRAINGUARD_TEST_BOOTSTRAP", env):
         return "address"
-    if env.get("TRAINGUARD_TEST_BROKER") == "embedded":
+    if value("TRAINGUARD_TEST_BROKER", env) == "embedded":
         return "embedded"
     if maven_kafka():
         return "kafka"
@@ -97,13 +99,9 @@ def _unsigned_commands_in_tests():
     to unsigned ones, as an operator would for local use. A process with a key still requires
     signatures; the signed default has tests of its own (tests/test_authority.py, and those that
     remove this)."""
-    previous = os.environ.get("TRAINGUARD_ALLOW_UNSIGNED")
-    os.environ["TRAINGUARD_ALLOW_UNSIGNED"] = "1"
-    yield
-    if previous is None:
-        os.environ.pop("TRAINGUARD_ALLOW_UNSIGNED", None)
-    else:
-        os.environ["TRAINGUARD_ALLOW_UNSIGNED"] = previous
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRAINGUARD_ALLOW_UNSIGNED", "1")
+        yield
 
 
 def _tansu():
@@ -118,7 +116,7 @@ def main_bootstrap(tmp_path_factory):
     """The session's broker (see the module's docstring), started on first use."""
     choice = _choice()
     if choice == "address":
-        address = os.environ["TRAINGUARD_TEST_BOOTSTRAP"]
+        address = value("TRAINGUARD_TEST_BOOTSTRAP")
         BROKERS["main"] = f"the cluster at {address} (TRAINGUARD_TEST_BOOTSTRAP)"
         yield address
         return

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 
-from trainguard.kafka import KafkaSettings, topic_reader
+from trainguard.core.kafka import KafkaSettings
+from trainguard.core.reader import topic_reader
 from trainguard.schemas import events as ev
 
 

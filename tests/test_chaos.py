@@ -12,8 +12,8 @@ import pytest
 from chaos import scenarios
 from tests.conftest import _choice
 from trainguard.broker import free_port
-from trainguard.kafka import KafkaSettings, Topics
-from trainguard.producers.publisher import Publisher
+from trainguard.core.kafka import KafkaSettings, Topics
+from trainguard.core.publisher import Publisher
 from trainguard.producers.trainer import TrainerLogger
 
 pytestmark = pytest.mark.integration
@@ -140,7 +140,7 @@ def test_a_worker_in_faust_exactly_once_mode_pages_on_apache_kafka(kafka, tmp_pa
     """TRAINGUARD_PROCESSING_GUARANTEE=exactly_once (measured against the default by make chaos):
     the worker starts its transactions on Apache Kafka, pages a NaN and acknowledges it."""
     from tests.integration import TopicReader, WorkerProcess
-    from trainguard.kafka import partition_for
+    from trainguard.core.kafka import partition_for
 
     worker = WorkerProcess(kafka, tmp_path, extra_env={"TRAINGUARD_PROCESSING_GUARANTEE": "exactly_once"}).start()
     alerts = TopicReader(kafka, kafka.topics.alerts)

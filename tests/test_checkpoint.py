@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from tests.integration import TopicReader
-from trainguard.producers.publisher import Publisher
+from trainguard.core.publisher import Publisher
 from trainguard.streams.checkpoint import Checkpoint, OutputRouter
 from trainguard.streams.engine import Output, OutputKind
 from trainguard.streams.keys import FLUSH_MARKER

@@ -17,9 +17,9 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from trainguard import settings
 from trainguard.cli import build_parser
-from trainguard.kafka import Topics
+from trainguard.core import settings
+from trainguard.core.kafka import Topics
 from trainguard.schemas import events as ev
 from trainguard.schemas import signing
 
@@ -161,7 +161,8 @@ def test_the_prometheus_scrapes_the_exporters_where_they_listen():
 
 
 def test_only_the_worker_mounts_its_secret():
-    key_volume = _mounts("worker")[str(PurePosixPath(SERVICES["worker"]["environment"]["TRAINGUARD_COMMAND_KEY_FILE"]).parent)]
+    key_file = PurePosixPath(SERVICES["worker"]["environment"]["TRAINGUARD_COMMAND_KEY_FILE"])
+    key_volume = _mounts("worker")[str(key_file.parent)]
     holders = {name for name in SERVICES if key_volume in _mounts(name).values()}
     assert holders == {"keys", "worker"}
     assert all(v.endswith(":ro") for v in SERVICES["worker"]["volumes"])

@@ -2,7 +2,6 @@
 
 import random
 
-
 from trainguard.schemas import events as ev
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
@@ -78,7 +77,8 @@ def test_cpu_bound_bottleneck_needs_ten_seconds_and_gpu_memory_swings():
     f, rng = Feed(), random.Random(3)
     for i in range(1, 60):
         f.now += 5
-        f.send(i, {"system/cpu_pct": 40 + rng.gauss(0, 3), "gpu/memory_used_gb[0]": 60 + rng.gauss(0, 0.2)}, kind="node")
+        f.send(i, {"system/cpu_pct": 40 + rng.gauss(0, 3), "gpu/memory_used_gb[0]": 60 + rng.gauss(0, 0.2)},
+               kind="node")
     f.now += 5
     f.send(60, {"system/cpu_pct": 99.0, "gpu/memory_used_gb[0]": 60.0}, kind="node")  # a single spike
     for i in range(61, 70):
@@ -87,7 +87,8 @@ def test_cpu_bound_bottleneck_needs_ten_seconds_and_gpu_memory_swings():
     assert f.firing() == [], "a single 99% spike stays silent"
     for i in range(70, 90):
         f.now += 5
-        f.send(i, {"system/cpu_pct": 97 + rng.random(), "gpu/memory_used_gb[0]": 60 + (8 if i % 2 else -8)}, kind="node")
+        f.send(i, {"system/cpu_pct": 97 + rng.random(), "gpu/memory_used_gb[0]": 60 + (8 if i % 2 else -8)},
+               kind="node")
     incident = f.firing("cpu_bound_bottleneck")
     assert len(incident) == 1 and incident[0]["kind"] == "incident"
     assert {m["rule"] for m in incident[0]["evidence"]["members"]} == {"cpu_saturated", "gpu_memory_fluctuating"}

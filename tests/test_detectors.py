@@ -15,18 +15,16 @@ from sortedcontainers import SortedList
 
 from trainguard.streams.detectors import (
     CUSUM,
-    EWMA,
     Collapse,
     CrossRank,
-    DeadSteps,
     Detector,
     DistributionShift,
     Leak,
+    Level,
     MannKendall,
     PageHinkley,
     RobustMAD,
     RollingZ,
-    Level,
     Spike,
     detector_from_state,
     series_kinds,
@@ -277,7 +275,7 @@ def test_slow_kl_drift_is_absorbed_by_rolling_baseline_but_caught_by_trend(seed)
 
     mk = MannKendall(window=60, alpha=0.01, direction="up")
     first = None
-    for ti, v in zip(t, kl):
+    for ti, v in zip(t, kl, strict=True):
         if mk.update(v, t=ti) and first is None:
             first = ti
             ev = mk.evidence()
@@ -289,7 +287,7 @@ def test_slow_kl_drift_is_absorbed_by_rolling_baseline_but_caught_by_trend(seed)
 def test_slow_drift_is_caught_by_a_kept_reference_window():
     t, kl = kl_drift(1)
     det = DistributionShift(reference=60, window=60, every=10, alpha=0.001)
-    hits = [ti for ti, v in zip(t, kl) if det.update(v, t=ti)]
+    hits = [ti for ti, v in zip(t, kl, strict=True) if det.update(v, t=ti)]
     assert hits and hits[0] < 3000
     assert det.evidence()["reference_mean"] < det.evidence()["mean"]
 
@@ -381,7 +379,7 @@ def test_leak_slope_r2_and_time_to_exhaustion():
     det = Leak(window=240, slope_per_min=0.01, r2_min=0.8, capacity=80.0)
     t = np.arange(480) * 15.0
     mem = 30 + 0.02 * t / 60 + rng.normal(0, 0.01, len(t))
-    hits = [det.update(v, t=ti) for v, ti in zip(mem, t)]
+    hits = [det.update(v, t=ti) for v, ti in zip(mem, t, strict=True)]
     assert hits[-1]
     ev = det.evidence()
     assert ev["slope_per_min"] == pytest.approx(0.02, rel=0.05)
@@ -395,10 +393,10 @@ def test_leak_quiet_on_noisy_flat_memory_and_sawtooth():
     det = Leak(window=120, slope_per_min=0.01, r2_min=0.8)
     t = np.arange(2000) * 15.0
     flat = 30 + rng.normal(0, 0.5, len(t))
-    assert not any(det.update(v, t=ti) for v, ti in zip(flat, t))
+    assert not any(det.update(v, t=ti) for v, ti in zip(flat, t, strict=True))
     saw = Leak(window=120, slope_per_min=0.01, r2_min=0.8)
     cache = 30 + (np.arange(2000) % 40) * 0.05  # allocator cache growing then freed
-    assert sum(saw.update(v, t=ti) for v, ti in zip(cache, t)) < 100
+    assert sum(saw.update(v, t=ti) for v, ti in zip(cache, t, strict=True)) < 100
 
 
 def test_leak_running_sums_match_polyfit():
@@ -406,7 +404,7 @@ def test_leak_running_sums_match_polyfit():
     det = Leak(window=50)
     t = 1.7e9 + np.arange(333) * 10.0  # unix timestamps: anchoring keeps sums precise
     x = 5 + 0.001 * np.arange(333) + rng.normal(0, 0.01, 333)
-    for v, ti in zip(x, t):
+    for v, ti in zip(x, t, strict=True):
         det.update(v, t=ti)
     slope, _ = np.polyfit(t[-50:] - t[-50], x[-50:], 1)
     assert det.fit()[0] == pytest.approx(slope, rel=1e-6)

@@ -1,5 +1,5 @@
-"""The examples in the docstrings of streams/, schemas/, producers/guards/, the run page and trainguard.terminal are run, so
-they stay true."""
+"""The examples in the docstrings of streams/, schemas/, producers/guards/, the run page and
+trainguard.terminal are run, so they stay true."""
 
 from __future__ import annotations
 

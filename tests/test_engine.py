@@ -48,7 +48,7 @@ def test_baseline_gives_the_seeds_verdicts_on_every_sample():
         x = np.array([abs(rng.gauss(1000 if t < 1500 else 1500, 80)) + (5000 if t % 97 == 0 else 0),
                       abs(rng.gauss(0.02, 0.01)), abs(rng.gauss(0.01, 0.004)), rng.gauss(5, 1)])
         ours = block.update(rows, x)[0]
-        theirs = [s.update(v) for s, v in zip(seeds, x)]
+        theirs = [s.update(v) for s, v in zip(seeds, x, strict=True)]
         disagreements += int((ours != np.array(theirs)).sum())
     assert disagreements == 0
 
@@ -75,7 +75,7 @@ def test_baseline_state_round_trips_exactly():
     for _ in range(50):
         x = rng.normal(5, 1, 2)
         a, b = block.update(rows, x), copy.update(rows, x)
-        for u, v in zip(a, b):
+        for u, v in zip(a, b, strict=True):
             np.testing.assert_allclose(u, v)
 
 
@@ -114,7 +114,8 @@ def run_sim(engine, fault=None, steps=200, fault_step=70, run="r", checkpoint_ev
 @pytest.mark.parametrize("fault", FAULTS)
 def test_each_seed_fault_alerts_and_rolls_back_to_a_checkpoint_before_the_onset(fault):
     outputs = run_sim(Engine(rules_mod.default()), fault)
-    alerts = [o.value for _, o in outputs if o.kind == "alert" and o.value["status"] == "firing" and o.value["critical"]]
+    alerts = [o.value for _, o in outputs
+              if o.kind == "alert" and o.value["status"] == "firing" and o.value["critical"]]
     commands = [o.value for _, o in outputs if o.kind == "command"]
     assert alerts
     assert [c["action"] for c in commands] == ["rollback"]
@@ -157,7 +158,8 @@ def test_state_survives_serialisation_mid_run():
     rest_b = run_sim(restored, "rollout_stall", steps=120, fault_step=65, offset=10_000, seed=9)
     assert [(s, o.kind, o.value.get("id")) for s, o in rest_a] == [(s, o.kind, o.value.get("id")) for s, o in rest_b]
     assert any(o.kind == "command" for _, o in rest_b)
-    assert isinstance(restored.store[b"r"], RunState) and isinstance(restored.store[b"r|" + ev.source_id(TRAINER).encode()], SourceState)
+    assert isinstance(restored.store[b"r"], RunState)
+    assert isinstance(restored.store[b"r|" + ev.source_id(TRAINER).encode()], SourceState)
 
 
 def test_invalid_input_becomes_a_dead_letter_with_the_reason_and_the_bytes():
@@ -202,12 +204,15 @@ def test_a_rule_added_in_yaml_fires_without_code():
 @pytest.mark.parametrize("text,problem", [
     ("version: 1\nrules:\n  - name: a\n    metric: x\n    above: high\n", "team.yaml:3: 'above' must be a number"),
     ("version: 1\nrules:\n  - name: a\n    metric: x\n", "team.yaml:3: rule 'a' has no condition"),
-    ("version: 1\nrules:\n  - name: a\n    metric: x\n    above: 1\n  - name: b\n    metric: x\n    severty: P1\n    above: 2\n",
+    ("version: 1\nrules:\n  - name: a\n    metric: x\n    above: 1\n"
+     "  - name: b\n    metric: x\n    severty: P1\n    above: 2\n",
      "team.yaml:6: unknown key\\(s\\) severty"),
-    ("version: 1\nrules:\n  - name: a\n    metric: x\n    above: 1\n    severity: P9\n", "team.yaml:3: rule 'a': severity"),
+    ("version: 1\nrules:\n  - name: a\n    metric: x\n    above: 1\n    severity: P9\n",
+     "team.yaml:3: rule 'a': severity"),
     ("version: 1\nrules:\n  - name: a\n    metric: [x\n", "team.yaml:5: not valid YAML"),
     ("version: 2\nrules: []\n", "team.yaml:1: 'version' must be 1"),
-    ("version: 1\nrules:\n  - name: a\n    signal: klx\n    above: 1\n", "team.yaml:3: rule 'a': unknown signal\\(s\\) 'klx'"),
+    ("version: 1\nrules:\n  - name: a\n    signal: klx\n    above: 1\n",
+     "team.yaml:3: rule 'a': unknown signal\\(s\\) 'klx'"),
     ("version: 1\nrules:\n  - name: a\n    above: 1\n", "team.yaml:3: rule 'a' has neither 'signal' nor 'metric'"),
     ("version: 1\nrules:\n  - name: a\n    signal: kl\n    above: 1\n    given: {lr: {above: 0}}\n",
      "team.yaml:3: rule 'a': 'given' names unknown signal 'lr'"),

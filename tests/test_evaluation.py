@@ -5,6 +5,7 @@ import math
 import statistics
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,7 @@ def test_gpu_memory_leak_grows_more_than_10_mb_per_minute_until_near_total():
     sim, rows = trace("gpu_memory_leak", steps=ONSET + 360)
     for gpu in (0, 7):
         pts = [(r[3], r[1][f"gpu/memory_used_gb[{gpu}]"]) for r in rows[ONSET:]]
-        ts, mem = zip(*pts)
+        ts, mem = zip(*pts, strict=True)
         slope = statistics.linear_regression(ts, mem).slope * 1024 * 60  # MB per minute
         assert 10 < slope < 200, slope
         assert max(r[1][f"gpu/memory_used_gb[{gpu}]"] for r in rows[ONSET - 40:ONSET - 1]) < 61.5
@@ -136,7 +137,7 @@ def test_the_hung_trainer_stops_emitting_while_the_node_keeps_reporting():
     assert all(r[0] is None for r in rows[ONSET - 1:])
     assert sim.current_step == ONSET - 1 and sim.hung
     ts = [r[3] for r in rows]
-    assert all(b > a for a, b in zip(ts, ts[1:]))  # time keeps passing
+    assert all(b > a for a, b in pairwise(ts))  # time keeps passing
     node = rows[-1][1]
     assert node["gpu/utilization_pct[0]"] == 100.0 and node["gpu/power_w[0]"] < 250  # spinning in a collective
 
@@ -168,7 +169,7 @@ def test_healthy_runs_stay_within_realistic_bounds_with_benign_events():
             sim.save_checkpoint()
             pauses.append(sim.current_step + 1)
     after_warmup = [r for r in rows if r[0] > 30]
-    for step, m, node in after_warmup:
+    for _step, m, _node in after_warmup:
         assert 0.001 < m["actor/kl_loss"] < 0.05
         assert 0.3 < m["actor/entropy"] < 0.75
         assert 0 <= m["rollout/empty_response_ratio"] < 0.05

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration import WorkerProcess, produce
-from trainguard.producers.trainer import TrainerLogger
 from trainguard.broker import free_port
+from trainguard.producers.trainer import TrainerLogger
 
 pytestmark = pytest.mark.integration
 

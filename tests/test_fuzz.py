@@ -10,7 +10,8 @@ import math
 import random
 
 import orjson
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trainguard.schemas import events as ev
 from trainguard.streams import rules as rules_mod

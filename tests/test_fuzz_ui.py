@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chaos.scenarios import _UI_PAYLOADS, _ui_injections_in
-from trainguard.kafka import Topics
+from trainguard.core.kafka import Topics
 from trainguard.schemas import events as ev
 from trainguard.streams import rules as rules_mod
 from trainguard.ui import Board, render_index, render_report_page, render_run

@@ -290,7 +290,7 @@ def test_near_duplicates_wait_the_minimum_interval_and_distinct_prompts_pass():
     assert len(distinct) >= 300
     rng = random.Random(1)
     edited = [edit(p, rng) for p in distinct]
-    close = [i for i, (a, b) in enumerate(zip(distinct, edited)) if jaccard(a, b) >= 0.8]
+    close = [i for i, (a, b) in enumerate(zip(distinct, edited, strict=True)) if jaccard(a, b) >= 0.8]
     assert len(close) >= 0.9 * len(distinct)
     dedup = PromptDeduplicator(min_interval=10 * len(distinct))
     first = dedup.filter(distinct)

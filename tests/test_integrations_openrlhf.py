@@ -122,3 +122,38 @@ def test_openrlhf_reports_finished_when_fit_returns_and_nothing_when_it_crashes(
     lifecycle = {run: [e["event"] for e in seen if e["run_id"] == run and e["schema"] == ev.LIFECYCLE]
                  for run in (ended, crashed)}
     assert lifecycle == {ended: ["started", "finished"], crashed: ["started"]}, lifecycle
+
+
+def test_attaching_twice_installs_one_hook_and_one_exit_handler(kafka, tmp_path):
+    """A script that calls attach() again (a retry, a notebook cell run twice) gets the same
+    backend: each step is published once, and one atexit handler flushes every backend."""
+    import atexit
+
+    from trainguard.producers.integrations.openrlhf import attach
+
+    run_id = f"orl-twice-{uuid.uuid4().hex[:6]}"
+    trainer = PPOTrainer(tmp_path / "ckpt", steps=6, save_steps=100)
+    handlers = atexit._ncallbacks()
+    first = attach(trainer, run_id, kafka, listen=False)
+    after_first = atexit._ncallbacks()
+    assert attach(trainer, run_id, kafka, listen=False) is first
+    other = attach(PPOTrainer(tmp_path / "other", steps=1), f"{run_id}-b", kafka, listen=False)
+    assert atexit._ncallbacks() == after_first <= handlers + 1  # one handler, whoever attaches
+    with pytest.raises(ValueError, match="detach"):
+        attach(trainer, f"{run_id}-c", kafka, listen=False)
+    hooked = trainer.save_logs_and_checkpoints
+    assert hooked.__name__ == "save_logs_and_checkpoints"  # functools.wraps
+    assert hooked.__wrapped__ == PPOTrainer.save_logs_and_checkpoints.__get__(trainer)  # one layer: the original
+    trainer.fit()
+    other.detach()
+
+    events = TopicReader(kafka, kafka.topics.events)
+    events.wait_for(lambda e: e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE and e["event"] == "finished",
+                    what="the finished report")
+    seen = [e for e in events.drain(1.0) if e["run_id"] == run_id]
+    events.close()
+    assert [e["step"] for e in seen if e["schema"] == ev.METRICS] == [1, 2, 3, 4, 5, 6]
+    assert [e["event"] for e in seen if e["schema"] == ev.LIFECYCLE] == ["started", "finished"]
+
+    first.detach()
+    assert "save_logs_and_checkpoints" not in vars(trainer) and "fit" not in vars(trainer)

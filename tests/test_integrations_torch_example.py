@@ -17,7 +17,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 import torch  # noqa: F401  (deliberately not importorskip: a missing torch must fail CI)
 
 from tests.integration import TopicReader, WorkerProcess

@@ -173,14 +173,16 @@ def test_trl_faults_get_the_right_alert_and_command_with_the_default_rules(kafka
             trainer.train()
             weights_finite = all(torch.isfinite(p).all() for p in trainer.model.parameters())
             alerts = TopicReader(kafka, kafka.topics.alerts)
-            alerts.wait_for(lambda a: a.get("rule") == rule and a["run_id"] == run_id, timeout=30,
+            alerts.wait_for(lambda a, rule=rule, run_id=run_id: a.get("rule") == rule and a["run_id"] == run_id,
+                            timeout=30,
                             what=f"{rule} for {fault}", worker=worker)
             fired = sorted({a["rule"] for a in alerts.seen if a["run_id"] == run_id and a.get("status") == "firing"})
             alerts.close()
             commands = TopicReader(kafka, kafka.topics.control)
             try:
-                commands.wait_for(lambda c: c["run_id"] == run_id and len(
-                    [x for x in commands.seen if x["run_id"] == run_id]) >= len(expected_commands), timeout=5)
+                wanted = len(expected_commands)
+                commands.wait_for(lambda c, run_id=run_id, seen=commands.seen, wanted=wanted: c["run_id"] == run_id
+                                  and len([x for x in seen if x["run_id"] == run_id]) >= wanted, timeout=5)
             except AssertionError:
                 pass
             actions = [c["action"] for c in commands.seen if c["run_id"] == run_id]

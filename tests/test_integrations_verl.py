@@ -129,7 +129,7 @@ def test_verl_backend_publishes_verl_metrics_and_rolls_the_trainer_back(kafka, t
             trainer.fit()
         finally:
             backend.detach()
-        assert Tracking.__init__.__name__ == "__init__"  # detach restored verl's class
+        assert not hasattr(Tracking.__init__, "__wrapped__")  # detach restored verl's class
 
         # The worker's rollback reached the trainer: actor and critic loaded from the newest
         # checkpoint before the onset (step 25; the fault is at step 30), global_steps rewound.
@@ -138,7 +138,8 @@ def test_verl_backend_publishes_verl_metrics_and_rolls_the_trainer_back(kafka, t
         assert trainer.actor_rollout_wg.loads == [os.path.join(target, "actor")]
         assert trainer.critic_wg.loads == [os.path.join(target, "critic")]
         (synced_step, synced_weights), = trainer.checkpoint_manager.synced
-        assert synced_step == 25 and np.array_equal(synced_weights, np.load(os.path.join(target, "actor", "model.npy"))), \
+        restored = np.load(os.path.join(target, "actor", "model.npy"))
+        assert synced_step == 25 and np.array_equal(synced_weights, restored), \
             "the rollout engine got the restored weights, as verl's resume gives them"
         steps = [s for s, _ in trainer.logged]
         restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
@@ -277,3 +278,30 @@ def test_a_crash_out_of_fit_reports_no_end(kafka, tmp_path):
     lifecycle = [e["event"] for e in events.drain(2.0) if e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE]
     events.close()
     assert lifecycle == ["started"], lifecycle
+
+
+def test_attaching_twice_installs_each_hook_once(kafka, tmp_path):
+    """attach() again on the same trainer gives the same backend: verl's Tracking gets one
+    backend, each step is published once, detach leaves verl's class and the trainer as they were."""
+    from trainguard.producers.integrations.verl import attach
+
+    original_init = getattr(Tracking.__init__, "__wrapped__", Tracking.__init__)  # a crashed run's hook stays
+    run_id = f"verl-twice-{uuid.uuid4().hex[:6]}"
+    trainer = FakeRayPPOTrainer(tmp_path / "ckpt", total_training_steps=4, save_freq=2, fault_at=10**9, step_s=0.0)
+    backend = attach(trainer, run_id, kafka, tracking_cls=Tracking, listen=False)
+    assert attach(trainer, run_id, kafka, tracking_cls=Tracking, listen=False) is backend
+    assert Tracking.__init__.__wrapped__ is original_init and Tracking.__init__.__name__ == "__init__"
+    assert trainer.fit.__wrapped__ == FakeRayPPOTrainer.fit.__get__(trainer)
+    assert Tracking("p", "e", default_backend=["console"]).logger.keys() == {"console"}  # outside fit(): none
+    trainer.fit()
+
+    events = TopicReader(kafka, kafka.topics.events)
+    events.wait_for(lambda e: e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE and e["event"] == "finished",
+                    what="the finished report")
+    seen = [e for e in events.drain(1.0) if e["run_id"] == run_id]
+    events.close()
+    assert [e["step"] for e in seen if e["schema"] == ev.METRICS] == [1, 2, 3, 4]
+    assert [e["step"] for e in seen if e["schema"] == ev.CHECKPOINT] == [2, 4]
+    backend.detach()
+    assert Tracking.__init__ is original_init
+    assert "fit" not in vars(trainer) and "_save_checkpoint" not in vars(trainer)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 
 from trainguard.schemas import events as ev
-from trainguard.streams import keys, rules as rules_mod
+from trainguard.streams import keys
+from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import MAX_SNAPSHOT_METRICS, MAX_UNWATCHED, Engine, Limits
 
 RULES = rules_mod.load(None)

@@ -306,7 +306,7 @@ def test_run_publishes_one_event_per_interval_with_a_sample_counter(monkeypatch)
 
 
 def _read_events(settings, want: int, timeout: float = 30.0) -> list[tuple[bytes, dict]]:
-    from trainguard.kafka import topic_reader
+    from trainguard.core.reader import topic_reader
 
     consumer, _missing = topic_reader(settings, [settings.topics.events])
     try:

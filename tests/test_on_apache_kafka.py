@@ -15,7 +15,8 @@ import pytest
 
 from tests.conftest import _choice
 from tests.integration import TopicReader, WorkerProcess
-from trainguard.kafka import KafkaSettings, Topics, create_topics
+from trainguard.core.admin import create_topics
+from trainguard.core.kafka import KafkaSettings, Topics
 from trainguard.producers.trainer import TrainerLogger
 
 pytestmark = [pytest.mark.integration,

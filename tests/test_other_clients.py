@@ -2,7 +2,7 @@
 kafkajs, Apache Kafka's Java client (tests/clients/java, built once per session with Maven) and
 Debian's kcat publish a run's metrics, a real worker alerts on the NaN loss, and the same client
 reads the alert back. The Java client's default partitioner and kcat with murmur2 put a run on the
-partition trainguard's own producer does (trainguard/kafka.py), so a run's story stays in one
+partition trainguard's own producer does (trainguard/core/kafka.py), so a run's story stays in one
 partition whoever writes it."""
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from producers.publisher import Publisher
 from tests import conftest
 from tests.integration import WorkerProcess, wait_until
 from tests.test_schemas import published
 from trainguard import kafka_cluster
-from trainguard.kafka import KafkaSettings, Topics, create_topics, partition_for, topic_reader
+from trainguard.core.admin import create_topics
+from trainguard.core.kafka import KafkaSettings, Topics, partition_for
+from trainguard.core.publisher import Publisher
+from trainguard.core.reader import topic_reader
 from trainguard.schemas import events as ev
 
 pytestmark = pytest.mark.integration

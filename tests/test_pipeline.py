@@ -6,11 +6,11 @@ import time
 import orjson
 import pytest
 
+from tests.integration import TopicReader, WorkerProcess, produce
 from trainguard.demo import run_trainer
+from trainguard.producers.trainer import TrainerLogger
 from trainguard.schemas import events as ev
 from trainguard.simulator import SimulatedPPO
-from trainguard.producers.trainer import TrainerLogger
-from tests.integration import TopicReader, WorkerProcess, produce
 
 pytestmark = pytest.mark.integration
 
@@ -109,7 +109,7 @@ def test_a_worker_that_dies_hands_its_runs_to_its_peer_with_their_windows(kafka,
     """Two workers in one group split the partitions; one is killed; the survivor takes its
     partitions over, recovers their state from the changelog (no standby copy is kept), and
     judges the next fault against the windows the dead worker built."""
-    from trainguard.kafka import partition_for
+    from trainguard.core.kafka import partition_for
 
     runs, n = [], 0
     while len(runs) < kafka.partitions:  # one run per partition: both workers own some
@@ -130,7 +130,7 @@ def test_a_worker_that_dies_hands_its_runs_to_its_peer_with_their_windows(kafka,
             sims.append(sim)
             loggers.append(TrainerLogger(run, kafka, host="h"))
         for _ in range(40):
-            for logger, sim in zip(loggers, sims):
+            for logger, sim in zip(loggers, sims, strict=True):
                 logger.log(sim.step(), sim.current_step)
         for logger in loggers:
             logger.publisher.flush(10)
@@ -143,7 +143,7 @@ def test_a_worker_that_dies_hands_its_runs_to_its_peer_with_their_windows(kafka,
         time.sleep(3)  # past a commit interval
         second.kill()
         for _ in range(6):  # the simulated KL passes 0.8 on the fifth faulty step
-            for logger, sim in zip(loggers, sims):
+            for logger, sim in zip(loggers, sims, strict=True):
                 logger.log(sim.step(), sim.current_step)
         for logger in loggers:
             logger.publisher.flush(10)
@@ -256,7 +256,7 @@ def test_offsets_are_committed_once_the_state_behind_them_is_flushed(kafka, tmp_
     worker reads nothing twice."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from trainguard.kafka import partition_for
+    from trainguard.core.kafka import partition_for
 
     worker = WorkerProcess(kafka, tmp_path, extra_env={"TRAINGUARD_BULK_LANE": lane}).start().wait_ready()
     try:
@@ -312,8 +312,8 @@ def test_commands_follow_the_control_topics_own_partition_count(bootstrap):
     sends by the topic's count, the one listeners read by."""
     import uuid
 
-    from trainguard.kafka import KafkaSettings, Topics, create_topics
-    from trainguard.kafka import control_partitions_of
+    from trainguard.core.admin import control_partitions_of, create_topics
+    from trainguard.core.kafka import KafkaSettings, Topics
 
     topics = Topics.with_prefix(f"p{uuid.uuid4().hex[:8]}")
     create_topics(KafkaSettings(bootstrap=bootstrap, partitions=2, topics=topics))

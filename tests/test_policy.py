@@ -4,8 +4,8 @@
 import orjson
 
 from trainguard.schemas import events as ev
-from trainguard.sinks.reports import ReportSink
 from trainguard.simulator import SimulatedPPO
+from trainguard.sinks.reports import ReportSink
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
 
@@ -41,7 +41,8 @@ class Run:
             self.ts += 10
             m = self.sim.step()
             outs = self.feed(ev.metrics_event("r", self.sim.current_step, m, src=TRAINER, ts=self.ts))
-            outs += self.feed(ev.metrics_event("r", self.sim.current_step, self.sim.node_metrics(), src=NODE, ts=self.ts))
+            outs += self.feed(ev.metrics_event("r", self.sim.current_step, self.sim.node_metrics(), src=NODE,
+                                               ts=self.ts))
             if self.checkpoint_every and self.sim.current_step % self.checkpoint_every == 0:
                 self.feed(ev.checkpoint_event("r", self.sim.current_step, self.sim.save_checkpoint(), ts=self.ts))
             for command in (o.value for o in outs if o.kind == "command"):

@@ -11,14 +11,14 @@ import uuid
 import orjson
 import pytest
 
+from tests.integration import TopicReader
 from trainguard.broker import free_port
-from trainguard.kafka import KafkaSettings, partition_for
+from trainguard.core.kafka import KafkaSettings, partition_for
+from trainguard.core.publisher import Publisher
 from trainguard.producers.control import ControlListener
-from trainguard.producers.publisher import Publisher
 from trainguard.producers.trainer import TrainerLogger
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import SigningKey, sign
-from tests.integration import TopicReader
 
 KEY = SigningKey("ops", b"a-long-shared-secret")
 

@@ -11,8 +11,7 @@ import struct
 
 import pytest
 
-from trainguard.readers import (FORMATS, ReadError, count_steps, detect_format, estimate_steps, open_reader,
-                                read_steps)
+from trainguard.readers import FORMATS, ReadError, count_steps, detect_format, estimate_steps, open_reader, read_steps
 from trainguard.readers.tensorboard import crc32c, masked_crc32c
 from trainguard.readers.verl import parse_line, parse_value
 from trainguard.schemas.events import checkpoint_event, encode, metrics_event, source
@@ -60,7 +59,8 @@ def test_verl_sample_ground_truth_kl_blowup_then_reward_collapse():
      {"x": 0.25, "y": 3.0}),
     ("step:5 - loss:nan - g:inf - h:-inf - i:NaN - j:Infinity", 5,
      {"loss": math.nan, "g": math.inf, "h": -math.inf, "i": math.nan, "j": math.inf}),
-    ("step:9 - n:np.int64(1024) - flag:True - z:0 [repeated 4x across cluster]", 9, {"n": 1024.0, "flag": 1.0, "z": 0.0}),
+    ("step:9 - n:np.int64(1024) - flag:True - z:0 [repeated 4x across cluster]", 9,
+     {"n": 1024.0, "flag": 1.0, "z": 0.0}),
     ("Training:  10%|#  | 3/30\rstep:3 - a:1.0", 3, {"a": 1.0}),
     ("2025-01-01 10:00:00 INFO step:4 - a:np.float64(nan)", 4, {"a": math.nan}),
 ])
@@ -379,7 +379,8 @@ def test_a_tensorboard_log_tree_with_one_run_reads_that_run(tmp_path):
 def test_a_tensorboard_log_tree_with_several_runs_names_them_and_the_way_out(tmp_path):
     for experiment in ("grpo-a", "grpo-b"):
         (tmp_path / "proj" / experiment).mkdir(parents=True)
-        write_tfevents(tmp_path / "proj" / experiment / "events.out.tfevents.1.host", [_event(1, [_value("a", simple=1.0)])])
+        write_tfevents(tmp_path / "proj" / experiment / "events.out.tfevents.1.host",
+                       [_event(1, [_value("a", simple=1.0)])])
     with pytest.raises(ReadError) as err:
         list(read_steps(tmp_path))
     message = str(err.value)

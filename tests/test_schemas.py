@@ -7,7 +7,8 @@ from importlib import resources
 import jsonschema
 import orjson
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import SigningKey, sign, verify
@@ -79,7 +80,8 @@ BAD = [
     (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"t"},"step":1,"ts":1,"metrics":{},"layer":"x"}',
      "layer: must be one of"),
     (b'{"schema":"checkpoint/1","run_id":"r","step":1,"ts":NaN,"path":"p"}', "ts: must be a finite"),
-    (b'{"schema":"command/1","id":"c","run_id":"r","action":"explode","issued":1,"expires":2}', "action: must be one of"),
+    (b'{"schema":"command/1","id":"c","run_id":"r","action":"explode","issued":1,"expires":2}',
+     "action: must be one of"),
     (b'{"schema":"command/1","id":"c","run_id":"r","action":"stop","issued":5,"expires":2}', "expires: is earlier"),
     (b'{"schema":"ack/1","command_id":"c","run_id":"r","status":"maybe","ts":1}', "status: must be one of"),
 ]

@@ -2,9 +2,8 @@
 
 import faust
 
-from trainguard.kafka import KafkaSettings, Topics
+from trainguard.core.kafka import KafkaSettings, Topics, faust_credentials
 from trainguard.schemas.signing import load_keys
-from trainguard.streams.app import _credentials
 
 SASL_ENV = {
     "TRAINGUARD_BOOTSTRAP": "kafka-1:9093,kafka-2:9093",
@@ -28,10 +27,10 @@ def test_security_settings_pass_through_to_librdkafka_clients():
 
 
 def test_the_worker_maps_the_same_settings_to_faust_credentials():
-    creds = _credentials(KafkaSettings.from_env(SASL_ENV))
+    creds = faust_credentials(KafkaSettings.from_env(SASL_ENV))
     assert isinstance(creds, faust.SASLCredentials)
     assert creds.username == "trainer" and creds.password == "s3cret" and creds.ssl_context is not None
-    assert _credentials(KafkaSettings.from_env({})) is None
+    assert faust_credentials(KafkaSettings.from_env({})) is None
 
 
 def test_command_keys_come_from_the_environment_or_a_file(tmp_path):

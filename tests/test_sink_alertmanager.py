@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from tests.integration import wait_until
-from trainguard.sinks.alertmanager import AlertmanagerSink
 from trainguard.broker import free_port
+from trainguard.sinks.alertmanager import AlertmanagerSink
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainguard.sinks.prometheus import KEY_METRICS, REGISTRY, Exporter, metric_names
+from trainguard.streams.exporter import KEY_METRICS, REGISTRY, Exporter, metric_names
 from trainguard.streams.signals import SIGNALS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def exported():
                        "status": "firing", "incident": "dash-inc"})
     exp.observe_dlq("not valid JSON")
     exp.observe_batch(events=1, samples=1, lag_s=0.1)
-    from trainguard.sinks.prometheus import NOTIFICATIONS
+    from trainguard.streams.exporter import NOTIFICATIONS
     NOTIFICATIONS.labels("slack", "delivered").inc(0)
     labels: dict[str, set[str]] = {}
     for family in REGISTRY.collect():

@@ -13,9 +13,10 @@ import uuid
 
 import pytest
 
-from trainguard.sinks import prometheus as prom
-from trainguard.sinks.prometheus import REGISTRY, Exporter, dlq_reason
 from trainguard.broker import free_port
+from trainguard.sinks.prometheus import PrometheusSink
+from trainguard.streams import exporter as prom
+from trainguard.streams.exporter import REGISTRY, Exporter, dlq_reason
 
 PROMETHEUS = shutil.which("prometheus")
 
@@ -76,10 +77,10 @@ def test_signals_are_exported_under_their_canonical_name_whatever_the_framework(
 
 def test_a_sinks_process_counts_no_alert_unless_told_to(exporter):
     rule = f"rule_{uuid.uuid4().hex[:6]}"
-    prom.PrometheusSink(exporter).write([_alert(_run(), rule)])
+    PrometheusSink(exporter).write([_alert(_run(), rule)])
     assert _value("trainguard_alerts_total", rule=rule, severity="P1", status="firing") is None, \
         "the worker counts alerts; a second count doubled every summed panel"
-    prom.PrometheusSink(exporter, count_alerts=True).write([_alert(_run(), rule)])
+    PrometheusSink(exporter, count_alerts=True).write([_alert(_run(), rule)])
     assert _value("trainguard_alerts_total", rule=rule, severity="P1", status="firing") == 1
 
 

@@ -12,7 +12,7 @@ from confluent_kafka import Producer
 
 from chaos.scenarios import sinks_env, sinks_started
 from tests.integration import Receiver, SinksProcess, wait_until
-from trainguard.kafka import partition_for
+from trainguard.core.kafka import partition_for
 from trainguard.schemas.events import encode
 from trainguard.sinks.alertmanager import AlertmanagerSink
 from trainguard.sinks.console import ConsoleSink
@@ -153,7 +153,7 @@ class _Recording(dict):
 
 
 def test_each_sink_reads_the_settings_it_declares_and_no_other(tmp_path):
-    from trainguard import settings
+    from trainguard.core import settings
     from trainguard.sinks.reports import ReportSink
     from trainguard.sinks.webhooks import WebhookSetup
 

@@ -14,8 +14,17 @@ import pytest
 
 from tests.integration import Receiver
 from trainguard.broker import free_port
-from trainguard.sinks.webhooks import (DingTalkSink, GenericWebhookSink, PagingSink, SlackSink, Templates,
-                                       WeComSink, alert_fields, dingtalk_sign, render)
+from trainguard.sinks.webhooks import (
+    DingTalkSink,
+    GenericWebhookSink,
+    PagingSink,
+    SlackSink,
+    Templates,
+    WeComSink,
+    alert_fields,
+    dingtalk_sign,
+    render,
+)
 
 
 def _alert(i: int = 0, status: str = "firing", **extra) -> dict:

@@ -1,7 +1,7 @@
-"""The type checker over the worker's code (streams/) and the wire contracts (schemas/), as part of
-`make test` (pyproject.toml's [tool.mypy]). The folders are installed under other names
-(streams/ is trainguard.streams), a mapping mypy cannot follow, so it reads them through a tree of
-symlinks laid out as the installed package."""
+"""The type checker over every package of the product (trainguard and the folders installed as
+its subpackages), as part of `make test` and `make lint` (pyproject.toml's [tool.mypy]). The
+folders are installed under other names (streams/ is trainguard.streams), a mapping mypy cannot
+follow, so it reads them through a tree of symlinks laid out as the installed package."""
 
 import subprocess
 import sys
@@ -22,9 +22,9 @@ def _package_tree(tmp_path: Path) -> Path:
     return tree
 
 
-def test_streams_and_schemas_pass_the_type_checker(tmp_path):
+def test_every_package_passes_the_type_checker(tmp_path):
     tree = _package_tree(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "mypy", "-p", "trainguard.streams", "-p", "trainguard.schemas",
+    result = subprocess.run([sys.executable, "-m", "mypy", "-p", "trainguard",
                              "--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", str(tmp_path / "cache")],
                             cwd=tree, capture_output=True, text=True, timeout=240)
     assert "No module named mypy" not in result.stderr, "mypy is part of the dev extra: pip install -e '.[dev]'"

@@ -178,7 +178,7 @@ def test_the_board_keeps_within_its_limits_and_renders_outside_the_readers_lock(
 
     import orjson
 
-    from trainguard.kafka import Topics
+    from trainguard.core.kafka import Topics
     from trainguard.schemas import events as ev
     from trainguard.ui import Board, render_run
 
@@ -427,7 +427,7 @@ def test_a_series_keeps_the_whole_run_its_nan_and_its_rollback_within_its_limit(
 def test_the_run_page_shows_who_acknowledged_an_alert_and_the_silences_in_force():
     import orjson
 
-    from trainguard.kafka import Topics
+    from trainguard.core.kafka import Topics
     from trainguard.schemas import events as ev
     from trainguard.ui import Board, render_run
 

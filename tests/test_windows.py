@@ -2,6 +2,7 @@
 time, history for rules added later, restarts."""
 
 import math
+from itertools import pairwise
 
 import faust
 import orjson
@@ -10,9 +11,9 @@ from faust.windows import TumblingWindow
 
 from trainguard.schemas import events as ev
 from trainguard.streams import rules as rules_mod
-from trainguard.streams.transport import WindowedBytesTable
 from trainguard.streams.engine import Engine
 from trainguard.streams.minutes import MinuteWindows
+from trainguard.streams.transport import WindowedBytesTable
 
 NODE = ev.source("node", "h")
 T0 = 1.7e9
@@ -122,7 +123,7 @@ def test_an_interval_of_several_windows_is_judged_at_its_boundary():
     leaking(engine, 25, per_min=0.2)
     det = next(iter(engine.store[b"r|" + ev.source_id(NODE).encode()].detectors.values()))
     assert len(det.xs) == 13  # 25 minutes: twelve whole 2-minute intervals and the partial first one
-    assert {b - a for a, b in zip(det.ts, list(det.ts)[1:])} == {120}
+    assert {b - a for a, b in pairwise(det.ts)} == {120}
     assert all(t % 120 == 0 for t in det.ts)  # judged at interval ends, not at every window
 
 

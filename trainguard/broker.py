@@ -14,9 +14,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-from trainguard.kafka import KafkaSettings, create_topics
+from trainguard.core import settings as settings_mod
+from trainguard.core.admin import create_topics
+from trainguard.core.kafka import KafkaSettings
 
 
 class BrokerError(RuntimeError):
@@ -24,7 +27,7 @@ class BrokerError(RuntimeError):
 
 
 def find_binary() -> str:
-    explicit = os.environ.get("TRAINGUARD_TANSU_BIN")
+    explicit = settings_mod.value("TRAINGUARD_TANSU_BIN")
     if explicit:
         if not os.access(explicit, os.X_OK):
             raise BrokerError(f"TRAINGUARD_TANSU_BIN={explicit} is not an executable file.")
@@ -177,7 +180,7 @@ def kafka_or_embedded(bootstrap: str | None, log_path: str | Path) -> tuple[Kafk
     return broker.settings(), broker
 
 
-def local_key_file(env: dict | None = None) -> Path | None:
+def local_key_file(env: Mapping[str, str] | None = None) -> Path | None:
     """The command key for local use: ``$XDG_CONFIG_HOME/trainguard/command.key`` (made once,
     readable by its owner only), unless a key is configured already (None then)."""
     from trainguard.schemas.signing import load_keys, new_key_line

@@ -10,6 +10,8 @@ import logging
 import os
 import sys
 
+from trainguard.core import settings as settings_mod
+
 
 def _broker(args) -> int:
     from trainguard.broker import run_forever
@@ -18,7 +20,7 @@ def _broker(args) -> int:
 
 
 def _worker(args) -> int:
-    from trainguard.kafka import KafkaSettings
+    from trainguard.core.kafka import KafkaSettings
     from trainguard.streams.app import run_worker
 
     return run_worker(KafkaSettings.from_env(bootstrap=args.bootstrap), rules_path=args.rules,
@@ -123,7 +125,8 @@ diagnosis and sends the trainer rollback, pause, skip or stop commands."""
 EPILOG = """Start here: `trainguard demo` runs the whole loop on an embedded broker.
 `trainguard replay FILE` checks a recorded run offline. Docs: README.md and docs/."""
 
-BOOTSTRAP_HELP = "Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or 127.0.0.1:9092)"
+BOOTSTRAP_HELP = ("Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or "
+                  f"{settings_mod.default('TRAINGUARD_BOOTSTRAP')})")
 
 
 def _version() -> str:
@@ -160,13 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
                 "Workers with the same --app-id share the runs between them (one consumer group).")
     p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
     p.add_argument("--rules", help="rules YAML (default: the packaged rules/default.yaml)")
-    p.add_argument("--app-id", default=os.environ.get("TRAINGUARD_APP_ID", "trainguard"),
-                   help="consumer group and state-topic prefix (default: $TRAINGUARD_APP_ID or trainguard)")
+    p.add_argument("--app-id", default=settings_mod.value("TRAINGUARD_APP_ID"),
+                   help="consumer group and state-topic prefix (default: $TRAINGUARD_APP_ID or "
+                        f"{settings_mod.default('TRAINGUARD_APP_ID')})")
     p.add_argument("--prometheus-port", type=int,
                    help="serve the worker's own metrics on /metrics at this port "
                         "(default: $TRAINGUARD_PROMETHEUS_PORT, else none)")
     p.add_argument("--prometheus-addr",
-                   help="address for --prometheus-port (default: $TRAINGUARD_PROMETHEUS_ADDR or 127.0.0.1)")
+                   help="address for --prometheus-port (default: $TRAINGUARD_PROMETHEUS_ADDR or "
+                        f"{settings_mod.default('TRAINGUARD_PROMETHEUS_ADDR')})")
     p.add_argument("--loglevel", default="warning", choices=("debug", "info", "warning", "error"),
                    help="log level of the worker and Faust (default: %(default)s)")
     p.set_defaults(func=_worker)
@@ -357,7 +362,7 @@ TALKS_TO_KAFKA = ("worker", "demo", "tail", "runs", "status", "ui", "command", "
 
 
 def _unreachable(args) -> str | None:
-    from trainguard.kafka import KafkaSettings
+    from trainguard.core.kafka import KafkaSettings
     from trainguard.reach import Unreachable, check
 
     try:

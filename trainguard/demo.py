@@ -23,7 +23,8 @@ from pathlib import Path
 
 import orjson
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core import settings as settings_mod
+from trainguard.core.kafka import KafkaSettings
 
 CHECKPOINT_EVERY = 20
 
@@ -69,7 +70,7 @@ class Watcher(threading.Thread):
         self.ready = threading.Event()
 
     def run(self) -> None:
-        from trainguard.kafka import topic_reader
+        from trainguard.core.reader import topic_reader
         from trainguard.schemas import events as ev
 
         t = self.settings.topics
@@ -150,6 +151,9 @@ def run_trainer(settings: KafkaSettings, run_id: str, *, fault: str, fault_step:
                 say("trainer: demo deadline reached")
                 break
             metrics = sim.step()
+            if metrics is None:  # a hung trainer publishes nothing, and takes no command
+                time.sleep(step_seconds)
+                continue
             step = sim.current_step
             logger.log(metrics, step)
             node.log(sim.node_metrics(), step)
@@ -222,7 +226,7 @@ def main(args) -> int:
 
     summary = {"alerts": watcher.alerts, "commands": watcher.commands, "acks": watcher.acks,
                "steps_after_rollback": result["steps_after_rollback"], "seconds": round(time.time() - started, 1)}
-    setup_started = os.environ.get("TRAINGUARD_DEMO_SETUP_STARTED")  # `make demo`: its setup counts too
+    setup_started = settings_mod.value("TRAINGUARD_DEMO_SETUP_STARTED")  # `make demo`: its setup counts too
     if setup_started and setup_started.isdigit():
         summary["seconds_with_setup"] = round(time.time() - int(setup_started))
     print(f"\ndemo summary: {summary['alerts']} alerts, commands {summary['commands']}, acks {summary['acks']}, "

@@ -18,7 +18,8 @@ import threading
 import time
 from typing import TextIO
 
-from trainguard.kafka import KafkaSettings, topic_reader
+from trainguard.core.kafka import KafkaSettings
+from trainguard.core.reader import topic_reader
 from trainguard.tail import REORDER_S, Reorder, partition_ends
 
 EXCERPT_CHARS = 120
@@ -53,7 +54,7 @@ def origin(record: dict) -> dict:
     except orjson.JSONDecodeError:
         event = None
     if isinstance(event, dict):
-        source = event.get("source") if isinstance(event.get("source"), dict) else {}
+        source: dict = event["source"] if isinstance(event.get("source"), dict) else {}
         for key, value in (("run_id", event.get("run_id")), ("schema", event.get("schema")),
                            ("kind", source.get("kind")), ("host", source.get("host")),
                            ("rank", source.get("rank"))):

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainguard.broker import BrokerError, die_with_parent, free_port, stop_process
-from trainguard.kafka import KafkaSettings, create_topics
+from trainguard.core.admin import create_topics
+from trainguard.core.kafka import KafkaSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 LIB = ROOT / ".kafka" / "lib"   # made by `make kafka`, git-ignored

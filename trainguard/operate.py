@@ -13,19 +13,21 @@ Exit status: 0 applied, 1 rejected or failed by the trainer, 2 bad input or no b
 from __future__ import annotations
 
 import getpass
+import math
 import os
 import socket
-import math
 import sys
 import time
 import uuid
 from typing import TextIO
 
-from trainguard.kafka import KafkaSettings, TopicDecoder, control_partitions_of, partition_for, topic_reader
+from trainguard.core.admin import control_partitions_of
+from trainguard.core.kafka import KafkaSettings, partition_for
+from trainguard.core.reader import TopicDecoder, topic_reader
 from trainguard.schemas import events as ev
+from trainguard.schemas.signing import operator_signed
 from trainguard.sinks.reports import format_value
 from trainguard.terminal import safe, safe_event, safe_json
-from trainguard.schemas.signing import operator_signed
 
 # Actions an operator sends by hand (the worker's own also include skip_data, checkpoint_now).
 MANUAL_ACTIONS = ("pause", "resume", "stop", "rollback")
@@ -87,7 +89,7 @@ def send_command(settings: KafkaSettings, command: dict, *, wait_s: float = 60.0
     the trainer's ack. Returns the exit status (see the module's docstring)."""
     from confluent_kafka import KafkaException
 
-    from trainguard.producers.publisher import Publisher
+    from trainguard.core.publisher import Publisher
 
     out, err = out or sys.stdout, err or sys.stderr
     run_id = command["run_id"]
@@ -212,17 +214,21 @@ def read_statuses(settings: KafkaSettings, timeout_s: float = 15.0,
                     continue
                 run_id = (msg.key() or b"").decode("utf-8", "replace")
                 decoded = decoder.decode(topic, msg.value())  # a status from another release: skipped
-                if decoded is not None and decoded[1] is None:
+                status = decoded[1] if decoded is not None else None
+                if decoded is None:
+                    pass
+                elif status is None:
                     statuses.pop(run_id, None)
-                elif decoded is not None and decoded[1]["run_id"] != run_id:
+                elif status["run_id"] != run_id:
                     decoder.skip("status: keyed by another run", f"key {run_id[:80]!r}, run_id "
-                                                                 f"{decoded[1]['run_id'][:80]!r}")
-                elif decoded is not None and (decoded[1].get("retained_until") or math.inf) < time.time():
+                                                                 f"{status['run_id'][:80]!r}")
+                elif (status.get("retained_until") or math.inf) < time.time():
                     statuses.pop(run_id, None)  # a finished run's summary past its retention
-                elif decoded is not None:
-                    statuses[run_id] = decoded[1]
-                if msg.offset() + 1 >= ends.get(msg.partition(), 0):
-                    ends.pop(msg.partition(), None)
+                else:
+                    statuses[run_id] = status
+                partition, offset = msg.partition(), msg.offset()
+                if partition is not None and offset is not None and offset + 1 >= ends.get(partition, 0):
+                    ends.pop(partition, None)
         if ends:
             raise KafkaException(f"read {topic} for {timeout_s:.0f} s without reaching its end")
     finally:
@@ -231,7 +237,7 @@ def read_statuses(settings: KafkaSettings, timeout_s: float = 15.0,
 
 
 def _ago(ts: float | None, now: float) -> str:
-    if type(ts) not in (int, float):
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
         return "never"
     s = max(0.0, now - ts)
     return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
@@ -285,7 +291,7 @@ def format_runs(statuses: dict[str, dict], now: float | None = None) -> str:
         except Exception as exc:  # valid, but of a shape this release cannot show: say so, show the rest
             rows.append((s["run_id"], "?", "?", f"unreadable status ({type(exc).__name__})", "?", "?", "?"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows)
 
 
 def format_status(s: dict, now: float | None = None) -> str:
@@ -429,7 +435,7 @@ def _silence_id(settings: KafkaSettings, run_id: str, given: str) -> str:
 
 def silence_main(args) -> int:
     """``trainguard silence RUN --for 2h --reason ...`` (or ``--end ID``)."""
-    from trainguard.producers.publisher import Publisher
+    from trainguard.core.publisher import Publisher
 
     who = f"{getpass.getuser()}@{socket.gethostname()}"
     settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
@@ -525,7 +531,7 @@ def alert_main(args) -> int:
     resolution; a condition that still holds fires again after the rule's duration)."""
     from confluent_kafka import KafkaException
 
-    from trainguard.producers.publisher import Publisher
+    from trainguard.core.publisher import Publisher
 
     action, name = args.command, f"trainguard {args.command}"
     if not args.reason.strip():

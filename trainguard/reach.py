@@ -57,7 +57,7 @@ def check(settings) -> None:
     bootstrap = settings.bootstrap
     causes = [c for c in (_connect_cause(h, p) for h, p in _addresses(bootstrap))]
     if all(causes):
-        raise Unreachable(_line(bootstrap, "; ".join(dict.fromkeys(causes))))
+        raise Unreachable(_line(bootstrap, "; ".join(dict.fromkeys(c for c in causes if c))))
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 

@@ -185,9 +185,9 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
                     result.metrics.append(name)
         event = ev.metrics_event(run_id, step, metrics, src=src, ts=ts)
         for out in engine.apply(event):
-            if out.kind == "alert":
+            if out.kind == "alert" and out.value is not None:
                 result.alerts.append(out.value)
-            elif out.kind == "command":
+            elif out.kind == "command" and out.value is not None:
                 result.commands.append(out.value)
                 result.command_steps.append(step)
             if on_output is not None:
@@ -333,7 +333,7 @@ def summary_lines(result: ReplayResult) -> list[str]:
         if len(result.commands) > 1:
             # The recording goes on as the run lived it, i.e. as if no command was ever applied;
             # the breaker re-issues once an unanswered command expires.
-            rest = list(zip(result.commands[1:], result.command_steps[1:]))
+            rest = list(zip(result.commands[1:], result.command_steps[1:], strict=True))
             kinds = Counter(c["action"] for c, _ in rest)
             what = ", ".join(f"{n} {a}" for a, n in kinds.items())
             steps = ", ".join(str(s) for _, s in rest[:15]) + (" ..." if len(rest) > 15 else "")

@@ -51,8 +51,10 @@ FAULT_INFO = {
     "reward_std_high": "critic/score/std climbs 0.36 -> ~0.92 within 3 steps and stays above 0.8",
     "reward_variance_jump": "critic/score/std jumps 3x at once (0.36 -> ~1.08), mean unchanged",
     "gpu_memory_leak": "gpu/memory_used_gb on every GPU grows 80-115 MB/min steadily until ~79 of 80 GB",
-    "cpu_bottleneck": "system/cpu_pct ~97% sustained, GPU memory swings 2.5-6.5 GB either way (CV ~8%), GPU util ~60%, steps 1.4x",
-    "data_loading_bottleneck": "rollout latency 1.8 -> 4.2 s, GPU util 88 -> 42%, actor forward 120 -> 80 ms, disk wait up",
+    "cpu_bottleneck": "system/cpu_pct ~97% sustained, GPU memory swings 2.5-6.5 GB either way (CV ~8%), "
+                      "GPU util ~60%, steps 1.4x",
+    "data_loading_bottleneck": "rollout latency 1.8 -> 4.2 s, GPU util 88 -> 42%, actor forward 120 -> 80 ms, "
+                               "disk wait up",
     "dataflow_collapse": "reward_model/oom_count 1-3 per step, rollout/worker_crashes, buffer/size down 55-90%",
     "throughput_drop": "perf/throughput halves, timing_s/step doubles, GPU utilisation stays ~88%",
     "entropy_collapse": "actor/entropy decays 10%/step toward 0.03; responses shorten a little",
@@ -62,7 +64,8 @@ FAULT_INFO = {
     "clip_ratio_high": "response_length/clip_ratio climbs to ~0.93 over 8 steps, mean length near the 1024 cap",
     "trainer_hung": "the trainer stops publishing (step() returns None); the node keeps reporting: GPUs 100% busy "
                     "spinning in a collective at low power",
-    "straggler_rank": "with ranks=N, one rank (not 0) runs 1.9-2.2x slower: its timing_s/step doubles, throughput halves",
+    "straggler_rank": "with ranks=N, one rank (not 0) runs 1.9-2.2x slower: its timing_s/step doubles, "
+                      "throughput halves",
 }
 FAULT_KINDS = tuple(FAULT_INFO)
 
@@ -113,7 +116,7 @@ class SimulatedPPO:
         self._ranks: dict = {}         # per-rank metrics of this step
         self._pause_s = 0.0            # a checkpoint save to be paid by the next step
         self._hung = False
-        self.checkpoints: dict[int, tuple[_Model, object]] = {}
+        self.checkpoints: dict[int, tuple[_Model, tuple]] = {}  # the model and random.getstate()
 
     @property
     def current_step(self) -> int:
@@ -370,7 +373,7 @@ class SimulatedPPO:
         return (80 + 5 * (gpu % 8)) / 1024 / 60  # 80-115 MB per minute
 
     def _rank_values(self, step_s: float, tokens: float) -> dict[int, dict[str, float]]:
-        out = {}
+        out: dict[int, dict[str, float]] = {}
         if self.ranks < 2:
             return out
         slow_rank = self.straggler if self._active("straggler_rank") else None

@@ -23,7 +23,8 @@ import threading
 import time
 from typing import TextIO
 
-from trainguard.kafka import KafkaSettings, TopicDecoder, topic_reader
+from trainguard.core.kafka import KafkaSettings
+from trainguard.core.reader import TopicDecoder, topic_reader
 
 TOPICS = ("alerts", "control", "acks")
 

@@ -26,7 +26,7 @@ import math
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from trainguard.producers.guards._events import GuardEvents
 from trainguard.producers.trainer import TrainerLogger
@@ -114,7 +114,7 @@ class CircuitBreaker:
         self._lock = threading.Lock()
         self._probe_thread: threading.Thread | None = None
         self._closed_event = threading.Event()
-        self.events = GuardEvents(events, self.name)
+        self.events = GuardEvents(events, str(self.name))
         self.prefix = f"guard/breaker/{self.name}/"
         self.counts = {self.prefix + k: 0.0 for k in
                        ("calls", "successes", "failures", "timeouts", "fallbacks", "short_circuited", "opened",
@@ -294,7 +294,7 @@ class ScoreCache:
         scores = self.index.similar(self.index.hash(text)) if len(self.index) else []
         if scores:
             self.hits += 1
-            return sum(scores) / len(scores)
+            return sum(cast("list[float]", scores)) / len(scores)
         self.misses += 1
         if self.default is not None:
             return self.default

@@ -19,13 +19,17 @@ No torch / transformers import here: the trainer side stays light.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.control import ControlListener
+from trainguard.producers.never_raise import never_raises
 from trainguard.producers.trainer import TrainerLogger
 
 log = logging.getLogger("trainguard.integrations")
@@ -96,52 +100,36 @@ class GuardBase:
         if listener is not None:
             self.listener = listener
         elif listen:
-            try:
+            with never_raises("control listener did not start", owner=self):
                 self.listener = ControlListener(run_id, self.settings, keys=keys, lookback_s=lookback_s,
                                                 publisher=self.logger.publisher).start()
-            except Exception as exc:  # never stop a run because the control side cannot start
-                self._failed("control listener did not start", exc)
         if self.listener is not None and ready_timeout_s > 0:
             self.listener.wait_ready(ready_timeout_s)
 
-    # -- publishing (never raises) --------------------------------------------------------
+    # -- publishing (the TrainerLogger never raises) ---------------------------------------
 
     def _failed(self, what: str, exc: BaseException) -> None:
+        """Where never_raises reports: counted in ``failures`` and said."""
         self.failures += 1
         log.warning("trainguard: %s (training continues): %s: %s", what, type(exc).__name__, exc)
 
     def log(self, metrics: dict, step: int, *, tags: dict | None = None) -> bool:
         """Publish one step's metrics (numbers, numpy/torch scalars; others are skipped)."""
-        try:
-            return self.logger.log(metrics, step, tags=tags)
-        except Exception as exc:
-            self._failed("log() failed", exc)
-            return False
+        return self.logger.log(metrics, step, tags=tags)
 
     def checkpoint_saved(self, step: int, path: str) -> bool:
-        try:
-            return self.logger.checkpoint_saved(step, path)
-        except Exception as exc:
-            self._failed("checkpoint_saved() failed", exc)
-            return False
+        return self.logger.checkpoint_saved(step, path)
 
     def lifecycle(self, what: str, step: int | None = None, detail: dict | None = None) -> bool:
-        try:
-            return self.logger.lifecycle(what, step=step, detail=detail)
-        except Exception as exc:
-            self._failed(f"lifecycle({what}) failed", exc)
-            return False
+        return self.logger.lifecycle(what, step=step, detail=detail)
 
     # -- commands -------------------------------------------------------------------------
 
+    @never_raises("polling commands failed", fallback=())
     def _poll(self) -> list[dict]:
         if self.listener is None:
             return []
-        try:
-            return self.listener.poll_all()
-        except Exception as exc:
-            self._failed("polling commands failed", exc)
-            return []
+        return self.listener.poll_all()
 
     def _ack(self, command: dict, status: str, detail: str, step: int | None, decision: Decision) -> None:
         decision.commands.append((command.get("id", "?"), command.get("action", "?"), status))
@@ -149,17 +137,15 @@ class GuardBase:
                              "detail": detail, "step": step})
         if status == "failed":
             decision.errors.append(f"{command.get('action')}: {detail}")
-        try:
+        with never_raises("ack failed", owner=self):
             if self.listener is not None:
                 self.listener.ack(command, status, detail[:2000], step=step)
-        except Exception as exc:
-            self._failed("ack failed", exc)
 
     def step_boundary(self, step: int) -> Decision:
         """Apply every command that is ready; the loop does what the returned Decision says."""
         decision = Decision(step=step)
-        try:
-            pending = self._poll()
+        with never_raises("step_boundary failed", owner=self):  # a bug of ours must not end the run
+            pending = list(self._poll())
             while pending:
                 command = pending.pop(0)
                 if decision.stop:
@@ -168,8 +154,6 @@ class GuardBase:
                 self._apply(command, step, decision)
                 if command.get("action") == "pause" and decision.commands[-1][2] == "applied":
                     self._paused(command, step, decision)
-        except Exception as exc:  # a bug of ours must not end the run
-            self._failed("step_boundary failed", exc)
         return decision
 
     def _apply(self, command: dict, step: int, decision: Decision) -> None:
@@ -263,6 +247,9 @@ class GuardBase:
         decision.skip_batches += n
         return None
 
+    def detach(self) -> None:
+        """Undo the hooks of the ``attach()`` that made this backend (that attach sets it)."""
+
     # -- shutdown ---------------------------------------------------------------------------
 
     def close(self, what: str | None = None, step: int | None = None, timeout: float = 10.0) -> dict:
@@ -274,16 +261,13 @@ class GuardBase:
         self._closed = True
         if what and self.logger.ended is None:  # before the listener closes the shared producer
             self.lifecycle(what, step=step)
-        stats = {}
-        try:
+        _AT_EXIT.discard(self)
+        stats: dict = {}
+        with never_raises("closing the listener failed", owner=self):
             if self.listener is not None:
                 self.listener.close(timeout=min(timeout, 5.0))
-        except Exception as exc:
-            self._failed("closing the listener failed", exc)
-        try:
+        with never_raises("closing the publisher failed", owner=self):
             stats = self.logger.close(timeout, end=None)
-        except Exception as exc:
-            self._failed("closing the publisher failed", exc)
         stats["failures"] = self.failures
         stats["rollbacks"] = self.rollbacks
         return stats
@@ -307,3 +291,70 @@ def reporting_end(fit, backend: "GuardBase"):
         return result
 
     return fit_and_report
+
+
+# -- attaching to a framework's trainer: once --------------------------------------------------
+
+_HOOK = "_trainguard_hook"
+_BACKEND = "_trainguard_backend"
+_AT_EXIT: "weakref.WeakSet[GuardBase]" = weakref.WeakSet()  # flushed when the process exits
+_at_exit_registered = False
+
+
+def hook(owner, name: str, make) -> None:
+    """Replace ``owner.<name>`` (a class's or an instance's) with ``make(original)``, once: a
+    second call finds the hook in place and leaves it. The hook keeps the original's name and
+    docstring (``functools.wraps``) and the original itself (``__wrapped__``)."""
+    current = getattr(owner, name)
+    if getattr(current, _HOOK, False):
+        return
+    wrapper = functools.wraps(current)(make(current))
+    setattr(wrapper, _HOOK, "own" if name in vars(owner) else "inherited")
+    setattr(owner, name, wrapper)
+
+
+def unhook(owner, name: str) -> None:
+    """Undo :func:`hook`: the original back in place (nothing when it is not hooked)."""
+    current = vars(owner).get(name)
+    how = getattr(current, _HOOK, None)
+    if how is None:
+        return
+    if how == "own" and isinstance(owner, type):
+        setattr(owner, name, current.__wrapped__)
+    else:  # an instance's hook shadows its class's method; a class's inherited one its base's
+        delattr(owner, name)
+
+
+def attached(trainer, run_id: str):
+    """The backend already attached to ``trainer`` (None if none): attaching twice gives the
+    same backend, never a second set of hooks. ValueError for another run id."""
+    backend = vars(trainer).get(_BACKEND)
+    if backend is None:
+        return None
+    if backend._closed:  # its run ended: its hooks go, a new backend's come
+        backend.detach()
+        return None
+    if backend.run_id != run_id:
+        raise ValueError(f"this trainer is attached to run {backend.run_id!r}; detach() it before attaching "
+                         f"run {run_id!r}")
+    return backend
+
+
+def remember(trainer, backend: "GuardBase") -> None:
+    """Record ``backend`` on ``trainer`` and flush it at exit (one ``atexit`` handler for all)."""
+    global _at_exit_registered
+    vars(trainer)[_BACKEND] = backend
+    _AT_EXIT.add(backend)
+    if not _at_exit_registered:
+        atexit.register(_flush_at_exit)
+        _at_exit_registered = True
+
+
+def forget(trainer) -> None:
+    vars(trainer).pop(_BACKEND, None)
+
+
+def _flush_at_exit() -> None:
+    # flush only: a fit() that never returned did not finish
+    for backend in list(_AT_EXIT):
+        backend.close()

@@ -17,7 +17,8 @@ What it does, on the world's process zero only (other ranks do nothing):
   config class, or ``rl=``) is its policy-gradient loss; a plain, SFT or DPO Trainer's goes as
   ``train/total_loss``, the training loss that ``loss_divergence`` judges. Note that the
   Trainer drops NaN/Inf losses from the logged mean by default (``logging_nan_inf_filter``);
-  ``grad_norm`` still shows them. A value logged as ``None`` is published as NaN (TRL's way of logging an all-NaN metric).
+  ``grad_norm`` still shows them. A value logged as ``None`` is published as NaN (TRL's way of logging an
+  all-NaN metric).
 * ``on_save``: reports ``{output_dir}/checkpoint-{global_step}``.
 * ``on_step_end``: applies ready commands.
 * ``on_pre_optimizer_step``: the local guard. Gradients holding NaN/Inf are discarded before
@@ -65,7 +66,7 @@ import time
 
 from transformers import TrainerCallback
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.integrations._core import Decision, GuardBase
 from trainguard.readers.hfconsole import PLAIN_LOSS
 

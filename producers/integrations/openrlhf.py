@@ -31,11 +31,19 @@ run reports ``finished`` when it returns (``stopped`` after a stop), nothing whe
 
 from __future__ import annotations
 
-import atexit
 import os
 
-from trainguard.kafka import KafkaSettings
-from trainguard.producers.integrations._core import GuardBase, Unsupported, reporting_end
+from trainguard.core.kafka import KafkaSettings
+from trainguard.producers.integrations._core import (
+    GuardBase,
+    Unsupported,
+    attached,
+    forget,
+    hook,
+    remember,
+    reporting_end,
+    unhook,
+)
 
 __all__ = ["OpenRLHFBackend", "attach", "StopTraining"]
 
@@ -91,23 +99,30 @@ def _checkpoint_path(trainer, step: int) -> str | None:
 
 
 def attach(trainer, run_id: str, settings: KafkaSettings | None = None, **kwargs) -> OpenRLHFBackend:
-    """Hook a ``PPOTrainer``; returns the backend (``backend.detach()`` undoes the hook)."""
+    """Hook a ``PPOTrainer``; returns the backend (``backend.detach()`` undoes the hook).
+    Attaching the same trainer again returns the same backend: the hooks are installed once."""
+    backend = attached(trainer, run_id)
+    if backend is not None:
+        return backend
     backend = OpenRLHFBackend(run_id, settings, trainer=trainer, **kwargs)
-    original = trainer.save_logs_and_checkpoints
 
-    def save_logs_and_checkpoints(global_step, logs_dict=None, client_states=None):
-        result = original(global_step, logs_dict, client_states)
-        backend.after_step(global_step, logs_dict)  # StopTraining passes through; anything else is logged
-        return result
+    def after_openrlhf(original):
+        def save_logs_and_checkpoints(global_step, logs_dict=None, client_states=None):
+            result = original(global_step, logs_dict, client_states)
+            backend.after_step(global_step, logs_dict)  # StopTraining passes through; nothing else comes
+            return result
 
-    trainer.save_logs_and_checkpoints = save_logs_and_checkpoints
-    trainer.fit = reporting_end(trainer.fit, backend)
+        return save_logs_and_checkpoints
+
+    hook(trainer, "save_logs_and_checkpoints", after_openrlhf)
+    hook(trainer, "fit", lambda original: reporting_end(original, backend))
 
     def detach():
-        trainer.__dict__.pop("save_logs_and_checkpoints", None)
-        trainer.__dict__.pop("fit", None)
+        unhook(trainer, "save_logs_and_checkpoints")
+        unhook(trainer, "fit")
+        forget(trainer)
         backend.close("finished")
 
-    backend.detach = detach
-    atexit.register(backend.close)  # flush only: a fit() that never returned did not finish
+    backend.detach = detach  # type: ignore[method-assign]
+    remember(trainer, backend)
     return backend

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.integrations._core import Decision, GuardBase, finite, log
 
 __all__ = ["Guard", "Decision"]

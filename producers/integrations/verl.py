@@ -48,11 +48,22 @@ step; nothing runs on the Ray workers.
 
 from __future__ import annotations
 
-import atexit
 import os
+import weakref
+from contextvars import ContextVar
 
-from trainguard.kafka import KafkaSettings
-from trainguard.producers.integrations._core import GuardBase, Unsupported, reporting_end
+from trainguard.core.kafka import KafkaSettings
+from trainguard.producers.integrations._core import (
+    GuardBase,
+    Unsupported,
+    attached,
+    forget,
+    hook,
+    remember,
+    reporting_end,
+    unhook,
+)
+from trainguard.producers.never_raise import never_raises
 
 __all__ = ["VerlBackend", "attach", "StopTraining"]
 
@@ -80,13 +91,14 @@ class VerlBackend(GuardBase):
 
     # -- verl's backend interface --------------------------------------------------------
 
-    def log(self, data: dict, step: int, **_ignored) -> None:
+    def log(self, data: dict, step: int, **_ignored) -> bool:  # type: ignore[override]  # verl passes data=
+        """verl's backend call (it ignores the result): publish, then the step boundary."""
         if not self._started:
             self._started = True
             self.lifecycle("started", step=int(step))
-        super().log(data, int(step))
+        published = super().log(data, int(step))
         if self.trainer is None or self.listener is None:
-            return
+            return published
         decision = self.step_boundary(int(step))
         if decision.stop and self.on_stop == "raise":
             self.close(timeout=10.0)
@@ -94,6 +106,7 @@ class VerlBackend(GuardBase):
         total = getattr(self.trainer, "total_training_steps", None)
         if total is not None and not decision.rolled_back and int(step) >= int(total):
             self.finish()  # verl's last step: fit() returns right after this call
+        return published
 
     def finish(self) -> None:
         self.close("stopped" if self.stopped else "finished")
@@ -150,46 +163,74 @@ def _load(worker_group, path: str) -> None:
         worker_group.load_checkpoint(path)
 
 
+# The backend of the fit() running in this context: the Tracking that fit() builds gets it.
+_RUNNING: ContextVar["VerlBackend | None"] = ContextVar("trainguard_verl_backend", default=None)
+_ATTACHED: "weakref.WeakSet[VerlBackend]" = weakref.WeakSet()
+
+
+def _tracking_init(original):
+    def init_with_trainguard(self, *args, **kw):
+        original(self, *args, **kw)
+        backend = _RUNNING.get()
+        if backend is not None:
+            self.logger["trainguard"] = backend
+
+    return init_with_trainguard
+
+
 def attach(trainer, run_id: str, settings: KafkaSettings | None = None, *, tracking_cls=None,
            **kwargs) -> VerlBackend:
     """Hook a ``RayPPOTrainer``: publish ``fit()``'s metrics, report checkpoints, obey commands.
 
     ``tracking_cls`` defaults to ``verl.utils.tracking.Tracking`` (imported here, not at
-    module import). Returns the backend; ``backend.detach()`` undoes the hooks.
+    module import). Returns the backend; ``backend.detach()`` undoes the hooks. Attaching the
+    same trainer again returns the same backend: each hook is installed once, ``Tracking``'s
+    once for every trainer (it adds the backend of the ``fit()`` that builds it).
     """
+    backend = attached(trainer, run_id)
+    if backend is not None:
+        return backend
     if tracking_cls is None:
         from verl.utils.tracking import Tracking as tracking_cls  # noqa: N813
     backend = VerlBackend(run_id, settings, trainer=trainer, **kwargs)
+    hook(tracking_cls, "__init__", _tracking_init)
 
-    original_init = tracking_cls.__init__
+    def save_and_report(original_save):
+        def save_checkpoint(*args, **kw):
+            result = original_save(*args, **kw)
+            with never_raises("checkpoint report failed", owner=backend):
+                folder = os.path.join(str(trainer.config.trainer.default_local_dir),
+                                      f"global_step_{trainer.global_steps}")
+                backend.checkpoint_saved(int(trainer.global_steps), os.path.abspath(folder))
+            return result
 
-    def init_with_trainguard(self, *args, **kw):
-        original_init(self, *args, **kw)
-        self.logger["trainguard"] = backend
+        return save_checkpoint
 
-    tracking_cls.__init__ = init_with_trainguard
+    def running(original_fit):
+        reported = reporting_end(original_fit, backend)
 
-    original_save = trainer._save_checkpoint
+        def fit(*args, **kw):
+            token = _RUNNING.set(backend)
+            try:
+                return reported(*args, **kw)
+            finally:
+                _RUNNING.reset(token)
 
-    def save_and_report(*args, **kw):
-        result = original_save(*args, **kw)
-        try:
-            folder = os.path.join(str(trainer.config.trainer.default_local_dir), f"global_step_{trainer.global_steps}")
-            backend.checkpoint_saved(int(trainer.global_steps), os.path.abspath(folder))
-        except Exception as exc:
-            backend._failed("checkpoint report failed", exc)
-        return result
+        return fit
 
-    trainer._save_checkpoint = save_and_report
-    trainer.fit = reporting_end(trainer.fit, backend)
+    hook(trainer, "_save_checkpoint", save_and_report)
+    hook(trainer, "fit", running)
 
     def detach():
-        tracking_cls.__init__ = original_init
-        trainer.__dict__.pop("_save_checkpoint", None)
-        trainer.__dict__.pop("fit", None)
+        unhook(trainer, "_save_checkpoint")
+        unhook(trainer, "fit")
+        forget(trainer)
+        _ATTACHED.discard(backend)
+        if all(other._closed for other in _ATTACHED):  # no run left to feed: verl's class as it was
+            unhook(tracking_cls, "__init__")
         backend.finish()
 
-    backend.detach = detach
-    atexit.register(backend.close)  # flush only: a fit() that never returned did not finish
+    backend.detach = detach  # type: ignore[method-assign]
+    _ATTACHED.add(backend)
+    remember(trainer, backend)
     return backend
-

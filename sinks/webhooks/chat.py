@@ -10,7 +10,7 @@ import json
 import time
 import urllib.parse
 
-from trainguard.settings import value
+from trainguard.core.settings import value
 from trainguard.sinks.base import csv_values
 from trainguard.sinks.paging import DIGEST_SCHEMA
 from trainguard.sinks.webhooks.delivery import WebhookSink

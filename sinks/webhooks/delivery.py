@@ -5,21 +5,21 @@ exponential backoff (and jitter) while the receiver is down."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
 import random
-import threading
-import time
-import http.client
 import socket
 import ssl
+import threading
+import time
 import urllib.parse
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainguard.settings import value
+from trainguard.core.settings import value
 from trainguard.sinks.base import Sink, read_state, write_state
 from trainguard.sinks.paging import DIGEST_SCHEMA, delivery_key
 from trainguard.sinks.webhooks.messages import Templates
@@ -329,10 +329,10 @@ def outbox_dir(env=None, group: str = "trainguard-sinks") -> tuple[Path, bool]:
     or ``~/.local/state/trainguard/sinks-outbox`` (``$XDG_STATE_HOME``), one folder per topic
     prefix and group there."""
     env = os.environ if env is None else env
-    if value("TRAINGUARD_OUTBOX_DIR", env):
-        return Path(value("TRAINGUARD_OUTBOX_DIR", env)), False
-    if value("TRAINGUARD_DATA_DIR", env):
-        base = Path(value("TRAINGUARD_DATA_DIR", env)) / "sinks-outbox"
+    if given := value("TRAINGUARD_OUTBOX_DIR", env):
+        return Path(given), False
+    if data := value("TRAINGUARD_DATA_DIR", env):
+        base = Path(data) / "sinks-outbox"
     else:
         state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
         base = Path(state) / "trainguard" / "sinks-outbox"

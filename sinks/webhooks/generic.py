@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from trainguard.settings import value
+from trainguard.core.settings import value
 from trainguard.sinks.webhooks.delivery import WebhookSink
 
 

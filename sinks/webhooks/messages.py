@@ -10,7 +10,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from trainguard.settings import value
+from trainguard.core.settings import value
 from trainguard.sinks.paging import DIGEST_SCHEMA
 from trainguard.sinks.reports import format_value, page_url
 from trainguard.terminal import safe

@@ -53,8 +53,8 @@ class ProxyGold(Detector):
     test_params = ({"window": 6, "min_points": 4},)
     cost = "O(window²) per gold point (a few dozen pairs)"
     judges_first = False
-    __slots__ = ("window", "min_points", "alpha", "min_rise", "max_gold_change", "gold_alpha", "golds", "proxies", "pending",
-                 "took", "last", "score")
+    __slots__ = ("window", "min_points", "alpha", "min_rise", "max_gold_change", "gold_alpha", "golds", "proxies",
+                 "pending", "took", "last", "score")
     _fields = ("golds", "proxies", "pending", "took", "last")
 
     def __init__(self, window: int = 8, min_points: int = 4, alpha: float = 0.1, min_rise: float = 0.1,

@@ -20,7 +20,7 @@ STEP_COLUMNS = ("step", "global_step", "_step")
 
 def _delimiter(header: str) -> str:
     counts = {d: header.count(d) for d in (",", "\t", ";")}
-    best = max(counts, key=counts.get)
+    best = max(counts, key=counts.__getitem__)
     return best if counts[best] else ","
 
 

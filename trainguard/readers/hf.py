@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Iterator
 
-from .base import ReadError, StepReader, Step, open_binary, to_step
+from .base import ReadError, Step, StepReader, open_binary, to_step
 from .jsonl import flatten_metrics
 
 

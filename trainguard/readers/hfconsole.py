@@ -61,7 +61,7 @@ def _value(node: ast.AST) -> float | None:
         v = node.value
         if v is None:
             return math.nan
-        if type(v) in (int, float) or type(v) is bool:
+        if isinstance(v, (int, float)):  # bool too
             return float(v)
         return None
     if isinstance(node, ast.Name):

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Iterator
+from typing import Any, Iterator
 
-from .base import ReadError, StepReader, Step, open_binary
+from .base import ReadError, Step, StepReader, open_binary
 
 MAX_RECORD_BYTES = 1 << 30
 
@@ -76,14 +76,14 @@ def _crc32c_py(data: bytes, crc: int = 0) -> int:
 def _accelerated():
     """A C implementation when one happens to be installed; the pure-Python table otherwise."""
     try:
-        import google_crc32c  # type: ignore
+        import google_crc32c
 
         if google_crc32c.implementation == "c":
             return lambda data: google_crc32c.value(bytes(data))
     except Exception:
         pass
     try:
-        import crc32c as _c  # type: ignore
+        import crc32c as _c
 
         return lambda data: _c.crc32c(bytes(data))
     except Exception:
@@ -121,14 +121,16 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
             raise ProtoError("varint longer than 10 bytes")
 
 
-def fields(buf: bytes) -> Iterator[tuple[int, int, int | bytes]]:
-    """``(field number, wire type, value)``: an int for varints, bytes for the others."""
+def fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
+    """``(field number, wire type, value)``: an int for varints, bytes for the others (Any: the
+    wire type, which the callers test, says which)."""
     pos, end = 0, len(buf)
     while pos < end:
         key, pos = _varint(buf, pos)
         number, wire = key >> 3, key & 7
         if number == 0:
             raise ProtoError("field number 0")
+        value: Any
         if wire == 0:
             value, pos = _varint(buf, pos)
         elif wire == 1:

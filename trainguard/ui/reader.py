@@ -8,7 +8,8 @@ import math
 import threading
 import time
 
-from trainguard.kafka import KafkaSettings, TopicDecoder, Topics, topic_reader
+from trainguard.core.kafka import KafkaSettings, Topics
+from trainguard.core.reader import TopicDecoder, topic_reader
 from trainguard.schemas import events as ev
 from trainguard.streams.rules import RuleSet
 from trainguard.ui.series import Series

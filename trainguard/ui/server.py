@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import orjson
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core.kafka import KafkaSettings
 from trainguard.sinks.reports import attr as _attr
 from trainguard.streams.rules import RuleSet
 from trainguard.ui.access import SECURITY_HEADERS, TOKEN_COOKIE, Access, is_loopback
@@ -138,7 +138,7 @@ class UiServer:
 
 
 def main(args) -> int:
-    from trainguard import settings as settings_mod
+    from trainguard.core import settings as settings_mod
     from trainguard.streams import rules as rules_mod
 
     settings = KafkaSettings.from_env(bootstrap=args.bootstrap)

@@ -113,7 +113,7 @@ def report_for_page(r: dict) -> dict:
         return [short_text(x) for x in v] if isinstance(v, list) else []
 
     alerts = []
-    for a in r.get("alerts") if isinstance(r.get("alerts"), list) else []:
+    for a in r["alerts"] if isinstance(r.get("alerts"), list) else []:
         if isinstance(a, dict):
             evidence = dict(obj(a.get("evidence")))
             if not {"lower", "upper", "mean"} <= set(evidence):

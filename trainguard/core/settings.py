@@ -1,7 +1,8 @@
 """Every ``TRAINGUARD_*`` environment variable, in one table: its default, who reads it and
-what it does. ``docs/settings.md`` is generated from it (``python -m trainguard.settings``), and
+what it does. ``docs/settings.md`` is generated from it (``python -m trainguard.core.settings``), and
 a test fails when the code reads a variable this table does not name, so none goes
-undocumented. ``value(name)`` reads one through the table (an unknown name is a bug)."""
+undocumented. ``value(name)`` reads one through the table (an unknown name is a bug); nothing else reads them
+(``tests/test_settings_table.py`` fails on any other read, and on a read at import time)."""
 
 from __future__ import annotations
 
@@ -145,9 +146,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_TEST_BOOTSTRAP", None, "tests", "run the integration tests on this cluster"),
     Setting("TRAINGUARD_TEST_BROKER", None, "tests",
             "`embedded`: the embedded broker even where Apache Kafka is at hand (`make kafka`, Docker)"),
+    Setting("TRAINGUARD_SHARED", None, "evaluation", "the folder that holds the NAB benchmark (default: `../shared`)"),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
+KAFKA_PREFIX = "TRAINGUARD_KAFKA_"
+
+
+def default(name: str) -> str:
+    """The table's default of a setting that has one (no environment read)."""
+    found = BY_NAME[name].default
+    if found is None:
+        raise KeyError(f"{name} has no default")
+    return found
 
 
 def value(name: str, env=None) -> str | None:
@@ -155,6 +166,20 @@ def value(name: str, env=None) -> str | None:
     setting = BY_NAME[name]
     env = os.environ if env is None else env
     return env.get(name, setting.default)
+
+
+def text(name: str, env=None) -> str:
+    """A setting that has a default, as text (never None)."""
+    found = value(name, env)
+    return default(name) if found is None else found
+
+
+def kafka_client(env=None) -> dict[str, str]:
+    """``TRAINGUARD_KAFKA_<SETTING>`` as librdkafka settings: ``security.protocol`` for
+    ``TRAINGUARD_KAFKA_SECURITY_PROTOCOL`` (empty values left out)."""
+    env = os.environ if env is None else env
+    return {k[len(KAFKA_PREFIX):].lower().replace("_", "."): v
+            for k, v in env.items() if k.startswith(KAFKA_PREFIX) and v != ""}
 
 
 def number(name: str, env=None) -> float:
@@ -181,7 +206,7 @@ README_NAMES = ("TRAINGUARD_BOOTSTRAP", "TRAINGUARD_PARTITIONS", "TRAINGUARD_TOP
                 "TRAINGUARD_FINISHED_GRACE_S", "TRAINGUARD_RUN_TTL_S", "TRAINGUARD_COMMAND_KEY",
                 "TRAINGUARD_COMMAND_KEY_FILE", "TRAINGUARD_COMMAND_KEY_ID", "TRAINGUARD_COMMAND_PUBLIC_KEYS",
                 "TRAINGUARD_TRAINER_KEY", "TRAINGUARD_OPERATOR_KEY")
-README_BEGIN = "<!-- settings table: python -m trainguard.settings --readme -->"
+README_BEGIN = "<!-- settings table: python -m trainguard.core.settings --readme -->"
 README_END = "<!-- end of settings table -->"
 
 
@@ -206,8 +231,12 @@ def markdown() -> str:
     """``docs/settings.md``."""
     lines = ["# Settings",
              "",
-             "Every environment variable trainguard reads (generated from `trainguard/settings.py`:",
-             "`python -m trainguard.settings > docs/settings.md`).",
+             "Every environment variable trainguard reads (generated from `trainguard/core/settings.py`:",
+             "`python -m trainguard.core.settings > docs/settings.md`). The code reads them only through",
+             "that module (`value`, `number`, `integer`, `text`; `kafka_client` for `TRAINGUARD_KAFKA_*`),",
+             "when they are needed and never while a module is imported, so each has one default, the one",
+             "below, and a process that changes its environment before starting a component is heard",
+             "(`tests/test_settings_table.py` fails on any other read).",
              "",
              "| variable | default | read by | meaning |",
              "|---|---|---|---|"]
@@ -222,7 +251,7 @@ if __name__ == "__main__":
     from pathlib import Path
 
     if sys.argv[1:] == ["--readme"]:  # rewrite the README's table in place
-        readme = Path(__file__).resolve().parents[1] / "README.md"
+        readme = Path(__file__).resolve().parents[2] / "README.md"
         readme.write_text(with_readme_table(readme.read_text()))
     else:
         print(markdown(), end="")

@@ -32,7 +32,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from trainguard.kafka import KafkaSettings
+from trainguard.core.kafka import KafkaSettings
 
 log = logging.getLogger("trainguard.producer")
 
@@ -169,9 +169,12 @@ class Publisher:
         """An outage is said once it has lasted 2 s, and its end once events flow again: while
         the broker is gone nothing leaves the queue but counted losses, so a queue shorter than
         that means deliveries."""
+        since = self._unreachable_since
+        if since is None:
+            return
         pending, queued, lost = self._at_outage
         expected = pending + (self.queued - queued) - (self.lost() - lost)
-        down = time.monotonic() - self._unreachable_since
+        down = time.monotonic() - since
         if len(self._producer) < expected:
             if self._announced:
                 log.warning("trainguard: Kafka at %s is reachable again after %.0f s; the queued events are "
