@@ -47,10 +47,12 @@ def _topic_names(settings: KafkaSettings, topics) -> list[str]:
     return names
 
 
-def _start_at(started_ms: int, attempts: int = 5):
+def _start_at(started_ms: int, attempts: int = 5, fresh_partitions: set | None = None):
     """``on_assign`` for a group: a partition the group has no committed offset for starts at
     the first record published at or after ``started_ms``, not at either end (so neither the
-    history nor what was published while the group joined is lost or replayed)."""
+    history nor what was published while the group joined is lost or replayed). Such partitions
+    are added to ``fresh_partitions``: a broker's time index may place the start too early (the
+    embedded one answers with a batch's first offset), so their records are checked again."""
     from confluent_kafka import TopicPartition
 
     def offsets(consumer, fresh) -> dict:
@@ -69,6 +71,8 @@ def _start_at(started_ms: int, attempts: int = 5):
             try:
                 fresh = [tp for tp in consumer.committed(partitions, timeout=10) if tp.offset < 0]
                 at = offsets(consumer, fresh) if fresh else {}
+                if fresh_partitions is not None:
+                    fresh_partitions.update((tp.topic, tp.partition) for tp in fresh)
                 for tp in partitions:
                     tp.offset = at.get((tp.topic, tp.partition), tp.offset)
                 break
@@ -116,6 +120,7 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
         **(consumer_config or {}),
     }
     started_ms = int(time.time() * 1000)
+    fresh_partitions: set = set()  # a new group's partitions, until a record from its start is read
     if assign:
         consumer, missing = topic_reader(settings, names, start=start or "beginning",
                                          **(consumer_config or {}))
@@ -125,7 +130,7 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
         how = f"from the {start or 'beginning'} of every partition, no group"
     else:
         consumer = Consumer(settings.confluent(**config))
-        consumer.subscribe(names, on_assign=_start_at(started_ms))
+        consumer.subscribe(names, on_assign=_start_at(started_ms, fresh_partitions=fresh_partitions))
         how = (f"in group {group_id} (a new group starts at its start time; "
                f"alerts published over {max_age_s:.0f} s ago are skipped)")
     counts = {"delivered": 0, "invalid": 0, "skipped": 0}
@@ -144,6 +149,13 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
                         log.warning("trainguard: consumer error: %s", msg.error())
                     continue
                 kind, ts_ms = msg.timestamp()
+                if fresh_partitions and kind != TIMESTAMP_NOT_AVAILABLE:
+                    where = (msg.topic(), msg.partition())
+                    if where in fresh_partitions:
+                        if ts_ms < started_ms:  # from before a new group's start: never sent
+                            old += 1
+                            continue
+                        fresh_partitions.discard(where)
                 if not assign and kind != TIMESTAMP_NOT_AVAILABLE and now - ts_ms / 1000 > max_age_s:
                     old += 1
                     continue
@@ -156,8 +168,8 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
             skipped += old
             counts["skipped"] += old
             if skipped and not old:  # the old records are behind us: one line for all of them
-                log.warning("trainguard: sinks skipped %d alert(s) published over %.0f s ago "
-                            "(TRAINGUARD_SINKS_MAX_AGE_S)", skipped, max_age_s)
+                log.warning("trainguard: sinks skipped %d alert(s) published before this group started or "
+                            "over %.0f s ago (TRAINGUARD_SINKS_MAX_AGE_S)", skipped, max_age_s)
                 skipped = 0
             if not messages:
                 continue
@@ -172,8 +184,8 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
     finally:
         consumer.close()
     if skipped:
-        log.warning("trainguard: sinks skipped %d alert(s) published over %.0f s ago (TRAINGUARD_SINKS_MAX_AGE_S)",
-                    skipped, max_age_s)
+        log.warning("trainguard: sinks skipped %d alert(s) published before this group started or over %.0f s "
+                    "ago (TRAINGUARD_SINKS_MAX_AGE_S)", skipped, max_age_s)
     return counts
 
 

@@ -21,7 +21,9 @@ SCREENSHOTS: list = []
 
 # The demo's path, the operator's verbs and following a run: what a user meets first on the
 # embedded broker, so it is tested there too (each test once per broker, ids [kafka] / [tansu]).
-ALSO_ON_TANSU = ("test_operate.py", "test_readme_loop.py", "test_tail.py")
+# A "module::test" entry: that test only (a sinks process started on the embedded broker).
+ALSO_ON_TANSU = ("test_operate.py", "test_readme_loop.py", "test_tail.py",
+                 "test_sink_runner.py::test_a_new_group_sends_nothing_from_before_its_start_and_old_alerts_are_skipped")
 
 # What each started broker is ("main", "tansu") and the tests that ran on Tansu, for the summary.
 BROKERS: dict = {}
@@ -87,7 +89,9 @@ def _choice() -> str:
 def pytest_generate_tests(metafunc):
     """Tests of ALSO_ON_TANSU modules that need a broker run on the session's broker and on
     Tansu, unless the session's broker is Tansu already."""
-    if "bootstrap" not in metafunc.fixturenames or Path(metafunc.definition.path).name not in ALSO_ON_TANSU:
+    module = Path(metafunc.definition.path).name
+    if "bootstrap" not in metafunc.fixturenames or not (
+            module in ALSO_ON_TANSU or f"{module}::{metafunc.definition.name}" in ALSO_ON_TANSU):
         return
     if _choice() != "embedded":
         metafunc.parametrize("bootstrap", ["main", "tansu"], indirect=True, ids=[_choice(), "tansu"])
