@@ -570,3 +570,43 @@ def test_console_log_detection_and_steps(tmp_path):
     jsonl = tmp_path / "run.log"
     jsonl.write_text('{"step": 1, "loss": 0.5, "note": "{\'a\': 1}"}\n')
     assert detect_format(jsonl) == "jsonl"
+
+
+# ---------------------------------------------------------------- hostile input: bounded
+
+
+def test_a_huge_tensorboard_record_is_passed_over_in_bounded_time_and_memory(tmp_path):
+    import time
+    import tracemalloc
+
+    from trainguard.readers.tensorboard import MAX_RECORD_BYTES
+
+    # A real file may hold a large non-scalar record (a graph): passed over, the scalars read.
+    path = tmp_path / "events.out.tfevents.1.host"
+    big = _event(0, extra=_len_field(4, b"\0" * (2 * MAX_RECORD_BYTES)))
+    write_tfevents(path, [_event(1, [_value("loss", simple=0.5)]), big, _event(2, [_value("loss", simple=0.25)])])
+    reader = open_reader(path)
+    assert list(reader) == [(1, {"loss": 0.5}), (2, {"loss": 0.25})]
+    assert reader.skipped == 1 and "passed over unread" in reader.problems[0]
+    # A corrupt one: a 64 MiB length (its CRC valid), zeros, a wrong data CRC, in a 65 KB .gz.
+    corrupt = tmp_path / "events.out.tfevents.2.host.gz"
+    header = struct.pack("<Q", 64 << 20)
+    with gzip.open(corrupt, "wb") as f:
+        f.write(header + struct.pack("<I", masked_crc32c(header)))
+        for _ in range(64):
+            f.write(b"\0" * (1 << 20))
+        f.write(b"\0\0\0\0")
+    started = time.perf_counter()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ReadError, match="no step could be read as tensorboard.*passed over unread"):
+            list(open_reader(corrupt))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 5 and peak < 8 * MAX_RECORD_BYTES, peak
+    # Past any record's size it is no record: the file is corrupt.
+    header = struct.pack("<Q", 1 << 40)
+    corrupt.write_bytes(header + struct.pack("<I", masked_crc32c(header)))
+    with pytest.raises(ReadError, match="record claims 1099511627776 bytes; corrupt file"):
+        list(open_reader(corrupt, "tensorboard"))
