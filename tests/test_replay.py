@@ -240,3 +240,21 @@ def test_a_loop_of_its_own_has_its_loss_judged_by_name(tmp_path):
     known = tmp_path / "verl.jsonl"
     known.write_text("".join(json.dumps({"step": r["step"], "actor/pg_loss": r["pg/loss_total"]}) + "\n" for r in rows))
     assert not [a for a in replay(known).alerts if a["rule"] == "loss_spike_by_name"]
+
+
+def test_the_verl_checkpoint_scan_is_linear_and_finds_the_same_paths(tmp_path):
+    import gzip
+    import time
+
+    path = tmp_path / "run.log.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(b"step:0 - actor/kl_loss:0.1\n"
+                + b"local_global_step_folder:" * 200_000 + b" global_step_\n"  # no step: quadratic before
+                + b"(TaskRunner pid=9) local_global_step_folder: none here local_global_step_folder: "
+                  b"/ckpt/global_step_40/actor saved\n"
+                + b"local_global_step_folder: /ckpt/global_step_" + b"9" * 5000 + b"\n"  # not a step
+                + b"step:1 - actor/kl_loss:0.1\n")
+    started = time.perf_counter()
+    assert find_checkpoints(str(path), "verl") == [{"step": 40, "path": "/ckpt/global_step_40"}]
+    assert time.perf_counter() - started < 2
+

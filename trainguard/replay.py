@@ -42,7 +42,10 @@ STEP_SECONDS = 60.0
 """Synthetic time between two replayed steps (a typical RL step; command expiry counts in it)."""
 
 REPLAY_HOST = "replay"
-_VERL_CHECKPOINT = re.compile(rb"local_global_step_folder:\s*(\S*?global_step_(\d+))")
+# The path after the marker, then the first global_step_N within it; two linear searches (one
+# lazy regex over both retried from every marker of a crafted line and took quadratic time).
+_VERL_CHECKPOINT = re.compile(rb"local_global_step_folder:\s*(\S*)")
+_GLOBAL_STEP = re.compile(rb"global_step_(\d+)")
 
 
 @dataclass
@@ -86,20 +89,22 @@ def find_checkpoints(path: str, fmt: str) -> list[dict]:
     events topic: ``checkpoint/1`` events. Other formats record none."""
     if fmt not in ("verl", "jsonl") or os.path.isdir(path):
         return []
-    from trainguard.readers.base import open_binary
+    from trainguard.readers.base import capped_lines, open_binary
 
     found: list[dict] = []
     seen: set[int] = set()
     try:
         with open_binary(path) as f:
-            for line in f:
+            for line in capped_lines(f):
+                if line is None:
+                    continue  # counted by the replay pass
                 if fmt == "verl":
                     if b"global_step_" not in line:
                         continue
-                    m = _VERL_CHECKPOINT.search(line)
-                    if m is None:
+                    hit = _verl_checkpoint(line)
+                    if hit is None:
                         continue
-                    step, where = int(m.group(2)), m.group(1).decode("utf-8", "replace")
+                    step, where = hit
                 else:
                     if b'"checkpoint/1"' not in line:
                         continue
@@ -114,6 +119,21 @@ def find_checkpoints(path: str, fmt: str) -> list[dict]:
     except OSError:
         return found  # the replay pass reports read errors with their context
     return found
+
+
+def _verl_checkpoint(line: bytes) -> tuple[int, str] | None:
+    """``(step, path)`` of verl's ``local_global_step_folder: <dir>/global_step_N`` in ``line``."""
+    pos = 0
+    while (m := _VERL_CHECKPOINT.search(line, pos)) is not None:
+        token = m.group(1)
+        s = _GLOBAL_STEP.search(token)
+        if s is not None:
+            if len(s.group(1)) > 18:  # not a step; int() of thousands of digits is refused anyway
+                return None
+            return int(s.group(1)), token[:s.end()].decode("utf-8", "replace")
+        # A later marker inside this token sees a suffix of it, which holds no step either.
+        pos = max(m.end(), m.start() + 1)
+    return None
 
 
 def parse_checkpoint_arg(text: str) -> dict:
