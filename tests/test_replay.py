@@ -258,3 +258,35 @@ def test_the_verl_checkpoint_scan_is_linear_and_finds_the_same_paths(tmp_path):
     assert find_checkpoints(str(path), "verl") == [{"step": 40, "path": "/ckpt/global_step_40"}]
     assert time.perf_counter() - started < 2
 
+
+def test_replay_keeps_each_step_within_the_events_schemas_limits(tmp_path):
+    from trainguard.schemas.events import MAX_METRICS_PER_EVENT, MAX_NAME_LEN
+
+    long_name = "x" * (MAX_NAME_LEN + 1)
+    names = [f"m{i}" for i in range(MAX_METRICS_PER_EVENT + 500)]
+    path = tmp_path / "wide.csv"
+    with open(path, "w") as f:
+        f.write("step," + long_name + "," + ",".join(names) + "\n")
+        for s in range(3):
+            f.write(f"{s},1.0," + ",".join(["0.5"] * len(names)) + "\n")
+    result = replay(path)
+    assert result.steps == 3 and result.metrics == names[:MAX_METRICS_PER_EVENT]
+    assert result.names_too_long == 3 and result.over_cap == 3 * 500
+    rc, out, _ = _main(str(path))
+    assert rc == 0
+    assert out.count(f"left out 3 value(s) whose metric name is empty or longer than {MAX_NAME_LEN}") == 1
+    assert out.count(f"left out 1500 value(s) past the {MAX_METRICS_PER_EVENT:,} metrics per step") == 1
+
+
+def test_a_million_column_csv_ends_quickly(tmp_path):
+    import time
+
+    cols = 1_000_000
+    path = tmp_path / "wide.csv"
+    with open(path, "w") as f:
+        f.write("step," + ",".join(f"m{i}" for i in range(cols)) + "\n")
+        f.write("0," + ",".join(["0.5"] * cols) + "\n")
+    started = time.perf_counter()
+    result = replay(path)
+    assert time.perf_counter() - started < 30  # unbounded: minutes
+    assert result.steps == 1 and len(result.metrics) == 10_000 and result.over_cap == cols - 10_000

@@ -56,6 +56,8 @@ class ReplayResult:
     steps: int = 0
     skipped: int = 0
     bad_values: int = 0
+    names_too_long: int = 0   # metric names past the schema's length, left out
+    over_cap: int = 0         # metrics past the schema's per-event count, left out
     ignored: int = 0
     problems: list[str] = field(default_factory=list)
     alerts: list[dict] = field(default_factory=list)
@@ -136,6 +138,22 @@ def _verl_checkpoint(line: bytes) -> tuple[int, str] | None:
     return None
 
 
+def _within_schema(metrics: dict[str, float], result: "ReplayResult") -> dict[str, float]:
+    """``metrics`` as the events schema lets one event carry them: names of 1..MAX_NAME_LEN
+    characters, at most MAX_METRICS_PER_EVENT (the first ones); what is left out is counted."""
+    if len(metrics) <= ev.MAX_METRICS_PER_EVENT and all(0 < len(n) <= ev.MAX_NAME_LEN for n in metrics):
+        return metrics
+    kept: dict[str, float] = {}
+    for name, value in metrics.items():
+        if not 0 < len(name) <= ev.MAX_NAME_LEN:
+            result.names_too_long += 1
+        elif len(kept) < ev.MAX_METRICS_PER_EVENT:
+            kept[name] = value
+        else:
+            result.over_cap += 1
+    return kept
+
+
 def parse_checkpoint_arg(text: str) -> dict:
     """``STEP`` or ``STEP:PATH`` (``--checkpoint``)."""
     step, _, where = text.partition(":")
@@ -198,6 +216,7 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
         if result.first_step is None:
             result.first_step = step
         result.last_step = step
+        metrics = _within_schema(metrics, result)
         if not seen.issuperset(metrics):
             for name in metrics:
                 if name not in seen:
@@ -318,6 +337,12 @@ def summary_lines(result: ReplayResult) -> list[str]:
         lines.append("skipped 0 records")
     if result.bad_values:
         lines.append(f"left out {result.bad_values} unreadable value(s) in otherwise readable lines")
+    if result.names_too_long:
+        lines.append(f"left out {result.names_too_long} value(s) whose metric name is empty or longer than "
+                     f"{ev.MAX_NAME_LEN} characters (the events schema's limit)")
+    if result.over_cap:
+        lines.append(f"left out {result.over_cap} value(s) past the {ev.MAX_METRICS_PER_EVENT:,} metrics per step "
+                     f"the events schema allows (the first {ev.MAX_METRICS_PER_EVENT:,} of each step kept)")
     if result.ignored:
         lines.append(f"ignored {result.ignored} record(s) without training metrics")
     by_rule = result.alerts_by_rule()
