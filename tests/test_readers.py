@@ -690,3 +690,24 @@ def test_a_huge_tensorboard_record_is_passed_over_in_bounded_time_and_memory(tmp
     corrupt.write_bytes(header + struct.pack("<I", masked_crc32c(header)))
     with pytest.raises(ReadError, match="record claims 1099511627776 bytes; corrupt file"):
         list(open_reader(corrupt, "tensorboard"))
+
+
+def test_a_trainer_state_past_its_cap_is_refused_not_read_whole(tmp_path):
+    import tracemalloc
+
+    from trainguard.readers.hf import MAX_STATE_BYTES
+
+    path = tmp_path / "trainer_state.json.gz"
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(b'{"log_history": [{"step": 1, "loss": 0.5}')
+        for _ in range(3 * MAX_STATE_BYTES >> 20):  # 3x the cap, from a small file
+            f.write(b" " * (1 << 20))
+        f.write(b"]}")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ReadError, match=f"{path}: larger than {MAX_STATE_BYTES >> 20} MiB: not a trainer_state"):
+            list(open_reader(path, "hf"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2.5 * MAX_STATE_BYTES, peak  # the cap read, never the whole file
