@@ -571,3 +571,144 @@ def test_console_log_detection_and_steps(tmp_path):
     jsonl = tmp_path / "run.log"
     jsonl.write_text('{"step": 1, "loss": 0.5, "note": "{\'a\': 1}"}\n')
     assert detect_format(jsonl) == "jsonl"
+
+
+# ---------------------------------------------------------------- hostile input: bounded
+
+
+def test_an_overlong_line_is_skipped_and_counted_never_held_whole(tmp_path):
+    import tracemalloc
+
+    from trainguard.readers.base import MAX_LINE_BYTES
+
+    path = tmp_path / "run.log.gz"
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(b"step:1 - actor/kl_loss:0.1\n")
+        for _ in range(16 * MAX_LINE_BYTES >> 20):  # one line of 16x the cap, from a small file
+            f.write(b"a" * (1 << 20))
+        f.write(b"\nstep:2 - actor/kl_loss:0.2\n")
+    reader = open_reader(path)
+    tracemalloc.start()
+    try:
+        steps = list(reader)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert steps == [(1, {"actor/kl_loss": 0.1}), (2, {"actor/kl_loss": 0.2})]
+    assert reader.skipped == 1 and f"{path}:2: line longer than" in reader.problems[0]
+    assert peak < 6 * MAX_LINE_BYTES, peak  # a capped piece at a time (and buffers), not the line
+
+
+def test_a_line_at_the_cap_is_read(tmp_path):
+    from trainguard.readers.base import MAX_LINE_BYTES
+
+    path = tmp_path / "run.jsonl"
+    pad = MAX_LINE_BYTES - len('{"step": 1, "loss": 0.5, "n": ""}\n')
+    path.write_text('{"step": 0, "loss": 0.4}\n{"step": 1, "loss": 0.5, "n": "%s"}\n' % ("x" * pad))
+    reader = open_reader(path)
+    assert [s for s, _ in reader] == [0, 1] and reader.skipped == 0
+
+
+def test_an_integer_past_floats_range_is_no_value_and_is_counted(tmp_path):
+    from trainguard.readers.base import to_float
+
+    assert to_float(10 ** 400) is None and to_float(2 ** 53) == 2.0 ** 53
+    big = "1" + "0" * 400
+    jsonl = tmp_path / "run.jsonl"
+    jsonl.write_text('{"step": 0, "loss": 0.5}\n{"step": 1, "loss": %s, "kl": 0.1}\n{"step": 2, "loss": 0.4}\n' % big)
+    reader = open_reader(jsonl)
+    assert list(reader) == [(0, {"loss": 0.5}), (1, {"kl": 0.1}), (2, {"loss": 0.4})]
+    assert reader.stats()["bad_values"] == 1
+    console = tmp_path / "train.log"
+    console.write_text("{'loss': 0.5, 'reward': 1.0}\n{'loss': %s, 'reward': 1.0}\n" % big)
+    reader = open_reader(console)
+    assert list(reader) == [(1, {"loss": 0.5, "reward": 1.0}), (2, {"reward": 1.0})]
+    assert reader.stats()["bad_values"] == 1
+
+
+def test_a_console_value_behind_a_thousand_signs_is_no_value(tmp_path):
+    from trainguard.readers.hfconsole import MAX_SIGNS, parse_logs
+
+    assert parse_logs("{'a': --1.5, 'b': -+-inf, 'c': -np.float64(0.5), 'd': -True}") == (
+        {"a": 1.5, "b": math.inf, "c": -0.5, "d": -1.0}, 0)
+    assert parse_logs("{'a': %s2.0}" % ("-" * MAX_SIGNS)) == ({"a": 2.0}, 0)
+    assert parse_logs("{'a': %s2.0, 'b': 1.0}" % ("-" * (MAX_SIGNS + 1))) == ({"b": 1.0}, 1)
+    path = tmp_path / "train.log"
+    path.write_text("{'loss': 0.5, 'reward': 1.0}\n{'loss': " + "-" * 1500 + "1.0, 'reward': 1.0}\n"
+                    "{'loss': " + "-" * 1500 + "1.0}\n")
+    assert detect_format(path) == "hflog"
+    reader = open_reader(path)
+    assert list(reader) == [(1, {"loss": 0.5, "reward": 1.0}), (2, {"reward": 1.0})]
+    assert reader.stats()["bad_values"] == 2 and reader.skipped == 1 and "train.log:3" in reader.problems[0]
+
+
+def test_verl_line_parsing_is_linear_in_a_run_of_spaces():
+    import time
+
+    from trainguard.readers.verl import strip_repeated
+
+    started = time.perf_counter()
+    assert parse_line("step:1 - a:1 -" + " " * 1_000_000 + "x") == (1, {"a": 1.0}, 1)
+    assert time.perf_counter() - started < 1.0  # quadratic: hours
+    assert strip_repeated(" a:1 [repeated 3x across cluster]  ") == "a:1"
+    assert strip_repeated("a:1[repeated 12x across cluster]") == "a:1"
+    assert strip_repeated("a:1 [repeated x across cluster]") == "a:1 [repeated x across cluster]"
+    assert strip_repeated("a:[repeated 2x across cluster] b:2") == "a:[repeated 2x across cluster] b:2"
+
+
+def test_a_huge_tensorboard_record_is_passed_over_in_bounded_time_and_memory(tmp_path):
+    import time
+    import tracemalloc
+
+    from trainguard.readers.tensorboard import MAX_RECORD_BYTES
+
+    # A real file may hold a large non-scalar record (a graph): passed over, the scalars read.
+    path = tmp_path / "events.out.tfevents.1.host"
+    big = _event(0, extra=_len_field(4, b"\0" * (2 * MAX_RECORD_BYTES)))
+    write_tfevents(path, [_event(1, [_value("loss", simple=0.5)]), big, _event(2, [_value("loss", simple=0.25)])])
+    reader = open_reader(path)
+    assert list(reader) == [(1, {"loss": 0.5}), (2, {"loss": 0.25})]
+    assert reader.skipped == 1 and "passed over unread" in reader.problems[0]
+    # A corrupt one: a 64 MiB length (its CRC valid), zeros, a wrong data CRC, in a 65 KB .gz.
+    corrupt = tmp_path / "events.out.tfevents.2.host.gz"
+    header = struct.pack("<Q", 64 << 20)
+    with gzip.open(corrupt, "wb") as f:
+        f.write(header + struct.pack("<I", masked_crc32c(header)))
+        for _ in range(64):
+            f.write(b"\0" * (1 << 20))
+        f.write(b"\0\0\0\0")
+    started = time.perf_counter()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ReadError, match="no step could be read as tensorboard.*passed over unread"):
+            list(open_reader(corrupt))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 5 and peak < 8 * MAX_RECORD_BYTES, peak
+    # Past any record's size it is no record: the file is corrupt.
+    header = struct.pack("<Q", 1 << 40)
+    corrupt.write_bytes(header + struct.pack("<I", masked_crc32c(header)))
+    with pytest.raises(ReadError, match="record claims 1099511627776 bytes; corrupt file"):
+        list(open_reader(corrupt, "tensorboard"))
+
+
+def test_a_trainer_state_past_its_cap_is_refused_not_read_whole(tmp_path):
+    import tracemalloc
+
+    from trainguard.readers.hf import MAX_STATE_BYTES
+
+    path = tmp_path / "trainer_state.json.gz"
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(b'{"log_history": [{"step": 1, "loss": 0.5}')
+        for _ in range(3 * MAX_STATE_BYTES >> 20):  # 3x the cap, from a small file
+            f.write(b" " * (1 << 20))
+        f.write(b"]}")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ReadError, match=f"{path}: larger than {MAX_STATE_BYTES >> 20} MiB: not a trainer_state"):
+            list(open_reader(path, "hf"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2.5 * MAX_STATE_BYTES, peak  # the cap read, never the whole file

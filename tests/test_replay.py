@@ -240,3 +240,53 @@ def test_a_loop_of_its_own_has_its_loss_judged_by_name(tmp_path):
     known = tmp_path / "verl.jsonl"
     known.write_text("".join(json.dumps({"step": r["step"], "actor/pg_loss": r["pg/loss_total"]}) + "\n" for r in rows))
     assert not [a for a in replay(known).alerts if a["rule"] == "loss_spike_by_name"]
+
+
+def test_the_verl_checkpoint_scan_is_linear_and_finds_the_same_paths(tmp_path):
+    import gzip
+    import time
+
+    path = tmp_path / "run.log.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(b"step:0 - actor/kl_loss:0.1\n"
+                + b"local_global_step_folder:" * 200_000 + b" global_step_\n"  # no step: quadratic before
+                + b"(TaskRunner pid=9) local_global_step_folder: none here local_global_step_folder: "
+                  b"/ckpt/global_step_40/actor saved\n"
+                + b"local_global_step_folder: /ckpt/global_step_" + b"9" * 5000 + b"\n"  # not a step
+                + b"step:1 - actor/kl_loss:0.1\n")
+    started = time.perf_counter()
+    assert find_checkpoints(str(path), "verl") == [{"step": 40, "path": "/ckpt/global_step_40"}]
+    assert time.perf_counter() - started < 2
+
+
+def test_replay_keeps_each_step_within_the_events_schemas_limits(tmp_path):
+    from trainguard.schemas.events import MAX_METRICS_PER_EVENT, MAX_NAME_LEN
+
+    long_name = "x" * (MAX_NAME_LEN + 1)
+    names = [f"m{i}" for i in range(MAX_METRICS_PER_EVENT + 500)]
+    path = tmp_path / "wide.csv"
+    with open(path, "w") as f:
+        f.write("step," + long_name + "," + ",".join(names) + "\n")
+        for s in range(3):
+            f.write(f"{s},1.0," + ",".join(["0.5"] * len(names)) + "\n")
+    result = replay(path)
+    assert result.steps == 3 and result.metrics == names[:MAX_METRICS_PER_EVENT]
+    assert result.names_too_long == 3 and result.over_cap == 3 * 500
+    rc, out, _ = _main(str(path))
+    assert rc == 0
+    assert out.count(f"left out 3 value(s) whose metric name is empty or longer than {MAX_NAME_LEN}") == 1
+    assert out.count(f"left out 1500 value(s) past the {MAX_METRICS_PER_EVENT:,} metrics per step") == 1
+
+
+def test_a_million_column_csv_ends_quickly(tmp_path):
+    import time
+
+    cols = 1_000_000
+    path = tmp_path / "wide.csv"
+    with open(path, "w") as f:
+        f.write("step," + ",".join(f"m{i}" for i in range(cols)) + "\n")
+        f.write("0," + ",".join(["0.5"] * cols) + "\n")
+    started = time.perf_counter()
+    result = replay(path)
+    assert time.perf_counter() - started < 30  # unbounded: minutes
+    assert result.steps == 1 and len(result.metrics) == 10_000 and result.over_cap == cols - 10_000

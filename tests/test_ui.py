@@ -460,3 +460,59 @@ def test_negative_steps_and_a_rollback_stay_inside_the_frame_and_go_forward():
         xs = [x / 10 for x, _ in line]
         assert xs == sorted(xs) and all(64 <= x <= 720 - 28 for x in xs), "forward, inside the frame"
     assert _attr_of(svg, "data-x0") == -20 and _attr_of(svg, "data-y0") == 0
+
+
+def test_slow_and_idle_clients_are_cut_off_and_never_take_every_thread():
+    """Real sockets against the page server: a client that sends half a request (or a byte at a
+    time) loses its connection at the deadline, connections past the cap get 503 at once, and
+    the slots come back for real requests."""
+    import select
+    import socket
+    import threading
+    import time
+
+    from trainguard.kafka import Topics
+    from trainguard.ui import Board
+    from trainguard.ui.server import PageServer, make_handler
+
+    server = PageServer(("127.0.0.1", 0), make_handler(Board(rules_mod.default(), Topics())),
+                        max_connections=4, request_timeout_s=1.0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+    port = server.server_address[1]
+
+    def half_sent():
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"GET / HT")  # and nothing more
+        return s
+
+    try:
+        idle = [half_sent() for _ in range(3)]
+        dribbler = socket.create_connection(("127.0.0.1", port), timeout=5)
+        time.sleep(0.2)
+        started = time.monotonic()
+        over = socket.create_connection(("127.0.0.1", port), timeout=5)
+        over.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        answer = over.recv(4096)
+        assert answer.startswith(b"HTTP/1.0 503 ") and b"too many connections" in answer
+        assert time.monotonic() - started < 0.5  # at once, not after the slow ones
+        # A byte every 0.3 s defeats a per-read timeout alone: the deadline ends it too.
+        cut = None
+        for byte in b"GET / HTTP/1.0\r\nX-Slow: " + b"a" * 40:
+            try:
+                dribbler.send(bytes([byte]))
+            except OSError:
+                cut = time.monotonic() - started
+                break
+            if select.select([dribbler], [], [], 0.3)[0] and dribbler.recv(100) == b"":
+                cut = time.monotonic() - started
+                break
+        assert cut is not None and cut < 2.5, cut
+        for s in idle:
+            assert s.recv(100) == b""  # closed by the server at the deadline, not by the client
+        # Every slot is back: three idle clients again, and a real request is still answered.
+        # (a thread frees its slot just after closing: wait for it, briefly)
+        idle += [half_sent() for _ in range(3)]
+        wait_until(lambda: _status_of(f"http://127.0.0.1:{port}/", {})[0] == 200, 3, "a free slot")
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -42,7 +42,10 @@ STEP_SECONDS = 60.0
 """Synthetic time between two replayed steps (a typical RL step; command expiry counts in it)."""
 
 REPLAY_HOST = "replay"
-_VERL_CHECKPOINT = re.compile(rb"local_global_step_folder:\s*(\S*?global_step_(\d+))")
+# The path after the marker, then the first global_step_N within it; two linear searches (one
+# lazy regex over both retried from every marker of a crafted line and took quadratic time).
+_VERL_CHECKPOINT = re.compile(rb"local_global_step_folder:\s*(\S*)")
+_GLOBAL_STEP = re.compile(rb"global_step_(\d+)")
 
 
 @dataclass
@@ -53,6 +56,8 @@ class ReplayResult:
     steps: int = 0
     skipped: int = 0
     bad_values: int = 0
+    names_too_long: int = 0   # metric names past the schema's length, left out
+    over_cap: int = 0         # metrics past the schema's per-event count, left out
     ignored: int = 0
     problems: list[str] = field(default_factory=list)
     alerts: list[dict] = field(default_factory=list)
@@ -86,20 +91,22 @@ def find_checkpoints(path: str, fmt: str) -> list[dict]:
     events topic: ``checkpoint/1`` events. Other formats record none."""
     if fmt not in ("verl", "jsonl") or os.path.isdir(path):
         return []
-    from trainguard.readers.base import open_binary
+    from trainguard.readers.base import capped_lines, open_binary
 
     found: list[dict] = []
     seen: set[int] = set()
     try:
         with open_binary(path) as f:
-            for line in f:
+            for line in capped_lines(f):
+                if line is None:
+                    continue  # counted by the replay pass
                 if fmt == "verl":
                     if b"global_step_" not in line:
                         continue
-                    m = _VERL_CHECKPOINT.search(line)
-                    if m is None:
+                    hit = _verl_checkpoint(line)
+                    if hit is None:
                         continue
-                    step, where = int(m.group(2)), m.group(1).decode("utf-8", "replace")
+                    step, where = hit
                 else:
                     if b'"checkpoint/1"' not in line:
                         continue
@@ -114,6 +121,37 @@ def find_checkpoints(path: str, fmt: str) -> list[dict]:
     except OSError:
         return found  # the replay pass reports read errors with their context
     return found
+
+
+def _verl_checkpoint(line: bytes) -> tuple[int, str] | None:
+    """``(step, path)`` of verl's ``local_global_step_folder: <dir>/global_step_N`` in ``line``."""
+    pos = 0
+    while (m := _VERL_CHECKPOINT.search(line, pos)) is not None:
+        token = m.group(1)
+        s = _GLOBAL_STEP.search(token)
+        if s is not None:
+            if len(s.group(1)) > 18:  # not a step; int() of thousands of digits is refused anyway
+                return None
+            return int(s.group(1)), token[:s.end()].decode("utf-8", "replace")
+        # A later marker inside this token sees a suffix of it, which holds no step either.
+        pos = max(m.end(), m.start() + 1)
+    return None
+
+
+def _within_schema(metrics: dict[str, float], result: "ReplayResult") -> dict[str, float]:
+    """``metrics`` as the events schema lets one event carry them: names of 1..MAX_NAME_LEN
+    characters, at most MAX_METRICS_PER_EVENT (the first ones); what is left out is counted."""
+    if len(metrics) <= ev.MAX_METRICS_PER_EVENT and all(0 < len(n) <= ev.MAX_NAME_LEN for n in metrics):
+        return metrics
+    kept: dict[str, float] = {}
+    for name, value in metrics.items():
+        if not 0 < len(name) <= ev.MAX_NAME_LEN:
+            result.names_too_long += 1
+        elif len(kept) < ev.MAX_METRICS_PER_EVENT:
+            kept[name] = value
+        else:
+            result.over_cap += 1
+    return kept
 
 
 def parse_checkpoint_arg(text: str) -> dict:
@@ -178,6 +216,7 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
         if result.first_step is None:
             result.first_step = step
         result.last_step = step
+        metrics = _within_schema(metrics, result)
         if not seen.issuperset(metrics):
             for name in metrics:
                 if name not in seen:
@@ -298,6 +337,12 @@ def summary_lines(result: ReplayResult) -> list[str]:
         lines.append("skipped 0 records")
     if result.bad_values:
         lines.append(f"left out {result.bad_values} unreadable value(s) in otherwise readable lines")
+    if result.names_too_long:
+        lines.append(f"left out {result.names_too_long} value(s) whose metric name is empty or longer than "
+                     f"{ev.MAX_NAME_LEN} characters (the events schema's limit)")
+    if result.over_cap:
+        lines.append(f"left out {result.over_cap} value(s) past the {ev.MAX_METRICS_PER_EVENT:,} metrics per step "
+                     f"the events schema allows (the first {ev.MAX_METRICS_PER_EVENT:,} of each step kept)")
     if result.ignored:
         lines.append(f"ignored {result.ignored} record(s) without training metrics")
     by_rule = result.alerts_by_rule()

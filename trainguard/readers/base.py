@@ -14,6 +14,10 @@ log = logging.getLogger("trainguard.readers")
 Step = tuple[int, dict[str, float]]
 
 MAX_PROBLEMS = 20  # descriptions kept for display; the counter keeps counting past it
+# The longest line a line reader keeps (bytes, after decompression). A metrics line of the widest
+# event the schema allows (10,000 metrics) is a few MiB at most; longer is not one, and reading
+# it whole would let a small .gz file expand into gigabytes held in memory.
+MAX_LINE_BYTES = 8 << 20
 
 _NON_FINITE = {
     "nan": math.nan, "+nan": math.nan, "-nan": math.nan,
@@ -51,7 +55,10 @@ def to_float(value) -> float | None:
     if t is float:
         return value
     if t is int:
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # a 400-digit integer is not a metric value
+            return None
     if t is str:
         s = value.strip()
         special = _NON_FINITE.get(s.lower())
@@ -90,6 +97,23 @@ def open_binary(path: str | os.PathLike) -> IO[bytes]:
         return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
     raw.seek(0)
     return raw
+
+
+def capped_lines(f: IO[bytes], limit: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:
+    """The lines of a binary file, each up to ``limit`` bytes; a longer line is read past in
+    ``limit``-sized pieces (never held whole) and yields ``None`` in its place."""
+    while True:
+        raw = f.readline(limit)
+        if not raw:
+            return
+        if len(raw) < limit or raw.endswith(b"\n"):
+            yield raw
+            continue
+        while True:  # the rest of the overlong line, discarded
+            more = f.readline(limit)
+            if not more or more.endswith(b"\n"):
+                break
+        yield None
 
 
 def head_bytes(path: str | os.PathLike, n: int = 65536) -> bytes:
@@ -187,8 +211,11 @@ class LineReader(StepReader):
         with f:
             raw_file = getattr(f, "fileobj", None)  # the compressed file under a GzipFile
             try:
-                for number, raw in enumerate(f, 1):
-                    self.position = raw_file.tell() if raw_file is not None else self.position + len(raw)
+                for number, raw in enumerate(capped_lines(f), 1):
+                    self.position = raw_file.tell() if raw_file is not None else f.tell()
+                    if raw is None:
+                        self.skip(f"line longer than {MAX_LINE_BYTES >> 20} MiB: not a metrics line", line=number)
+                        continue
                     yield number, raw.decode("utf-8", errors="replace").rstrip("\r\n")
             except (OSError, EOFError, gzip.BadGzipFile) as exc:
                 raise ReadError(self.path, f"read failed: {exc}", offset=self.position) from None
@@ -196,4 +223,4 @@ class LineReader(StepReader):
 
 
 __all__ = ["ReadError", "StepReader", "LineReader", "Step", "merge_consecutive", "to_float", "to_step",
-           "open_binary", "head_bytes"]
+           "open_binary", "head_bytes", "capped_lines", "MAX_LINE_BYTES"]

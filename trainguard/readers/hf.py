@@ -19,15 +19,25 @@ from .base import ReadError, Step, StepReader, open_binary, to_step
 from .jsonl import flatten_metrics
 
 
+# A trainer_state.json is read whole: a long run logging every step makes tens of MiB. Past
+# this (after decompression) it is refused, so a small .gz cannot expand into gigabytes.
+MAX_STATE_BYTES = 128 << 20
+
+
 class TrainerStateReader(StepReader):
     format = "hf"
 
     def records(self) -> Iterator[Step]:
         try:
             with open_binary(self.path) as f:
-                text = f.read().decode("utf-8", errors="replace")
-        except OSError as exc:
+                raw = f.read(MAX_STATE_BYTES + 1)
+        except (OSError, EOFError) as exc:
             raise ReadError(self.path, f"cannot read: {exc}") from None
+        if len(raw) > MAX_STATE_BYTES:
+            raise ReadError(self.path, f"larger than {MAX_STATE_BYTES >> 20} MiB: not a trainer_state.json "
+                                       f"(a long run's is tens of MiB)")
+        text = raw.decode("utf-8", errors="replace")
+        del raw
         try:
             state = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -26,10 +26,11 @@ import ast
 import math
 from typing import Iterator
 
-from .base import LineReader, ReadError, Step, head_bytes
+from .base import LineReader, ReadError, Step, head_bytes, to_float
 from .verl import ANSI, parse_value
 
 MAX_LINE = 100_000  # a logs dict is a few hundred characters; longer is not one
+MAX_SIGNS = 8  # unary signs before one value ("-1.0", "--1.0" at a stretch); more is not a printed number
 # Keys only an RL trainer logs (TRL's GRPO / RLOO / PPO / online trainers). DPO's "rewards/*"
 # are not among them: its loss is a training loss.
 RL_KEYS = ("reward", "reward_std", "kl", "frac_reward_zero_std", "completion_length")
@@ -57,18 +58,31 @@ def logs_segment(line: str) -> str | None:
 
 def _value(node: ast.AST) -> float | None:
     """A literal number (``nan``, ``-inf``, ``np.float64(x)`` ...) from the parsed dict, or None."""
+    sign = 1.0
+    for _ in range(MAX_SIGNS + 1):  # a loop, not recursion: "-" * 1500 is valid syntax
+        if not (isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd))):
+            break
+        if isinstance(node.op, ast.USub):
+            sign = -sign
+        node = node.operand
+    else:
+        return None  # more signs than any printed number has: not a value
+    v = _plain_value(node)
+    return None if v is None else sign * v
+
+
+def _plain_value(node: ast.AST) -> float | None:
     if isinstance(node, ast.Constant):
         v = node.value
         if v is None:
             return math.nan
-        if isinstance(v, (int, float)):  # bool too
+        if type(v) is int:
+            return to_float(v)  # None for an integer past float's range
+        if type(v) is float or type(v) is bool:
             return float(v)
         return None
     if isinstance(node, ast.Name):
         return _NAMES.get(node.id)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        inner = _value(node.operand)
-        return None if inner is None else (-inner if isinstance(node.op, ast.USub) else inner)
     if isinstance(node, ast.Call) and node.args:  # np.float64(0.4), tensor(0.4, device='cuda:0')
         return parse_value(ast.unparse(node))
     return None

@@ -27,26 +27,33 @@ STEP_KEYS = ("step", "global_step", "_step")
 
 
 def flatten_metrics(obj: dict, prefix: str = "", out: dict | None = None,
-                    skip: tuple[str, ...] = STEP_KEYS) -> dict[str, float]:
-    """Numeric leaves of a JSON object as ``{"a/b": float}``; null -> NaN; other types dropped."""
+                    skip: tuple[str, ...] = STEP_KEYS, unreadable: list[str] | None = None) -> dict[str, float]:
+    """Numeric leaves of a JSON object as ``{"a/b": float}``; null -> NaN; other types dropped.
+    An integer past float's range is no number either: its name goes to ``unreadable``."""
     out = {} if out is None else out
     for key, value in obj.items():
         if not prefix and key in skip:
             continue
         name = f"{prefix}{key}"
         if type(value) is dict:
-            flatten_metrics(value, name + "/", out, skip)
+            flatten_metrics(value, name + "/", out, skip, unreadable)
         elif value is None:
             out[name] = math.nan
         else:
             v = to_float(value)
             if v is not None:
                 out[name] = v
+            elif type(value) is int and unreadable is not None:
+                unreadable.append(name)
     return out
 
 
 class JsonlReader(LineReader):
     format = "jsonl"
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.bad_values = 0
 
     def records(self) -> Iterator[Step]:
         for number, line in self.lines():
@@ -78,7 +85,9 @@ class JsonlReader(LineReader):
                 continue
             if step is None:
                 continue
-            metrics = flatten_metrics(obj)
+            unreadable: list[str] = []
+            metrics = flatten_metrics(obj, unreadable=unreadable)
+            self.bad_values += len(unreadable)
             if not metrics:
                 self.ignored += 1
                 continue
@@ -104,3 +113,6 @@ class JsonlReader(LineReader):
             self.ignored += 1
             return None
         return event["step"], metrics
+
+    def stats(self) -> dict:
+        return {**super().stats(), "bad_values": self.bad_values}

@@ -20,7 +20,8 @@ grouped by step: the events of one step that follow each other become one step (
 emits one event per tag).
 
 Both CRCs of every record are checked: a mismatch is an error naming the byte offset of
-the record (the file is corrupt, or not an event file). A record cut short at the very end
+the record (the file is corrupt, or not an event file). A record past ``MAX_RECORD_BYTES`` is
+no scalar record: passed over unread and counted in ``skipped``. A record cut short at the very end
 of the file (a writer still running, or killed) is counted in ``skipped``, not raised.
 A directory is read as all ``events.out.tfevents.*`` files directly in it, in name order
 (the names start with a timestamp).
@@ -34,7 +35,13 @@ from typing import Any, Iterator
 
 from .base import ReadError, Step, StepReader, open_binary
 
-MAX_RECORD_BYTES = 1 << 30
+# A scalar record is an Event of a few hundred bytes (a TF1 merged summary of every scalar of a
+# step: tens of KiB). Records up to MAX_RECORD_BYTES are read and CRC-checked; larger ones
+# (graphs, images, or a corrupt length) are passed over unread and counted in ``skipped``, so a
+# small corrupt .gz cannot cost seconds of pure-Python CRC and its size in memory. A length
+# past MAX_PASS_OVER_BYTES is no record at all: an error.
+MAX_RECORD_BYTES = 1 << 20
+MAX_PASS_OVER_BYTES = 1 << 30
 
 # -------------------------------------------------------------------------- CRC32C
 
@@ -283,6 +290,17 @@ def looks_like_tfrecord(head: bytes) -> bool:
     return len(head) >= 12 and struct.unpack("<I", head[8:12])[0] == masked_crc32c(head[:8])
 
 
+def _pass_over(f, n: int) -> int:
+    """Read past ``n`` bytes of ``f`` in pieces (never held whole); how many were there."""
+    done = 0
+    while done < n:
+        chunk = f.read(min(n - done, 1 << 20))
+        if not chunk:
+            break
+        done += len(chunk)
+    return done
+
+
 class TensorBoardReader(StepReader):
     format = "tensorboard"
 
@@ -319,8 +337,17 @@ class TensorBoardReader(StepReader):
                 if self.verify_crc and masked_crc32c(header[:8]) != length_crc:
                     raise ReadError(name, "record length fails its CRC check: the file is corrupt or is not "
                                           "a TensorBoard event file", offset=offset)
-                if length > MAX_RECORD_BYTES:
+                if length > MAX_PASS_OVER_BYTES:
                     raise ReadError(name, f"record claims {length} bytes; corrupt file", offset=offset)
+                if length > MAX_RECORD_BYTES:
+                    if _pass_over(f, length + 4) < length + 4:
+                        self._truncated(name, offset, f"record of {length} bytes")
+                        return
+                    self.skip(f"record of {length} bytes, larger than a scalar record ({MAX_RECORD_BYTES >> 20} MiB): "
+                              f"passed over unread", offset=offset)
+                    offset += 16 + length
+                    self.position = base + offset
+                    continue
                 data = f.read(length)
                 footer = f.read(4)
                 if len(data) < length or len(footer) < 4:

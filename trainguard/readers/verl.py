@@ -28,12 +28,24 @@ from typing import Iterator
 from .base import LineReader, Step, to_float
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
-REPEATED = re.compile(r"\s*\[repeated \d+x across cluster\]\s*$")
+# Matched only where the last "[repeated " starts (see strip_repeated): searched over the whole
+# line, a leading \s* would retry from every space of a long run of them (quadratic time).
+REPEATED = re.compile(r"\[repeated \d+x across cluster\]")
 # "step:12" not preceded by a word character or "/" (so "global_step:3" and
 # "training/global_step:3" inside the line are not taken as the step marker).
 STEP = re.compile(r"(?<![\w/])step:\s*(\d+)(?:\s+-\s+|\s*$)")
 WRAPPER = re.compile(r"^(?:np|numpy|torch)?\.?(?:float\d*|int\d*|uint\d*|bool_?|tensor|array)\((.*)\)$")
 _BOOLS = {"True": 1.0, "False": 0.0}
+
+
+def strip_repeated(text: str) -> str:
+    """``text`` without Ray's trailing ``[repeated 3x across cluster]``, stripped; linear time."""
+    text = text.strip()
+    if text.endswith("]"):
+        start = text.rfind("[repeated ")
+        if start >= 0 and REPEATED.fullmatch(text, start):
+            text = text[:start].rstrip()
+    return text
 
 
 def parse_value(text: str) -> float | None:
@@ -64,7 +76,7 @@ def parse_line(line: str) -> tuple[int, dict[str, float], int] | None:
     if m is None:
         return None
     step = int(m.group(1))
-    rest = REPEATED.sub("", line[m.end():]).strip()
+    rest = strip_repeated(line[m.end():])
     metrics: dict[str, float] = {}
     bad = 0
     if rest:
@@ -107,4 +119,4 @@ class VerlLogReader(LineReader):
         return {**super().stats(), "bad_values": self.bad_values}
 
 
-__all__ = ["VerlLogReader", "parse_line", "parse_value"]
+__all__ = ["VerlLogReader", "parse_line", "parse_value", "strip_repeated"]

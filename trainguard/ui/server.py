@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import socket
 import threading
 import time
 import urllib.parse
@@ -20,6 +21,78 @@ from trainguard.ui.pages import html_page, render_index, render_report_page, ren
 from trainguard.ui.reader import Board, Follower
 
 log = logging.getLogger("trainguard.ui")
+
+REQUEST_TIMEOUT_S = 10.0
+"""A client has this long to send its request (and at most this long between two reads or
+writes of the answer); then the connection is closed and its thread freed."""
+MAX_CONNECTIONS = 64
+"""Connections served at once (a browser opens about six); past it a connection gets 503 at once."""
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nRetry-After: 5\r\n"
+         b"Connection: close\r\n\r\ntrainguard ui: too many connections at once; try again shortly\n")
+
+
+class PageServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` of them, each given ``request_timeout_s``
+    to send its whole request: a client that opens connections and sends nothing (or a byte at a
+    time) cannot hold threads for ever nor take every thread."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, *, max_connections: int = MAX_CONNECTIONS,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S):
+        self.max_connections = max_connections
+        self.request_timeout_s = request_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self._reading: dict[socket.socket, float] = {}  # connection -> when its request must be in
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.setblocking(False)  # a full buffer is the client's problem, not this loop's
+                request.send(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        with self._lock:
+            self._reading[request] = time.monotonic() + self.request_timeout_s
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._done(request)
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._done(request)
+
+    def request_read(self, request) -> None:
+        """The handler has the whole request: the deadline for sending it no longer applies."""
+        with self._lock:
+            self._reading.pop(request, None)
+
+    def _done(self, request) -> None:
+        with self._lock:
+            self._reading.pop(request, None)
+        self._slots.release()
+
+    def service_actions(self) -> None:
+        # Called by serve_forever every poll interval: end connections still sending their
+        # request past the deadline (a byte every few seconds defeats a per-read timeout alone).
+        now = time.monotonic()
+        with self._lock:
+            late = [r for r, deadline in self._reading.items() if deadline < now]
+            for r in late:
+                del self._reading[r]
+        for r in late:
+            try:
+                r.shutdown(socket.SHUT_RDWR)  # its thread's blocked read returns; it closes the rest
+            except OSError:
+                pass
 
 
 def steps_range(query: str) -> tuple[int, int] | None:
@@ -42,6 +115,18 @@ def make_handler(board: Board, access: Access | None = None):
     errors_seen: set[str] = set()
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_TIMEOUT_S  # per read and write of this connection's socket
+
+        def setup(self):
+            self.timeout = getattr(self.server, "request_timeout_s", REQUEST_TIMEOUT_S)
+            super().setup()
+
+        def parse_request(self) -> bool:
+            done = super().parse_request()
+            if hasattr(self.server, "request_read"):
+                self.server.request_read(self.connection)
+            return done
+
         def do_GET(self):  # noqa: N802 - the http.server name
             self._cookie = None
             if not access.host_allowed(self.headers.get("Host")):
@@ -119,8 +204,7 @@ class UiServer:
         self.board = Board(rules, settings.topics, **board_limits)
         self.follower = Follower(settings, self.board)
         self.access = Access(addr, allowed_hosts=allowed_hosts, token=token)
-        self.server = ThreadingHTTPServer((addr, port), make_handler(self.board, self.access))
-        self.server.daemon_threads = True
+        self.server = PageServer((addr, port), make_handler(self.board, self.access))
         shown = "127.0.0.1" if addr in ("", "0.0.0.0") else f"[{addr}]" if ":" in addr else addr
         self.url = f"http://{shown}:{self.server.server_address[1]}/"
         self.login_url = self.url + (f"?token={urllib.parse.quote(token)}" if token else "")
