@@ -18,7 +18,6 @@ from typing import Iterator
 from .base import ReadError, Step, StepReader, open_binary, to_step
 from .jsonl import flatten_metrics
 
-
 # A trainer_state.json is read whole: a long run logging every step makes tens of MiB. Past
 # this (after decompression) it is refused, so a small .gz cannot expand into gigabytes.
 MAX_STATE_BYTES = 128 << 20
