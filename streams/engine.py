@@ -229,6 +229,7 @@ class RunState:
     cross_firing: dict = field(default_factory=dict)    # rule|metric|rank -> its open alert
     finished: bool = False
     finished_at: float | None = None                    # received at, for forgetting the run
+    stopped: bool = False                               # it ended on a stop (a command, or its trainer's own)
     dropped_events: float | None = None                 # the trainer client's own count, last reported
     silences: list = field(default_factory=list)        # {id, rule, until, reason, by}: an operator's
     acknowledged: dict = field(default_factory=dict)    # alert id -> {by, reason, ts}, while it is open
@@ -653,9 +654,10 @@ class Engine:
         elif event["event"] in ("finished", "stopped"):
             run.finished = True
             run.finished_at = self.clock()
+            run.stopped = event["event"] == "stopped"
         elif event["event"] == "started":
             run.announced = True
-            run.finished, run.finished_at = False, None
+            run.finished, run.finished_at, run.stopped = False, None, False
         return outputs
 
     def _operator(self, event: dict, run: RunState, run_id: str, outputs: list) -> None:
@@ -1327,6 +1329,13 @@ class Engine:
 
     # -- status: what `trainguard runs` and `status` show --------------------------------------
 
+    @staticmethod
+    def _outcome(run: RunState) -> str | None:
+        """How the run ended: stopped (a stop applied, or the breaker's), finished, or None."""
+        if run.stopped or run.breaker.status == policy.STOPPED:
+            return "stopped"
+        return "finished" if run.finished else None
+
     def status(self, run_id: str) -> dict | None:
         """The run's state as an operator asks for it (a ``status/1`` event), or None when this
         engine holds no such run."""
@@ -1343,7 +1352,8 @@ class Engine:
             "schema": ev.STATUS, "run_id": run_id, "ts": time.time(),
             "last_event_ts": max((seen[0] for seen in run.last_seen.values()), default=None),
             "last_step": trainer[1] if trainer and trainer[1] is not None else max(steps, default=None),
-            "finished": run.finished, "sources": len(run.sources),
+            "finished": run.finished, **({"outcome": ended} if (ended := self._outcome(run)) else {}),
+            "sources": len(run.sources),
             "breaker": {"status": breaker.status, "rollbacks": breaker.attempt, "streak": breaker.streak,
                         "restored_step": breaker.restored_step,
                         "pending_command": breaker.command_id if breaker.status == policy.AWAITING else None},
@@ -1380,8 +1390,7 @@ class Engine:
         if status is None:
             return None
         run = self._look(run_key)
-        ended = run.breaker.status == policy.STOPPED or run.finished
-        outcome = ("stopped" if run.breaker.status == policy.STOPPED else "finished") if ended else "idle"
+        outcome = self._outcome(run) or "idle"
         return {**status, "state_freed": True, "outcome": outcome,
                 "recent_alerts": [{k: a.get(k) for k in ("id", "rule", "severity", "step", "metric")}
                                   for a in run.recent_alerts[-10:]],

@@ -471,7 +471,7 @@ def test_slow_and_idle_clients_are_cut_off_and_never_take_every_thread():
     import threading
     import time
 
-    from trainguard.kafka import Topics
+    from trainguard.core.kafka import Topics
     from trainguard.ui import Board
     from trainguard.ui.server import PageServer, make_handler
 

@@ -251,8 +251,8 @@ def _state(status: dict) -> str:
     breaker = status["breaker"]
     if status.get("state_freed"):  # the run's summary, kept after its detection state was freed
         return f"{status.get('outcome') or 'ended'} (summary)"
-    if status.get("finished"):
-        return "finished"
+    if status.get("finished") or status.get("outcome") == "stopped":
+        return status.get("outcome") or "finished"
     state = breaker["status"]
     if state == "awaiting":
         state = f"awaiting {breaker.get('pending_command') or 'a command'}"

@@ -57,7 +57,7 @@ def render_index(board: Board) -> str:
         rows.append(f'<tr class="run"><td><a href="{_run_href(r["run_id"])}">{_attr(r["run_id"])}</a></td>'
                     f'<td>{_attr(status.get("last_step"))}</td><td>{_attr(breaker)}</td>'
                     f'<td>{_attr(status.get("open_alerts", 0))}</td>'
-                    f'<td>{"finished" if status.get("finished") else ""}</td></tr>')
+                    f'<td>{status.get("outcome") or ("finished" if status.get("finished") else "")}</td></tr>')
     table = ("<table><tr><th>run</th><th>last step</th><th>breaker</th><th>open alerts</th><th></th></tr>"
              + "".join(rows) + "</table>") if rows else "<p>no runs yet: nothing on the topics so far</p>"
     return html_page("trainguard: runs", f"<h1>trainguard: runs</h1>{table}"
@@ -114,9 +114,11 @@ def render_run(board: Board, run_id: str, view: dict | None = None, *, x_range: 
     decisions = [(c["step"], f'{c["action"]} (command {c["id"]}) at step {c["step"]}: '
                              f'{(c["ack"] or {}).get("status", "no ack yet")}')
                  for c in view["commands"] if int64(c["step"]) is not None]
+    outcome = status.get("outcome") if status.get("outcome") in ("finished", "stopped") else None
+    ended = f", {esc(outcome or 'finished')}" if status.get("finished") or outcome else ""
     state = (f'<p class="state">breaker <b class="breaker">{esc(breaker.get("status", "unknown"))}</b>, '
              f'{esc(breaker.get("rollbacks", 0))} rollback(s); last step {esc(status.get("last_step"))}'
-             f'{", finished" if status.get("finished") else ""}; newest healthy checkpoint '
+             f'{ended}; newest healthy checkpoint '
              f'{esc(status.get("last_healthy_checkpoint_step") or "none")}</p>')
     if status.get("state_freed"):
         kept = status.get("retained_until")
