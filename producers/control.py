@@ -318,7 +318,7 @@ class ControlListener:
         if written_at > command["expires"] + SERVER_SKEW_S:
             # A copy of an old command: it says nothing about the one the breaker waits for.
             return (f"republished: appended {written_at - command['issued']:.0f} s after it was issued "
-                    f"(TTL {ttl:.0f} s)"), REPLAYED, 0.0
+                    f"(TTL {ttl:.0f} s), expired before it was written"), REPLAYED, 0.0
         if written_at < command["issued"] - SERVER_SKEW_S:
             return (f"issued {command['issued'] - written_at:.0f} s after the broker appended it: the clock of "
                     f"its signer (the worker or an operator's host) is ahead of the broker's"), None, 0.0
