@@ -18,7 +18,7 @@ from trainguard.producers.publisher import Publisher
 from trainguard.producers.trainer import TrainerLogger
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import SigningKey, sign
-from tests.integration import TopicReader
+from tests.integration import TopicReader, broker_stamps_appends
 
 KEY = SigningKey("ops", b"a-long-shared-secret")
 
@@ -197,9 +197,7 @@ def test_a_command_that_expires_before_a_step_boundary_is_rejected(kafka):
 
 
 def _skip_without_append_time():
-    from tests.conftest import _choice
-
-    if _choice() == "embedded":
+    if not broker_stamps_appends():
         pytest.skip("the embedded broker keeps the producer's timestamp (no LogAppendTime)")
 
 
