@@ -442,8 +442,14 @@ class ControlListener:
                     self.lookback_s)
 
     def _run(self) -> None:
-        from confluent_kafka import (TIMESTAMP_LOG_APPEND_TIME, TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError,
-                                     KafkaException, TopicPartition)
+        from confluent_kafka import (
+            TIMESTAMP_LOG_APPEND_TIME,
+            TIMESTAMP_NOT_AVAILABLE,
+            Consumer,
+            KafkaError,
+            KafkaException,
+            TopicPartition,
+        )
 
         topic = self.settings.topics.control
         consumer = None
