@@ -141,6 +141,7 @@ class ControlListener:
         self.rejected = 0
         self.resets = 0         # times the partition was found reset (a broker restart) and read again
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # (deadline on self.clock, command)
+        self._deadlines: OrderedDict[str, float] = OrderedDict()  # of the latest commands handed out
         self._live_from: int | None = None  # offsets from here arrived after the listener read to the end
         self._said_create_time = False
         self._seen: OrderedDict[str, None] = OrderedDict()  # ids and nonces: at most once
@@ -192,7 +193,19 @@ class ControlListener:
             if deadline < self.clock():  # expired while waiting for a step boundary
                 self._reject(command, "expired before the trainer reached a step boundary")
                 continue
+            self._deadlines[command["id"]] = deadline
+            while len(self._deadlines) > 64:
+                self._deadlines.popitem(last=False)
             return command
+
+    def time_left(self, command: dict) -> float:
+        """Seconds until a command this listener handed out expires (how long a ``pause`` may
+        last): what was left when it arrived, counted down since on this trainer's clock, so a
+        wrong clock here does not shorten or stretch it."""
+        deadline = self._deadlines.get(command.get("id"))
+        if deadline is None:
+            return float(command.get("expires") or 0) - self.clock()
+        return deadline - self.clock()
 
     def poll_all(self) -> list[dict]:
         commands = []

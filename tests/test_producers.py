@@ -225,6 +225,7 @@ def test_a_fresh_command_is_applied_when_the_trainer_clock_is_ten_minutes_fast(k
     got, ack = _answer(listener, kafka, command["id"])
     assert [c["id"] for c in got] == [command["id"]] and ack["status"] == "applied", ack
     assert ack["ts"] > time.time() + 500, "the ack carries the trainer's clock"
+    assert 290 < listener.time_left(got[0]) <= 310, "a pause lasts its TTL, not what the trainer's clock leaves"
 
 
 @pytest.mark.integration
