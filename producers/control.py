@@ -46,6 +46,10 @@ log = logging.getLogger("trainguard.control")
 # for causes that say the command itself cannot be applied, never for a forgery or a second copy.
 UNAUTHENTICATED, REPLAYED = "unauthenticated", "replayed"
 
+# How far the clock of a command's signer (the worker, an operator's host) may be from the broker's
+# when a command's age is judged in server time (the broker's append time minus its ``issued``).
+SERVER_SKEW_S = 10.0
+
 
 class ReportedCheckpoints:
     """The checkpoints this process's trainer reported, per run: the only rollback targets a
@@ -137,7 +141,10 @@ class ControlListener:
         self.received = 0
         self.rejected = 0
         self.resets = 0         # times the partition was found reset (a broker restart) and read again
-        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # (deadline on self.clock, command)
+        self._deadlines: OrderedDict[str, float] = OrderedDict()  # of the latest commands handed out
+        self._live_from: int | None = None  # offsets from here arrived after the listener read to the end
+        self._said_create_time = False
         self._seen: OrderedDict[str, None] = OrderedDict()  # ids and nonces: at most once
         self._remember = remember
         self._stop = threading.Event()
@@ -180,13 +187,26 @@ class ControlListener:
         """The next command ready to apply, or None. Never blocks."""
         while True:
             try:
-                command = self._ready.get_nowait()
+                deadline, command = self._ready.get_nowait()
             except queue.Empty:
                 return None
-            if command["expires"] < self.clock():  # expired while waiting for a step boundary
+            # Its time left was judged on arrival; only the wait since is on the trainer's clock.
+            if deadline < self.clock():  # expired while waiting for a step boundary
                 self._reject(command, "expired before the trainer reached a step boundary")
                 continue
+            self._deadlines[command["id"]] = deadline
+            while len(self._deadlines) > 64:
+                self._deadlines.popitem(last=False)
             return command
+
+    def time_left(self, command: dict) -> float:
+        """Seconds until a command this listener handed out expires (how long a ``pause`` may
+        last): what was left when it arrived, counted down since on this trainer's clock, so a
+        wrong clock here does not shorten or stretch it."""
+        deadline = self._deadlines.get(str(command.get("id")))
+        if deadline is None:
+            return float(command.get("expires") or 0) - self.clock()
+        return deadline - self.clock()
 
     def poll_all(self) -> list[dict]:
         commands = []
@@ -197,7 +217,7 @@ class ControlListener:
     def ack(self, command: dict, status: str, detail: str = "", step: int | None = None,
             cause: str | None = None) -> None:
         """Acknowledge a command: applied, rejected or failed (with detail), signed as the trainer."""
-        event = ev.ack_event(command["id"], self.run_id, status, detail, step=step)
+        event = ev.ack_event(command["id"], self.run_id, status, detail, step=step, ts=self.clock())
         if cause:
             event["cause"] = cause
         self.publisher.publish(self.settings.topics.acks, self.run_id, authored(event))
@@ -236,17 +256,24 @@ class ControlListener:
             self._seen.popitem(last=False)
         return True
 
-    def check(self, raw: bytes, written_at: float | None = None) -> dict | None:
+    def check(self, raw: bytes, written_at: float | None = None, *, appended: bool = False,
+              live: bool = False) -> dict | None:
         """Validate one raw message; the command if it is for us and acceptable. ``written_at``:
-        when the message was written (its Kafka timestamp), to leave out what was sent before
-        this listener's lookback window."""
+        when the message was written (its Kafka timestamp); ``appended``: that timestamp is the
+        broker's (LogAppendTime), so the command's age is judged in server time; ``live``: it
+        arrived after the listener had read to the partition's end (not while catching up)."""
+        return self._checked(raw, written_at, appended, live)[0]
+
+    def _checked(self, raw: bytes, written_at: float | None, appended: bool,
+                 live: bool) -> tuple[dict | None, float]:
+        """``check``, and the seconds the command may still wait for a step boundary."""
         try:
             command = ev.decode(raw, expect=(ev.COMMAND,))
         except ev.SchemaError as exc:
             log.warning("trainguard: unreadable control message ignored: %s", exc)
-            return None
+            return None, 0.0
         if command["run_id"] != self.run_id:
-            return None  # another run sharing the partition
+            return None, 0.0  # another run sharing the partition
         self.received += 1
         if command.get("signature") or self.require_signature:
             problem = verify(command, self.keys)
@@ -256,33 +283,73 @@ class ControlListener:
                                "operator (TRAINGUARD_COMMAND_PUBLIC_KEYS); TRAINGUARD_ALLOW_UNSIGNED=1 accepts "
                                "unsigned ones")
                 self._reject(command, problem, UNAUTHENTICATED)
-                return None
+                return None, 0.0
         if command["id"] in self._acked:
             log.debug("trainguard: command %s was acked before this listener started; not applied again", command["id"])
-            return None
-        if command["expires"] < self.clock():
-            self._reject(command, f"expired at {command['expires']:.3f}")
-            return None
-        if written_at is not None and written_at < self.started_at - self.lookback_s:
-            # Checked here, not only by the broker's time lookup, which some brokers cannot do.
-            self._reject(command, f"sent {self.started_at - written_at:.0f} s before this listener started "
-                                  f"(lookback {self.lookback_s:.0f} s): meant for an earlier trainer process")
-            return None
+            return None, 0.0
+        problem, cause, left = self._freshness(command, written_at, appended, live)
+        if problem:
+            self._reject(command, problem, cause)
+            return None, 0.0
         if not self._remember_id("id:" + command["id"]):
             # A second delivery (or a captured command sent again): never applied twice.
             self._reject(command, "replayed: this command was already received (applied at most once)", REPLAYED)
-            return None
+            return None, 0.0
         nonce = command.get("nonce")
         if nonce and not self._remember_id("nonce:" + nonce):
             self._reject(command, "replayed command (nonce already used)", REPLAYED)
-            return None
+            return None, 0.0
         if command["action"] == "rollback":
             problem, target = self.checkpoints.problem(self.run_id, command.get("target"))
             if problem:
                 self._reject(command, problem)
-                return None
+                return None, 0.0
             command = {**command, "target": target}
-        return command
+        return command, left
+
+    def _freshness(self, command: dict, written_at: float | None, appended: bool,
+                   live: bool) -> tuple[str | None, str | None, float]:
+        """``(why it is stale or None, the ack's cause, seconds it may still wait for the loop)``.
+        With the broker's append time both ends of the age are server clocks, so the trainer's
+        clock does not matter for a command read live; it is the only "now" there is for one read
+        while catching up. Without it (CreateTime), the trainer's clock judges, as it always did."""
+        now = self.clock()
+        if not appended or written_at is None:
+            if written_at is not None and not self._said_create_time:
+                self._said_create_time = True
+                log.warning("trainguard: topic %s stamps records with the producer's clock (CreateTime), so "
+                            "commands expire by this trainer's clock, and a wrong clock here refuses fresh ones "
+                            "or accepts old ones written again: set message.timestamp.type=LogAppendTime on it "
+                            "(kafka-configs.sh --alter --entity-type topics --entity-name %s --add-config "
+                            "message.timestamp.type=LogAppendTime); the embedded broker cannot",
+                            self.settings.topics.control, self.settings.topics.control)
+            if command["expires"] < now:
+                return f"expired at {command['expires']:.3f}", None, 0.0
+            if written_at is not None and written_at < self.started_at - self.lookback_s:
+                return self._before_start(written_at), None, 0.0
+            return None, None, command["expires"] - now
+        ttl = command["expires"] - command["issued"]
+        if written_at > command["expires"] + SERVER_SKEW_S:
+            # A copy of an old command: it says nothing about the one the breaker waits for.
+            return (f"republished: appended {written_at - command['issued']:.0f} s after it was issued "
+                    f"(TTL {ttl:.0f} s), expired before it was written"), REPLAYED, 0.0
+        if written_at < command["issued"] - SERVER_SKEW_S:
+            return (f"issued {command['issued'] - written_at:.0f} s after the broker appended it: the clock of "
+                    f"its signer (the worker or an operator's host) is ahead of the broker's"), None, 0.0
+        left = command["expires"] + SERVER_SKEW_S - written_at
+        if live:
+            return None, None, left
+        if command["expires"] < now:
+            return (f"expired while unread: read while catching up (after a restart or an outage), "
+                    f"{now - command['expires']:.0f} s past its expiry by this trainer's clock"), None, 0.0
+        if written_at < self.started_at - self.lookback_s:
+            return self._before_start(written_at), None, 0.0
+        return None, None, min(left, command["expires"] - now)
+
+    def _before_start(self, written_at: float) -> str:
+        # Checked here, not only by the broker's time lookup, which some brokers cannot do.
+        return (f"sent {self.started_at - written_at:.0f} s before this listener started "
+                f"(lookback {self.lookback_s:.0f} s): meant for an earlier trainer process")
 
     def _remember_acked(self, timeout: float = 5.0) -> None:
         """Read the run's acks (the durable record of what was applied, rejected or failed) so a
@@ -343,6 +410,11 @@ class ControlListener:
         """Read from the start of the lookback window (the end when nothing is that recent)."""
         from confluent_kafka import OFFSET_END, TopicPartition
 
+        try:  # what is already there is read while catching up; what comes after it, live
+            self._live_from = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=5,
+                                                             cached=False)[1]
+        except Exception:
+            self._live_from = None  # unknown: everything is judged as caught up on
         since_ms = int((self.clock() - self.lookback_s) * 1000)
         found = consumer.offsets_for_times([TopicPartition(topic, partition, since_ms)], timeout=5)
         offset = found[0].offset if found and found[0].offset >= 0 else OFFSET_END
@@ -384,7 +456,14 @@ class ControlListener:
                     self.lookback_s)
 
     def _run(self) -> None:
-        from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+        from confluent_kafka import (
+            TIMESTAMP_LOG_APPEND_TIME,
+            TIMESTAMP_NOT_AVAILABLE,
+            Consumer,
+            KafkaError,
+            KafkaException,
+            TopicPartition,
+        )
 
         topic = self.settings.topics.control
         consumer = None
@@ -466,14 +545,16 @@ class ControlListener:
                 next_offset = offset + 1
                 last_read = (offset, raw)
                 kind, ms = msg.timestamp()
+                written_at = ms / 1000.0 if kind != TIMESTAMP_NOT_AVAILABLE and ms > 0 else None
+                live = self._live_from is not None and offset >= self._live_from
                 try:
-                    command = self.check(raw or b"", ms / 1000.0 if kind != 0 and ms > 0 else None)
+                    command, left = self._checked(raw or b"", written_at, kind == TIMESTAMP_LOG_APPEND_TIME, live)
                 except Exception as exc:  # one odd record must not stop the commands behind it
                     log.warning("trainguard: control message at offset %d ignored: %s: %s", msg.offset(),
                                 type(exc).__name__, exc)
                     command = None
                 if command is not None:
-                    self._ready.put(command)
+                    self._ready.put((self.clock() + left, command))
             except Exception as exc:  # broker down, topic missing ...: retry quietly, never raise
                 if not self._unreachable:
                     self._unreachable = True

@@ -313,7 +313,10 @@ class Detection:
     def ack(self, message, held) -> None:
         """A trainer's ack: a failed or refused command re-arms the breaker at once. ``held`` is
         acknowledged, as events are, once the breaker's change and the outputs are delivered."""
-        outputs = self.engine.handle_ack(message.value, message.partition, message.offset, message.topic)
+        # aiokafka's timestamp_type 1: the broker's clock (LogAppendTime), the reference for the trainer's.
+        appended_at = message.timestamp if message.timestamp_type == 1 and message.timestamp else None
+        outputs = self.engine.handle_ack(message.value, message.partition, message.offset, message.topic,
+                                         appended_at)
         if outputs:
             self.router.route(outputs)
         self.checkpoint.hold([held])

@@ -324,6 +324,23 @@ class Output:
             ev.validate(self.value)
 
 
+# A trainer clock further than this from the broker's is said in the command_failed alert.
+CLOCK_SKEW_SAID_S = 60.0
+
+
+def _clock_skew(trainer_ts: float, appended_at: float | None) -> str | None:
+    """"the trainer's clock is 10 min ahead of the broker's", from an ack's own time and the
+    broker's append time (both read as the ack was written); None within a minute or unknown."""
+    if appended_at is None:
+        return None
+    d = trainer_ts - appended_at
+    if abs(d) <= CLOCK_SKEW_SAID_S:
+        return None
+    size = f"{abs(d) / 3600:.1f} h" if abs(d) >= 5400 else f"{abs(d) / 60:.0f} min"
+    return (f"the trainer's clock is {size} {'ahead of' if d > 0 else 'behind'} the broker's (and so the "
+            f"worker's); commands are judged on the broker's clock where the control topic uses LogAppendTime")
+
+
 def _json_value(v: float) -> float | str:
     return v if math.isfinite(v) else ("NaN" if v != v else ("Infinity" if v > 0 else "-Infinity"))
 
@@ -502,10 +519,13 @@ class Engine:
             return [self.dead_letter(raw, f"internal error while processing: {type(exc).__name__}: {exc}",
                                      topic, partition, offset)]
 
-    def handle_ack(self, raw: bytes, partition: int = 0, offset: int = -1, topic: str = "") -> list[Output]:
+    def handle_ack(self, raw: bytes, partition: int = 0, offset: int = -1, topic: str = "",
+                   appended_at: float | None = None) -> list[Output]:
         """Apply one ack from the trainer (``control.acks``). A ``failed`` or ``rejected`` ack of
         the command the breaker waits for re-arms it (or stops the run, by policy) and raises a
-        ``command_failed`` alert; anything else changes nothing. Never raises on bad input."""
+        ``command_failed`` alert; anything else changes nothing. Never raises on bad input.
+        ``appended_at``: the broker's append time of the ack (LogAppendTime), against which the
+        alert says how far the trainer's clock is off."""
         try:
             ack = ev.decode(raw, expect=(ev.ACK,))
         except ev.SchemaError as exc:
@@ -513,12 +533,13 @@ class Engine:
         except Exception as exc:
             return [self.dead_letter(raw, f"undecodable: {type(exc).__name__}: {exc}", topic, partition, offset)]
         try:
-            return self._ack(ack, raw, partition, offset, topic)
+            return self._ack(ack, raw, partition, offset, topic, appended_at)
         except Exception as exc:  # a bug must not stop the acks agent; keep the evidence
             return [self.dead_letter(raw, f"internal error while processing: {type(exc).__name__}: {exc}",
                                      topic, partition, offset)]
 
-    def _ack(self, ack: dict, raw: bytes, partition: int, offset: int, topic: str) -> list[Output]:
+    def _ack(self, ack: dict, raw: bytes, partition: int, offset: int, topic: str,
+             appended_at: float | None = None) -> list[Output]:
         run_key = ack["run_id"].encode()
         if run_key not in self.store or (ack["status"] == "applied" and not self._run(run_key).notices):
             return []
@@ -547,6 +568,7 @@ class Engine:
         self.dirty[run_key] = run.partition
         self.touched.add(run_key)
         then = "the breaker stops the run" if stop else "the breaker counts critical steps afresh"
+        skew = _clock_skew(ack["ts"], appended_at)
         alert = {
             "schema": ev.ALERT, "id": policy.stable_id(ack["run_id"], "command_failed", ack["command_id"]),
             "run_id": ack["run_id"], "rule": "command_failed", "severity": "P1", "status": "firing",
@@ -556,7 +578,8 @@ class Engine:
             "onset": {"step": ack.get("step"), "ts": ack["ts"]},
             "evidence": {"detector": "ack", "command_id": ack["command_id"], "status": ack["status"],
                          "detail": ack.get("detail", "")},
-            "diagnosis": f"The trainer answered {ack['status']}: {ack.get('detail') or 'no detail'}; {then}.",
+            "diagnosis": f"The trainer answered {ack['status']}: {ack.get('detail') or 'no detail'}; {then}."
+                         + (f" Note: {skew}." if skew else ""),
             "suggestion": "Check the checkpoint path and the trainer's log; a rollback that cannot be applied "
                           "needs a person (or set on_command_failure: stop).",
         }

@@ -120,6 +120,14 @@ def produce(settings: KafkaSettings, topic: str, key: str, values: list[bytes], 
     assert p.flush(10) == 0
 
 
+def broker_stamps_appends() -> bool:
+    """Whether the session's broker honours LogAppendTime (the embedded one keeps the producer's
+    timestamp; docs/security.md)."""
+    from tests.conftest import _choice
+
+    return _choice() != "embedded"
+
+
 class TopicReader:
     """Reads every partition of a topic from the beginning, decoding as it goes."""
 

@@ -121,6 +121,18 @@ def test_topics_are_created_with_the_partitions_the_worker_expects():
         assert SERVICES[name]["environment"]["TRAINGUARD_PARTITIONS"] == partitions
 
 
+def test_commands_and_acks_carry_the_brokers_clock_on_new_and_existing_topics():
+    """As create_topics makes them: a command's age must not depend on the trainer host's clock."""
+    from trainguard.core.admin import topic_config
+
+    command = " ".join(SERVICES["topics"]["command"])
+    assert ("for t in trainguard.control trainguard.control.acks; do /opt/kafka/bin/kafka-configs.sh "
+            "--bootstrap-server kafka:9092 --alter --entity-type topics --entity-name $$t --add-config "
+            "message.timestamp.type=LogAppendTime") in command
+    for topic in ("trainguard.control", "trainguard.control.acks"):
+        assert topic_config(topic) == {"message.timestamp.type": "LogAppendTime"}
+
+
 def test_kafka_advertises_a_listener_remote_trainers_reach():
     env = SERVICES["kafka"]["environment"]
     listeners = dict(item.split("://") for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))

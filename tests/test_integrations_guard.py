@@ -26,6 +26,9 @@ class ScriptedListener:
     def ack(self, command, status, detail="", step=None):
         self.acks.append((command["id"], status, detail))
 
+    def time_left(self, command):
+        return command["expires"] - time.time()
+
     def wait_ready(self, timeout=0):
         return True
 

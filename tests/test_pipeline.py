@@ -6,7 +6,7 @@ import time
 import orjson
 import pytest
 
-from tests.integration import TopicReader, WorkerProcess, produce
+from tests.integration import TopicReader, WorkerProcess, broker_stamps_appends, produce
 from trainguard.demo import run_trainer
 from trainguard.producers.trainer import TrainerLogger
 from trainguard.schemas import events as ev
@@ -300,11 +300,14 @@ def test_a_failed_rollback_ack_reaches_the_worker_and_rearms_the_breaker(kafka, 
     command = commands.wait_for(lambda c: c["run_id"] == run, what="the rollback", worker=worker)
     assert command["action"] == "rollback" and command["target"]["step"] == 10
     produce(kafka, kafka.topics.acks, run,
-            [ev.encode(ev.ack_event(command["id"], run, "failed", "checkpoint not found", step=11))])
+            [ev.encode(ev.ack_event(command["id"], run, "failed", "checkpoint not found", step=11,
+                                    ts=time.time() + 600))])  # from a trainer whose clock is 10 min fast
     alerts = TopicReader(kafka, kafka.topics.alerts)
     alert = alerts.wait_for(lambda a: a.get("rule") == "command_failed" and a["run_id"] == run,
                             what="the command_failed alert", worker=worker)
     assert alert["evidence"]["command_id"] == command["id"] and "checkpoint not found" in alert["diagnosis"]
+    if broker_stamps_appends():  # the embedded broker keeps the producer's timestamp: no reference clock
+        assert "the trainer's clock is 10 min ahead of the broker's" in alert["diagnosis"], alert["diagnosis"]
 
 
 def test_commands_follow_the_control_topics_own_partition_count(bootstrap):

@@ -1,5 +1,6 @@
 """The circuit breaker's decisions: safe checkpoints, skipped batches, limits, reports."""
 
+import time
 
 import orjson
 
@@ -155,6 +156,26 @@ def test_a_failed_rollback_rearms_the_breaker_at_once_and_says_so():
     r.outputs.clear()
     r.run(60, obey=False)   # still NaN: the re-armed breaker decides again, long before the command's expiry
     assert [c["action"] for c in r.of("command")] == ["rollback"]
+
+
+def test_a_refusal_from_a_trainer_whose_clock_is_off_says_by_how_much():
+    """The ack carries the trainer's clock, its record the broker's (LogAppendTime)."""
+    r = Run(Engine(ruleset()))
+    command = _nan_until_rollback(r)
+    appended = time.time()
+    ack = ev.ack_event(command["id"], "r", "rejected", "expired at 1.0", ts=appended + 600)
+    [alert] = [o.value for o in r.engine.handle_ack(ev.encode(ack), appended_at=appended) if o.kind == "alert"]
+    assert "Note: the trainer's clock is 10 min ahead of the broker's" in alert["diagnosis"], alert["diagnosis"]
+    r2 = Run(Engine(ruleset()))
+    command = _nan_until_rollback(r2)
+    ack = ev.ack_event(command["id"], "r", "rejected", "x", ts=appended - 3 * 3600)
+    [alert] = [o.value for o in r2.engine.handle_ack(ev.encode(ack), appended_at=appended) if o.kind == "alert"]
+    assert "the trainer's clock is 3.0 h behind the broker's" in alert["diagnosis"]
+    r3 = Run(Engine(ruleset()))
+    command = _nan_until_rollback(r3)
+    ack = ev.ack_event(command["id"], "r", "rejected", "x", ts=appended + 30)
+    [alert] = [o.value for o in r3.engine.handle_ack(ev.encode(ack), appended_at=appended) if o.kind == "alert"]
+    assert "clock" not in alert["diagnosis"], "within a minute: nothing to say"
 
 
 def test_a_refused_rollback_stops_the_run_when_the_policy_says_so():

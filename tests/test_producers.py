@@ -11,7 +11,7 @@ import uuid
 import orjson
 import pytest
 
-from tests.integration import TopicReader
+from tests.integration import TopicReader, broker_stamps_appends
 from trainguard.broker import free_port
 from trainguard.core.kafka import KafkaSettings, partition_for
 from trainguard.core.publisher import Publisher
@@ -96,7 +96,7 @@ def test_forged_unsigned_expired_and_replayed_commands_are_rejected_and_acked_wi
         forged["action"] = "rollback"                                 # changed after signing
         wrong_key = sign(_command(run_id), SigningKey("ops", b"guessed"))
         unsigned = _command(run_id)
-        expired = sign(_command(run_id, expires_in=-10), KEY)
+        expired = sign(_command(run_id, expires_in=-60), KEY)  # past the signer-broker allowance
         altered_id = {**good, "id": "another-id"}                     # a captured command under a new id
         other_run = sign(_command("someone-else"), KEY)
         _publish(kafka, run_id, [good, good, forged, wrong_key, unsigned, expired, altered_id, other_run,
@@ -194,6 +194,99 @@ def test_a_command_that_expires_before_a_step_boundary_is_rejected(kafka):
     acks = TopicReader(kafka, kafka.topics.acks)
     ack = acks.wait_for(lambda a: a["command_id"] == command["id"], what="the rejection")
     assert ack["status"] == "rejected" and "step boundary" in ack["detail"]
+
+
+def _skip_without_append_time():
+    if not broker_stamps_appends():
+        pytest.skip("the embedded broker keeps the producer's timestamp (no LogAppendTime)")
+
+
+def _answer(listener, kafka, command_id, timeout=15.0):
+    """What the listener did with one command: (the commands handed to the loop, its ack)."""
+    got, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline and not got and not listener.rejected:
+        got = listener.poll_all()
+        time.sleep(0.05)
+    if got:
+        listener.ack(got[0], "applied")
+    listener.close()
+    ack = TopicReader(kafka, kafka.topics.acks).wait_for(lambda a: a["command_id"] == command_id, what="the ack")
+    return got, ack
+
+
+@pytest.mark.integration
+def test_a_fresh_command_is_applied_when_the_trainer_clock_is_ten_minutes_fast(kafka):
+    """Its age is the broker's append time minus its issue time: the trainer's clock plays no part."""
+    _skip_without_append_time()
+    listener = ControlListener("fast-1", kafka, keys={"ops": KEY}, clock=lambda: time.time() + 600).start()
+    assert listener.wait_ready(10)
+    command = sign(ev.command_event("fast-1", "pause", ttl_s=300.0), KEY)
+    _publish(kafka, "fast-1", [command])
+    got, ack = _answer(listener, kafka, command["id"])
+    assert [c["id"] for c in got] == [command["id"]] and ack["status"] == "applied", ack
+    assert ack["ts"] > time.time() + 500, "the ack carries the trainer's clock"
+    assert 290 < listener.time_left(got[0]) <= 310, "a pause lasts its TTL, not what the trainer's clock leaves"
+
+
+@pytest.mark.integration
+def test_an_old_genuine_command_written_again_is_refused_when_the_trainer_clock_is_an_hour_slow(kafka):
+    _skip_without_append_time()
+    listener = ControlListener("slow-2", kafka, keys={"ops": KEY}, clock=lambda: time.time() - 3600).start()
+    assert listener.wait_ready(10)
+    old = sign(ev.command_event("slow-2", "stop", ttl_s=300.0, issued=time.time() - 1800), KEY)
+    _publish(kafka, "slow-2", [old])
+    got, ack = _answer(listener, kafka, old["id"])
+    assert got == [] and ack["status"] == "rejected"
+    assert ack["detail"].startswith("republished: appended 180") and "(TTL 300 s)" in ack["detail"], ack
+    assert ack["cause"] == "replayed", "a stale copy must not re-arm or stop the breaker"
+
+
+@pytest.mark.integration
+def test_a_command_read_after_a_restart_past_its_ttl_is_refused_as_unread(kafka):
+    """Written while no listener ran, read from the lookback window once it expired."""
+    _skip_without_append_time()
+    command = sign(ev.command_event("restart-1", "pause", ttl_s=2.0), KEY)
+    fresh = sign(ev.command_event("restart-1", "pause", ttl_s=300.0), KEY)
+    _publish(kafka, "restart-1", [command, fresh])
+    time.sleep(3)
+    listener = ControlListener("restart-1", kafka, keys={"ops": KEY}).start()
+    assert listener.wait_ready(10)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and listener.received < 2:
+        time.sleep(0.05)
+    got = listener.poll_all()
+    listener.close()
+    ack = TopicReader(kafka, kafka.topics.acks).wait_for(lambda a: a["command_id"] == command["id"], what="the ack")
+    assert ack["status"] == "rejected" and ack["detail"].startswith("expired while unread: read while catching up"), ack
+    assert ack.get("cause") is None, "the command itself can no longer be applied: the breaker hears it"
+    assert [c["id"] for c in got] == [fresh["id"]], "a fresh one in the same window is applied"
+
+
+@pytest.mark.integration
+def test_a_control_topic_stamped_by_producers_falls_back_to_the_trainer_clock_and_says_how_to_fix_it(
+        kafka, caplog):
+    """A topic created before LogAppendTime (or on a broker without it): today's check, said once."""
+    import logging
+
+    from confluent_kafka.admin import AdminClient, ConfigResource
+
+    caplog.set_level(logging.WARNING, logger="trainguard.control")
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap})
+    resource = ConfigResource("topic", kafka.topics.control, set_config={"message.timestamp.type": "CreateTime"})
+    for fut in admin.alter_configs([resource]).values():
+        fut.result(10)
+    time.sleep(1)  # the brokers take the change on
+    listener = ControlListener("old-topic", kafka, keys={"ops": KEY}, clock=lambda: time.time() + 600).start()
+    assert listener.wait_ready(10)
+    commands = [sign(ev.command_event("old-topic", "pause", ttl_s=300.0), KEY) for _ in range(2)]
+    _publish(kafka, "old-topic", commands)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and listener.rejected < 2:
+        time.sleep(0.05)
+    listener.close()
+    assert listener.rejected == 2 and listener.poll_all() == [], "the trainer's clock (10 min fast) judges"
+    said = [r.getMessage() for r in caplog.records if "CreateTime" in r.getMessage()]
+    assert len(said) == 1 and "message.timestamp.type=LogAppendTime" in said[0], said
 
 
 def test_without_a_key_a_listener_refuses_unsigned_commands_unless_the_operator_opted_in(kafka, monkeypatch):

@@ -210,7 +210,8 @@ class GuardBase:
     def _paused(self, pause: dict, step: int, decision: Decision) -> None:
         """Wait for resume / stop / expiry, applying other commands as they come."""
         started = time.monotonic()
-        until = min(float(pause.get("expires") or 0) - time.time(), self.max_pause_s)
+        left = self.listener.time_left(pause) if self.listener is not None else 0.0
+        until = min(left, self.max_pause_s)
         self.lifecycle("paused", step=step, detail={"command_id": pause["id"]})
         why = "expired"
         while time.monotonic() - started < until:

@@ -37,8 +37,13 @@ def control_partitions_of(settings: KafkaSettings) -> int:
 
 def topic_config(topic: str) -> dict[str, str]:
     """Per topic (by its last name part): the status topic keeps only the latest record of each
-    run, and drops those older than the summary retention (a live run's is republished often)."""
-    if topic.rsplit(".", 1)[-1] != "status":
+    run, and drops those older than the summary retention (a live run's is republished often).
+    Commands and acks carry the broker's clock (LogAppendTime), so a command's age and an ack's
+    skew are judged without trusting the trainer host's clock (docs/security.md)."""
+    last = topic.rsplit(".", 1)[-1]
+    if last in ("control", "acks"):
+        return {"message.timestamp.type": "LogAppendTime"}
+    if last != "status":
         return {}
     retention_ms = int(_settings.number("TRAINGUARD_RUN_SUMMARY_RETENTION_S") * 1000)
     return {"cleanup.policy": "compact,delete", "retention.ms": str(retention_ms)}
