@@ -338,6 +338,14 @@ def _run(argv: list[str]) -> int:
         return node_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "worker":  # its own configuration first: a mistake there is not the broker's
+            from trainguard.schemas.signing import load_keys, signing_key_for_worker
+
+            try:
+                signing_key_for_worker(load_keys())
+            except ValueError as exc:
+                print(f"trainguard worker: {exc}", file=sys.stderr)
+                return 2
         if args.command in TALKS_TO_KAFKA and (args.command != "demo" or args.bootstrap):
             unreachable = _unreachable(args)
             if unreachable:
