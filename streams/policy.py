@@ -135,7 +135,8 @@ def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: fl
         state.onset_step, state.onset_ts = step, ts
     assert state.onset_step is not None  # set with the streak's first step
     state.streak += 1
-    state.alert_ids += [a for a in alert_ids if a not in state.alert_ids]
+    # one alert naming several metrics (actor/kl_loss and reward/kl_divergence) is one reason
+    state.alert_ids += [a for a in dict.fromkeys(alert_ids) if a not in state.alert_ids]
     state.rules += [r for r in rules if r not in state.rules]
     if state.streak < int(policy["consecutive_critical"]):
         if not immediate or safe_checkpoint(checkpoints, state.onset_step, state.onset_ts,

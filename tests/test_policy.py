@@ -207,3 +207,24 @@ def test_a_second_event_of_a_healthy_step_can_still_make_it_critical():
     decision = policy.on_step(state, pol, step=8, critical=True, **args)
     assert decision is not None and decision.command["target"]["step"] == 4
     assert policy.on_step(state, pol, step=8, critical=True, **args) is None, "judged critical once"
+
+
+def test_an_alert_naming_two_metrics_is_one_reason_for_the_command():
+    """The demo's KL explosion fires one alert for actor/kl_loss and reward/kl_divergence: the
+    rollback it causes names that alert once."""
+    from trainguard.schemas import events as ev
+    from trainguard.streams import rules as rules_mod
+    from trainguard.streams.engine import Engine
+
+    engine = Engine(rules_mod.load(None))
+    src = ev.source("trainer", "h", 0)
+    outputs = []
+    for step in range(1, 13):
+        kl = 0.01 if step < 9 else 900.0
+        event = ev.metrics_event("two-kl", step, {"actor/kl_loss": kl, "reward/kl_divergence": kl}, src=src,
+                                 ts=1.7e9 + 10 * step)
+        outputs += engine.handle(ev.encode(event), 0, step)
+    commands = [o.value for o in outputs if o.kind == "command"]
+    assert commands, [o.value.get("rule") for o in outputs if o.kind == "alert"]
+    reasons = commands[0]["reason"]
+    assert len(reasons) == len(set(reasons)), reasons
