@@ -237,10 +237,29 @@ class RuleSet:
 
     def unwatched(self, names, source_kind: str = "trainer") -> list[str]:
         """The names no rule judges by value (a liveness rule such as ``trainer_hung`` listens
-        to every name but judges none): the silent misses behind "it did not alert"."""
-        return [n for n in names
-                if not any(r.watches(n) and r.kind != "stale" and (not r.sources or source_kind in r.sources)
-                           for r in self.rules)]
+        to every name but judges none): the silent misses behind "it did not alert". One
+        signal lookup and two pattern matches per name, whatever the number of rules (a source
+        may send thousands of names no event before it had)."""
+        watched = self._watch_index(source_kind)
+        return [n for n in names if not watched(n)]
+
+    def _watch_index(self, source_kind: str):
+        """``watched(name)`` for the rules that judge values of this source kind: the union of
+        their signals and of their name patterns, each matched once."""
+        cache = self.__dict__.setdefault("_watch_indexes", {})
+        if source_kind not in cache:
+            judging = [r for r in self.rules if r.kind != "stale" and (not r.sources or source_kind in r.sources)]
+            signals = frozenset(s for r in judging if not r.unmapped for s in r.signals)
+            named = Patterns([p for r in judging if not r.unmapped for p in r.metrics.patterns])
+            by_pattern = Patterns([p for r in judging if r.unmapped for p in r.metrics.patterns])
+
+            def watched(name: str) -> bool:
+                signal = signal_of(base_name(name))
+                return (signal is not None and signal in signals) or named.match(name) or \
+                    (signal is None and by_pattern.match(name))
+
+            cache[source_kind] = watched
+        return cache[source_kind]
 
     def by_pattern(self, names) -> list[str]:
         """The names only ``unmapped`` rules judge: no dialect knows them, their name pattern

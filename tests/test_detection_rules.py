@@ -378,3 +378,18 @@ def test_the_verl_mean_probability_difference_warns_above_0_01_and_not_below():
         f.now += 60
         f.send(step, {"training/rollout_probs_diff_mean": 0.012, "actor/grad_norm": 0.2})
     assert [(a["step"], a["severity"]) for a in f.firing("mismatch_prob_diff_high")] == [(202, "P2")]
+
+
+def test_the_names_no_rule_judges_are_found_as_each_rule_would_find_them():
+    """``unwatched`` matches every name once against all rules' signals and patterns (a source
+    may send thousands of new names at once): the same answer as asking each rule."""
+    ruleset = rules_mod.load(None)
+    names = [f"m{i}" for i in range(50)] + [
+        "actor/kl_loss", "critic/score/mean", "loss", "train/loss", "pg/loss_total", "gpu/memory_used_gb[3]",
+        "val-core/math/reward/mean@1", "timing_s/step", "kl", "node/cpu_pct", "entropy", "eval_accuracy",
+        "rewards/accuracy_reward/mean", "x/grad_norm_y", "guard/breaker/remote/open", "training/rollout_probs_diff_mean"]
+    for kind in ("trainer", "node", "guard"):
+        one_by_one = [n for n in names if not any(
+            r.watches(n) and r.kind != "stale" and (not r.sources or kind in r.sources) for r in ruleset.rules)]
+        assert ruleset.unwatched(names, kind) == one_by_one, kind
+    assert "pg/loss_total" not in ruleset.unwatched(names) and "m3" in ruleset.unwatched(names)
