@@ -387,7 +387,8 @@ def test_the_names_no_rule_judges_are_found_as_each_rule_would_find_them():
     names = [f"m{i}" for i in range(50)] + [
         "actor/kl_loss", "critic/score/mean", "loss", "train/loss", "pg/loss_total", "gpu/memory_used_gb[3]",
         "val-core/math/reward/mean@1", "timing_s/step", "kl", "node/cpu_pct", "entropy", "eval_accuracy",
-        "rewards/accuracy_reward/mean", "x/grad_norm_y", "guard/breaker/remote/open", "training/rollout_probs_diff_mean"]
+        "rewards/accuracy_reward/mean", "x/grad_norm_y", "guard/breaker/remote/open",
+        "training/rollout_probs_diff_mean"]
     for kind in ("trainer", "node", "guard"):
         one_by_one = [n for n in names if not any(
             r.watches(n) and r.kind != "stale" and (not r.sources or kind in r.sources) for r in ruleset.rules)]
