@@ -678,6 +678,11 @@ class Engine:
             run.finished = True
             run.finished_at = self.clock()
             run.stopped = event["event"] == "stopped"
+            # Nothing will judge its alerts again: they end with it (a stop's last step fired two).
+            for alert_id in list(run.book):
+                alert = self._open_alert(run, run_id, alert_id, close=True)
+                if alert is not None:
+                    self._add(outputs, self._resolve(run, alert, event, resolution=f"the run {event['event']}"))
         elif event["event"] == "started":
             run.announced = True
             run.finished, run.finished_at, run.stopped = False, None, False

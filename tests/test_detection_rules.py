@@ -394,3 +394,20 @@ def test_the_names_no_rule_judges_are_found_as_each_rule_would_find_them():
             r.watches(n) and r.kind != "stale" and (not r.sources or kind in r.sources) for r in ruleset.rules)]
         assert ruleset.unwatched(names, kind) == one_by_one, kind
     assert "pg/loss_total" not in ruleset.unwatched(names) and "m3" in ruleset.unwatched(names)
+
+
+def test_a_run_that_ends_takes_its_open_alerts_with_it():
+    """Alerts open when a run finishes or is stopped would stay open on a run nothing judges any
+    more (a stranger found a stop's last step firing two warnings that never closed)."""
+    for how in ("finished", "stopped"):
+        f = Feed(run=f"ends-{how}")
+        for step in range(1, 20):
+            f.now += 10
+            f.send(step, {"actor/kl_loss": 0.01 if step < 10 else 0.5})
+        assert {a["rule"] for a in f.firing()} == {"kl_spike", "kl_high"}
+        end = ev.lifecycle_event(f.run, how, step=19, src=ev.source("trainer", "h", 0), ts=f.now)
+        resolved = [o.value for o in f.engine.handle(ev.encode(end), 0, f.offset) if o.kind == "alert"]
+        assert sorted((a["rule"], a["status"], a["resolution"]) for a in resolved) == [
+            ("kl_high", "resolved", f"the run {how}"), ("kl_spike", "resolved", f"the run {how}")]
+        status = f.engine.status(f.run)
+        assert status["open_alerts"] == [] and status["outcome"] == how
