@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import uuid
 
 import pytest
 
@@ -373,3 +374,12 @@ def test_ack_and_silence_take_the_start_of_an_id_and_name_the_matches_when_sever
         assert len([e for e in events.seen if e.get("action") == "ack"]) == 1, "nothing sent for a refused id"
     finally:
         events.close()
+
+
+def test_a_silence_names_a_mistyped_rule_and_says_when_no_worker_knows_the_run(kafka):
+    """A stranger's `--rule kl_spkie` exited 0 and silenced nothing; a mistyped run id made a
+    run of its own."""
+    typo = _runs(kafka, "silence", "any-run", "--for", "10m", "--rule", "kl_spkie", "--reason", "x")
+    assert typo.returncode == 2 and "no rule 'kl_spkie'" in typo.stderr and "kl_spike" in typo.stderr
+    unknown = _runs(kafka, "silence", f"nosuch-{uuid.uuid4().hex[:6]}", "--for", "10m", "--reason", "x")
+    assert unknown.returncode == 0 and "no worker knows a run" in unknown.stderr

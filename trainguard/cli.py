@@ -279,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rule", help="only this rule's alerts (default: every rule of the run)")
     p.add_argument("--reason", required=True, help="why (kept with the silence, shown in status)")
     p.add_argument("--end", metavar="ID", help="end the silence with this id now")
+    p.add_argument("--rules", metavar="FILE", help="the worker's rules file, to check --rule against "
+                                                   "(default: the packaged rules)")
     p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
     p.set_defaults(func=_silence)
 

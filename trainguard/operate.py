@@ -433,6 +433,34 @@ def _silence_id(settings: KafkaSettings, run_id: str, given: str) -> str:
     return match_id(given, known, "silence") or given
 
 
+def _known_rule(rule: str, rules_path: str | None) -> None:
+    """ValueError naming the closest rules when ``rule`` is in no rule or incident of the rules
+    file (the packaged one unless ``--rules``): a typo would silence nothing, quietly."""
+    import difflib
+
+    from trainguard.streams import rules as rules_mod
+
+    ruleset = rules_mod.load(rules_path)
+    names = [r.name for r in ruleset.rules] + [i.name for i in ruleset.incidents]
+    if rule not in names:
+        close = difflib.get_close_matches(rule, names, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"no rule {rule!r} in {ruleset.path}{hint} (a worker with its own rules file: "
+                         f"--rules FILE)")
+
+
+def _say_if_unknown(settings: KafkaSettings, run_id: str) -> None:
+    """A line on stderr when no worker knows the run: a silence for a run not started yet is
+    kept for it, but a mistyped id silences nothing."""
+    try:
+        known = read_statuses(settings, timeout_s=5)
+    except Exception:  # the broker answered the silence: a status topic it cannot list is not worth failing
+        return
+    if run_id not in known:
+        print(f"trainguard silence: no worker knows a run {run_id!r} yet (`trainguard runs` lists them); the "
+              f"silence is kept for it if it starts", file=sys.stderr)
+
+
 def silence_main(args) -> int:
     """``trainguard silence RUN --for 2h --reason ...`` (or ``--end ID``)."""
     from trainguard.core.publisher import Publisher
@@ -448,6 +476,8 @@ def silence_main(args) -> int:
         else:
             if args.duration is None:
                 raise ValueError("say how long with --for (90s, 30m, 2h, 1d), or end one with --end ID")
+            if args.rule:
+                _known_rule(args.rule, getattr(args, "rules", None))
             now = time.time()
             event = ev.operator_event(args.run, "silence", rule=args.rule, until=now + parse_duration(args.duration),
                                       reason=args.reason, by=who, ts=now)
@@ -467,6 +497,7 @@ def silence_main(args) -> int:
     if args.end:
         print(f"ended silence {args.end} of run {args.run}")
     else:
+        _say_if_unknown(settings, args.run)
         scope = f"rule {args.rule} of run {args.run}" if args.rule else f"run {args.run}"
         until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event["until"]))
         print(f"silenced {scope} until {until} (silence {event['id']}): its alerts are recorded and shown, "
