@@ -515,6 +515,9 @@ def parse(text: str, path: str = "<rules>") -> RuleSet:
     if not isinstance(doc, dict):
         raise _err(path, 1, "a rules file is a mapping with 'version' and 'rules'")
     if doc.get("version") != 1:
+        if doc.get("version") is None:
+            raise _err(path, doc.get("__line__", 1), "no 'version: 1' line: start the file with it (the format "
+                                                     "of rules/default.yaml, docs/rules.md)")
         raise _err(path, doc.get("__line__", 1), f"'version' must be 1, got {doc.get('version')!r}")
     baselines, layers, policy = _baselines(path, doc), _layers(path, doc), _policy(path, doc)
     lifecycles = _alerting(path, doc)

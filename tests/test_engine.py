@@ -211,6 +211,7 @@ def test_a_rule_added_in_yaml_fires_without_code():
      "team.yaml:3: rule 'a': severity"),
     ("version: 1\nrules:\n  - name: a\n    metric: [x\n", "team.yaml:5: not valid YAML"),
     ("version: 2\nrules: []\n", "team.yaml:1: 'version' must be 1"),
+    ("rules:\n  - name: a\n    metric: x\n    above: 1\n", "team.yaml:1: no 'version: 1' line: start the file with it"),
     ("version: 1\nrules:\n  - name: a\n    signal: klx\n    above: 1\n",
      "team.yaml:3: rule 'a': unknown signal\\(s\\) 'klx'"),
     ("version: 1\nrules:\n  - name: a\n    above: 1\n", "team.yaml:3: rule 'a' has neither 'signal' nor 'metric'"),
