@@ -398,17 +398,19 @@ def implicated(report: dict) -> list[str]:
 
 def _window_series(window: dict, alert: dict, end: int) -> tuple[list[int], list[float]]:
     """A window's values on the step axis: the baseline's ring buffer holds values, not steps, so
-    they are placed one per step, ending at the alert's step (or the step before it, when the
-    alert's value is not the last one the window took: a non-finite value never enters it)."""
+    they are placed one per step, ending at ``end``, the step the report took the window at (or
+    the step before it, when the alert of that step was a non-finite value: one never enters it,
+    and it is drawn after them)."""
     values = [float(v) if is_finite_number(v) else math.nan for v in window.get("values", [])]
     last = alert.get("value")
-    if values and not (is_finite_number(last) and math.isclose(float(last), values[-1])):
-        end -= 1
-    steps = list(range(end - len(values) + 1, end + 1))
     try:
         non_finite = not math.isfinite(float(last))  # type: ignore[arg-type]  # None: TypeError, caught below
     except (TypeError, ValueError):
         non_finite = False
+    non_finite = non_finite and int64(alert.get("step")) == end
+    if non_finite:
+        end -= 1
+    steps = list(range(end - len(values) + 1, end + 1))
     if non_finite:
         steps.append(end + 1)
         values.append(math.nan)
@@ -431,7 +433,8 @@ def render_html(report: dict, *, run_href: str | None = None, series: dict | Non
         evidence = alert.get("evidence") or {}
         window = (report.get("windows") or {}).get(metric)
         kept = (series or {}).get(metric)
-        end = int64(alert.get("step")) if int64(alert.get("step")) is not None else step
+        # the windows were taken when the report was made, at its step, not at the alert's
+        end = step if step is not None else int64(alert.get("step"))
         if kept is not None and len(kept[0]):
             steps, values = kept
             caption = "as the run page keeps it"

@@ -61,3 +61,15 @@ def test_the_report_page_plots_the_implicated_signals_up_to_the_decision(fault, 
     browser(f"--screenshot={shot}", "--window-size=1000,1400", page.as_uri())
     assert shot.is_file() and shot.stat().st_size > 10_000, "a rendered page, not a blank one"
     SCREENSHOTS.append(shot)
+
+
+def test_a_reports_window_is_drawn_at_the_steps_it_covers():
+    """The report takes each window when it is made (its step), not at the alert's step: a
+    stranger saw values of steps 53-82 drawn from step 50 and an alert's value 3 steps early."""
+    from trainguard.sinks.reports import _window_series
+
+    window = {"values": [0.1] * 27 + [2.563, 2.6, 2.7]}  # steps 53..82; the alert's value at 80
+    steps, values = _window_series(window, {"step": 80, "value": 2.563}, 82)
+    assert (steps[0], steps[-1], len(values)) == (53, 82, 30) and steps[values.index(2.563)] == 80
+    nan_now = _window_series({"values": [0.1] * 30}, {"step": 82, "value": float("nan")}, 82)
+    assert nan_now[0][-2:] == [81, 82] and nan_now[1][-1] != nan_now[1][-1]  # the NaN drawn at its own step
