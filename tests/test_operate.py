@@ -383,3 +383,20 @@ def test_a_silence_names_a_mistyped_rule_and_says_when_no_worker_knows_the_run(k
     assert typo.returncode == 2 and "no rule 'kl_spkie'" in typo.stderr and "kl_spike" in typo.stderr
     unknown = _runs(kafka, "silence", f"nosuch-{uuid.uuid4().hex[:6]}", "--for", "10m", "--reason", "x")
     assert unknown.returncode == 0 and "no worker knows a run" in unknown.stderr
+
+
+def test_a_command_to_a_run_that_ended_is_refused_unless_forced(kafka):
+    """A stranger's stop to a finished run was sent, and a rerun trainer under the same id only
+    narrowly refused it."""
+    import orjson
+
+    from tests.integration import produce
+
+    run = f"done-{uuid.uuid4().hex[:6]}"
+    produce(kafka, kafka.topics.status, run, [orjson.dumps({
+        "schema": "status/1", "run_id": run, "ts": 1.7e9, "last_step": 9, "last_event_ts": 1.7e9, "finished": True,
+        "outcome": "finished", "breaker": {"status": "armed", "rollbacks": 0}, "open_alerts": []})])
+    refused = _runs(kafka, "command", run, "stop", "--reason", "x", "--wait", "1")
+    assert refused.returncode == 2 and f"run {run} has ended (finished)" in refused.stderr and "--force" in refused.stderr
+    forced = _runs(kafka, "command", run, "stop", "--reason", "x", "--wait", "1", "--force")
+    assert "has ended" not in forced.stderr

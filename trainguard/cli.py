@@ -266,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--path", help="rollback: the checkpoint's path (default: the one the trainer reported at STEP)")
     p.add_argument("--wait", type=float, default=60.0,
                    help="seconds to wait for the trainer's ack; 0 sends and returns (default: %(default)s)")
+    p.add_argument("--force", action="store_true",
+                   help="send even to a run that ended (a new run under the same id is about to start)")
     p.add_argument("--ttl", type=float, default=300.0,
                    help="seconds the command stays valid for a trainer busy in a long step (default: %(default)s)")
     p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)

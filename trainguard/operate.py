@@ -160,14 +160,21 @@ def main(args) -> int:
     settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
     path = args.path
     try:
-        if args.action == "rollback" and args.to is not None:
-            try:
-                statuses = read_statuses(settings)
-            except KafkaException as exc:
+        statuses: dict[str, dict] | None = None
+        try:
+            statuses = read_statuses(settings)
+        except KafkaException as exc:
+            if args.action == "rollback" and args.to is not None:
                 print(f"trainguard command: cannot read run {args.run}'s checkpoints from Kafka at "
                       f"{settings.bootstrap}: {exc}", file=sys.stderr)
                 return EXIT_BAD_INPUT
-            path = resolve_rollback(args.run, statuses.get(args.run), args.to, args.path)
+        status = (statuses or {}).get(args.run)
+        if status and (status.get("finished") or status.get("state_freed")) and not getattr(args, "force", False):
+            print(f"trainguard command: run {args.run} has ended ({_state(status)}): no trainer reads its "
+                  f"commands any more. A new run under the same id about to start: --force", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if args.action == "rollback" and args.to is not None:
+            path = resolve_rollback(args.run, status, args.to, args.path)
         command = build_command(args.run, args.action, reason=args.reason, to_step=args.to, path=path,
                                 ttl_s=args.ttl)
     except ValueError as exc:
