@@ -397,6 +397,7 @@ def test_a_command_to_a_run_that_ended_is_refused_unless_forced(kafka):
         "schema": "status/1", "run_id": run, "ts": 1.7e9, "last_step": 9, "last_event_ts": 1.7e9, "finished": True,
         "outcome": "finished", "breaker": {"status": "armed", "rollbacks": 0}, "open_alerts": []})])
     refused = _runs(kafka, "command", run, "stop", "--reason", "x", "--wait", "1")
-    assert refused.returncode == 2 and f"run {run} has ended (finished)" in refused.stderr and "--force" in refused.stderr
+    assert refused.returncode == 2 and f"run {run} has ended (finished)" in refused.stderr
+    assert "--force" in refused.stderr
     forced = _runs(kafka, "command", run, "stop", "--reason", "x", "--wait", "1", "--force")
     assert "has ended" not in forced.stderr
