@@ -685,6 +685,9 @@ class Engine:
                     self._add(outputs, self._resolve(run, alert, event, resolution=f"the run {event['event']}"))
         elif event["event"] == "started":
             run.announced = True
+            if run.finished:  # a new run under an id that ended: the old one's checkpoints are not its own
+                run.checkpoints.clear()
+                run.breaker = policy.BreakerState()
             run.finished, run.finished_at, run.stopped = False, None, False
         return outputs
 

@@ -411,3 +411,24 @@ def test_a_run_that_ends_takes_its_open_alerts_with_it():
             ("kl_high", "resolved", f"the run {how}"), ("kl_spike", "resolved", f"the run {how}")]
         status = f.engine.status(f.run)
         assert status["open_alerts"] == [] and status["outcome"] == how
+
+
+def test_a_run_started_again_under_an_id_that_ended_does_not_inherit_its_checkpoints():
+    """A stranger reran the README loop under the same id minutes after it ended: status listed
+    the old run's checkpoints (files since deleted) beside the new ones."""
+    f = Feed(run="again")
+    src = ev.source("trainer", "h", 0)
+
+    def lifecycle(what, step):
+        f.offset += 1
+        return f.engine.handle(ev.encode(ev.lifecycle_event(f.run, what, step=step, src=src, ts=f.now)), 0, f.offset)
+
+    lifecycle("started", 0)
+    for step in range(1, 4):
+        f.send(step, {"actor/pg_loss": -0.01})
+    f.offset += 1
+    f.engine.handle(ev.encode(ev.checkpoint_event(f.run, 3, "/ckpt/old-3", src=src)), 0, f.offset)
+    lifecycle("finished", 3)
+    assert f.engine.status(f.run)["checkpoints"] == 1
+    lifecycle("started", 0)
+    assert f.engine.status(f.run)["checkpoints"] == 0 and "outcome" not in f.engine.status(f.run)
