@@ -314,7 +314,8 @@ class Detection:
         """A trainer's ack: a failed or refused command re-arms the breaker at once. ``held`` is
         acknowledged, as events are, once the breaker's change and the outputs are delivered."""
         # aiokafka's timestamp_type 1: the broker's clock (LogAppendTime), the reference for the trainer's.
-        appended_at = message.timestamp if message.timestamp_type == 1 and message.timestamp else None
+        stamped = getattr(message, "timestamp_type", None) == 1
+        appended_at = message.timestamp if stamped and message.timestamp else None
         outputs = self.engine.handle_ack(message.value, message.partition, message.offset, message.topic,
                                          appended_at)
         if outputs:
