@@ -39,7 +39,9 @@ $(KAFKA_LIB)/.resolved: deploy/kafka/pom.xml
 	@echo "setup: Apache Kafka's broker jars with Maven into $(KAFKA_LIB) (once; needs Java 17 and mvn)"
 	@command -v mvn >/dev/null || { echo "make kafka: Maven (mvn) is not installed: apt-get install maven" >&2; exit 1; }
 	@rm -rf $(KAFKA_LIB)
-	@mvn -q -B -Dstyle.color=never -f deploy/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/$(KAFKA_LIB)
+	@mkdir -p $(KAFKA_LIB)
+	@mvn -q -B -f deploy/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/$(KAFKA_LIB) \
+		> $(KAFKA_LIB)/maven.log 2>&1 || { cat $(KAFKA_LIB)/maven.log; exit 1; }  # quiet unless it fails
 	@touch $@
 
 kafka: $(KAFKA_LIB)/.resolved
