@@ -284,6 +284,18 @@ def test_slow_kl_drift_is_absorbed_by_rolling_baseline_but_caught_by_trend(seed)
     assert 0.0002 < ev["slope_per_min"] < 0.005  # true slope: 0.001 per minute
 
 
+def test_a_trend_below_the_level_is_not_lifted_into_a_drift_by_one_spike():
+    # KL rising from 0 in a run's first steps, then one spike: the newest value is high, the
+    # window's level is not, so a drift that needs a level of 0.05 stays quiet; a real rise
+    # to that level still flags.
+    warm = [0.002 * i for i in range(1, 20)]
+    mk = MannKendall(window=20, alpha=0.01, direction="up", min_samples=10, min_median=0.05)
+    assert not any(mk.update(v, t=60.0 * i) for i, v in enumerate([*warm, 0.6]))
+    assert mk.evidence()["median"] < 0.05
+    rising = MannKendall(window=20, alpha=0.01, direction="up", min_samples=10, min_median=0.05)
+    assert any(rising.update(0.04 + 0.002 * i, t=60.0 * i) for i in range(20))
+
+
 def test_slow_drift_is_caught_by_a_kept_reference_window():
     t, kl = kl_drift(1)
     det = DistributionShift(reference=60, window=60, every=10, alpha=0.001)

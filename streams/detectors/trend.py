@@ -54,7 +54,9 @@ class MannKendall(Detector):
 
     Flags when p < ``alpha`` in the watched ``direction`` ("up", "down" or "both") and,
     if ``min_slope`` is given, the Theil-Sen slope (per second of ``t``, or per sample
-    without ``t``) is at least that steep. The Theil-Sen slope is computed on demand
+    without ``t``) is at least that steep, and if ``min_median`` is given, the window's median
+    is at least that high: a drift is a change of level, and one spike does not lift a median
+    (a rule's ``above`` judges the newest value, which may be that spike). The Theil-Sen slope is computed on demand
     (O(W²)) in ``evidence()`` and only on a candidate alarm in ``update``.
 
     Cost: O(log W) per sample.
@@ -72,13 +74,14 @@ class MannKendall(Detector):
               Param("alpha", 0.01, float, "p-value below which the window trends"),
               Param("direction", "both", str, "the trend watched", choices=("both", "up", "down")),
               Param("min_samples", None, int, "samples before the first verdict", default_doc="max(10, window // 2)"),
-              Param("min_slope", None, float, "the least Theil-Sen slope that flags, per second of t (null: any)"))
+              Param("min_slope", None, float, "the least Theil-Sen slope that flags, per second of t (null: any)"),
+              Param("min_median", None, float, "the least median of the window that flags (null: any)"))
     test_params = ({"window": 30, "alpha": 0.01, "min_samples": 10},)
     cost = "O(log W) (incremental S); Theil–Sen O(W²) only on demand"
     _fields = ("xs", "ts", "sorted", "s", "ties", "count", "last")
 
     def __init__(self, window: int = 60, alpha: float = 0.01, direction: str = "both",
-                 min_samples: int | None = None, min_slope: float | None = None):
+                 min_samples: int | None = None, min_slope: float | None = None, min_median: float | None = None):
         if direction not in ("both", "up", "down"):
             raise ValueError("direction must be both, up or down")
         self.window = max(4, int(window))
@@ -86,6 +89,7 @@ class MannKendall(Detector):
         self.direction = direction
         self.min_samples = int(min_samples) if min_samples is not None else max(10, self.window // 2)
         self.min_slope = float(min_slope) if min_slope is not None else None
+        self.min_median = float(min_median) if min_median is not None else None
         self.xs: deque = deque()
         self.ts: deque = deque()
         self.sorted = SortedList()
@@ -130,6 +134,10 @@ class MannKendall(Detector):
         p = math.erfc(abs(z) / math.sqrt(2.0))
         return s, z, p
 
+    def median(self) -> float:
+        sl, n = self.sorted, len(self.sorted)
+        return sl[n // 2] if n % 2 else (sl[n // 2 - 1] + sl[n // 2]) / 2.0
+
     def slope(self) -> float:
         """Theil-Sen slope of the window, per unit of t (per sample without t)."""
         return theil_sen(np.fromiter(self.ts, float, len(self.ts)), np.fromiter(self.xs, float, len(self.xs)))
@@ -150,6 +158,8 @@ class MannKendall(Detector):
         s, z, p = self.statistic()
         side = z if self.direction == "up" else -z if self.direction == "down" else abs(z)
         anomalous = side > 0 and p < self.alpha
+        if anomalous and self.min_median is not None:
+            anomalous = self.median() >= self.min_median
         if anomalous and self.min_slope is not None:
             slope = self.slope()
             slope = slope if self.direction == "up" else -slope if self.direction == "down" else abs(slope)
@@ -177,6 +187,7 @@ class MannKendall(Detector):
             "slope_per_min": slope * 60.0,
             "window": len(self.xs),
             "window_start_value": self.xs[0],
+            "median": self.median(),
             "anomalous": anomalous,
             "score": self.score,
         }
