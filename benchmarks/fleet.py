@@ -12,8 +12,9 @@ on) share one consumer group: one, then two, then four, then one of the four lea
   across worker counts means the work scales linearly (the 2 cores do not, so events/s cannot);
 - the pause when a worker joins or leaves: the longest time in which no worker's counter moved,
   from the change until every worker handles events again;
-- the highest consumer lag: committed offsets against high watermarks (admin API, once a second),
-  so it includes up to one commit interval of events already handled;
+- the highest consumer lag: committed offsets against high watermarks (once a second, read by
+  a consumer outside the group), so it includes up to one commit interval of events already
+  handled;
 - end-to-end alert latency under load: every ``fault_every_s`` one fleet run's next trainer step
   carries a NaN loss (``ts`` = its send time); a reader of the alerts topic stamps the run's
   ``non_finite`` alert on arrival. Only in the steady windows, one fault per run.
@@ -40,13 +41,13 @@ import orjson
 from throughput import consume, cpu_seconds
 from workload import CLEANUP, ROOT, Steps, fresh_settings, percentile, prefill, progress
 
-from trainguard.broker import free_port
 from trainguard.schemas import events as ev
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 COUNTER = re.compile(rb"^trainguard_events_processed_total (\S+)$", re.M)
+SERVING = re.compile(r"Prometheus metrics on http://[^:/]+:(\d+)/metrics")
 FAULT_RULE = "non_finite"
 
 
@@ -151,39 +152,44 @@ class Scraper(threading.Thread):
 
 class LagMonitor(threading.Thread):
     """The group's lag on the events topic once a second: sum over partitions of the high
-    watermark minus the committed offset (the low watermark where nothing is committed yet)."""
+    watermark minus the committed offset (the low watermark where nothing is committed yet).
+
+    The committed offsets come from a consumer that carries the group's id but never joins it
+    (``committed()`` asks the coordinator without subscribing): the admin client's
+    ``list_consumer_group_offsets`` crashes the process inside librdkafka (a segfault in
+    ``rd_kafka_cgrp_op`` from its OffsetFetch handler) when the coordinator answers it with an
+    error, as it does while the group is new."""
 
     def __init__(self, settings, group: str):
         super().__init__(daemon=True)
-        from confluent_kafka import TopicPartition
-        from confluent_kafka.admin import AdminClient
+        from confluent_kafka import Consumer, TopicPartition
 
-        self.admin = AdminClient(settings.confluent(log_level=0))
-        self.group = group
+        self.consumer = Consumer(settings.confluent(**{"group.id": group, "enable.auto.commit": False,
+                                                       "log_level": 0}))
         self.parts = [TopicPartition(settings.topics.events, p) for p in range(settings.partitions)]
         self.samples: list[tuple[float, int]] = []
         self.errors = 0
         self.stop = threading.Event()
 
     def lag(self) -> int:
-        from confluent_kafka import ConsumerGroupTopicPartitions
-        from confluent_kafka.admin import OffsetSpec
-
-        high = self.admin.list_offsets({tp: OffsetSpec.latest() for tp in self.parts})
-        ends = {tp: f.result().offset for tp, f in high.items()}
-        fut = self.admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(self.group, self.parts)])
-        committed = {(tp.topic, tp.partition): tp.offset for tp in fut[self.group].result().topic_partitions}
-        return sum(end - max(committed.get((tp.topic, tp.partition), 0), 0) for tp, end in ends.items())
+        lag = 0
+        for tp in self.consumer.committed(self.parts, timeout=5.0):
+            low, high = self.consumer.get_watermark_offsets(tp, timeout=5.0)
+            lag += high - (tp.offset if tp.offset >= 0 else low)
+        return lag
 
     def run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                self.samples.append((time.time(), self.lag()))
-            except Exception as exc:  # a partition still electing its leader: the next second tries again
-                self.errors += 1
-                if self.errors == 1:
-                    progress(f"  fleet: lag not read ({type(exc).__name__}: {exc}); trying again each second")
-            self.stop.wait(1.0)
+        try:
+            while not self.stop.is_set():
+                try:
+                    self.samples.append((time.time(), self.lag()))
+                except Exception as exc:  # a partition still electing its leader: the next second tries again
+                    self.errors += 1
+                    if self.errors == 1:
+                        progress(f"  fleet: lag not read ({type(exc).__name__}: {exc}); trying again each second")
+                self.stop.wait(1.0)
+        finally:
+            self.consumer.close()
 
 
 class AlertTimes(threading.Thread):
@@ -211,6 +217,19 @@ class AlertTimes(threading.Thread):
             if rec.get("rule") == FAULT_RULE and rec.get("status") == "firing" and run_id not in self.arrived:
                 self.arrived[run_id] = now
         self.c.close()
+
+
+def serving_port(worker, timeout: float = 30.0) -> int:
+    """The port a worker started with ``--prometheus-port 0`` says it serves ``/metrics`` on."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = SERVING.search(worker.log())
+        if m:
+            return int(m.group(1))
+        if worker.proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise RuntimeError(f"fleet: worker {worker.name} did not say where it serves its metrics:\n{worker.log()[-2000:]}")
 
 
 def longest_stall(series: list[tuple[float, float]]) -> float:
@@ -264,7 +283,12 @@ def fleet(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 32, 
                 if w.proc.poll() is not None:
                     raise RuntimeError(f"fleet worker exited with {w.proc.returncode}:\n{w.log()[-2000:]}")
             time.sleep(0.25)
-        raise RuntimeError(f"fleet: workers {names} did not all handle events within {timeout:.0f}s")
+        last = scraper.samples[-1][1] if scraper.samples else {}
+        idle = [w for w in workers if w.name in names and len({c.get(w.name) for _, c in scraper.samples[-8:]}) <= 1]
+        said = "".join(f"\n--- {w.name} (counter {last.get(w.name, 'never read')}), its log's end:\n{w.log()[-1500:]}"
+                       for w in idle)
+        raise RuntimeError(f"fleet: workers {names} did not all handle events within {timeout:.0f}s; "
+                           f"counters {last}{said}")
 
     def caught_up(since: float, timeout: float) -> float:
         """Until a lag read after ``since`` is under 5 s of load (the committed offsets trail
@@ -282,13 +306,14 @@ def fleet(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 32, 
     def add_workers(n: int) -> None:
         new = []
         for _ in range(n):
-            port = free_port()
-            w = WorkerProcess(settings, log_dir, app_id=app_id, extra_args=("--prometheus-port", str(port)))
+            # Port 0: the worker binds one itself and logs it (a port picked here could be
+            # taken by a client's connection before the worker binds it).
+            w = WorkerProcess(settings, log_dir, app_id=app_id, extra_args=("--prometheus-port", "0"))
             w.name = f"w{len(workers) + len(new)}"
             new.append(w.start())
-            scraper.ports[w.name] = port
         for w in new:
             w.wait_ready(90)
+            scraper.ports[w.name] = serving_port(w)
         workers.extend(new)
 
     began = time.time()
