@@ -350,6 +350,9 @@ class Detection:
     def flush_if_due(self) -> None:
         if self.checkpoint.due():
             self.checkpoint.flush()
+        stalled = self.checkpoint.stalled()
+        if stalled:
+            log.error("trainguard: %s", stalled)
 
     async def backpressure(self) -> None:
         """Read no further while a flush waits for outputs the broker does not take and the

@@ -26,7 +26,9 @@ event as a replay, and the alert would never be sent. In this order a worker kil
 same ids; those already delivered once arrive twice, which the sinks and the listener absorb).
 
 One flush at a time: while one finishes, changes and events accumulate for the next. A flush
-that fails leaves its events unacknowledged (read again), and says so. A state entry that
+that fails (or whose changelog writes are not confirmed within ``changelog_timeout_s``) says
+so and hands its events and entries to the next, which tries again; none is acknowledged
+before its state is written. A state entry that
 cannot be written (it fails to serialise, or is larger than a broker takes in one message) is
 left out of the changelog and said in the log; it never ends the flush.
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any, Awaitable, Callable, Literal, Protocol
 
@@ -77,7 +80,7 @@ class Checkpoint:
     def __init__(self, changelogs: list[tuple[DirtyEntries, Changelog, Callable[[Any], bytes]]], *,
                  deliver_outputs: Callable[[], Awaitable[int]], deliver_changelogs: Callable[[], Awaitable[None]],
                  ack: Callable[[Any], Awaitable[None]], every_s: float = 0.5, max_held: int = 20_000,
-                 max_record_bytes: int = 1_000_000, retry_s: float = 1.0,
+                 max_record_bytes: int = 1_000_000, retry_s: float = 1.0, changelog_timeout_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic):
         self.changelogs = changelogs
         self.deliver_outputs = deliver_outputs
@@ -92,8 +95,12 @@ class Checkpoint:
         self.failures = 0
         self.max_record_bytes = max_record_bytes  # a broker's message limit, less headroom
         self.retry_s = retry_s                    # between delivery attempts of held outputs
+        self.changelog_timeout_s = changelog_timeout_s  # a changelog write unconfirmed this long fails the flush
         self.undelivered = 0                      # outputs of the flush in flight not yet delivered
         self.unwritable = 0                       # state entries left out of the changelog
+        self.stage = ""                           # what the flush in flight waits for, said when it stalls
+        self.flush_started = 0.0
+        self._said_stalled = -math.inf
 
     # 1. hold
     def hold(self, events) -> None:
@@ -110,18 +117,20 @@ class Checkpoint:
             return False
         held, self.held = self.held, []
         records: list = []  # (changelog, partition, key, value), written once the outputs are delivered
+        taken: list = []    # (entries, key, partition): changed again if this flush fails
         for entries, changelog, encode_key in self.changelogs:
             told = getattr(entries, "written", None)
             for key, partition in entries.dirty.items():  # serialised now: exactly the events held
+                taken.append((entries, key, partition))
                 value = self._record(entries, key)
                 if value is not False:
                     records.append((changelog, partition, encode_key(key), value))
                     if told is not None:  # the value as taken: the engine may hold an idle run as it
                         told(key, value)
             entries.dirty.clear()
-        self.last_flush = self.clock()
+        self.last_flush = self.flush_started = self.clock()
         self.in_flight = asyncio.ensure_future(self._finish(held, records))
-        self.in_flight.add_done_callback(self._finished)
+        self.in_flight.add_done_callback(lambda task: self._finished(task, held, taken))
         return True
 
     def _record(self, entries: DirtyEntries, key: Any) -> bytes | None | Literal[False]:
@@ -140,17 +149,36 @@ class Checkpoint:
         return False
 
     async def _finish(self, held: list, records: list) -> None:
+        self.stage = f"the alerts and commands of {len(held)} events to be delivered"
         await self._outputs_delivered(len(held))  # a. the alerts and commands of these events
         if records:  # b. the state, then a marker ending each written partition's log
+            self.stage = f"{len(records)} state records to be delivered to the changelogs"
             written: set = set()  # (changelog, partition)
             for changelog, partition, key, value in records:
                 changelog.send(partition, key, value)
                 written.add((changelog, partition))
-            await self.deliver_changelogs()
+            try:
+                await asyncio.wait_for(self.deliver_changelogs(), self.changelog_timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"the changelogs took {len(records)} records but did not confirm them within "
+                                   f"{self.changelog_timeout_s:.0f} s") from None
             for changelog, partition in written:
                 changelog.send(partition, FLUSH_MARKER, b"")
+        self.stage = f"{len(held)} events to be acknowledged"
         for event in held:  # c.
             await self.ack(event)
+        self.stage = ""
+
+    def stalled(self, after_s: float = 15.0, every_s: float = 30.0) -> str | None:
+        """A line for the log when the flush in flight has waited ``after_s`` or more (at most
+        one every ``every_s``): what it waits for, and how many events wait behind it."""
+        now = self.clock()
+        if (self.in_flight is None or self.in_flight.done() or now - self.flush_started < after_s
+                or now - self._said_stalled < every_s):
+            return None
+        self._said_stalled = now
+        return (f"a state flush has waited {now - self.flush_started:.0f} s for {self.stage or 'its start'}; "
+                f"{len(self.held)} more events are held behind it, none acknowledged meanwhile")
 
     async def _outputs_delivered(self, events: int) -> None:
         """Return once every output routed so far is delivered; until then the events stay
@@ -171,10 +199,19 @@ class Checkpoint:
         log.warning("trainguard: the held alerts/commands are delivered after %.0f s; acknowledging %d events",
                     self.clock() - started, events)
 
-    def _finished(self, task: asyncio.Future) -> None:
-        if not task.cancelled() and task.exception() is not None:  # its events stay unacked: read again
-            self.failures += 1
-            log.error("trainguard: writing state to the changelog failed: %r", task.exception())
+    def _finished(self, task: asyncio.Future, held: list, taken: list) -> None:
+        """A flush that failed is tried again by the next: its events held again (in front, in
+        order) and its entries changed again. Dropping them would leave events that are never
+        acknowledged and never read again while this worker owns their partitions, and a
+        rebalance waits for every event it handed out to be acknowledged."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.failures += 1
+        self.held[:0] = held
+        for entries, key, partition in taken:
+            entries.dirty.setdefault(key, partition)
+        log.error("trainguard: writing state to the changelog failed (%r); its %d events stay unacknowledged "
+                  "and the next flush tries again", task.exception(), len(held))
 
 
 class OutputRouter:

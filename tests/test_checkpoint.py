@@ -111,7 +111,7 @@ def test_an_entry_changed_many_times_is_written_once_with_its_latest_value_or_as
     assert run(scenario()) == [("send", "state", 0, b"run-1", b"v3"), ("send", "state", 0, b"run-2", None)]
 
 
-def test_a_failed_delivery_leaves_its_events_unacked_and_says_so(caplog):
+def test_a_failed_flush_leaves_its_events_unacked_says_so_and_the_next_flush_writes_and_acks_them(caplog):
     async def scenario():
         world = World(outputs_fail=True)
         cp = world.checkpoint()
@@ -121,11 +121,45 @@ def test_a_failed_delivery_leaves_its_events_unacked_and_says_so(caplog):
         with pytest.raises(RuntimeError):
             await cp.in_flight
         await asyncio.sleep(0)  # the done callback
-        return world.log, cp.failures
+        failed = list(world.log)
+        world.outputs_fail = False  # the broker is back
+        cp.hold(["e2"])
+        assert cp.flush()
+        await cp.in_flight
+        return failed, world.log, cp.failures
 
-    log, failures = run(scenario())
-    assert not any(entry[0] == "ack" for entry in log), "read again by the next owner, never lost"
-    assert failures == 1 and "writing state to the changelog failed" in caplog.text
+    failed, log, failures = run(scenario())
+    assert not any(entry[0] == "ack" for entry in failed), "nothing acknowledged by a flush that failed"
+    assert failures == 1 and "the next flush tries again" in caplog.text
+    assert ("send", "state", 0, b"run-1", b"s") in log, "the failed flush's state is written by the next"
+    assert [e for e in log if e[0] == "ack"] == [("ack", "e1"), ("ack", "e2")], "in order, none lost"
+
+
+def test_a_changelog_write_never_confirmed_fails_the_flush_and_a_stalled_flush_is_said(caplog):
+    async def scenario():
+        world = World()
+        hang = asyncio.Event()
+
+        async def never_confirmed():
+            await hang.wait()
+
+        world.deliver_changelogs = never_confirmed
+        cp = world.checkpoint(changelog_timeout_s=0.2)
+        world.state.change(b"run-1", b"s")
+        cp.hold(["e1"])
+        cp.flush()
+        await asyncio.sleep(0.05)  # on to the changelogs
+        world.clock = 20.0
+        said = cp.stalled(after_s=15.0)
+        with pytest.raises(TimeoutError):
+            await cp.in_flight
+        await asyncio.sleep(0)
+        return said, cp
+
+    said, cp = run(scenario())
+    assert said and "1 state records to be delivered to the changelogs" in said and "waited 20 s" in said, said
+    assert cp.failures == 1 and cp.held == ["e1"] and b"run-1" in cp.changelogs[0][0].dirty
+    assert cp.stalled() is None, "nothing in flight: nothing to say"
 
 
 def test_one_flush_at_a_time_and_what_arrives_meanwhile_waits_for_the_next():
