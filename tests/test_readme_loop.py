@@ -12,13 +12,14 @@ acks a checkpoint that does not load as `failed` and trains on, and refuses `pau
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import math
 import os
 import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -33,6 +34,12 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+EXAMPLE = ROOT / "examples" / "readme_loop.py"
+_spec = importlib.util.spec_from_file_location("readme_loop", EXAMPLE)
+assert _spec is not None and _spec.loader is not None
+_example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_example)
+ToyTrainer = _example.ToyTrainer  # the example's toy model: one weight, JSON checkpoints
 RUN = "ppo-7b-0412"  # the README's run id
 
 
@@ -44,42 +51,23 @@ def readme_loop(run_id: str = RUN) -> str:
     return code.replace(f'"{RUN}"', json.dumps(run_id))
 
 
-class ToyTrainer:
-    """A one-weight model; ``train_one_step`` on a poisoned batch makes it NaN. Checkpoints
-    are JSON files in ``ckpt_dir``, reported by their absolute paths."""
+def test_the_example_program_holds_the_readme_loop_as_written():
+    text = EXAMPLE.read_text()
+    inside = text[text.index("# ---- the README's loop, as written there ----\n"):text.index("    # ---- end of")]
+    block = textwrap.dedent(inside.split("\n", 1)[1]).strip("\n")
+    assert block == readme_loop().strip("\n"), "examples/readme_loop.py no longer holds the README's loop"
 
-    def __init__(self, poisoned: set[int], ckpt_dir: str | os.PathLike, step_s: float = 0.05):
-        self.weight, self.poisoned = 1.0, poisoned
-        self.ckpt_dir = Path(ckpt_dir).resolve()
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        self.step_s = step_s               # a real step takes seconds; here 50 ms
-        self.batches: list[int] = []
-        self.loaded: list[str] = []
 
-    def batch_for(self, index: int) -> int:
-        self.batches.append(index)
-        return index
-
-    def train_one_step(self, batch: int) -> dict:
-        time.sleep(self.step_s)
-        self.weight = math.nan if batch in self.poisoned else self.weight * 0.999
-        return {"actor/pg_loss": self.weight - 1.0, "actor/grad_norm": 0.5 if self.weight == self.weight else math.nan}
-
-    def save_checkpoint(self, step: int) -> str:
-        path = self.ckpt_dir / f"global_step_{step}.json"
-        path.write_text(json.dumps({"step": step, "weight": self.weight}))
-        return str(path)
-
-    def load_checkpoint(self, path: str) -> int:
-        state = json.loads(Path(path).read_text())  # FileNotFoundError when it is gone
-        self.weight = state["weight"]
-        self.loaded.append(path)
-        return state["step"]
-
-    def namespace(self, total_steps: int, save_every: int = 10) -> dict:
-        return {"start": 0, "total_steps": total_steps, "save_every": save_every, "batch_for": self.batch_for,
-                "train_one_step": self.train_one_step, "save_checkpoint": self.save_checkpoint,
-                "load_checkpoint": self.load_checkpoint}
+def test_the_example_program_runs_the_loop_to_its_end(kafka, tmp_path):
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "25", "--checkpoints", str(tmp_path / "ckpt")],
+                          cwd=tmp_path, env=_env(kafka), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ended at step 25 of 25" in proc.stdout and "finished" in proc.stdout, proc.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["global_step_10.json", "global_step_20.json"]
+    events = TopicReader(kafka, kafka.topics.events)
+    ends = _lifecycles(events, RUN)
+    assert ends and ends[-1] == "finished", ends
+    events.close()
 
 
 def run_readme_loop(namespace: dict, run_id: str = RUN) -> dict:
