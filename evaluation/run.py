@@ -22,11 +22,16 @@ onset, per 10,000 such steps. Then ``evaluation/nab.py`` runs as a subprocess (u
     {"min_recall": x, "false_alerts_per_10k_steps": x, "median_delay_steps_sudden": x,
      "drift_caught_before_kl": x, "real_caught": n, "real_failures": n, "real_healthy_silent": n,
      "real_healthy": n, "real_false_alarms": n, "real_added": {...},
+     "recovery": {"runs": n, "recovered_without_human": n, "median_steps_lost": x,
+                  "rollbacks_per_incident": x},
      "nab": {"standard": x, "reward_low_FP": x, "reward_low_FN": x}}
 
 The ``real_*`` fields come from ``evaluation/real.py``: runs other people trained (the public
 development set beside the checkout, and the traces added in ``evaluation/real-traces``),
 replayed through the same rules; the simulator was written with the rules, real runs judge them.
+``recovery`` comes from ``evaluation/recovery.py``: simulated runs whose trainer does obey the
+commands (a transient NaN, a NaN that recurs at its step, a hanging reward model, two sudden
+faults), counted by how many end without a human.
 
 Targets: recall >= 0.95 for every fault kind, <= 1 false alert per 10k healthy steps,
 median delay <= 3 steps for sudden faults, the slow KL drift caught before KL reaches 0.1.
@@ -49,6 +54,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import real  # noqa: E402
+import recovery  # noqa: E402
 from faults import CHECKPOINT_EVERY, EXPECTED_RULES, HEALTHY_STEPS, SUDDEN, Scenario, fault_scenarios, healthy_scenarios  # noqa: E402
 
 from trainguard.schemas import events as ev  # noqa: E402
@@ -333,6 +339,12 @@ def main(argv=None) -> int:
     print()
     real.print_results(real_results)
     summary.update(real.summary(real_results))
+
+    rec = recovery.evaluate(2 if args.quick else 3, _RULES)
+    print()
+    print("recovery in a closed loop (evaluation/recovery.py):")
+    print(recovery.table(rec))
+    summary["recovery"] = {k: v for k, v in rec.items() if k != "per_fault"}
 
     nab = None
     if not (args.no_nab or args.quick):

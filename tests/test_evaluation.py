@@ -244,7 +244,10 @@ def test_run_quick_prints_the_summary_json_last():
                             "drift_caught_before_kl", "real_caught", "real_failures", "real_healthy_silent",
                             "real_healthy", "real_false_alarms", "real_added", "nab",
                             "real_warnings_per_100_healthy_steps", "real_notifications_per_100_healthy_steps",
-                            "real_pages_before_onset"}
+                            "real_pages_before_onset", "recovery"}
+    assert set(summary["recovery"]) == {"runs", "recovered_without_human", "median_steps_lost",
+                                        "rollbacks_per_incident"}
+    assert summary["recovery"]["runs"] == 2 * 5 and any(line.startswith("nan_recurring ") for line in lines)
     noise = ("warnings_per_100_healthy_steps", "notifications_per_100_healthy_steps", "pages_before_onset")
     assert {k: v for k, v in summary["real_added"].items() if k not in noise} == {
         "caught": 8, "failures": 8, "healthy_silent": 12, "healthy": 12, "false_alarms": 0}
@@ -256,3 +259,19 @@ def test_run_quick_prints_the_summary_json_last():
     # the seed's four faults are caught by the seed's rules
     table = {line.split("|")[0].strip(): line.split("|")[2].strip() for line in lines if "|" in line}
     assert all(table[k] == "1.00" for k in FAULTS)
+
+
+def test_the_closed_loop_cures_a_transient_nan_stops_a_recurring_one_and_leaves_a_hung_reward_model_alone():
+    sys.path.insert(0, str(ROOT / "evaluation"))
+    import recovery
+
+    from trainguard.streams import rules
+
+    default = rules.default()
+    transient = recovery.run_one("nan_transient", 0, default)
+    assert transient.commands == ["rollback"] and transient.recovered, transient
+    assert 0 < transient.steps_lost <= recovery.CHECKPOINT_EVERY  # back to the checkpoint before the NaN
+    recurring = recovery.run_one("nan_recurring", 0, default)
+    assert recurring.commands == ["rollback", "stop"] and recurring.stopped and not recurring.recovered
+    hang = recovery.run_one("reward_model_hang", 0, default)
+    assert hang.commands == [] and hang.recovered, "the guard's fallback carries the run: nothing to roll back"
