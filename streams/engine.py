@@ -1155,7 +1155,8 @@ class Engine:
                                   ts=event["ts"], critical=bool(critical), immediate=ctx.immediate,
                                   alert_ids=[c[0] for c in critical], rules=[c[1] for c in critical],
                                   checkpoints=ctx.run.checkpoints, diagnosis=critical[0][2] if critical else "",
-                                  now=self.clock(), ids=self._command_id)
+                                  now=self.clock(), ids=self._command_id,
+                                  began=self._warned_since(ctx) if critical else None)
         if decision is None:
             return
         report = self._report(ctx.run, ctx.run_id, decision, event)
@@ -1164,6 +1165,16 @@ class Engine:
             command = sign(command, self.signing_key)
         ctx.outputs.append(Output(OutputKind.REPORT, ctx.run_id, report))
         ctx.outputs.append(Output(OutputKind.COMMAND, ctx.run_id, command))
+
+    @staticmethod
+    def _warned_since(ctx: "EventContext") -> tuple[int, str] | None:
+        """The first step of the alerts still open on the critical alerts' metrics, and its rule:
+        a change is often warned about steps before it turns critical (a KL spike, then the
+        explosion), and a checkpoint saved in between already holds it."""
+        metrics = {a.get("metric") for a in ctx.state.firing.values() if a["id"] in {c[0] for c in ctx.critical}}
+        warned = [(a["step"], a["rule"]) for a in ctx.state.firing.values()
+                  if a.get("metric") in metrics and isinstance(a.get("step"), int)]
+        return min(warned) if warned else None
 
     def _roll_window(self, state: SourceState, key: bytes, ts: float, partition: int) -> float | None:
         """Move the source's open window to the one holding ``ts``; the start of the window

@@ -2,7 +2,8 @@
 
 Pure decisions, no I/O. After ``consecutive_critical`` critical steps in a row (3 in the
 seed) it asks for a rollback to the newest *safe* checkpoint: saved before the incident's
-onset, while no critical alert was open, and (optionally) at least
+onset (its first critical step, or the first warning still open on the same metrics when
+that came earlier), while no critical alert was open, and (optionally) at least
 ``rollback_min_steps_before_onset`` steps before it. It asks to skip the batches that led
 into the failure (``skip_batches``: a number, or ``auto`` for the ones between the
 checkpoint and the last critical step). With no safe checkpoint, with more than
@@ -65,6 +66,7 @@ class BreakerState:
     rollback_ts: list[float] = field(default_factory=list)
     restored_step: int | None = None                     # where the last rollback landed
     last_rules: list[str] = field(default_factory=list)  # the incident behind the last rollback
+    began: tuple[int, str] | None = None                 # (step, rule) of the incident's first warning
 
     def to_state(self) -> dict:
         return self.__dict__.copy()
@@ -107,13 +109,17 @@ def safe_checkpoint(checkpoints: list[dict], onset_step: int, onset_ts: float | 
 def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: float, critical: bool,
             alert_ids: list[str], rules: list[str], checkpoints: list[dict], diagnosis: str,
             immediate: bool = False, now: float | None = None,
-            ids: Callable[[str], str] = _plain) -> Decision | None:
+            ids: Callable[[str], str] = _plain, began: tuple[int, str] | None = None) -> Decision | None:
     """Feed one trainer step; return a decision (with an unsigned command) when the breaker trips.
 
     ``immediate``: a critical rule that cannot wait holds (a NaN loss, which the next optimiser
     step turns into NaN weights): with a safe checkpoint the breaker rolls back at once instead
     of after ``consecutive_critical`` steps. Without one it counts as usual, so a run that
-    recovers from a one-step NaN by itself is not stopped for it."""
+    recovers from a one-step NaN by itself is not stopped for it.
+
+    ``began``: the step (and rule) of the earliest alert still open on the critical alerts'
+    metrics. The checkpoint must be older than it too: one saved after the warning and before
+    the critical step already holds the change."""
     if state.status == STOPPED:
         return None
     if state.status == AWAITING:
@@ -130,6 +136,7 @@ def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: fl
     state.last_critical = critical
     if not critical:
         state.streak, state.onset_step, state.onset_ts, state.alert_ids, state.rules = 0, None, None, [], []
+        state.began = None
         return None
     if state.streak == 0:
         state.onset_step, state.onset_ts = step, ts
@@ -138,12 +145,27 @@ def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: fl
     # one alert naming several metrics (actor/kl_loss and reward/kl_divergence) is one reason
     state.alert_ids += [a for a in dict.fromkeys(alert_ids) if a not in state.alert_ids]
     state.rules += [r for r in rules if r not in state.rules]
+    if began is not None and (state.began is None or began[0] < state.began[0]):
+        state.began = (int(began[0]), str(began[1]))
     if state.streak < int(policy["consecutive_critical"]):
-        if not immediate or safe_checkpoint(checkpoints, state.onset_step, state.onset_ts,
-                                            int(policy.get("rollback_min_steps_before_onset", 0)))[0] is None:
+        if not immediate or _safe(state, policy, checkpoints)[0] is None:
             return None
     return _decide(state, policy, run_id=run_id, step=step, ts=ts, checkpoints=checkpoints, diagnosis=diagnosis,
                    now=ts if now is None else now, ids=ids)
+
+
+def _safe(state: BreakerState, policy: dict, checkpoints: list[dict]) -> tuple[dict | None, str]:
+    """The checkpoint to roll back to: before the critical onset, and before the first warning
+    on its metrics when one came earlier."""
+    assert state.onset_step is not None
+    onset, onset_ts = state.onset_step, state.onset_ts
+    warned = state.began if state.began is not None and state.began[0] < onset else None
+    if warned is not None:
+        onset, onset_ts = warned[0], None
+    target, why = safe_checkpoint(checkpoints, onset, onset_ts, int(policy.get("rollback_min_steps_before_onset", 0)))
+    if warned is not None:
+        why += f" (the change began with {warned[1]} at step {warned[0]}, before the critical step {state.onset_step})"
+    return target, why
 
 
 def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints, diagnosis, now,
@@ -153,8 +175,7 @@ def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints,
     recent = [t for t in state.rollback_ts if ts - t < 3600]
     recurred = (state.restored_step is not None and set(state.rules) & set(state.last_rules)
                 and onset - state.restored_step <= int(policy["recurrence_steps"]))
-    target, why = safe_checkpoint(checkpoints, onset, state.onset_ts,
-                                  int(policy.get("rollback_min_steps_before_onset", 0)))
+    target, why = _safe(state, policy, checkpoints)
     if recurred:
         assert state.restored_step is not None  # recurred implies it
         target, why = None, (f"the same incident ({', '.join(sorted(set(state.rules) & set(state.last_rules)))}) "
@@ -184,7 +205,7 @@ def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints,
         state.last_rules = list(state.rules)
     else:
         state.status = STOPPED
-    state.streak, state.alert_ids = 0, []
+    state.streak, state.alert_ids, state.began = 0, [], None
     return Decision(command, why, target, candidates)
 
 
@@ -199,7 +220,7 @@ def on_command_refused(state: BreakerState, policy: dict, *, run_id: str, comman
     if state.status != AWAITING or command_id != state.command_id:
         return False, None
     state.streak, state.onset_step, state.onset_ts, state.alert_ids, state.rules = 0, None, None, [], []
-    state.last_step = None
+    state.last_step, state.began = None, None
     if policy.get("on_command_failure", "rearm") != "stop":
         state.status = ARMED
         return True, None
@@ -216,6 +237,6 @@ def on_rolled_back(state: BreakerState, restored_step: int | None) -> None:
     """The trainer restored a checkpoint: count again from a clean slate."""
     state.status = ARMED
     state.streak, state.onset_step, state.onset_ts, state.last_step = 0, None, None, None
-    state.alert_ids, state.rules = [], []
+    state.alert_ids, state.rules, state.began = [], [], None
     state.attempt += 1
     state.restored_step = restored_step

@@ -86,6 +86,19 @@ def test_a_checkpoint_saved_while_a_critical_alert_was_open_is_not_a_target():
     assert command["target"]["step"] == 40
 
 
+def test_the_checkpoint_is_older_than_the_first_warning_not_only_the_first_critical_step():
+    # KL explodes from step 60: kl_spike warns at 60, kl_explosion turns critical steps later.
+    # The checkpoint of step 60 already holds the change; the one of step 50 does not.
+    r = Run(Engine(ruleset()), checkpoint_every=10)
+    r.sim.inject("kl_explosion", at_step=60)
+    r.run(120)
+    commands = r.of("command")
+    assert [c["action"] for c in commands] == ["rollback"], "cured by one rollback: the fault was not restored"
+    assert commands[0]["target"]["step"] == 50, commands[0]
+    report = next(o for o in r.of("report") if o["command_id"] == commands[0]["id"])
+    assert "began with kl_spike at step 60" in report["checkpoint"]["why"], report["checkpoint"]["why"]
+
+
 def test_rollbacks_can_be_asked_to_land_well_before_the_onset():
     r = Run(Engine(ruleset(rollback_min_steps_before_onset=25)))
     r.sim.inject("rollout_stall", at_step=70)
