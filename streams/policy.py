@@ -20,11 +20,10 @@ stable ids (``ids``): the same across a replay, unpredictable to anyone without 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-from trainguard.schemas.events import command_event
+from trainguard.schemas.events import command_event, stable_id
 
 ARMED, AWAITING, STOPPED = "armed", "awaiting", "stopped"
 
@@ -39,10 +38,6 @@ DEFAULTS = {
     "on_command_failure": "rearm",          # or "stop": the trainer failed or refused a rollback
 }
 ON_COMMAND_FAILURE = ("rearm", "stop")
-
-
-def stable_id(*parts) -> str:
-    return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=10).hexdigest()
 
 
 def _plain(stable: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from trainguard.schemas import events as ev
-from trainguard.streams import keys, policy
+from trainguard.streams import keys
 from trainguard.streams.alerts import LOUD
 from trainguard.streams.engine.outputs import Output, OutputKind, _json_value
 from trainguard.streams.engine.state import MAX_BOOK, MAX_RECENT_ALERTS, RunState, StateAccess
@@ -110,28 +110,11 @@ class AlertBook(StateAccess):
         return Output(OutputKind.ALERT, alert["run_id"], resolved)
 
     def _alert(self, event, run: RunState, run_id, sid, rule, metric, value, evidence, attempt) -> dict:
-        step, ts = event["step"], event["ts"]
-        return {
-            "schema": ev.ALERT,
-            "id": policy.stable_id(run_id, rule.name, sid, metric, step, attempt),
-            "run_id": run_id,
-            "rule": rule.name,
-            "severity": rule.severity,
-            "status": "firing",
-            "critical": rule.critical,
-            "summary": rule.summary,
-            "metric": metric,
-            "value": _json_value(value),
-            "signal": signal_of(base_name(metric)),
-            "metrics": [metric],
-            "values": {metric: _json_value(value)},
-            "layer": event.get("layer") or self.rules.layer_for(metric),
-            "source": event["source"],
-            "step": step,
-            "ts": ts,
-            "onset": {"step": step, "ts": ts},
-            "evidence": evidence,
-            "diagnosis": rule.diagnosis,
-            "suggestion": rule.suggestion,
-            "node_snapshot": dict(run.nodes),
-        }
+        step, value = event["step"], _json_value(value)
+        return ev.alert_event(
+            run_id, rule.name, alert_id=ev.alert_id(run_id, rule.name, sid, metric, step, attempt),
+            severity=rule.severity, critical=rule.critical, summary=rule.summary, metric=metric, value=value,
+            signal=signal_of(base_name(metric)), metrics=[metric], values={metric: value},
+            layer=event.get("layer") or self.rules.layer_for(metric), source=event["source"], step=step,
+            ts=event["ts"], evidence=evidence, diagnosis=rule.diagnosis, suggestion=rule.suggestion,
+            node_snapshot=dict(run.nodes))

@@ -129,20 +129,17 @@ class Breaker(AlertBook, StatusRoom):
         self.touched.add(run_key)
         then = "the breaker stops the run" if stop else "the breaker counts critical steps afresh"
         skew = _clock_skew(ack["ts"], appended_at)
-        alert = {
-            "schema": ev.ALERT, "id": policy.stable_id(ack["run_id"], "command_failed", ack["command_id"]),
-            "run_id": ack["run_id"], "rule": "command_failed", "severity": "P1", "status": "firing",
-            "critical": False, "summary": f"The trainer {ack['status']} the breaker's command",
-            "metric": "ack", "value": None, "signal": None, "metrics": [], "values": {}, "layer": "data",
-            "source": None, "step": ack.get("step"), "ts": ack["ts"],
-            "onset": {"step": ack.get("step"), "ts": ack["ts"]},
-            "evidence": {"detector": "ack", "command_id": ack["command_id"], "status": ack["status"],
-                         "detail": ack.get("detail", "")},
-            "diagnosis": f"The trainer answered {ack['status']}: {ack.get('detail') or 'no detail'}; {then}."
-                         + (f" Note: {skew}." if skew else ""),
-            "suggestion": "Check the checkpoint path and the trainer's log; a rollback that cannot be applied "
-                          "needs a person (or set on_command_failure: stop).",
-        }
+        alert = ev.alert_event(
+            ack["run_id"], "command_failed", alert_id=ev.alert_id(ack["run_id"], "command_failed", ack["command_id"]),
+            severity="P1", critical=False, summary=f"The trainer {ack['status']} the breaker's command",
+            metric="ack", value=None, signal=None, metrics=[], values={}, layer="data", source=None,
+            step=ack.get("step"), ts=ack["ts"],
+            evidence={"detector": "ack", "command_id": ack["command_id"], "status": ack["status"],
+                      "detail": ack.get("detail", "")},
+            diagnosis=f"The trainer answered {ack['status']}: {ack.get('detail') or 'no detail'}; {then}."
+                      + (f" Note: {skew}." if skew else ""),
+            suggestion="Check the checkpoint path and the trainer's log; a rollback that cannot be applied "
+                       "needs a person (or set on_command_failure: stop).")
         run.notices[alert["id"]] = alert
         self._book(run, alert)
         outputs = [Output(OutputKind.ALERT, ack["run_id"], alert)]

@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING
 
 from trainguard.schemas import events as ev
-from trainguard.streams import policy, trackers
+from trainguard.streams import trackers
 from trainguard.streams.detectors import CrossRank
 from trainguard.streams.engine.book import AlertBook
 from trainguard.streams.engine.state import RunState
@@ -87,23 +87,19 @@ class Correlation(AlertBook):
             verdict, members = trackers.incident_verdict(incident.rules, incident.within_s, run.active,
                                                          incident.name in run.incidents, ts)
             if verdict == trackers.OPEN:  # every member present
-                alert = {
-                    "schema": ev.ALERT,
-                    "id": policy.stable_id(run_id, incident.name, event["step"], run.breaker.attempt),
-                    "run_id": run_id, "rule": incident.name, "severity": incident.severity,
-                    "status": "firing", "critical": incident.critical, "kind": "incident",
-                    "summary": incident.summary, "metric": "incident", "value": len(members),
-                    "layer": members[0]["alert"]["layer"],
-                    "layers": sorted({m["alert"]["layer"] for m in members}),
-                    "source": event["source"], "step": event["step"], "ts": ts,
-                    "onset": {"step": min(m["alert"]["step"] for m in members),
-                              "ts": min(m["last_ts"] for m in members)},
-                    "evidence": {"detector": "incident",
-                                 "members": [{"rule": r, **m["alert"]}
-                                             for r, m in zip(incident.rules, members, strict=True)]},
-                    "diagnosis": incident.diagnosis, "suggestion": incident.suggestion,
-                    "node_snapshot": dict(run.nodes),
-                }
+                alert = ev.alert_event(
+                    run_id, incident.name, alert_id=ev.alert_id(run_id, incident.name, event["step"],
+                                                                run.breaker.attempt),
+                    severity=incident.severity, critical=incident.critical, kind="incident",
+                    summary=incident.summary, metric="incident", value=len(members),
+                    layer=members[0]["alert"]["layer"], layers=sorted({m["alert"]["layer"] for m in members}),
+                    source=event["source"], step=event["step"], ts=ts,
+                    onset={"step": min(m["alert"]["step"] for m in members),
+                           "ts": min(m["last_ts"] for m in members)},
+                    evidence={"detector": "incident",
+                              "members": [{"rule": r, **m["alert"]}
+                                          for r, m in zip(incident.rules, members, strict=True)]},
+                    diagnosis=incident.diagnosis, suggestion=incident.suggestion, node_snapshot=dict(run.nodes))
                 run.incidents[incident.name] = alert
                 self._add(outputs, self._fire(run, alert, incident))
             elif verdict == trackers.CLOSE:

@@ -113,23 +113,13 @@ class StatusRoom(StateAccess):
                 if window is not None:
                     windows[a["metric"]] = window
         b = run.breaker
-        return {
-            "schema": "report/1",
-            "id": "report-" + decision.command["id"],
-            "run_id": run_id,
-            "ts": event["ts"],
-            "step": event["step"],
-            "action": decision.command["action"],
-            "command_id": decision.command["id"],
-            "summary": decision.command["detail"],
-            "incident": {"onset_step": b.onset_step if b.onset_step is not None else event["step"],
-                         "rules": sorted({a["rule"] for a in alerts}),
-                         "layers": sorted({a.get("layer", "data") for a in alerts})},
-            "alerts": [{k: a[k] for k in ("id", "rule", "severity", "metric", "value", "step", "evidence",
-                                          "diagnosis", "suggestion") if k in a} for a in alerts],
-            "windows": windows,
-            "resource_snapshot": run.nodes,
-            "checkpoint": {"chosen": decision.checkpoint, "why": decision.why,
-                           "candidates": decision.candidates},
-            "history": {"rollbacks": b.attempt, "rollbacks_last_hour": len(b.rollback_ts)},
-        }
+        return ev.report_event(
+            run_id, decision.command, ts=event["ts"], step=event["step"],
+            incident={"onset_step": b.onset_step if b.onset_step is not None else event["step"],
+                      "rules": sorted({a["rule"] for a in alerts}),
+                      "layers": sorted({a.get("layer", "data") for a in alerts})},
+            alerts=[{k: a[k] for k in ("id", "rule", "severity", "metric", "value", "step", "evidence",
+                                       "diagnosis", "suggestion") if k in a} for a in alerts],
+            windows=windows, resource_snapshot=run.nodes,
+            checkpoint={"chosen": decision.checkpoint, "why": decision.why, "candidates": decision.candidates},
+            history={"rollbacks": b.attempt, "rollbacks_last_hour": len(b.rollback_ts)})
