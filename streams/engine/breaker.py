@@ -157,7 +157,7 @@ class Breaker(AlertBook, StatusRoom):
         for sid in run.sources:  # the restored model is not what the windows saw
             key = keys.source_key(run_id, sid)
             src = self._source(key, "") if key in self.store else None
-            if src is not None and src.kind in self.rules.policy["step_sources"]:
+            if src is not None and src.kind in self.rules.policy.step_sources:
                 for alert in {a["id"]: a for a in src.firing.values()}.values():
                     self._add(outputs, self._resolve(run, alert, event, resolution="the trainer rolled back"))
                 src.block.reset()

@@ -28,7 +28,7 @@ class Correlation(AlertBook):
         src = event["source"]
         kind = src["kind"]
         run.last_seen[kind] = [self.clock(), event.get("step"), src]
-        if src.get("rank") is not None and kind in self.rules.policy["step_sources"]:
+        if src.get("rank") is not None and kind in self.rules.policy.step_sources:
             run.ranks.setdefault(str(src["rank"]), src)
         for key in [k for k in run.stale if k.endswith("|" + kind)]:
             self._add(outputs, self._resolve(run, run.stale.pop(key), {"ts": event["ts"], "step": event.get("step")},
@@ -38,7 +38,7 @@ class Correlation(AlertBook):
         """Stragglers (one rank far from its peers) and incidents (rules that fire together)."""
         run, src = ctx.run, ctx.event["source"]
         if (self._cross_rules and src.get("rank") is not None and len(run.ranks) >= self._cross_min_ranks
-                and src["kind"] in self.rules.policy["step_sources"]):
+                and src["kind"] in self.rules.policy.step_sources):
             self._cross_rank(run, ctx.run_id, ctx.event, ctx.outputs)
         # An incident can only open when one of its members fires, and only an open one can end.
         if self.rules.incidents and (self._fired or run.incidents):

@@ -79,7 +79,7 @@ class Judging(Correlation, Breaker):
                 self._judge_intervals(ctx, per_interval, res_j, res_names)
         self._end_broken_episodes(ctx)
         self._correlate(ctx)
-        if event["source"]["kind"] in self.rules.policy["step_sources"]:
+        if event["source"]["kind"] in self.rules.policy.step_sources:
             self._breaker_step(ctx)
 
     def _ingest(self, event: dict, run: RunState, run_id: str, partition: int, outputs: list) -> "EventContext":
