@@ -162,8 +162,7 @@ class Engine(Judging, OperatorActions):
         if offset >= 0:
             run.offset = offset
         run.partition = partition
-        self.dirty[run_key] = partition
-        self.touched.add(run_key)
+        self._changed(run_key, partition)
         self.processed += 1
         if run.events is not None:
             run.events += 1
@@ -260,8 +259,7 @@ class Engine(Judging, OperatorActions):
                                          "last_step": step}, run.breaker.attempt)
                     run.stale[f"{rule.name}|{kind}"] = alert
                     self._add(outputs, self._fire(run, alert, rule))
-                    self.dirty[key] = run.partition
-                    self.touched.add(key)
+                    self._changed(key, run.partition)
         return outputs
 
     def forget(self, run_key: bytes, keep_summary: bool = True) -> None:
@@ -280,14 +278,13 @@ class Engine(Judging, OperatorActions):
             for start in [*state.windows, *([] if state.minute is None else [state.minute])]:
                 self.windows.delete(key, start, run.partition)
             del self.store[key]
-            self.dirty[key] = run.partition
+            self._changed(key, run.partition)
         summary = self.summary(run_key) if keep_summary else None
         if summary is not None:
             self._final[run_key] = summary
         self._status_at.pop(run_key, None)
         del self.store[run_key]
-        self.dirty[run_key] = run.partition
-        self.touched.add(run_key)  # its summary replaces its status
+        self._changed(run_key, run.partition)  # its summary replaces its status
         self.forgotten += 1
         log.info("trainguard: forgot run %s (%s)", run_key.decode(errors="replace"),
                  "finished" if run.finished else "idle")

@@ -40,7 +40,7 @@ class AlertBook(StateAccess):
                         del src.firing[slot]
                         src.streaks.pop(slot, None)
                         src.tracks.pop(slot, None)
-                    self.dirty[key] = run.partition
+                    self._changed(key, run.partition)
         for table in (run.stale, run.cross_firing, run.incidents, run.notices):
             for k in [k for k, a in table.items() if a["id"] == alert_id]:
                 found = table.pop(k) if close else table[k]

@@ -114,8 +114,7 @@ class Breaker(AlertBook, StatusRoom):
             return []
         run = self._run(run_key)
         if ack["status"] == "applied":  # a later command worked: the refused one's alert is over
-            self.dirty[run_key] = run.partition
-            self.touched.add(run_key)
+            self._changed(run_key, run.partition)
             return [o for o in (self._resolve(run, run.notices.pop(aid), {"ts": ack["ts"], "step": ack.get("step")},
                                               resolution=f"the trainer applied command {ack['command_id']}")
                                 for aid in list(run.notices)) if o is not None]
@@ -125,8 +124,7 @@ class Breaker(AlertBook, StatusRoom):
                                                   ids=self._command_id)
         if not handled:
             return []
-        self.dirty[run_key] = run.partition
-        self.touched.add(run_key)
+        self._changed(run_key, run.partition)
         then = "the breaker stops the run" if stop else "the breaker counts critical steps afresh"
         skew = _clock_skew(ack["ts"], appended_at)
         alert = ev.alert_event(
@@ -168,6 +166,6 @@ class Breaker(AlertBook, StatusRoom):
                 for start in [*src.windows, *([] if src.minute is None else [src.minute])]:
                     self.windows.delete(key, start, partition)
                 src.windows, src.minute = [], None
-                self.dirty[key] = partition
+                self._changed(key, partition)
         run.open_critical.clear()
         run.cross.clear()

@@ -91,7 +91,7 @@ class Judging(Correlation, Breaker):
         key = keys.source_key(run_id, sid)
         state = self._source(key, src["kind"])
         state.points += 1
-        self.dirty[key] = partition
+        self._changed(key, partition)
         metrics = event["metrics"]
         names = tuple(metrics)
         x = np.fromiter(metrics.values(), float, len(names))

@@ -294,6 +294,13 @@ class StateAccess:
     _parked: dict[bytes, float]
     _kept: dict[bytes, tuple]
 
+    def _changed(self, key: bytes, partition: int) -> None:
+        """The entry under ``key`` changed: the checkpoint writes it to its changelog with the next
+        batch; a run's own entry also has its status published again."""
+        self.dirty[key] = partition
+        if keys.is_run_key(key):
+            self.touched.add(key)
+
     def _run(self, key: bytes) -> RunState:
         state = self.store.get(key)
         if state is None:
