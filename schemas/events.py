@@ -14,6 +14,7 @@ module writes are accepted too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -143,6 +144,54 @@ def command_event(run_id: str, action: str, *, target: dict | None = None, detai
     if skip_batches:
         event["skip_batches"] = skip_batches
     _validate_command(event)
+    return event
+
+
+def stable_id(*parts) -> str:
+    """An id from what identifies the thing: the same across a replay, so outputs stay idempotent."""
+    return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=10).hexdigest()
+
+
+def alert_id(run_id: str, rule: str, *parts) -> str:
+    """An alert's id: its run, its rule, and what tells its episodes apart (source, metric, step,
+    rollbacks so far; the command for a refused one)."""
+    return stable_id(run_id, rule, *parts)
+
+
+def alert_event(run_id: str, rule: str, *, alert_id: str, severity: str, critical: bool, summary: str, metric: str,
+                value: Any, layer: str, source: dict | None, step: int | None, ts: float, evidence: dict,
+                diagnosis: str | None, suggestion: str | None, onset: dict | None = None, signal: str | None = None,
+                metrics: list | None = None, values: dict | None = None, kind: str | None = None,
+                layers: list | None = None, node_snapshot: dict | None = None) -> dict:
+    """A firing alert, validated. ``metrics``: the metrics it names (an incident names its members
+    in its evidence instead); ``kind``/``layers``: an incident's."""
+    event: dict[str, Any] = {"schema": ALERT, "id": alert_id, "run_id": run_id, "rule": rule, "severity": severity,
+                             "status": "firing", "critical": critical}
+    if kind is not None:
+        event["kind"] = kind
+    event.update(summary=summary, metric=metric, value=value)
+    if metrics is not None:
+        event.update(signal=signal, metrics=metrics, values={} if values is None else values)
+    event["layer"] = layer
+    if layers is not None:
+        event["layers"] = layers
+    event.update(source=source, step=step, ts=ts, onset={"step": step, "ts": ts} if onset is None else onset,
+                 evidence=evidence, diagnosis=diagnosis, suggestion=suggestion)
+    if node_snapshot is not None:
+        event["node_snapshot"] = node_snapshot
+    _validate_alert(event)
+    return event
+
+
+def report_event(run_id: str, command: dict, *, ts: float, step: int, incident: dict, alerts: list, windows: dict,
+                 resource_snapshot: dict, checkpoint: dict, history: dict) -> dict:
+    """The diagnosis report behind a command, validated: what happened, the evidence, what was
+    chosen and why."""
+    event = {"schema": REPORT, "id": "report-" + command["id"], "run_id": run_id, "ts": ts, "step": step,
+             "action": command["action"], "command_id": command["id"], "summary": command["detail"],
+             "incident": incident, "alerts": alerts, "windows": windows, "resource_snapshot": resource_snapshot,
+             "checkpoint": checkpoint, "history": history}
+    _validate_report(event)
     return event
 
 

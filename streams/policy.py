@@ -21,29 +21,65 @@ stable ids (``ids``): the same across a replay, unpredictable to anyone without 
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
-from trainguard.schemas.events import command_event
+from trainguard.schemas.events import command_event, stable_id
 
 ARMED, AWAITING, STOPPED = "armed", "awaiting", "stopped"
 
-DEFAULTS = {
-    "consecutive_critical": 3,
-    "command_ttl_s": 300.0,
-    "skip_batches": "auto",                 # a number, or "auto" (docs/rules.md)
-    "rollback_min_steps_before_onset": 0,
-    "max_rollbacks_per_hour": 3,
-    "recurrence_steps": 200,
-    "step_sources": ["trainer"],
-    "on_command_failure": "rearm",          # or "stop": the trainer failed or refused a rollback
-}
 ON_COMMAND_FAILURE = ("rearm", "stop")
 
 
-def stable_id(*parts) -> str:
-    return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=10).hexdigest()
+def _number(key: str, v, *, integer: bool = False, minimum: float | None = None) -> None:
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok:
+        raise ValueError(f"'{key}' must be {'an integer' if integer else 'a number'}, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"'{key}' must be >= {minimum}, got {v}")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The breaker's settings (a rules file's ``policy:``), each checked as it is made: a
+    ValueError names the setting (``streams/rules.py`` adds the file and line)."""
+    consecutive_critical: int = 3
+    command_ttl_s: float = 300.0
+    skip_batches: int | str = "auto"        # a number, or "auto" (docs/rules.md)
+    rollback_min_steps_before_onset: int = 0
+    max_rollbacks_per_hour: int = 3
+    recurrence_steps: int = 200
+    step_sources: tuple[str, ...] = ("trainer",)  # source kinds whose events are the run's steps
+    on_command_failure: str = "rearm"       # or "stop": the trainer failed or refused a rollback
+
+    def __post_init__(self) -> None:
+        _number("consecutive_critical", self.consecutive_critical, integer=True, minimum=1)
+        _number("command_ttl_s", self.command_ttl_s, minimum=1)
+        if self.skip_batches != "auto":
+            _number("skip_batches", self.skip_batches, integer=True, minimum=0)
+        _number("rollback_min_steps_before_onset", self.rollback_min_steps_before_onset, integer=True, minimum=0)
+        _number("max_rollbacks_per_hour", self.max_rollbacks_per_hour, integer=True, minimum=0)
+        _number("recurrence_steps", self.recurrence_steps, integer=True, minimum=0)
+        if self.on_command_failure not in ON_COMMAND_FAILURE:
+            raise ValueError(f"'on_command_failure' must be one of {', '.join(ON_COMMAND_FAILURE)}, "
+                             f"got {self.on_command_failure!r}")
+        kinds = self.step_sources
+        kinds = (kinds,) if isinstance(kinds, str) else kinds
+        if not isinstance(kinds, (list, tuple)) or not all(isinstance(k, str) for k in kinds):
+            raise ValueError(f"'step_sources' must be a list of source kinds, got {self.step_sources!r}")
+        object.__setattr__(self, "step_sources", tuple(kinds))
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> "Policy":
+        """From a rules file's ``policy:`` mapping; a setting it does not know is an error."""
+        names = [f.name for f in fields(cls)]
+        for key in settings:
+            if key not in names:
+                raise ValueError(f"unknown policy setting {key!r}; allowed: {', '.join(names)}")
+        return cls(**settings)
+
+
+DEFAULTS = Policy()
 
 
 def _plain(stable: str) -> str:
@@ -106,7 +142,7 @@ def safe_checkpoint(checkpoints: list[dict], onset_step: int, onset_ts: float | 
                   f"was open: step {best['step']}")
 
 
-def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: float, critical: bool,
+def on_step(state: BreakerState, policy: Policy, *, run_id: str, step: int, ts: float, critical: bool,
             alert_ids: list[str], rules: list[str], checkpoints: list[dict], diagnosis: str,
             immediate: bool = False, now: float | None = None,
             ids: Callable[[str], str] = _plain, began: tuple[int, str] | None = None) -> Decision | None:
@@ -147,14 +183,14 @@ def on_step(state: BreakerState, policy: dict, *, run_id: str, step: int, ts: fl
     state.rules += [r for r in rules if r not in state.rules]
     if began is not None and (state.began is None or began[0] < state.began[0]):
         state.began = (int(began[0]), str(began[1]))
-    if state.streak < int(policy["consecutive_critical"]):
+    if state.streak < policy.consecutive_critical:
         if not immediate or _safe(state, policy, checkpoints)[0] is None:
             return None
     return _decide(state, policy, run_id=run_id, step=step, ts=ts, checkpoints=checkpoints, diagnosis=diagnosis,
                    now=ts if now is None else now, ids=ids)
 
 
-def _safe(state: BreakerState, policy: dict, checkpoints: list[dict]) -> tuple[dict | None, str]:
+def _safe(state: BreakerState, policy: Policy, checkpoints: list[dict]) -> tuple[dict | None, str]:
     """The checkpoint to roll back to: before the critical onset, and before the first warning
     on its metrics when one came earlier."""
     assert state.onset_step is not None
@@ -162,43 +198,42 @@ def _safe(state: BreakerState, policy: dict, checkpoints: list[dict]) -> tuple[d
     warned = state.began if state.began is not None and state.began[0] < onset else None
     if warned is not None:
         onset, onset_ts = warned[0], None
-    target, why = safe_checkpoint(checkpoints, onset, onset_ts, int(policy.get("rollback_min_steps_before_onset", 0)))
+    target, why = safe_checkpoint(checkpoints, onset, onset_ts, policy.rollback_min_steps_before_onset)
     if warned is not None:
         why += f" (the change began with {warned[1]} at step {warned[0]}, before the critical step {state.onset_step})"
     return target, why
 
 
-def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints, diagnosis, now,
+def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoints, diagnosis, now,
             ids) -> Decision:
     onset = state.onset_step
     assert onset is not None  # on_step set it with the streak's first step
     recent = [t for t in state.rollback_ts if ts - t < 3600]
     recurred = (state.restored_step is not None and set(state.rules) & set(state.last_rules)
-                and onset - state.restored_step <= int(policy["recurrence_steps"]))
+                and onset - state.restored_step <= policy.recurrence_steps)
     target, why = _safe(state, policy, checkpoints)
     if recurred:
         assert state.restored_step is not None  # recurred implies it
         target, why = None, (f"the same incident ({', '.join(sorted(set(state.rules) & set(state.last_rules)))}) "
                              f"came back {onset - state.restored_step} steps after the rollback to step "
                              f"{state.restored_step}: rolling back again would loop")
-    elif len(recent) >= int(policy["max_rollbacks_per_hour"]):
+    elif len(recent) >= policy.max_rollbacks_per_hour:
         target, why = None, (f"{len(recent)} rollbacks in the last hour reached max_rollbacks_per_hour="
-                             f"{policy['max_rollbacks_per_hour']}")
+                             f"{policy.max_rollbacks_per_hour}")
     action = "rollback" if target is not None else "stop"
-    skip = None
+    skip: int | None = None
     if target is not None:
-        skip = policy.get("skip_batches", "auto")
-        skip = step - target["step"] if skip == "auto" else int(skip)
+        skip = step - target["step"] if policy.skip_batches == "auto" else int(policy.skip_batches)
     command = command_event(
         run_id, action, command_id=ids(stable_id(run_id, action, onset, state.attempt)), issued=now,
-        ttl_s=float(policy["command_ttl_s"]), reason=state.alert_ids[-20:],
+        ttl_s=float(policy.command_ttl_s), reason=state.alert_ids[-20:],
         target={"step": target["step"], "path": target["path"]} if target else None,
         skip_batches=skip if skip and skip > 0 else None,
         detail=(f"{state.streak} consecutive critical steps from step {onset}" if state.streak > 1 else
                 f"a critical step that cannot wait at step {onset}") + f": {diagnosis}. {why}.")
     candidates = [c for c in checkpoints][-10:]
     state.command_id = command["id"]
-    state.command_expires = ts + float(policy["command_ttl_s"])  # event time: replays wait the same
+    state.command_expires = ts + float(policy.command_ttl_s)  # event time: replays wait the same
     if action == "rollback":
         state.status = AWAITING
         state.rollback_ts = recent + [ts]
@@ -209,7 +244,7 @@ def _decide(state: BreakerState, policy: dict, *, run_id, step, ts, checkpoints,
     return Decision(command, why, target, candidates)
 
 
-def on_command_refused(state: BreakerState, policy: dict, *, run_id: str, command_id: str, status: str,
+def on_command_refused(state: BreakerState, policy: Policy, *, run_id: str, command_id: str, status: str,
                        detail: str, ts: float, now: float | None = None,
                        ids: Callable[[str], str] = _plain) -> tuple[bool, dict | None]:
     """The trainer acked the breaker's command ``failed`` or ``rejected``: without this the run
@@ -221,13 +256,13 @@ def on_command_refused(state: BreakerState, policy: dict, *, run_id: str, comman
         return False, None
     state.streak, state.onset_step, state.onset_ts, state.alert_ids, state.rules = 0, None, None, [], []
     state.last_step, state.began = None, None
-    if policy.get("on_command_failure", "rearm") != "stop":
+    if policy.on_command_failure != "stop":
         state.status = ARMED
         return True, None
     state.status = STOPPED
     command = command_event(run_id, "stop", command_id=ids(stable_id(run_id, "stop", command_id)),
                             issued=ts if now is None else now,
-                            ttl_s=float(policy["command_ttl_s"]),
+                            ttl_s=float(policy.command_ttl_s),
                             detail=f"the trainer {status} command {command_id} ({detail}); on_command_failure is stop")
     state.command_id = command["id"]
     return True, command

@@ -18,10 +18,10 @@ from typing import cast
 import yaml
 
 from trainguard.schemas.events import SEVERITIES
-from trainguard.streams import policy as policy_mod
 from trainguard.streams.alerts import DEFAULTS as LIFECYCLE_DEFAULTS
 from trainguard.streams.alerts import Lifecycle
 from trainguard.streams.detectors import REGISTRY, series_kinds
+from trainguard.streams.policy import Policy
 from trainguard.streams.signals import COMPUTE, SIGNALS, signal_of
 
 LAYERS = ("data", "compute", "resource")
@@ -36,7 +36,6 @@ _INCIDENT_KEYS = {"name", "all", "within_s", "severity", "critical", "summary", 
 
 # Kinds the engine runs itself, across sources rather than along one series (stale, cross_rank).
 ENGINE_KINDS = frozenset(set(REGISTRY) - set(series_kinds()))
-_POLICY_DEFAULTS = policy_mod.DEFAULTS
 
 
 class RulesError(ValueError):
@@ -196,7 +195,7 @@ class RuleSet:
     rules: list[Rule]
     baselines: list[Baseline]
     layers: list[tuple[str, Patterns]]
-    policy: dict = field(default_factory=lambda: dict(_POLICY_DEFAULTS))
+    policy: Policy = field(default_factory=Policy)
     path: str = "<rules>"
     incidents: list[Incident] = field(default_factory=list)
 
@@ -566,28 +565,13 @@ def _layers(path: str, doc: dict) -> list[tuple[str, Patterns]]:
     return layers
 
 
-def _policy(path: str, doc: dict) -> dict:
-    """The breaker's settings over their defaults, each checked."""
-    policy = dict(_POLICY_DEFAULTS)
+def _policy(path: str, doc: dict) -> Policy:
+    """The breaker's settings over their defaults (checked where they are made), at file:line."""
     raw_policy = doc.get("policy", {}) or {}
-    line = raw_policy.get("__line__", 0)
-    for key, value in raw_policy.items():
-        if key == "__line__":
-            continue
-        if key not in _POLICY_DEFAULTS:
-            raise _err(path, line, f"unknown policy setting {key!r}; allowed: {', '.join(_POLICY_DEFAULTS)}")
-        policy[key] = value
-    _number(path, line, policy, "consecutive_critical", integer=True, minimum=1)
-    _number(path, line, policy, "command_ttl_s", minimum=1)
-    if policy["skip_batches"] != "auto":
-        _number(path, line, policy, "skip_batches", integer=True, minimum=0)
-    _number(path, line, policy, "rollback_min_steps_before_onset", integer=True, minimum=0)
-    _number(path, line, policy, "max_rollbacks_per_hour", integer=True, minimum=0)
-    _number(path, line, policy, "recurrence_steps", integer=True, minimum=0)
-    if policy["on_command_failure"] not in policy_mod.ON_COMMAND_FAILURE:
-        raise _err(path, line, f"'on_command_failure' must be one of {', '.join(policy_mod.ON_COMMAND_FAILURE)}, "
-                               f"got {policy['on_command_failure']!r}")
-    return policy
+    try:
+        return Policy.from_settings({k: v for k, v in raw_policy.items() if k != "__line__"})
+    except ValueError as exc:
+        raise _err(path, raw_policy.get("__line__", 0), str(exc)) from None
 
 
 def load(path: str | Path | None = None) -> RuleSet:

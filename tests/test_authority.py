@@ -4,6 +4,7 @@ commands are signed by a key trainers cannot sign with."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -42,7 +43,7 @@ OPERATOR_ENV = _env_from_exports(exports(MASTER, "operator"))
 
 def _engine(**policy) -> Engine:
     rules = rules_mod.load(None)
-    rules.policy = {**rules.policy, **policy}
+    rules.policy = dataclasses.replace(rules.policy, **policy)
     return Engine(rules, signing_key=MASTER)
 
 

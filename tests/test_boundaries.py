@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 STAGES = ("producers", "streams", "sinks")
 FORBIDDEN = {
-    "trainguard/core": (*STAGES, "cli", "ui", "operate", "tail", "demo", "replay", "broker"),
+    "trainguard/core": (*STAGES, "cli", "ui", "operate", "operator_events", "tail", "demo", "replay", "broker"),
     "schemas": STAGES,
     "streams": ("producers", "sinks"),
     "producers": ("streams", "sinks"),

@@ -1,4 +1,4 @@
-"""What one run may hold (streams/engine.py: Limits): a producer with thousands of metric names
+"""What one run may hold (streams/engine/state.py: Limits): a producer with thousands of metric names
 or sources, or thousands of invented run ids, meets a documented cap, said in the log once and
 in the run's status, and every state record stays under a broker's message limit."""
 

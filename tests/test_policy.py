@@ -1,12 +1,15 @@
 """The circuit breaker's decisions: safe checkpoints, skipped batches, limits, reports."""
 
+import dataclasses
 import time
 
 import orjson
+import pytest
 
 from trainguard.schemas import events as ev
 from trainguard.simulator import SimulatedPPO
 from trainguard.sinks.reports import ReportSink
+from trainguard.streams import policy
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
 
@@ -16,7 +19,7 @@ NODE = ev.source("node", "h")
 
 def ruleset(**policy):
     r = rules_mod.load(None)
-    r.policy = {**r.policy, **policy}
+    r.policy = dataclasses.replace(r.policy, **policy)
     return r
 
 
@@ -211,9 +214,8 @@ def test_acks_of_other_commands_and_applied_acks_change_nothing():
 def test_a_second_event_of_a_healthy_step_can_still_make_it_critical():
     """A trainer that reports a step in two events (its own logs and, say, a guard's count):
     the NaN in the second must not be lost because the first was healthy."""
-    from trainguard.streams import policy
 
-    state, pol = policy.BreakerState(), {**policy.DEFAULTS, "consecutive_critical": 1}
+    state, pol = policy.BreakerState(), policy.Policy(consecutive_critical=1)
     ckpts = [{"step": 4, "path": "/c/4", "ts": 0.0, "healthy": True}]
     args = dict(run_id="r", ts=10.0, alert_ids=["a"], rules=["non_finite"], checkpoints=ckpts, diagnosis="NaN")
     assert policy.on_step(state, pol, step=8, critical=False, **args) is None
@@ -241,3 +243,29 @@ def test_an_alert_naming_two_metrics_is_one_reason_for_the_command():
     assert commands, [o.value.get("rule") for o in outputs if o.kind == "alert"]
     reasons = commands[0]["reason"]
     assert len(reasons) == len(set(reasons)), reasons
+
+
+RULES_WITH_POLICY = "version: 1\nrules:\n  - name: loss_high\n    metric: loss\n    above: 1\npolicy:\n  {}\n"
+
+
+@pytest.mark.parametrize("setting, problem", [
+    ("consecutive_critical: 0", "'consecutive_critical' must be >= 1, got 0"),
+    ("bogus: 1", "unknown policy setting 'bogus'; allowed: consecutive_critical, command_ttl_s"),
+    ("on_command_failure: explode", "'on_command_failure' must be one of rearm, stop, got 'explode'"),
+    ("skip_batches: 1.5", "'skip_batches' must be an integer, got 1.5"),
+    ("max_rollbacks_per_hour: true", "'max_rollbacks_per_hour' must be an integer, got True"),
+    ("step_sources: 3", "'step_sources' must be a list of source kinds, got 3"),
+])
+def test_a_bad_policy_setting_is_refused_at_its_file_and_line(setting, problem):
+    with pytest.raises(rules_mod.RulesError) as err:
+        rules_mod.parse(RULES_WITH_POLICY.format(setting), "mine.yaml")
+    assert str(err.value).startswith(f"mine.yaml:7: {problem}")
+
+
+def test_the_policy_is_a_typed_value_checked_as_it_is_made():
+    pol = rules_mod.parse(RULES_WITH_POLICY.format("step_sources: [trainer, rollout]"), "mine.yaml").policy
+    assert pol.step_sources == ("trainer", "rollout") and pol.consecutive_critical == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pol.consecutive_critical = 1  # type: ignore[misc]
+    with pytest.raises(ValueError, match="'command_ttl_s' must be >= 1"):
+        policy.Policy(command_ttl_s=0)

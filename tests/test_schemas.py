@@ -202,3 +202,39 @@ def test_an_integer_no_64_bit_number_holds_is_refused_by_name(field):
            f'"metrics":{{"a":1.0}}}}')
     with pytest.raises(ev.SchemaError, match="400 digits is out of range"):
         ev.decode(raw.encode())
+
+
+def _alert(**overrides):
+    fields = dict(alert_id=ev.alert_id("run-1", "kl_explosion", "trainer@0", "actor/kl_loss", 3, 0),
+                  severity="P1", critical=True, summary="KL exploded", metric="actor/kl_loss", value=2.5,
+                  signal="kl", metrics=["actor/kl_loss"], values={"actor/kl_loss": 2.5}, layer="data", source=SRC,
+                  step=3, ts=1.5e9, evidence={"detector": "rolling_z"}, diagnosis="d", suggestion="s")
+    return ev.alert_event("run-1", "kl_explosion", **{**fields, **overrides})
+
+
+def test_alert_and_report_builders_make_what_the_published_schemas_accept():
+    alert = _alert(node_snapshot={})
+    assert alert["id"] == ev.alert_id("run-1", "kl_explosion", "trainer@0", "actor/kl_loss", 3, 0)  # replays: same id
+    assert alert["onset"] == {"step": 3, "ts": 1.5e9} and alert["status"] == "firing"
+    incident = _alert(kind="incident", metrics=None, layers=["compute", "data"], onset={"step": 1, "ts": 1.4e9})
+    assert "metrics" not in incident and incident["kind"] == "incident"
+    command = ev.command_event("run-1", "rollback", target={"step": 2, "path": "/c/2"}, detail="why", issued=1.5e9)
+    report = ev.report_event("run-1", command, ts=1.5e9, step=3, incident={"onset_step": 3}, alerts=[alert],
+                             windows={}, resource_snapshot={}, checkpoint={"chosen": None}, history={})
+    assert report["id"] == "report-" + command["id"] and report["action"] == "rollback"
+    for event in (alert, incident, report):
+        jsonschema.validate(orjson.loads(ev.encode(event)), published(event["schema"]))
+
+
+@pytest.mark.parametrize("bad, field", [({"severity": "P9"}, "severity"), ({"ts": math.nan}, "ts"),
+                                        ({"evidence": None}, "evidence"), ({"alert_id": ""}, "id")])
+def test_an_alert_built_wrong_is_refused_naming_the_field(bad, field):
+    with pytest.raises(ev.SchemaError, match=field):
+        _alert(**bad)
+
+
+def test_a_report_of_an_unknown_action_is_refused():
+    command = {"id": "c1", "action": "explode", "detail": ""}
+    with pytest.raises(ev.SchemaError, match="action"):
+        ev.report_event("run-1", command, ts=1.5e9, step=3, incident={}, alerts=[], windows={},
+                        resource_snapshot={}, checkpoint={}, history={})

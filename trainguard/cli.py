@@ -83,13 +83,13 @@ def _ui(args) -> int:
 
 
 def _silence(args) -> int:
-    from trainguard.operate import silence_main
+    from trainguard.operator_events import silence_main
 
     return silence_main(args)
 
 
 def _alert(args) -> int:
-    from trainguard.operate import alert_main
+    from trainguard.operator_events import alert_main
 
     return alert_main(args)
 

@@ -1,0 +1,182 @@
+"""The breaker: steps in, commands and reports out, acks back."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from trainguard.schemas import events as ev
+from trainguard.schemas.signing import SigningKey, sign, verify, verify_trainer
+from trainguard.streams import keys, policy
+from trainguard.streams.engine.book import AlertBook
+from trainguard.streams.engine.outputs import Output, OutputKind, dead_letter
+from trainguard.streams.engine.state import RunState
+from trainguard.streams.engine.status import StatusRoom
+from trainguard.streams.minutes import MinuteWindows
+
+if TYPE_CHECKING:
+    from trainguard.streams.engine.judging import EventContext
+
+log = logging.getLogger("trainguard.engine")
+
+# Lifecycle events that change what the breaker does: only the run's trainer key may send them.
+STEERING_LIFECYCLE = ("started", "finished", "stopped", "rolled_back")
+# A trainer clock further than this from the broker's is said in the command_failed alert.
+CLOCK_SKEW_SAID_S = 60.0
+
+
+def _clock_skew(trainer_ts: float, appended_at: float | None) -> str | None:
+    """"the trainer's clock is 10 min ahead of the broker's", from an ack's own time and the
+    broker's append time (both read as the ack was written); None within a minute or unknown."""
+    if appended_at is None:
+        return None
+    d = trainer_ts - appended_at
+    if abs(d) <= CLOCK_SKEW_SAID_S:
+        return None
+    size = f"{abs(d) / 3600:.1f} h" if abs(d) >= 5400 else f"{abs(d) / 60:.0f} min"
+    return (f"the trainer's clock is {size} {'ahead of' if d > 0 else 'behind'} the broker's (and so the "
+            f"worker's); commands are judged on the broker's clock where the control topic uses LogAppendTime")
+
+
+
+class Breaker(AlertBook, StatusRoom):
+    """The engine's side of the circuit breaker: a trainer step to the breaker, its decision out
+    as a signed command with its report, the trainer's acks back, a rollback applied; and who may
+    steer it (signed checkpoints, lifecycle changes, acks and operator events)."""
+
+    signing_key: SigningKey | None
+    verify_keys: dict[str, SigningKey]
+    forged: int
+    windows: MinuteWindows
+
+    def _unauthentic(self, event: dict, raw: bytes | None, topic: str = "", partition: int = -1,
+                     offset: int = -1) -> Output | None:
+        """The dead letter of a steering event or ack that its sender's key did not sign (None
+        when it is signed, or does not need to be): a checkpoint, a lifecycle change or an ack by
+        the run's trainer key, an operator event by an operator key."""
+        kind = event["schema"]
+        if kind == ev.OPERATOR:
+            who = "an operator"
+        elif kind in (ev.CHECKPOINT, ev.ACK) or (kind == ev.LIFECYCLE and event["event"] in STEERING_LIFECYCLE):
+            who = "the run's trainer"
+        else:
+            return None
+        if not self.require_signed:
+            return None
+        if kind == ev.OPERATOR:
+            problem = verify(event, self.verify_keys, operators_only=True)
+        else:
+            problem = verify_trainer(event, self.verify_keys)
+        if problem is None:
+            return None
+        self.forged += 1
+        what = kind + (f" {event['event']}" if kind == ev.LIFECYCLE else "")
+        reason = f"refused {what}: not signed by {who}'s key ({problem}); it changes nothing"
+        log.warning("trainguard: run %s: %s", event.get("run_id"), reason)
+        if raw is None:  # applied from code (a replay): the event as JSON, or as Python wrote it
+            try:
+                raw = ev.encode(event)
+            except (TypeError, ValueError):
+                raw = repr(event).encode("utf-8", "backslashreplace")
+        return dead_letter(raw, reason, topic, partition, offset)
+
+    def _breaker_step(self, ctx: "EventContext") -> None:
+        """A trainer step, critical or not, goes to the breaker; a decision goes out as a
+        command (signed) with its diagnosis report."""
+        event, critical = ctx.event, ctx.critical
+        decision = policy.on_step(ctx.run.breaker, self.rules.policy, run_id=ctx.run_id, step=event["step"],
+                                  ts=event["ts"], critical=bool(critical), immediate=ctx.immediate,
+                                  alert_ids=[c[0] for c in critical], rules=[c[1] for c in critical],
+                                  checkpoints=ctx.run.checkpoints, diagnosis=critical[0][2] if critical else "",
+                                  now=self.clock(), ids=self._command_id,
+                                  began=self._warned_since(ctx) if critical else None)
+        if decision is None:
+            return
+        report = self._report(ctx.run, ctx.run_id, decision, event)
+        command = {**decision.command, "report": report["id"]}
+        if self.signing_key is not None:
+            command = sign(command, self.signing_key)
+        ctx.outputs.append(Output(OutputKind.REPORT, ctx.run_id, report))
+        ctx.outputs.append(Output(OutputKind.COMMAND, ctx.run_id, command))
+
+    @staticmethod
+    def _warned_since(ctx: "EventContext") -> tuple[int, str] | None:
+        """The first step of the alerts still open on the critical alerts' metrics, and its rule:
+        a change is often warned about steps before it turns critical (a KL spike, then the
+        explosion), and a checkpoint saved in between already holds it."""
+        metrics = {a.get("metric") for a in ctx.state.firing.values() if a["id"] in {c[0] for c in ctx.critical}}
+        warned = [(a["step"], a["rule"]) for a in ctx.state.firing.values()
+                  if a.get("metric") in metrics and isinstance(a.get("step"), int)]
+        return min(warned) if warned else None
+
+    def _ack(self, ack: dict, raw: bytes, partition: int, offset: int, topic: str,
+             appended_at: float | None = None) -> list[Output]:
+        run_key = ack["run_id"].encode()
+        if run_key not in self.store or (ack["status"] == "applied" and not self._run(run_key).notices):
+            return []
+        problem = self._unauthentic(ack, raw, topic, partition, offset)
+        if problem is not None:
+            return [problem]
+        if ack.get("cause") in ("unauthenticated", "replayed"):
+            # The trainer refused a forged copy or a second delivery under this id: the command
+            # the breaker waits for is untouched by it.
+            log.warning("trainguard: run %s: the trainer refused a %s copy of command %s: %s", ack["run_id"],
+                        ack["cause"], ack["command_id"], ack.get("detail", ""))
+            return []
+        run = self._run(run_key)
+        if ack["status"] == "applied":  # a later command worked: the refused one's alert is over
+            self._changed(run_key, run.partition)
+            return [o for o in (self._resolve(run, run.notices.pop(aid), {"ts": ack["ts"], "step": ack.get("step")},
+                                              resolution=f"the trainer applied command {ack['command_id']}")
+                                for aid in list(run.notices)) if o is not None]
+        handled, stop = policy.on_command_refused(run.breaker, self.rules.policy, run_id=ack["run_id"],
+                                                  command_id=ack["command_id"], status=ack["status"],
+                                                  detail=ack.get("detail", ""), ts=ack["ts"], now=self.clock(),
+                                                  ids=self._command_id)
+        if not handled:
+            return []
+        self._changed(run_key, run.partition)
+        then = "the breaker stops the run" if stop else "the breaker counts critical steps afresh"
+        skew = _clock_skew(ack["ts"], appended_at)
+        alert = ev.alert_event(
+            ack["run_id"], "command_failed", alert_id=ev.alert_id(ack["run_id"], "command_failed", ack["command_id"]),
+            severity="P1", critical=False, summary=f"The trainer {ack['status']} the breaker's command",
+            metric="ack", value=None, signal=None, metrics=[], values={}, layer="data", source=None,
+            step=ack.get("step"), ts=ack["ts"],
+            evidence={"detector": "ack", "command_id": ack["command_id"], "status": ack["status"],
+                      "detail": ack.get("detail", "")},
+            diagnosis=f"The trainer answered {ack['status']}: {ack.get('detail') or 'no detail'}; {then}."
+                      + (f" Note: {skew}." if skew else ""),
+            suggestion="Check the checkpoint path and the trainer's log; a rollback that cannot be applied "
+                       "needs a person (or set on_command_failure: stop).")
+        run.notices[alert["id"]] = alert
+        self._book(run, alert)
+        outputs = [Output(OutputKind.ALERT, ack["run_id"], alert)]
+        if stop is not None:
+            if self.signing_key is not None:
+                stop = sign(stop, self.signing_key)
+            outputs.append(Output(OutputKind.COMMAND, ack["run_id"], stop))
+        return outputs
+
+    def _command_id(self, stable: str) -> str:
+        return self.signing_key.command_id(stable) if self.signing_key is not None else stable
+
+    def _rolled_back(self, event: dict, run: RunState, run_id: str, partition: int, outputs: list) -> None:
+        policy.on_rolled_back(run.breaker, event.get("step"))
+        for sid in run.sources:  # the restored model is not what the windows saw
+            key = keys.source_key(run_id, sid)
+            src = self._source(key, "") if key in self.store else None
+            if src is not None and src.kind in self.rules.policy.step_sources:
+                for alert in {a["id"]: a for a in src.firing.values()}.values():
+                    self._add(outputs, self._resolve(run, alert, event, resolution="the trainer rolled back"))
+                src.block.reset()
+                src.streaks.clear()
+                src.firing.clear()
+                src.tracks.clear()
+                src.detectors.clear()
+                for start in [*src.windows, *([] if src.minute is None else [src.minute])]:
+                    self.windows.delete(key, start, partition)
+                src.windows, src.minute = [], None
+                self._changed(key, partition)
+        run.open_critical.clear()
+        run.cross.clear()

@@ -1,0 +1,108 @@
+"""Correlation: stragglers across ranks, incidents across rules, sources that speak again."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from trainguard.schemas import events as ev
+from trainguard.streams import trackers
+from trainguard.streams.detectors import CrossRank
+from trainguard.streams.engine.book import AlertBook
+from trainguard.streams.engine.state import RunState
+from trainguard.streams.rules import Rule
+
+if TYPE_CHECKING:
+    from trainguard.streams.engine.judging import EventContext
+
+class Correlation(AlertBook):
+    """Alerts across sources and rules: silent sources coming back, stragglers among ranks,
+    incidents of rules that fire together."""
+
+    _cross_rules: list[Rule]
+    _cross_min_ranks: int
+    _cross_pairs: dict[tuple, list]
+
+    def _seen(self, run: RunState, run_id: str, event: dict, outputs: list) -> None:
+        """A source spoke: remember when, and close a staleness alert if it was silent."""
+        src = event["source"]
+        kind = src["kind"]
+        run.last_seen[kind] = [self.clock(), event.get("step"), src]
+        if src.get("rank") is not None and kind in self.rules.policy.step_sources:
+            run.ranks.setdefault(str(src["rank"]), src)
+        for key in [k for k in run.stale if k.endswith("|" + kind)]:
+            self._add(outputs, self._resolve(run, run.stale.pop(key), {"ts": event["ts"], "step": event.get("step")},
+                                         resolution=f"{kind} is publishing again"))
+
+    def _correlate(self, ctx: "EventContext") -> None:
+        """Stragglers (one rank far from its peers) and incidents (rules that fire together)."""
+        run, src = ctx.run, ctx.event["source"]
+        if (self._cross_rules and src.get("rank") is not None and len(run.ranks) >= self._cross_min_ranks
+                and src["kind"] in self.rules.policy.step_sources):
+            self._cross_rank(run, ctx.run_id, ctx.event, ctx.outputs)
+        # An incident can only open when one of its members fires, and only an open one can end.
+        if self.rules.incidents and (self._fired or run.incidents):
+            self._incidents(run, ctx.run_id, ctx.event, ctx.outputs, ctx.critical)
+
+    def _cross_rank(self, run: RunState, run_id: str, event: dict, outputs: list) -> None:
+        """Stragglers: one rank far from its peers at the same step."""
+        rank, step = str(event["source"]["rank"]), event["step"]
+        names = tuple(event["metrics"])
+        pairs = self._cross_pairs.get(names)
+        if pairs is None:  # which (rule, metric) pairs an event of this shape feeds, worked out once
+            if len(self._cross_pairs) > 1024:
+                self._cross_pairs.clear()
+            pairs = self._cross_pairs[names] = [(rule, metric) for rule in self._cross_rules
+                                                for metric in names if rule.watches(metric)]
+        for rule, metric in pairs:
+            value = event["metrics"][metric]
+            if math.isfinite(value):
+                key = f"{rule.name}|{metric}"
+                cr = run.cross.get(key)
+                if cr is None:
+                    params = {k: v for k, v in rule.detector.items() if k != "kind"}
+                    cr = run.cross[key] = CrossRank(**params)
+                cr.add(step, rank, value)
+                for s in trackers.steps_to_judge(cr.pending, len(run.ranks), step):
+                    flagged = {str(r): (v, med, z) for r, v, med, z in cr.complete(s)}
+                    open_ranks = {r for r in run.ranks if f"{key}|{r}" in run.cross_firing}
+                    opens, closes = trackers.straggler_changes(flagged, run.ranks, open_ranks)
+                    for r in opens:
+                        v, med, z = flagged[r]
+                        src = run.ranks[r]
+                        alert = self._alert({**event, "step": s, "source": src}, run, run_id, ev.source_id(src),
+                                            rule, metric, v, {**cr.evidence(), "detector": "cross_rank",
+                                                              "median": med, "robust_z": z, "rank": r},
+                                            run.breaker.attempt)
+                        run.cross_firing[f"{key}|{r}"] = alert
+                        self._add(outputs, self._fire(run, alert, rule))
+                    for r in closes:
+                        self._add(outputs, self._resolve(run, run.cross_firing.pop(f"{key}|{r}"),
+                                                         {"ts": event["ts"], "step": s}))
+
+    def _incidents(self, run: RunState, run_id: str, event: dict, outputs: list, critical: list) -> None:
+        """Alerts of several rules that belong together become one incident with a root cause."""
+        ts = event["ts"]
+        for incident in self.rules.incidents:
+            verdict, members = trackers.incident_verdict(incident.rules, incident.within_s, run.active,
+                                                         incident.name in run.incidents, ts)
+            if verdict == trackers.OPEN:  # every member present
+                alert = ev.alert_event(
+                    run_id, incident.name, alert_id=ev.alert_id(run_id, incident.name, event["step"],
+                                                                run.breaker.attempt),
+                    severity=incident.severity, critical=incident.critical, kind="incident",
+                    summary=incident.summary, metric="incident", value=len(members),
+                    layer=members[0]["alert"]["layer"], layers=sorted({m["alert"]["layer"] for m in members}),
+                    source=event["source"], step=event["step"], ts=ts,
+                    onset={"step": min(m["alert"]["step"] for m in members),
+                           "ts": min(m["last_ts"] for m in members)},
+                    evidence={"detector": "incident",
+                              "members": [{"rule": r, **m["alert"]}
+                                          for r, m in zip(incident.rules, members, strict=True)]},
+                    diagnosis=incident.diagnosis, suggestion=incident.suggestion, node_snapshot=dict(run.nodes))
+                run.incidents[incident.name] = alert
+                self._add(outputs, self._fire(run, alert, incident))
+            elif verdict == trackers.CLOSE:
+                self._add(outputs, self._resolve(run, run.incidents.pop(incident.name), event))
+            if incident.critical and run.incidents.get(incident.name):
+                critical.append((run.incidents[incident.name]["id"], incident.name, incident.summary))

@@ -1,0 +1,376 @@
+"""Run and source state: what one run holds (:class:`RunState`), what one producer of it holds
+(:class:`SourceState`), the caps on both (:class:`Limits`), and the access to their entries in
+the store (decoded on first use, parked as bytes, serialized for the changelog).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, MutableMapping
+
+import numpy as np
+import orjson
+
+from trainguard.streams import keys, policy
+from trainguard.streams.alerts import Track
+from trainguard.streams.baseline import BaselineBlock
+from trainguard.streams.detectors import detector_from_state
+from trainguard.streams.rules import ENGINE_KINDS, RuleSet, base_name
+from trainguard.streams.signals import signal_of
+
+log = logging.getLogger("trainguard.engine")
+
+
+MAX_CHECKPOINTS = 64
+MAX_SNAPSHOT_HOSTS = 16
+MAX_RECENT_ALERTS = 32
+MAX_UNWATCHED = 50  # metric names no rule judges, kept per run for `trainguard status`
+MAX_SILENCES = 32  # per run: the newest are kept
+MAX_BOOK = 256  # open alerts listed per run: the newest are kept
+MAX_SNAPSHOT_METRICS = 256  # per host in the node snapshot alerts carry
+_STATE_MAGIC = b"TGS1"  # source state: magic, header length, JSON header, raw float64 arrays
+STATE_VERSION = 1      # of the run state and the source state's header (0: before versions were written)
+_SHARED_ROWS: dict[tuple, tuple] = {}  # interned rule-index tuples: a few shapes for millions of rows
+
+
+class SourceState:
+    """Baselines, rule detectors and open alert episodes of one producer (a trainer rank, a node).
+
+    Slots are ``(rule index, row)`` pairs; they are stored by rule and metric *name*, so a
+    worker restarted with an edited rules file keeps what still applies.
+    """
+
+    __slots__ = ("kind", "block", "rule_rows", "det_rows", "gate_hi", "gate_lo", "always", "streaks", "firing",
+                 "detectors", "minute", "windows", "res_rows", "gate_cv", "any_cv", "gate_eq", "eq_tol", "any_eq",
+                 "given_rows", "known", "tracks", "points", "_det_cache", "_given_cache")
+
+    def __init__(self, kind: str, block: BaselineBlock | None = None):
+        self.kind = kind
+        self.block = block or BaselineBlock()
+        self.rule_rows: list[tuple[int, ...]] = []   # per row: baseline rules that watch it
+        self.det_rows: dict[int, tuple[int, ...]] = {}  # row -> rules with their own detector, per sample
+        self.res_rows: dict[int, tuple[int, ...]] = {}  # row -> rules with their own detector, per interval
+        self.gate_hi = np.zeros(0)             # per row: lowest 'above' of its threshold-only rules
+        self.gate_lo = np.zeros(0)             # per row: highest 'below' of its threshold-only rules
+        self.always = np.zeros(0, bool)        # per row: judged every sample (relative conditions)
+        self.gate_cv = np.zeros(0)             # per row: lowest cv_above of its relative-only rules
+        self.any_cv = False
+        self.gate_eq = np.zeros(0)             # per row: the 'equals' of its threshold-only rules (NaN: none)
+        self.eq_tol = np.zeros(0)
+        self.any_eq = False
+        self.given_rows: dict[int, str] = {}   # row -> signal, for signals some rule's 'given' reads
+        self.known: dict[str, float] = {}      # those signals' latest values from this source
+        self.streaks: dict[tuple[int, int], list] = {}   # slot -> [samples holding, since ts]
+        self.firing: dict[tuple[int, int], dict] = {}    # slot -> the open alert
+        self.tracks: dict[tuple[int, int], Track] = {}   # slot -> its episodes' lifecycle (streams/alerts.py)
+        self.points = 0                                  # events of this source: the lifecycle's clock
+        self.detectors: dict[tuple[int, int], Any] = {}  # slot -> the rule's detector for that metric
+        self.minute: float | None = None                 # start of the open per-minute window (resample_s)
+        self.windows: list[float] = []                   # starts of the closed windows still held
+        self._det_cache: tuple | None = None
+        self._given_cache: tuple | None = None
+
+    def bind(self, rules: RuleSet) -> None:
+        """Work out which rules watch each row added since the last call."""
+        names = self.block.names
+        shared = _SHARED_ROWS  # rows of every source watched by the same rules share one tuple
+        for row in range(len(self.rule_rows), len(names)):
+            watching = rules.rules_for(names[row], self.kind)
+            plain = tuple(i for i in watching if rules.rules[i].detector is None)
+            self.rule_rows.append(shared.setdefault(plain, plain))
+            series = [i for i in watching if rules.rules[i].detector is not None
+                      and rules.rules[i].kind not in ENGINE_KINDS]
+            per_sample = tuple(i for i in series if not rules.rules[i].resample_s)
+            per_interval = tuple(i for i in series if rules.rules[i].resample_s)
+            if per_sample:
+                self.det_rows[row] = shared.setdefault(per_sample, per_sample)
+            if per_interval:
+                self.res_rows[row] = shared.setdefault(per_interval, per_interval)
+        hi = np.full(len(names), np.inf)
+        lo = np.full(len(names), -np.inf)
+        always = np.zeros(len(names), bool)
+        cv = np.full(len(names), np.inf)
+        eq = np.full(len(names), np.nan)
+        wanted = rules.given_signals
+        self.given_rows = {row: sig for row, sig in ((row, signal_of(base_name(n))) for row, n in enumerate(names))
+                           if sig in wanted} if wanted else {}
+        for row, idxs in enumerate(self.rule_rows):
+            for i in idxs:
+                r = rules.rules[i]
+                if r.threshold_only and r.equals is not None:
+                    if eq[row] == eq[row] and eq[row] != r.equals:
+                        always[row] = True  # two targets on one row: judge every sample
+                    eq[row] = r.equals
+                if r.relative and not r.anomalous:
+                    if r.cv_above is not None:  # cannot hold unless std > cv_above x |mean|
+                        cv[row] = min(cv[row], r.cv_above)
+                    else:
+                        always[row] = True
+                if r.threshold_only:
+                    if r.above is not None:
+                        hi[row] = min(hi[row], r.above)
+                    if r.below is not None:
+                        lo[row] = max(lo[row], r.below)
+        self.gate_hi, self.gate_lo, self.always, self.gate_cv = hi, lo, always, cv
+        self.any_cv = bool(np.isfinite(cv).any())
+        self.gate_eq, self.eq_tol = eq, 1e-12 * np.maximum(1.0, np.abs(np.nan_to_num(eq)))
+        self.any_eq = bool(np.isfinite(eq).any())
+        self._det_cache = None
+        self._given_cache = None
+
+    def remember(self, rows: np.ndarray, x: np.ndarray) -> None:
+        """Keep the latest values of the signals that rules' ``given:`` conditions read."""
+        cached = self._given_cache
+        if cached is None or cached[0] is not rows:
+            given = self.given_rows
+            cached = self._given_cache = (rows, [(j, given[row]) for j, row in enumerate(rows.tolist())
+                                                 if row in given])
+        for j, signal in cached[1]:
+            self.known[signal] = float(x[j])
+
+    def det_positions(self, rows: np.ndarray) -> tuple:
+        """For an event's rows: ``(position in the event, row, rules)`` of the per-sample
+        detectors, the same for the per-interval ones, and those positions and metric names
+        as one array and tuple (for the window aggregates). The block hands out the same rows
+        object for events of the same shape, so this is cached."""
+        cached = self._det_cache
+        if cached is not None and cached[0] is rows:
+            return cached[1]
+        listed = list(enumerate(rows.tolist()))
+        plain = [(j, row, self.det_rows[row]) for j, row in listed if row in self.det_rows]
+        per_interval = [(j, row, self.res_rows[row]) for j, row in listed if row in self.res_rows]
+        names = self.block.names
+        found = (plain, per_interval, np.array([j for j, _, _ in per_interval], dtype=np.intp),
+                 tuple(names[row] for _, row, _ in per_interval))
+        self._det_cache = (rows, found)
+        return found
+
+    def to_bytes(self, rules: RuleSet) -> bytes:
+        """A JSON header, then the baseline's arrays as raw bytes (no base64, no number parsing)."""
+        names, rnames = self.block.names, [r.name for r in rules.rules]
+        header = orjson.dumps({
+            "kind": self.kind, "block": self.block.header(),
+            "streaks": [[rnames[r], names[w], v] for (r, w), v in self.streaks.items()],
+            "firing": [[rnames[r], names[w], a] for (r, w), a in self.firing.items()],
+            "tracks": [[rnames[r], names[w], t.to_state()] for (r, w), t in self.tracks.items()],
+            "points": self.points,
+            "detectors": [[rnames[r], names[w], d.to_state()] for (r, w), d in self.detectors.items()],
+            "minute": self.minute, "windows": self.windows, "known": self.known, "v": STATE_VERSION,
+        })
+        return _STATE_MAGIC + len(header).to_bytes(4, "little") + header + self.block.arrays()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, rules: RuleSet) -> "SourceState":
+        if not raw.startswith(_STATE_MAGIC):
+            raise ValueError("not a trainguard source state")
+        size = int.from_bytes(raw[4:8], "little")
+        d = orjson.loads(raw[8:8 + size])
+        state = cls(d["kind"], BaselineBlock.from_parts(d["block"], memoryview(raw)[8 + size:]))
+        state.bind(rules)
+        rule_index = {r.name: i for i, r in enumerate(rules.rules)}
+        rows = state.block.index
+
+        def slots(items):
+            for rname, metric, value in items:
+                if rname in rule_index and metric in rows:
+                    yield (rule_index[rname], rows[metric]), value
+
+        state.streaks = dict(slots(d["streaks"]))
+        state.firing = dict(slots(d["firing"]))
+        state.tracks = {slot: Track.from_state(v) for slot, v in slots(d.get("tracks", []))}
+        state.points = int(d.get("points", 0))
+        state.detectors = {slot: detector_from_state(v) for slot, v in slots(d["detectors"])}
+        state.minute = d.get("minute")
+        state.windows = d.get("windows", [])
+        state.known = {k: (math.nan if v is None else v) for k, v in d.get("known", {}).items()}
+        return state
+
+
+@dataclass
+class RunState:
+    offset: int = -1
+    partition: int = 0
+    breaker: policy.BreakerState = field(default_factory=policy.BreakerState)
+    checkpoints: list = field(default_factory=list)     # {step, path, ts, healthy}
+    nodes: dict = field(default_factory=dict)           # host -> {ts, step, metrics}
+    sources: list = field(default_factory=list)         # source ids seen
+    open_critical: dict = field(default_factory=dict)   # alert id -> rule, while firing
+    recent_alerts: list = field(default_factory=list)   # the last critical alerts, for reports
+    active: dict = field(default_factory=dict)          # rule -> {open, last_ts, alert}: for incidents
+    incidents: dict = field(default_factory=dict)       # incident name -> its open alert
+    last_seen: dict = field(default_factory=dict)       # source kind -> [received at, step, source]
+    stale: dict = field(default_factory=dict)           # rule|kind -> its open alert
+    ranks: dict = field(default_factory=dict)           # rank -> source, for trainer ranks
+    cross: dict = field(default_factory=dict)           # rule|metric -> CrossRank
+    cross_firing: dict = field(default_factory=dict)    # rule|metric|rank -> its open alert
+    finished: bool = False
+    finished_at: float | None = None                    # received at, for forgetting the run
+    stopped: bool = False                               # it ended on a stop (a command, or its trainer's own)
+    dropped_events: float | None = None                 # the trainer client's own count, last reported
+    silences: list = field(default_factory=list)        # {id, rule, until, reason, by}: an operator's
+    acknowledged: dict = field(default_factory=dict)    # alert id -> {by, reason, ts}, while it is open
+    book: dict = field(default_factory=dict)            # alert id -> summary: every open published alert
+    announced: bool = False                             # its trainer said it started (a signed lifecycle event)
+    notices: dict = field(default_factory=dict)         # alert id -> alert the engine raised (a refused command)
+    unwatched: list = field(default_factory=list)       # metric names no rule judges (MAX_UNWATCHED)
+    events: int | None = None                           # events applied (None: counted by no release yet)
+    rows: int = 0                                       # metric rows of its sources, all together
+    limits: dict = field(default_factory=dict)          # cap -> {cap, left_out, of}: what it left out
+
+    def to_bytes(self) -> bytes:
+        d = self.__dict__.copy()
+        d["v"] = STATE_VERSION
+        d["breaker"] = self.breaker.to_state()
+        d["cross"] = {k: v.to_state() for k, v in self.cross.items()}
+        # A copy of exactly its size: orjson's buffer of 8-16 KB would be held for each run's
+        # record until the changelog's producer sent it (20,000 of them after a burst of runs).
+        return bytes(memoryview(orjson.dumps(d)))
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "RunState":
+        d = known_fields(cls, orjson.loads(raw), "run state")
+        if "breaker" in d:
+            d["breaker"] = policy.BreakerState.from_state(d["breaker"])
+        d["cross"] = {k: detector_from_state(v) for k, v in d.get("cross", {}).items()}
+        return cls(**d)
+
+
+def known_fields(cls, d: dict, what: str) -> dict:
+    """The fields of a state blob this build knows: a blob from an older release lacks new
+    fields (their defaults apply), one from a newer release may carry fields this build does
+    not know (dropped, said once in the log) instead of failing every later event."""
+    version = d.pop("v", 0)
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown or version > STATE_VERSION:
+        log.warning("trainguard: %s written by state version %s (this build writes %d); dropped the fields this "
+                    "build does not know: %s", what, version, STATE_VERSION, ", ".join(unknown) or "none")
+    return {k: v for k, v in d.items() if k in names}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one run may hold, so that no state record outgrows a broker's message and nobody who
+    can write to the events topic grows the worker without bound. Past a cap the engine leaves
+    the rest out, counts it, and says so once in the log and in the run's status (``limits``)."""
+    sources_per_run: int = 1024
+    rows_per_source: int = 1000   # metric names judged per source
+    rows_per_run: int = 20_000
+    tiny_run_events: int = 3      # a run with at most this many events ...
+    tiny_run_ttl_s: float = 1800.0  # ... is forgotten this long after its last one
+    record_bytes: int = (1 << 20) - (64 << 10)  # a broker's message limit, less headroom
+    SETTINGS: ClassVar[dict] = {"sources_per_run": "TRAINGUARD_MAX_SOURCES_PER_RUN",
+                                "rows_per_source": "TRAINGUARD_MAX_ROWS_PER_SOURCE",
+                                "rows_per_run": "TRAINGUARD_MAX_ROWS_PER_RUN"}
+
+    @classmethod
+    def from_settings(cls) -> "Limits":
+        from trainguard.core.settings import integer, number
+
+        record = integer("TRAINGUARD_MAX_MESSAGE_BYTES") - (64 << 10)
+        if record < 64 << 10:
+            raise ValueError(f"TRAINGUARD_MAX_MESSAGE_BYTES={record + (64 << 10)} is too small (at least 131072)")
+        return cls(sources_per_run=integer("TRAINGUARD_MAX_SOURCES_PER_RUN"),
+                   rows_per_source=integer("TRAINGUARD_MAX_ROWS_PER_SOURCE"),
+                   rows_per_run=integer("TRAINGUARD_MAX_ROWS_PER_RUN"),
+                   tiny_run_events=integer("TRAINGUARD_TINY_RUN_EVENTS"),
+                   tiny_run_ttl_s=number("TRAINGUARD_TINY_RUN_TTL_S"), record_bytes=record)
+
+
+
+class StateAccess:
+    """The engine's state entries: runs and sources, decoded on first use, held as bytes while
+    parked, serialized for the changelog."""
+
+    rules: RuleSet
+    limits: Limits
+    store: MutableMapping[bytes, Any]
+    dirty: dict[bytes, int]
+    touched: set[bytes]
+    clock: Any
+    require_signed: bool
+    _parked: dict[bytes, float]
+    _kept: dict[bytes, tuple]
+
+    def _changed(self, key: bytes, partition: int) -> None:
+        """The entry under ``key`` changed: the checkpoint writes it to its changelog with the next
+        batch; a run's own entry also has its status published again."""
+        self.dirty[key] = partition
+        if keys.is_run_key(key):
+            self.touched.add(key)
+
+    def _run(self, key: bytes) -> RunState:
+        state = self.store.get(key)
+        if state is None:
+            state = RunState(events=0)
+            self.store[key] = state
+        elif type(state) is bytes:  # restored from the changelog (or parked): decode once, on first use
+            state = RunState.from_bytes(state)
+            self.store[key] = state
+            if self._parked.pop(key, None) is None:
+                log.info("trainguard: restored run %s at offset %d", key.decode(errors="replace"), state.offset)
+            else:  # a parked tiny run woke: its sources are held as bytes too
+                run_id = key.decode()
+                for sid in state.sources:
+                    skey = keys.source_key(run_id, sid)
+                    raw = self.store.get(skey)
+                    if type(raw) is bytes:
+                        self.store[skey] = SourceState.from_bytes(raw, self.rules)
+        return state
+
+    def _look(self, key: bytes) -> RunState:
+        """The run's state to read, not to change: a parked run stays parked."""
+        state = self.store.get(key)
+        if type(state) is bytes and key in self._parked:
+            return RunState.from_bytes(state)
+        return self._run(key)
+
+    def _tiny(self, run: RunState) -> bool:
+        """A run of a few events that reported no checkpoint and was not announced: what anyone who
+        can write to the events topic can invent, by the thousand."""
+        return (run.events is not None and run.events <= self.limits.tiny_run_events and not run.checkpoints
+                and not run.announced)
+
+    def _park_until(self, run: RunState) -> float | None:
+        """When an idle tiny run held as bytes is forgotten; None for a run that is not parked."""
+        if not self._tiny(run) or run.finished or not run.last_seen:
+            return None
+        return max(seen[0] for seen in run.last_seen.values()) + self.limits.tiny_run_ttl_s
+
+    def written(self, key: bytes, value: bytes | None) -> None:
+        """The checkpoint wrote ``value``, the entry as it is now, to the changelog. A tiny run's
+        entries are then held as those bytes until its next event decodes them (as a restarted
+        worker decodes what it restored): one block each instead of a few hundred small objects,
+        which the allocator could not give back to the system once thousands of invented runs had
+        been held at the same time."""
+        if value is None:
+            return
+        run_key = key.split(b"|", 1)[0]
+        if run_key not in self._parked:
+            run = self.store.get(run_key)
+            until = self._park_until(run) if type(run) is RunState else None
+            if until is None:
+                return
+            self._parked[run_key] = until
+        self.store[key] = value
+        self._kept.pop(key, None)
+
+    def _source(self, key: bytes, kind: str) -> SourceState:
+        state = self.store.get(key)
+        if state is None:
+            state = SourceState(kind)
+            self.store[key] = state
+        elif type(state) is bytes:
+            state = SourceState.from_bytes(state, self.rules)
+            self.store[key] = state
+            log.info("trainguard: restored %s with %d metrics, %d samples in the longest window",
+                     key.decode(errors="replace"), len(state.block), int(state.block.count.max(initial=0)))
+        return state
+
+    def serialize(self, key: bytes) -> bytes | None:
+        state = self.store.get(key)
+        if state is None or type(state) is bytes:
+            return state
+        return state.to_bytes(self.rules) if type(state) is SourceState else state.to_bytes()
