@@ -57,7 +57,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_ALLOW_UNSIGNED", None, "worker, trainer side",
             "`1`: listeners accept unsigned commands and workers unsigned checkpoints, lifecycle changes, "
             "operator events and acks (local use without any key; refused by default)"),
-    Setting("TRAINGUARD_RUN_ID", None, "node agent", "the run id `trainguard node` reports under (or `--run-id`)"),
+    Setting("TRAINGUARD_RUN_ID", None, "node agent, verl's task runner",
+            "the run id `trainguard node` reports under (or `--run-id`); verl's `task_runner` runs under it "
+            "(default: `trainer.experiment_name`)"),
     # worker
     Setting("TRAINGUARD_APP_ID", "trainguard", _WORKER, "consumer group and state-topic prefix (or `--app-id`)"),
     Setting("TRAINGUARD_INSTANCE_ID", None, _WORKER,
@@ -150,7 +152,8 @@ SETTINGS: tuple[Setting, ...] = (
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
-KAFKA_PREFIX = "TRAINGUARD_KAFKA_"
+PREFIX = "TRAINGUARD_"
+KAFKA_PREFIX = PREFIX + "KAFKA_"
 
 
 def default(name: str) -> str:
@@ -180,6 +183,13 @@ def kafka_client(env=None) -> dict[str, str]:
     env = os.environ if env is None else env
     return {k[len(KAFKA_PREFIX):].lower().replace("_", "."): v
             for k, v in env.items() if k.startswith(KAFKA_PREFIX) and v != ""}
+
+
+def forwarded(env=None) -> dict[str, str]:
+    """Every ``TRAINGUARD_*`` variable that is set, to hand to a process that does not inherit this
+    one's environment (a Ray actor's ``runtime_env={"env_vars": ...}``)."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if k.startswith(PREFIX)}
 
 
 def number(name: str, env=None) -> float:
