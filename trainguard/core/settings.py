@@ -106,6 +106,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_PROMETHEUS_ADDR", "127.0.0.1", "worker, sinks", "bind address for `/metrics`"),
     Setting("TRAINGUARD_PROMETHEUS_METRICS", None, _WORKER,
             "more metric names to export per run, comma-separated (beside every canonical signal)"),
+    Setting("TRAINGUARD_TENSORBOARD_DIR", None, _SINKS,
+            "write alerts and commands into each run's TensorBoard: its log folder, `{run_id}` standing for "
+            "the run (else `<dir>/<run_id>`)"),
+    Setting("TRAINGUARD_WANDB_PROJECT", None, _SINKS,
+            "write alerts (`wandb.alert` and a table) and commands to a companion W&B run in each run's group "
+            "in this project (`WANDB_MODE`, `WANDB_API_KEY` as W&B reads them)"),
+    Setting("TRAINGUARD_WANDB_ENTITY", None, _SINKS, "the W&B entity (team) of `TRAINGUARD_WANDB_PROJECT`"),
+    Setting("TRAINGUARD_WANDB_DIR", None, _SINKS, "where W&B keeps its local run files (W&B's default: `./wandb`)"),
+    Setting("TRAINGUARD_SWANLAB_PROJECT", None, _SINKS,
+            "write alerts and commands to a SwanLab experiment per run in this project (`SWANLAB_MODE`: "
+            "`cloud`, `local`, `offline`)"),
+    Setting("TRAINGUARD_SWANLAB_DIR", None, _SINKS, "SwanLab's log folder (SwanLab's default: `./swanlog`)"),
     Setting("TRAINGUARD_PROMETHEUS_ALERTS", None, _SINKS,
             "`1`: the sinks process counts the alerts it reads (only where the worker exports nothing)"),
     # sinks
