@@ -118,6 +118,8 @@ class _ExporterFeed:
         for out in outputs:
             if out.kind == "alert":
                 exporter.observe_alert(out.value)
+            elif out.kind == "command":
+                exporter.observe_command(out.value)
             elif out.kind == "dlq":
                 exporter.observe_dlq(out.value["reason"])
         if self.max_ts is not None:  # else nothing decodable in this batch: the lag stays as it was
