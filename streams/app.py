@@ -439,6 +439,13 @@ class _Worker(faust.Worker):
 
     repeats: "RepeatFilter | None" = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        out = self.stdout
+        if not (hasattr(out, "isatty") and out.isatty()):
+            # a log file or a pipe: Faust's spinner would write cursor codes (ESC [?25l) into it
+            self.spinner = None
+
     def on_setup_root_logger(self, logger: logging.Logger, level: int) -> None:
         super().on_setup_root_logger(logger, level)
         self.repeats = RepeatFilter()
