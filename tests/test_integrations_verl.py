@@ -400,3 +400,8 @@ def test_verl_task_runner_without_settings_forwards_none_and_keeps_verls_runner(
     monkeypatch.setenv("TRAINGUARD_BOOTSTRAP", "kafka-1:9092")
     actor = task_runner(TaskRunnerStandIn, trainer_classes=[])
     assert actor._default_options["runtime_env"] == {"env_vars": {"TRAINGUARD_BOOTSTRAP": "kafka-1:9092"}}
+    # a runner declared with options keeps them, and its env_vars beside the settings
+    declared = ray.remote(num_cpus=1, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "true"}})(TaskRunnerStandIn)
+    options = task_runner(declared, trainer_classes=[])._default_options
+    assert options["num_cpus"] == 1 and options["runtime_env"]["env_vars"] == {
+        "TOKENIZERS_PARALLELISM": "true", "TRAINGUARD_BOOTSTRAP": "kafka-1:9092"}

@@ -335,5 +335,11 @@ def task_runner(runner_cls=None, *, run_id: str | None = None, trainer_classes=N
 
     TrainguardTaskRunner.__name__ = TrainguardTaskRunner.__qualname__ = f"Trainguard{base.__name__}"
     TrainguardTaskRunner.__doc__ = base.__doc__
+    # verl's own actor options (num_cpus ...) stay; the settings join its runtime_env's env_vars
+    options = dict(getattr(runner_cls, "_default_options", None) or {})
     env = settings.forwarded() if env_vars is None else dict(env_vars)
-    return ray.remote(runtime_env={"env_vars": env})(TrainguardTaskRunner) if env else ray.remote(TrainguardTaskRunner)
+    if env:
+        runtime_env = dict(options.get("runtime_env") or {})
+        runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **env}
+        options["runtime_env"] = runtime_env
+    return ray.remote(**options)(TrainguardTaskRunner) if options else ray.remote(TrainguardTaskRunner)
