@@ -54,7 +54,7 @@ inside itself. :func:`task_runner` makes the actor that attaches there::
 Its ``run(config)`` hooks ``fit`` of verl's trainer classes while it runs, so the trainer that
 ``run`` builds is attached when its ``fit()`` starts, and it hands the launching process's
 ``TRAINGUARD_*`` variables to the actor through ``runtime_env={"env_vars": ...}`` (a Ray actor
-inherits the environment of the node's raylet, not of the process that launched the job).
+inherits the environment of the node's raylet, which on a cluster is not the launching shell's).
 """
 
 from __future__ import annotations
