@@ -22,6 +22,7 @@ id and status), so a redelivered batch changes nothing.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from pathlib import Path
 
 from trainguard.core.settings import value
@@ -31,6 +32,8 @@ from trainguard.sinks.webhooks.messages import title_of
 
 log = logging.getLogger("trainguard.sinks")
 
+MAX_IDS = 50_000
+MAX_ROWS = 1_000  # W&B's table of a run keeps its latest events (each log uploads the table whole)
 WEIGHT = {"P0": 4.0, "P1": 3.0, "P2": 2.0, "P3": 1.0}  # the marker's height: worse is higher
 
 
@@ -54,7 +57,7 @@ class TrackerSink(Sink):
 
     def __init__(self) -> None:
         super().__init__()
-        self._seen: set[str] = set()
+        self._seen: OrderedDict[str, None] = OrderedDict()  # bounded: a sinks process runs for months
         self._last_step: dict[str, int] = {}  # a command's step: the run's latest alert's
 
     def write(self, batch: list[dict]) -> None:
@@ -76,7 +79,9 @@ class TrackerSink(Sink):
             else:
                 step = self._last_step.get(run, ((event.get("target") or {}).get("step")))
                 self._command(run, event, step)
-            self._seen.add(key)
+            self._seen[key] = None
+            if len(self._seen) > MAX_IDS:
+                self._seen.popitem(last=False)
 
     def _alert(self, run: str, alert: dict, step: int | None) -> None:
         raise NotImplementedError
@@ -171,6 +176,7 @@ class WandbSink(TrackerSink):
     def _log(self, run, row, markers, step):
         r = self._run(run)
         self._rows[run].append(row)
+        del self._rows[run][:-MAX_ROWS]
         r.log({"trainguard/events": self._wandb.Table(columns=COLUMNS, data=list(self._rows[run])),
                "trainguard/step": -1 if step is None else step, **markers})
 
