@@ -9,7 +9,7 @@ every firing and resolved alert, and every command, beside the run's own curves:
   weight while firing, 0 when resolved; ``trainguard/command/<action>``: 1) at the alert's step.
 - W&B (``TRAINGUARD_WANDB_PROJECT``): a companion run in the run's group (W&B takes one writer per
   run), ``wandb.alert`` for each firing alert (W&B's own e-mail / Slack notification) and a table,
-  ``trainguard/events``, of everything so far; its charts' step axis is ``trainguard/step``,
+  ``trainguard/events``, of its latest events; its charts' step axis is ``trainguard/step``,
   the training step.
 - SwanLab (``TRAINGUARD_SWANLAB_PROJECT``): an experiment named after the run, text entries and
   the same scalar markers with ``trainguard/step``. SwanLab keeps one experiment open per
