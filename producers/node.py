@@ -429,12 +429,19 @@ class NodeAgent:
 # ---------------------------------------------------------------------- command line
 
 
-def _status_line(agent: NodeAgent, metrics: dict) -> str:
+def _status_line(agent: NodeAgent, metrics: dict, first: bool = True) -> str:
+    """One sample's line. ``sent`` counts every event handed to Kafka since the start; the ones the
+    broker has not acknowledged yet are a part of it, not a backlog. No NVML is said on the first line."""
     s = agent.stats()
-    gpus = f"{s['gpus']} GPU(s)" if agent.nvml_error is None else "no GPUs (NVML unavailable)"
+    if agent.nvml_error is None:
+        gpus = f"{s['gpus']} GPU(s), "
+    else:
+        gpus = "no GPUs (NVML unavailable), host metrics only, " if first else ""
     lost = s["dropped"] + s["delivery_failed"]
-    return (f"trainguard node {s['host']}: {gpus}, {len(metrics)} metrics, sample {s['samples']}, "
-            f"events queued {s['sent']}, pending {s['pending']}, lost {lost}")
+    # librdkafka's queue length counts its own requests too: never more than the events in flight
+    unacked = min(s["pending"], max(0, s["sent"] - lost))
+    return (f"trainguard node {s['host']}: {gpus}sample {s['samples']} ({len(metrics)} metrics), "
+            f"events sent {s['sent']} ({unacked} not yet acknowledged), lost {lost}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -478,8 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     tty = sys.stdout.isatty()
 
+    shown = [False]
+
     def show(a: NodeAgent, metrics: dict) -> None:
-        line = _status_line(a, metrics)
+        line = _status_line(a, metrics, first=not shown[0])
+        if not shown[0] and a.nvml_error is not None and tty:
+            line += "\n"  # said once, kept above the line that is rewritten in place
+        shown[0] = True
         if tty:
             sys.stdout.write("\r\x1b[K" + line)
         else:

@@ -213,10 +213,17 @@ def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str |
     for sink in (JsonlSink.from_env(env, jsonl_path), ReportSink.from_env(env),
                  PagingSink.from_env(env, chat, setup.folder),
                  # Alertmanager groups, routes and silences itself: it gets every alert, past no pager.
-                 AlertmanagerSink.from_env(env, setup), _prometheus(env)):
+                 AlertmanagerSink.from_env(env, setup), _prometheus(env), *_trackers(env)):
         if sink is not None:
             sinks.append(sink)
     return sinks
+
+
+def _trackers(env) -> list[Sink | None]:
+    """TensorBoard, W&B, SwanLab: each library imported only where its variable asks for it."""
+    from trainguard.sinks.trackers import SwanLabSink, TensorBoardSink, WandbSink
+
+    return [kind.from_env(env) for kind in (TensorBoardSink, WandbSink, SwanLabSink)]
 
 
 def _prometheus(env) -> Sink | None:

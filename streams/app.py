@@ -118,6 +118,8 @@ class _ExporterFeed:
         for out in outputs:
             if out.kind == "alert":
                 exporter.observe_alert(out.value)
+            elif out.kind == "command":
+                exporter.observe_command(out.value)
             elif out.kind == "dlq":
                 exporter.observe_dlq(out.value["reason"])
         if self.max_ts is not None:  # else nothing decodable in this batch: the lag stays as it was
@@ -439,6 +441,13 @@ class _Worker(faust.Worker):
     """Faust's worker with a bounded shutdown and repeated log lines said once in a while."""
 
     repeats: "RepeatFilter | None" = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        out = self.stdout
+        if not (hasattr(out, "isatty") and out.isatty()):
+            # a log file or a pipe: Faust's spinner would write cursor codes (ESC [?25l) into it
+            self.spinner = None
 
     def on_setup_root_logger(self, logger: logging.Logger, level: int) -> None:
         super().on_setup_root_logger(logger, level)

@@ -104,6 +104,8 @@ ALERTS = Counter("trainguard_alerts", "Alerts raised and resolved, by rule and s
                  ["rule", "severity", "status"], registry=REGISTRY)
 ALERTS_FIRING = Gauge("trainguard_alerts_firing", "Alerts firing now, by rule and severity",
                       ["rule", "severity"], registry=REGISTRY)
+COMMANDS = Counter("trainguard_commands", "Commands the worker sent to a run's trainer (rollback, pause, stop ...), "
+                   "by action", ["run", "action"], registry=REGISTRY)
 INCIDENTS = Counter("trainguard_incidents", "Incidents opened (distinct incident ids)", registry=REGISTRY)
 INCIDENTS_OPEN = Gauge("trainguard_incidents_open", "Incidents with at least one firing alert",
                        registry=REGISTRY)
@@ -167,6 +169,7 @@ class Exporter:
         self._runs: OrderedDict[str, None] = OrderedDict()  # least recently seen first
         self._run_metrics: dict[str, set[str]] = {}
         self._run_signals: dict[str, set[str]] = {}
+        self._run_commands: dict[str, set[str]] = {}  # run -> actions it was sent
         self._signals: dict[str, str | None] = {}  # metric name -> its signal; bounded below
         self._rules: set[str] = set()
         # firing alert id -> (run, rule, severity, incident); bounded by max_alert_ids
@@ -185,6 +188,7 @@ class Exporter:
         self._runs[run_id] = None
         self._run_metrics[run_id] = set()
         self._run_signals[run_id] = set()
+        self._run_commands[run_id] = set()
         while len(self._runs) > self.max_runs:
             oldest = next(iter(self._runs))
             self._remove_run(oldest)
@@ -204,6 +208,8 @@ class Exporter:
         for run, rule in [k for k in self._anomalous if k[0] == run_id]:
             del self._anomalous[(run, rule)]
             _remove(DETECTOR_ANOMALOUS, run, rule)
+        for action in self._run_commands.pop(run_id, ()):
+            _remove(COMMANDS, run_id, action)
         RUNS_TRACKED.set(len(self._runs))
 
     def forget_run(self, run_id: str) -> None:
@@ -280,6 +286,21 @@ class Exporter:
             self._incidents[incident] -= 1
             if self._incidents[incident] == 0:
                 INCIDENTS_OPEN.dec()
+
+    def observe_command(self, command: dict) -> None:
+        """Count a command the worker sent (the dashboard marks rollbacks and stops from it); a
+        replay of the same id is ignored. ``action`` is the schema's closed set, so bounded."""
+        with self._lock:
+            cid = (str(command.get("id", "")), "command")
+            if cid in self._seen:
+                return
+            self._seen[cid] = None
+            while len(self._seen) > self.max_alert_ids:
+                self._seen.popitem(last=False)
+            run, action = str(command.get("run_id", "")), str(command.get("action", ""))
+            self._touch_run(run)
+            self._run_commands[run].add(action)
+            COMMANDS.labels(run, action).inc()
 
     def observe_alert(self, alert: dict) -> None:
         """Count an alert and update the firing gauges; replays of the same id+status are ignored."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 
 import orjson
 import psutil
@@ -156,6 +157,28 @@ def test_the_worker_writes_nothing_in_its_working_directory(kafka, tmp_path):
         worker.kill()
     assert list(workdir.iterdir()) == []
     assert (data / f"{worker.app_id}-data").is_dir()
+
+
+def test_a_worker_writing_to_a_log_file_writes_no_terminal_codes(kafka, tmp_path):
+    """``trainguard worker > log 2>&1`` at its default log level: Faust's spinner wrote cursor codes
+    (ESC [?25l, backspaces) into the file; with no terminal there is no spinner."""
+    from tests.integration import CliProcess, TopicReader, produce
+    from trainguard.schemas import events as ev
+
+    worker = CliProcess(kafka, tmp_path / "worker.log", extra_env={"TERM": "xterm-256color"})
+    worker._spawn("worker", "--app-id", f"tg-{uuid.uuid4().hex[:8]}")
+    try:
+        run_id = f"log-{uuid.uuid4().hex[:6]}"
+        nan = ev.metrics_event(run_id, 1, {"actor/kl_loss": float("nan")}, src=ev.source("trainer", "h", 0))
+        produce(kafka, kafka.topics.events, run_id, [ev.encode(nan)])
+        alerts = TopicReader(kafka, kafka.topics.alerts)
+        alerts.wait_for(lambda a: a.get("run_id") == run_id, timeout=90, what="the worker's alert")
+        alerts.close()
+    finally:
+        worker.kill(signal.SIGINT)
+    log = worker.log_path.read_bytes()
+    assert b"trainguard worker: consuming" in log
+    assert b"\x1b" not in log and b"\x08" not in log, log[:2000]
 
 
 # Every command that talks to Kafka, with the arguments it needs.

@@ -432,3 +432,26 @@ def test_a_run_started_again_under_an_id_that_ended_does_not_inherit_its_checkpo
     assert f.engine.status(f.run)["checkpoints"] == 1
     lifecycle("started", 0)
     assert f.engine.status(f.run)["checkpoints"] == 0 and "outcome" not in f.engine.status(f.run)
+
+
+def test_verl_generation_time_that_triples_warns():
+    f, rng = Feed(), random.Random(7)
+    for step in range(1, 61):
+        f.now += 60
+        gen = 40 + rng.gauss(0, 2) if step < 40 else 125 + rng.gauss(0, 4)  # the rollout engine slows 3x
+        f.send(step, {"timing_s/gen": gen, "timing_s/step": gen + 30})
+    fired = f.firing("gen_time_up")
+    assert [a["step"] for a in fired] == [41] and fired[0]["severity"] == "P2"
+
+
+def test_verl_peak_memory_that_jumps_a_quarter_warns_and_a_slow_creep_does_not():
+    f, rng = Feed(), random.Random(8)
+    for step in range(1, 201):
+        f.now += 60
+        creep = 60 + 6 * step / 200 + rng.gauss(0, 0.2)   # 10% over 200 steps: longer batches arriving
+        f.send(step, {"perf/max_memory_allocated_gb": creep})
+    assert not f.firing("peak_memory_up")
+    for step in range(201, 221):
+        f.now += 60
+        f.send(step, {"perf/max_memory_allocated_gb": 80 + rng.gauss(0, 0.2)})  # +25% at step 201
+    assert [a["step"] for a in f.firing("peak_memory_up")] == [202]

@@ -305,3 +305,103 @@ def test_attaching_twice_installs_each_hook_once(kafka, tmp_path):
     backend.detach()
     assert Tracking.__init__ is original_init
     assert "fit" not in vars(trainer) and "_save_checkpoint" not in vars(trainer)
+
+
+class TaskRunnerStandIn:
+    """verl's ``TaskRunnerV1`` as far as the trainer goes: ``run(config)`` builds the trainer from
+    the config inside the actor, fits it and finishes its Tracking (verl's own runner needs
+    TransferQueue, vLLM and GPUs). Decorated as verl's is, below."""
+
+    def run(self, config):
+        self.trainer = FakeRayPPOTrainer(config.trainer.default_local_dir,
+                                         total_training_steps=config.trainer.total_training_steps,
+                                         fault_at=config.trainer.fault_at, fault_len=1)
+        self.trainer.config.trainer.experiment_name = config.trainer.experiment_name
+        self.trainer.fit()
+        loads = self.trainer.actor_rollout_wg.loads
+        return {"pid": os.getpid(), "steps": [s for s, _ in self.trainer.logged], "loads": loads,
+                "hooked_while_running": hasattr(FakeRayPPOTrainer.fit, "__wrapped__")}
+
+    def trainer_class_as_it_was(self):
+        return not hasattr(FakeRayPPOTrainer.fit, "__wrapped__")
+
+
+@pytest.fixture
+def local_ray(monkeypatch):
+    """A local Ray cluster started with no ``TRAINGUARD_*`` in its environment, so its actors
+    get them only through ``runtime_env``."""
+    ray = pytest.importorskip("ray")
+    ours = {k: v for k, v in os.environ.items() if k.startswith("TRAINGUARD_")}  # the test session's key
+    for name in ours:
+        monkeypatch.delenv(name)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    for name, value in ours.items():
+        monkeypatch.setenv(name, value)
+    yield ray
+    ray.shutdown()
+
+
+def test_verl_task_runner_attaches_inside_the_ray_actor_and_obeys_the_worker(kafka, tmp_path, local_ray,
+                                                                             monkeypatch):
+    """verl 0.8+ runs fit() inside a Ray actor (TaskRunner). task_runner() hands the launching
+    shell's TRAINGUARD_* to the actor through runtime_env and attaches the trainer the actor
+    builds: its metrics reach a real worker, whose rollback reaches the trainer in the actor."""
+    from omegaconf import OmegaConf
+
+    from trainguard.producers.integrations.verl import task_runner
+
+    ray = local_ray
+    prefix = kafka.topics.events.rsplit(".", 1)[0]
+    monkeypatch.setenv("TRAINGUARD_BOOTSTRAP", kafka.bootstrap)   # after ray.init: only runtime_env carries them
+    monkeypatch.setenv("TRAINGUARD_TOPIC_PREFIX", prefix)
+    monkeypatch.setenv("TRAINGUARD_PARTITIONS", str(kafka.partitions))
+    run_id = f"verl-ray-{uuid.uuid4().hex[:6]}"
+    config = OmegaConf.create({"trainer": {"experiment_name": run_id, "default_local_dir": str(tmp_path / "ckpt"),
+                                           "total_training_steps": 120, "fault_at": 30}})
+    runner_cls = task_runner(ray.remote(TaskRunnerStandIn), trainer_classes=[FakeRayPPOTrainer],
+                             ready_timeout_s=10)
+    worker = WorkerProcess(kafka, tmp_path).start()
+    try:
+        worker.wait_ready()
+        runner = runner_cls.remote()
+        result = ray.get(runner.run.remote(config), timeout=180)
+        assert result["pid"] != os.getpid()  # fit() ran in the actor's process
+        assert result["hooked_while_running"] and ray.get(runner.trainer_class_as_it_was.remote()), \
+            "verl's trainer class as it was after run()"
+        target = os.path.join(str(tmp_path / "ckpt"), "global_step_25")
+        assert result["loads"] == [os.path.join(target, "actor")], result
+        steps = result["steps"]
+        assert steps[-1] == 120 and 26 in steps[steps.index(30):], steps  # rewound to 25, trained on
+
+        events = TopicReader(kafka, kafka.topics.events)
+        events.wait_for(lambda e: e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE and e["event"] == "finished",
+                        timeout=15, what="finished from the actor")
+        ours = [e for e in events.seen if e["run_id"] == run_id]
+        events.close()
+        assert ours[0]["schema"] == ev.LIFECYCLE and ours[0]["event"] == "started"
+        assert any(e["schema"] == ev.LIFECYCLE and e["event"] == "rolled_back" and e["step"] == 25 for e in ours)
+        assert [e["step"] for e in ours if e["schema"] == ev.CHECKPOINT][:3] == [5, 10, 15]
+    finally:
+        worker.kill()
+
+
+def test_verl_task_runner_without_settings_forwards_none_and_keeps_verls_runner(monkeypatch):
+    """With no TRAINGUARD_* set, no runtime_env is imposed on verl's actor (verl's own ray_init
+    runtime_env applies); the actor class is verl's runner with run() wrapped."""
+    ray = pytest.importorskip("ray")
+    from trainguard.producers.integrations.verl import task_runner
+
+    for name in [k for k in os.environ if k.startswith("TRAINGUARD_")]:
+        monkeypatch.delenv(name)
+    actor = task_runner(ray.remote(TaskRunnerStandIn), trainer_classes=[])
+    cls = actor.__ray_actor_class__
+    assert issubclass(cls, TaskRunnerStandIn) and cls.__name__ == "TrainguardTaskRunnerStandIn"
+    assert not (actor._default_options or {}).get("runtime_env")
+    monkeypatch.setenv("TRAINGUARD_BOOTSTRAP", "kafka-1:9092")
+    actor = task_runner(TaskRunnerStandIn, trainer_classes=[])
+    assert actor._default_options["runtime_env"] == {"env_vars": {"TRAINGUARD_BOOTSTRAP": "kafka-1:9092"}}
+    # a runner declared with options keeps them, and its env_vars beside the settings
+    declared = ray.remote(num_cpus=1, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "true"}})(TaskRunnerStandIn)
+    options = task_runner(declared, trainer_classes=[])._default_options
+    assert options["num_cpus"] == 1 and options["runtime_env"]["env_vars"] == {
+        "TOKENIZERS_PARALLELISM": "true", "TRAINGUARD_BOOTSTRAP": "kafka-1:9092"}

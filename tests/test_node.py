@@ -371,4 +371,15 @@ def test_status_line_names_host_gpus_and_counts(monkeypatch):
     agent = NodeAgent(None, "run-1", host="gpu-node-7", publisher=_Recorder())
     metrics = agent.publish_once()
     line = node_mod._status_line(agent, metrics)
-    assert "gpu-node-7" in line and "2 GPU(s)" in line and "events queued 1" in line and "lost 0" in line
+    assert "gpu-node-7" in line and "2 GPU(s)" in line and "events sent 1 (" in line and "lost 0" in line
+    assert "pending" not in line and "queued" not in line  # neither reads like a backlog
+
+
+def test_no_nvml_is_said_on_the_first_status_line_only(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", _no_nvml_module())
+    agent = NodeAgent(None, "run-1", host="cpu-node", publisher=_Recorder())
+    first = node_mod._status_line(agent, agent.publish_once(), first=True)
+    later = node_mod._status_line(agent, agent.publish_once(), first=False)
+    assert "no GPUs (NVML unavailable)" in first
+    assert "NVML" not in later and "GPU" not in later
+    assert later.startswith("trainguard node cpu-node: sample 2 (") and "events sent 2 (" in later

@@ -182,3 +182,17 @@ def test_a_run_whose_rollout_disagrees_tenfold_from_the_start_warns_once_and_pag
     pages = [a for a in alerts if a["rule"] in MISMATCH_RULES and a["severity"] in LOUD]
     assert pages and all(a["rule"] == "mismatch_grad_norm_spike" for a in pages) and pages[0]["step"] == 98
 
+
+
+@needs_dev
+def test_verls_generation_time_and_peak_memory_rules_stay_silent_on_every_real_verl_run():
+    """Sixteen real verl runs, none a timing or memory failure: generation time up to 2.4x on one step
+    (Llama 3B's slow stretch after step 464: step_time_up's warning), peak memory creeping up to 7%, and
+    53 -> 99 GB over 600 steps on one run."""
+    traces = sorted(DEV.glob("traces/verl*.jsonl")) + sorted(ADDED.glob("traces/verl*.jsonl"))
+    assert len(traces) >= 16
+    for path in traces:
+        result = replay(path, rules=rules_mod.default())
+        loud = [(a["rule"], a["step"]) for a in result.alerts
+                if a["status"] == "firing" and a["rule"] in ("gen_time_up", "peak_memory_up")]
+        assert not loud, (path.name, loud)

@@ -31,6 +31,7 @@ def _exprs() -> list[str]:
             walk(p.get("panels", []))
 
     walk(dash["panels"])
+    exprs.extend(a["expr"] for a in _annotations(dash))
     for var in dash["templating"]["list"]:
         query = var.get("query")
         query = query.get("query") if isinstance(query, dict) else query
@@ -38,6 +39,11 @@ def _exprs() -> list[str]:
         assert m, f"unexpected template query {query!r}"
         exprs.append(f'{m.group(1)}{{{m.group(2)}!=""}}')
     return exprs
+
+
+def _annotations(dash: dict) -> list[dict]:
+    """The dashboard's Prometheus annotation queries (Grafana's built-in one has no query)."""
+    return [a for a in dash["annotations"]["list"] if not a.get("builtIn")]
 
 
 def _selectors(expr: str) -> list[tuple[str, dict[str, str]]]:
@@ -62,6 +68,7 @@ def exported():
     exp.observe_metrics("dash-run", {"gpu/utilization_pct[0]": 50.0, "train/kl": 0.1})
     exp.observe_alert({"id": "dash-a", "run_id": "dash-run", "rule": "kl_explosion", "severity": "P1",
                        "status": "firing", "incident": "dash-inc"})
+    exp.observe_command({"id": "dash-c", "run_id": "dash-run", "action": "rollback"})
     exp.observe_dlq("not valid JSON")
     exp.observe_batch(events=1, samples=1, lag_s=0.1)
     from trainguard.streams.exporter import NOTIFICATIONS
@@ -138,3 +145,42 @@ def test_alertmanager_config_is_valid():
     out = subprocess.run(["amtool", "check-config", str(ROOT / "deploy/alertmanager.yml")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_annotation_marks_what_a_real_exporter_serves():
+    """Alerts and rollbacks as Grafana annotations: each query's series, its labels and the values
+    it matches are in what a real exporter serves over HTTP once a run has an alert and a rollback."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    exp = Exporter()
+    port = exp.start_http(0)
+    try:
+        exp.observe_metrics("ann-run", {"actor/kl_loss": 0.3}, ts=1.0)
+        exp.observe_alert({"id": "ann-a", "run_id": "ann-run", "rule": "kl_explosion", "severity": "P1",
+                           "status": "firing"})
+        exp.observe_command({"id": "ann-c", "run_id": "ann-run", "action": "rollback"})
+        exp.observe_command({"id": "ann-c", "run_id": "ann-run", "action": "rollback"})  # a replay counts once
+        text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        exp.stop_http()
+        exp.forget_run("ann-run")
+    served: dict[str, list[dict]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            served.setdefault(sample.name, []).append({**sample.labels, "__value__": sample.value})
+    annotations = _annotations(json.loads(DASHBOARD.read_text()))
+    assert {a["name"] for a in annotations} == {"Alerts firing", "Rollbacks and stops"}
+    for annotation in annotations:
+        assert annotation["datasource"]["type"] == "prometheus" and annotation["enable"]
+        expr = annotation["expr"].replace("$run", "ann-run")
+        for name, matchers in _selectors(expr):
+            assert name in served, f"{annotation['name']}: {name} is not served"
+            hits = [s for s in served[name] if all(re.fullmatch(v, s.get(k, "")) for k, v in matchers.items())]
+            assert hits, f"{annotation['name']}: no served {name} matches {matchers}"
+            assert all(s["__value__"] > 0 for s in hits)
+            for key in re.findall(r"\{\{(\w+)\}\}", annotation["titleFormat"] + annotation["textFormat"]):
+                assert key in hits[0], f"{annotation['name']}: {name} has no label {key!r} for its title"
+    [rollbacks] = [s for s in served["trainguard_commands_total"] if s["run"] == "ann-run"]
+    assert rollbacks["action"] == "rollback" and rollbacks["__value__"] == 1.0

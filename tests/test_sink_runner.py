@@ -155,10 +155,11 @@ class _Recording(dict):
 def test_each_sink_reads_the_settings_it_declares_and_no_other(tmp_path):
     from trainguard.core import settings
     from trainguard.sinks.reports import ReportSink
+    from trainguard.sinks.trackers import SwanLabSink, TensorBoardSink, WandbSink
     from trainguard.sinks.webhooks import WebhookSetup
 
     kinds = [JsonlSink, ReportSink, DingTalkSink, WeComSink, SlackSink, GenericWebhookSink, AlertmanagerSink,
-             PrometheusSink]
+             PrometheusSink, TensorBoardSink, WandbSink, SwanLabSink]
     env = _Recording({"TRAINGUARD_ALERTS_JSONL": str(tmp_path / "a.jsonl"), "TRAINGUARD_REPORTS_DIR": str(tmp_path),
                       "TRAINGUARD_UI_URL": "http://tg.example:8321",
                       "TRAINGUARD_DINGTALK_WEBHOOK": "http://127.0.0.1:9/robot", "TRAINGUARD_DINGTALK_SECRET": "SECx",

@@ -42,18 +42,32 @@ What :func:`attach` relies on (verl's ``RayPPOTrainer``, checked against its sou
   ``stopped``), and nothing when it raises, so a crash is paged once by the worker's staleness
   rule and a finished run never is.
 
-verl runs ``fit()`` on the single-controller driver, so one backend per run sees every
-step; nothing runs on the Ray workers.
+verl runs ``fit()`` on its single controller, so one backend per run sees every step; nothing
+runs on the Ray workers. Since verl 0.8 that controller is not the launching process but a Ray
+actor, ``TaskRunner`` (``verl.trainer.main_ppo``), which builds the trainer and calls ``fit()``
+inside itself. :func:`task_runner` makes the actor that attaches there::
+
+    import verl.trainer.main_ppo as main_ppo
+    main_ppo.TaskRunnerV1 = task_runner(main_ppo.TaskRunnerV1)
+    main_ppo.main()
+
+Its ``run(config)`` hooks ``fit`` of verl's trainer classes while it runs, so the trainer that
+``run`` builds is attached when its ``fit()`` starts, and it hands the launching process's
+``TRAINGUARD_*`` variables to the actor through ``runtime_env={"env_vars": ...}`` (a Ray actor
+inherits the environment of the node's raylet, which on a cluster is not the launching shell's).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import weakref
 from contextvars import ContextVar
 
 from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.integrations._core import (
+    _BACKEND,
     GuardBase,
     Unsupported,
     attached,
@@ -65,7 +79,9 @@ from trainguard.producers.integrations._core import (
 )
 from trainguard.producers.never_raise import never_raises
 
-__all__ = ["VerlBackend", "attach", "StopTraining"]
+__all__ = ["VerlBackend", "attach", "task_runner", "StopTraining"]
+
+log = logging.getLogger("trainguard.integrations")
 
 
 class StopTraining(RuntimeError):
@@ -234,3 +250,96 @@ def attach(trainer, run_id: str, settings: KafkaSettings | None = None, *, track
     _ATTACHED.add(backend)
     remember(trainer, backend)
     return backend
+
+
+# -- verl's TaskRunner: the Ray actor that runs fit() ------------------------------------------
+
+# The classes whose fit() is verl's training loop: the v1 trainer (``trainer.use_v1``, the
+# default since 0.8; every trainer_mode inherits its fit) and the legacy RayPPOTrainer.
+TRAINER_CLASSES = ("verl.trainer.ppo.v1.trainer_base:PPOTrainer", "verl.trainer.ppo.ray_trainer:RayPPOTrainer")
+
+
+def _trainer_classes(names) -> list:
+    import importlib
+
+    found = []
+    for name in names:
+        module, _, attr = name.partition(":")
+        try:
+            found.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError) as e:  # this verl has no such trainer: the others are enough
+            log.debug("trainguard: verl trainer %s not available: %s", name, e)
+    return found
+
+
+def run_id_for(config, run_id: str | None = None) -> str:
+    """The run id: the one given, else ``TRAINGUARD_RUN_ID``, else verl's ``trainer.experiment_name``."""
+    from trainguard.core import settings
+
+    return str(run_id or settings.value("TRAINGUARD_RUN_ID") or config.trainer.experiment_name)
+
+
+def _attaching_fit(original_fit, run_id: str | None, kwargs: dict):
+    """A class's ``fit`` that attaches the trainer first. Not marked as a :func:`hook`: attach then
+    hooks the instance's ``fit`` around this one, which calls the original once attached."""
+
+    @functools.wraps(original_fit)
+    def fit(self, *args, **kw):
+        if vars(self).get(_BACKEND) is not None:  # called through attach's own hook
+            return original_fit(self, *args, **kw)
+        backend = None
+        with never_raises("attaching to verl's trainer failed; training goes on unwatched"):
+            backend = attach(self, run_id_for(self.config, run_id), **kwargs)
+        if backend is None:
+            return original_fit(self, *args, **kw)
+        return self.fit(*args, **kw)  # attach's hook: started/finished, the Tracking backend
+
+    return fit
+
+
+def task_runner(runner_cls=None, *, run_id: str | None = None, trainer_classes=None, env_vars=None, **kwargs):
+    """verl's ``TaskRunner`` actor class, with trainguard attached to the trainer it runs.
+
+    ``runner_cls`` defaults to ``verl.trainer.main_ppo.TaskRunnerV1`` (a Ray actor class, or the
+    plain class). The result is a Ray actor class to pass to verl's ``run_ppo(config,
+    task_runner_class=...)``. Inside the actor, ``run(config)`` hooks ``fit`` of
+    ``trainer_classes`` (default :data:`TRAINER_CLASSES`, ``"module:Class"`` names or classes)
+    for its duration: the first ``fit()`` of a trainer attaches it (``run_id``, else
+    ``TRAINGUARD_RUN_ID``, else ``config.trainer.experiment_name``; ``kwargs`` go to
+    :func:`attach`). ``env_vars`` (default: every ``TRAINGUARD_*`` variable set here, now) reach
+    the actor through ``runtime_env``. Attaching that fails is logged; training runs on.
+    """
+    import ray
+
+    from trainguard.core import settings
+
+    if runner_cls is None:
+        from verl.trainer.main_ppo import TaskRunnerV1 as runner_cls
+    base = getattr(runner_cls, "__ray_actor_class__", runner_cls)
+    classes = trainer_classes if trainer_classes is not None else TRAINER_CLASSES
+
+    class TrainguardTaskRunner(base):  # type: ignore[valid-type, misc]
+        def run(self, config, *args, **kw):
+            hooked = {c: vars(c).get("fit") for c in _trainer_classes([n for n in classes if isinstance(n, str)])
+                      + [c for c in classes if not isinstance(c, str)]}
+            for cls in hooked:
+                cls.fit = _attaching_fit(cls.fit, run_id, kwargs)
+            try:
+                return super().run(config, *args, **kw)
+            finally:
+                for cls, own in hooked.items():  # verl's classes as they were
+                    if own is None:
+                        del cls.fit
+                    else:
+                        cls.fit = own
+
+    TrainguardTaskRunner.__name__ = TrainguardTaskRunner.__qualname__ = f"Trainguard{base.__name__}"
+    TrainguardTaskRunner.__doc__ = base.__doc__
+    # verl's own actor options (num_cpus ...) stay; the settings join its runtime_env's env_vars
+    options = dict(getattr(runner_cls, "_default_options", None) or {})
+    env = settings.forwarded() if env_vars is None else dict(env_vars)
+    if env:
+        runtime_env = dict(options.get("runtime_env") or {})
+        runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **env}
+        options["runtime_env"] = runtime_env
+    return ray.remote(**options)(TrainguardTaskRunner) if options else ray.remote(TrainguardTaskRunner)

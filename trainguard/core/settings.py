@@ -57,7 +57,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_ALLOW_UNSIGNED", None, "worker, trainer side",
             "`1`: listeners accept unsigned commands and workers unsigned checkpoints, lifecycle changes, "
             "operator events and acks (local use without any key; refused by default)"),
-    Setting("TRAINGUARD_RUN_ID", None, "node agent", "the run id `trainguard node` reports under (or `--run-id`)"),
+    Setting("TRAINGUARD_RUN_ID", None, "node agent, verl's task runner",
+            "the run id `trainguard node` reports under (or `--run-id`); verl's `task_runner` runs under it "
+            "(default: `trainer.experiment_name`)"),
     # worker
     Setting("TRAINGUARD_APP_ID", "trainguard", _WORKER, "consumer group and state-topic prefix (or `--app-id`)"),
     Setting("TRAINGUARD_INSTANCE_ID", None, _WORKER,
@@ -104,6 +106,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_PROMETHEUS_ADDR", "127.0.0.1", "worker, sinks", "bind address for `/metrics`"),
     Setting("TRAINGUARD_PROMETHEUS_METRICS", None, _WORKER,
             "more metric names to export per run, comma-separated (beside every canonical signal)"),
+    Setting("TRAINGUARD_TENSORBOARD_DIR", None, _SINKS,
+            "write alerts and commands into each run's TensorBoard: its log folder, `{run_id}` standing for "
+            "the run (else `<dir>/<run_id>`)"),
+    Setting("TRAINGUARD_WANDB_PROJECT", None, _SINKS,
+            "write alerts (`wandb.alert` and a table) and commands to a companion W&B run in each run's group "
+            "in this project (`WANDB_MODE`, `WANDB_API_KEY` as W&B reads them)"),
+    Setting("TRAINGUARD_WANDB_ENTITY", None, _SINKS, "the W&B entity (team) of `TRAINGUARD_WANDB_PROJECT`"),
+    Setting("TRAINGUARD_WANDB_DIR", None, _SINKS, "where W&B keeps its local run files (W&B's default: `./wandb`)"),
+    Setting("TRAINGUARD_SWANLAB_PROJECT", None, _SINKS,
+            "write alerts and commands to a SwanLab experiment per run in this project (`SWANLAB_MODE`: "
+            "`cloud`, `local`, `offline`)"),
+    Setting("TRAINGUARD_SWANLAB_DIR", None, _SINKS, "SwanLab's log folder (SwanLab's default: `./swanlog`)"),
     Setting("TRAINGUARD_PROMETHEUS_ALERTS", None, _SINKS,
             "`1`: the sinks process counts the alerts it reads (only where the worker exports nothing)"),
     # sinks
@@ -150,7 +164,8 @@ SETTINGS: tuple[Setting, ...] = (
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
-KAFKA_PREFIX = "TRAINGUARD_KAFKA_"
+PREFIX = "TRAINGUARD_"
+KAFKA_PREFIX = PREFIX + "KAFKA_"
 
 
 def default(name: str) -> str:
@@ -180,6 +195,13 @@ def kafka_client(env=None) -> dict[str, str]:
     env = os.environ if env is None else env
     return {k[len(KAFKA_PREFIX):].lower().replace("_", "."): v
             for k, v in env.items() if k.startswith(KAFKA_PREFIX) and v != ""}
+
+
+def forwarded(env=None) -> dict[str, str]:
+    """Every ``TRAINGUARD_*`` variable that is set, to hand to a process that does not inherit this
+    one's environment (a Ray actor's ``runtime_env={"env_vars": ...}``)."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if k.startswith(PREFIX)}
 
 
 def number(name: str, env=None) -> float:

@@ -1,0 +1,113 @@
+"""Alerts and commands on the run's TensorBoard, W&B and SwanLab: the sinks that ``build_sinks``
+makes from the environment write with the libraries themselves (in a subprocess: W&B and
+SwanLab start helper processes; offline), and what those wrote is read back from their files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from trainguard.readers import open_reader
+from trainguard.schemas import events as ev
+
+RUN = "grpo-qwen-7b"
+
+
+def _events() -> list[dict]:
+    alert = {"schema": ev.ALERT, "id": "a1", "run_id": RUN, "rule": "kl_spike", "severity": "P1", "status": "firing",
+             "summary": "KL spike", "step": 42, "ts": 1.7e9, "onset": {"step": 42, "ts": 1.7e9}, "evidence": {},
+             "diagnosis": "KL to the reference jumped."}
+    command = ev.command_event(RUN, "rollback", target={"step": 40, "path": "/ckpt/global_step_40"},
+                               detail="after 3 critical anomalies", reason=["a1"], command_id="c1")
+    resolved = {**alert, "status": "resolved", "step": 47}
+    other = {"schema": ev.METRICS, "run_id": RUN, "step": 42}  # not an alert: not written
+    return [alert, command, alert, other, resolved]  # the repeated alert is written once
+
+
+def _deliver(tmp_path: Path, env: dict) -> str:
+    script = textwrap.dedent("""
+        import json, sys
+        from trainguard.sinks.runner import build_sinks
+        sinks = build_sinks(console=False)
+        names = [s.name for s in sinks]
+        for s in sinks:
+            s.deliver(json.loads(sys.argv[1]))
+            s.close()
+            assert s.failed == 0, s.name
+        print(json.dumps(names))
+    """)
+    full = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline", "SWANLAB_MODE": "offline", **env}
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(_events())], capture_output=True, text=True,
+                         timeout=240, env=full, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_alerts_and_commands_on_the_runs_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    logdir = tmp_path / "tensorboard_log" / "proj"
+    assert json.loads(_deliver(tmp_path, {"TRAINGUARD_TENSORBOARD_DIR": str(logdir / "{run_id}")})) == ["tensorboard"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir / RUN), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    marker = [(e.step, e.value) for e in acc.Scalars("trainguard/alert/kl_spike")]
+    assert marker == [(42, 3.0), (47, 0.0)]  # P1 while firing, 0 once resolved
+    assert [(e.step, e.value) for e in acc.Scalars("trainguard/command/rollback")] == [(42, 1.0)]
+    texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors("trainguard/alerts/text_summary")]
+    assert texts[0][0] == 42 and texts[0][1].startswith("P1 KL spike at step 42") and len(texts) == 2
+    command_text = acc.Tensors("trainguard/commands/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert command_text == "command rollback to step 40 at step 42: after 3 critical anomalies"
+
+
+def test_alerts_and_commands_on_wandb(tmp_path):
+    pytest.importorskip("wandb")
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    from trainguard.readers.recordlog import RecordLog
+
+    assert json.loads(_deliver(tmp_path, {"TRAINGUARD_WANDB_PROJECT": "p", "TRAINGUARD_WANDB_DIR": str(tmp_path)})) \
+        == ["wandb"]
+    run_file = next(tmp_path.rglob("run-*.wandb"))
+    steps = dict(open_reader(run_file))  # trainguard's own W&B reader: the markers, by history row
+    rows = [steps[k] for k in sorted(steps)]
+    assert [(r["trainguard/step"], r.get("trainguard/alert/kl_spike"), r.get("trainguard/command/rollback"))
+            for r in rows] == [(42, 3.0, None), (42, None, 1.0), (47, 0.0, None)]
+    alerts, tables, group = [], [], None
+    for _, payload in RecordLog(str(run_file), ident=b":W&B", magic=0xBEE1, versions=(0,), library="W&B"):
+        record = pb.Record()
+        record.ParseFromString(payload)
+        kind = record.WhichOneof("record_type")
+        if kind == "alert":
+            alerts.append((record.alert.title, record.alert.text, record.alert.level))
+        elif kind == "run":
+            group = record.run.run_group
+        elif kind == "history":
+            tables += [json.loads(i.value_json) for i in record.history.item
+                       if list(i.nested_key) == ["trainguard/events", "path"]]
+    assert group == RUN
+    assert alerts == [(f"{RUN}: KL spike", "P1 KL spike at step 42 — KL to the reference jumped.", "ERROR")]
+    table = json.loads((run_file.parent / "files" / tables[-1]).read_text())  # the newest: every row so far
+    assert table["columns"] == ["step", "kind", "name", "severity", "status", "text"]
+    assert [row[:5] for row in table["data"]] == [[42, "alert", "kl_spike", "P1", "firing"],
+                                                  [42, "command", "rollback", "", ""],
+                                                  [47, "alert", "kl_spike", "P1", "resolved"]]
+
+
+def test_alerts_and_commands_on_swanlab(tmp_path):
+    pytest.importorskip("swanlab")
+    assert json.loads(_deliver(tmp_path, {"TRAINGUARD_SWANLAB_PROJECT": "p",
+                                          "TRAINGUARD_SWANLAB_DIR": str(tmp_path / "swanlog")})) == ["swanlab"]
+    run_file = next((tmp_path / "swanlog").rglob("run-*.swanlab"))
+    steps = dict(open_reader(run_file))
+    rows = [steps[k] for k in sorted(steps)]
+    assert [(r["trainguard/step"], r.get("trainguard/alert/kl_spike"), r.get("trainguard/command/rollback"))
+            for r in rows] == [(42, 3.0, None), (42, None, 1.0), (47, 0.0, None)]
+    assert b"P1 KL spike at step 42" in b"".join(p.read_bytes() for p in (tmp_path / "swanlog").rglob("*")
+                                                 if p.is_file())
