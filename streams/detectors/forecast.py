@@ -31,8 +31,9 @@ class Forecast(Detector):
     Flags when the line heads to the threshold in ``direction``, the slope's two-sided
     ``confidence`` interval (Sen 1968: order statistics of the pairwise slopes around the
     Mann-Kendall variance) excludes 0, the fitted level now is still on the safe side of the
-    threshold, and the ETA is at most ``horizon`` points. A flat or noisy window has a slope
-    interval that straddles 0: no forecast. The evidence gives the fitted curve (slope,
+    threshold, the ETA is at most ``horizon`` points and the ETA at the interval's slow end at most
+    ``range_factor`` horizons. A flat or noisy window has a slope interval that straddles 0, or
+    one so wide that its slow end never arrives: no forecast. The evidence gives the fitted curve (slope,
     intercept, transform), the ETA and its range over the slope's interval.
 
     The detector sees logged points and their times, not training steps: ``at_step(step)`` before
@@ -49,7 +50,8 @@ class Forecast(Detector):
     """
 
     __slots__ = ("window", "transform", "direction", "threshold", "floor_ratio", "reference", "horizon",
-                 "confidence", "min_samples", "ys", "ts", "steps", "step", "early", "count", "last", "score")
+                 "confidence", "range_factor", "min_samples", "ys", "ts", "steps", "step", "early", "count", "last",
+                 "score")
     kind = "forecast"
     params = (Param("window", 50, int, "points in the fitted window (at least 4)"),
               Param("transform", "linear", str, "fit the value, or its logarithm (an exponential decay)",
@@ -59,7 +61,9 @@ class Forecast(Detector):
               Param("floor_ratio", None, float, "... or this ratio of the run's early median (0.5: half its start)"),
               Param("reference", 25, int, "the first points whose median is the early level"),
               Param("horizon", 100, int, "the longest ETA that is told, in logged points"),
-              Param("confidence", 0.95, float, "the slope's interval at this level must exclude 0"),
+              Param("confidence", 0.99, float, "the slope's interval at this level must exclude 0"),
+              Param("range_factor", 3.0, float, "the interval's slow end must reach the level within this many "
+                    "horizons (null: any)"),
               Param("min_samples", None, int, "points before the first forecast", default_doc="max(8, window // 2)"))
     test_params = ({"window": 20, "transform": "log", "direction": "down", "floor_ratio": 0.5, "reference": 5},
                    {"window": 12, "direction": "up", "threshold": 1.0, "horizon": 30, "min_samples": 6})
@@ -68,7 +72,8 @@ class Forecast(Detector):
 
     def __init__(self, window: int = 50, transform: str = "linear", direction: str = "down",
                  threshold: float | None = None, floor_ratio: float | None = None, reference: int = 25,
-                 horizon: int = 100, confidence: float = 0.95, min_samples: int | None = None):
+                 horizon: int = 100, confidence: float = 0.99, range_factor: float | None = 3.0,
+                 min_samples: int | None = None):
         if transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {', '.join(TRANSFORMS)}")
         if direction not in ("down", "up"):
@@ -89,6 +94,7 @@ class Forecast(Detector):
         self.reference = max(1, int(reference))
         self.horizon = max(1, int(horizon))
         self.confidence = float(confidence)
+        self.range_factor = None if range_factor is None else float(range_factor)
         self.min_samples = (max(4, min(int(min_samples), self.window)) if min_samples is not None
                             else max(8, self.window // 2))
         self.ys: deque = deque(maxlen=self.window)   # the fitted values (log values for `log`)
@@ -159,7 +165,8 @@ class Forecast(Detector):
         fast, slow = (lo, hi) if self.direction == "down" else (hi, lo)
         eta_lo = gap / (fast * sign) if gap > 0 and fast * sign > 0 else math.inf
         eta_hi = gap / (slow * sign) if gap > 0 and slow * sign > 0 else math.inf
-        flagged = bool(sure and gap > 0 and eta <= self.horizon)
+        flagged = bool(sure and gap > 0 and eta <= self.horizon
+                       and (self.range_factor is None or eta_hi <= self.range_factor * self.horizon))
         self.score = self.horizon / (self.horizon + eta) if sure and gap > 0 and math.isfinite(eta) else 0.0
         self.last = [x, target, slope, intercept, lo, hi, eta, eta_lo, eta_hi, flagged]
         return flagged
