@@ -18,6 +18,13 @@ __all__ = ["Forecast"]
 TRANSFORMS = ("log", "linear")
 
 
+def _median(ordered: np.ndarray) -> float:
+    """The median of a sorted array (np.median costs more than the fit itself here)."""
+    n = len(ordered)
+    h = n // 2
+    return float(ordered[h]) if n % 2 else (float(ordered[h - 1]) + float(ordered[h])) / 2.0
+
+
 class Forecast(Detector):
     """A robust line through the last ``window`` points, and the points left until it crosses a threshold.
 
@@ -146,9 +153,9 @@ class Forecast(Detector):
         n = len(y)
         i, j = _pairs(n)
         slopes = np.sort((y[j] - y[i]) / (j - i))
-        slope = float(np.median(slopes))
-        idx = np.arange(n, dtype=float)
-        intercept = float(np.median(y - slope * idx))  # the level at the window's first point
+        slope = _median(slopes)
+        # the level at the window's first point
+        intercept = _median(np.sort(y - slope * np.arange(n, dtype=float)))
         # Sen's interval: ranks of the pairwise slopes around N/2, by the Mann-Kendall variance.
         z = statistics.NormalDist().inv_cdf(0.5 + self.confidence / 2)
         half = z * math.sqrt(n * (n - 1) * (2 * n + 5) / 18.0) / 2.0
