@@ -156,12 +156,13 @@ class Forecast(Detector):
         slope = _median(slopes)
         # the level at the window's first point
         intercept = _median(np.sort(y - slope * np.arange(n, dtype=float)))
-        # Sen's interval: ranks of the pairwise slopes around N/2, by the Mann-Kendall variance.
+        # Sen's interval (Gilbert 1987, 16.4): the M1-th and (M2+1)-th smallest of the N pairwise
+        # slopes, M1,2 = (N -+ z sqrt(Var S)) / 2 with the Mann-Kendall variance; rounded outwards.
         z = statistics.NormalDist().inv_cdf(0.5 + self.confidence / 2)
-        half = z * math.sqrt(n * (n - 1) * (2 * n + 5) / 18.0) / 2.0
         big = len(slopes)
-        lo = float(slopes[max(0, min(big - 1, int(math.floor(big / 2.0 - half))))])
-        hi = float(slopes[max(0, min(big - 1, int(math.ceil(big / 2.0 + half)) - 1))])
+        c = z * math.sqrt(n * (n - 1) * (2 * n + 5) / 18.0)
+        lo = float(slopes[min(big - 1, max(0, math.floor((big - c) / 2.0) - 1))])
+        hi = float(slopes[min(big - 1, max(0, math.ceil((big + c) / 2.0)))])
         goal = math.log(target) if self.transform == "log" else target
         now = intercept + slope * (n - 1)
         sign = -1.0 if self.direction == "down" else 1.0
