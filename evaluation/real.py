@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import Counter
 from pathlib import Path
@@ -44,6 +45,14 @@ from trainguard.streams import rules as rules_mod  # noqa: E402
 
 LOUD = {"P0", "P1", None}
 ADDED = HERE / "real-traces"
+FORECAST = "P3"  # forecasts: shown, never paged, not counted as warnings
+# Each forecast rule: the failure kinds (labels) it foretells, and the rules that catch those today.
+FORECASTS = {
+    "entropy_exhaustion_forecast": (frozenset({"entropy_collapse"}),
+                                    frozenset({"entropy_collapse", "entropy_below_start", "entropy_near_zero"})),
+    "kl_budget_forecast": (frozenset({"kl_drift", "kl_spike", "kl_explosion"}),
+                           frozenset({"kl_explosion", "kl_high", "kl_spike", "kl_drift"})),
+}
 
 
 def trace_sets() -> dict[str, Path | None]:
@@ -65,6 +74,26 @@ def judge(label: dict, alerts: list[tuple[int, str | None]]) -> tuple[bool, int,
     return bool(hits), len(early), f"window {lo}..{hi}, first alert {first}, {len(early)} early"
 
 
+def forecast_leads(label: dict, firing: list[dict]) -> list[dict]:
+    """For a scored failure trace whose labels name a kind a forecast rule foretells: the step of
+    today's alert (the first of the rules that catch that kind, at or after ``earliest_ok_step``),
+    the forecast's first firing, and the lead (0 when it did not fire before that alert)."""
+    if label["expect"] != "alert" or not label.get("scored", True) or label.get("earliest_ok_step") is None:
+        return []
+    out = []
+    for rule, (kinds, catchers) in FORECASTS.items():
+        if not kinds & set(label.get("kinds") or ()):
+            continue
+        caught = min((a["step"] for a in firing if a["rule"] in catchers and a["step"] >= label["earliest_ok_step"]),
+                     default=None)
+        if caught is None:  # nothing catches it today: no alert to be early for
+            continue
+        first = min((a["step"] for a in firing if a["rule"] == rule and a["step"] <= caught), default=None)
+        out.append({"trace": label["file"], "forecast": rule, "caught_at": caught, "first_forecast": first,
+                    "lead_steps": caught - first if first is not None else 0})
+    return out
+
+
 def notifications(alerts: list[dict]) -> int:
     """How many messages a chat sink with the default settings sends for these alerts (pages
     at once, warnings digested per run and interval: ``sinks/paging.py``)."""
@@ -74,7 +103,7 @@ def notifications(alerts: list[dict]) -> int:
 
 def score_set(directory: Path, rules) -> dict:
     labels = json.loads((directory / "labels.json").read_text())["traces"]
-    rows, totals = [], Counter()
+    rows, totals, leads = [], Counter(), []
     for label in labels:
         result = replay(directory / "traces" / f"{label['file']}.jsonl", rules=rules, run_id=label["file"])
         firing = [a for a in result.alerts if a["status"] == "firing"]
@@ -86,8 +115,10 @@ def score_set(directory: Path, rules) -> dict:
             totals["caught" if kind == "failures" else "healthy_silent"] += ok
             totals["false_alarms"] += false_alarms > 0
             totals["false_alarm_alerts"] += false_alarms
+            leads += forecast_leads(label, firing)
             if kind == "healthy":  # the noise a person would see on a run that trains fine
                 totals["healthy_steps"] += result.steps
+                totals["healthy_forecasts"] += sum(a["severity"] == FORECAST for a in firing)
                 totals["healthy_warnings"] += sum(a["severity"] == "P2" for a in firing)
                 totals["healthy_notifications"] += notifications(result.alerts)
             elif label.get("earliest_ok_step") is not None:
@@ -103,7 +134,7 @@ def score_set(directory: Path, rules) -> dict:
             "warnings_per_100_healthy_steps": round(totals["healthy_warnings"] * per_100, 3),
             "notifications_per_100_healthy_steps": round(totals["healthy_notifications"] * per_100, 3),
             "pages_before_onset": totals["pages_before_onset"], "healthy_steps": totals["healthy_steps"],
-            "traces": rows}
+            "healthy_forecasts": totals["healthy_forecasts"], "forecast_leads": leads, "traces": rows}
 
 
 def evaluate(rules=None, which: str = "all") -> dict[str, dict | None]:
@@ -123,7 +154,17 @@ def summary(results: dict[str, dict | None]) -> dict:
             "notifications_per_100_healthy_steps", "pages_before_onset")
     out = {f"real_{k}": (dev[k] if dev else None) for k in keys}
     out["real_added"] = {k: added[k] for k in keys} if added else None
+    out.update(forecast_summary(results))
     return out
+
+
+def forecast_summary(results: dict[str, dict | None]) -> dict:
+    """The forecasts over both sets: the median lead in steps over the traces that show what they
+    foretell, how many traces that is, and how many forecasts fired on healthy runs."""
+    sets = [r for r in results.values() if r]
+    leads = [row["lead_steps"] for r in sets for row in r["forecast_leads"]]
+    return {"forecast_lead_steps": statistics.median(leads) if leads else None, "forecast_traces": len(leads),
+            "forecast_healthy": sum(r["healthy_forecasts"] for r in sets) if sets else None}
 
 
 def print_results(results: dict[str, dict | None], verbose: bool = False, out=sys.stdout) -> None:
@@ -143,7 +184,13 @@ def print_results(results: dict[str, dict | None], verbose: bool = False, out=sy
               f"{res['false_alarms']} false alarms ({res['false_alarm_alerts']} loud alerts); on "
               f"{res['healthy_steps']} healthy steps, per 100: {res['warnings_per_100_healthy_steps']} warnings, "
               f"{res['notifications_per_100_healthy_steps']} chat messages; {res['pages_before_onset']} pages "
-              f"before an onset\n", file=out)
+              f"before an onset", file=out)
+        for row in res["forecast_leads"]:
+            first = "never before it" if row["first_forecast"] is None else f"first at step {row['first_forecast']}"
+            print(f"  {row['forecast']} on {row['trace']}: caught at step {row['caught_at']}, forecast {first}, "
+                  f"lead {row['lead_steps']} steps", file=out)
+        print(f"  forecasts (P3, never paged, not counted as warnings) on healthy runs: {res['healthy_forecasts']}\n",
+              file=out)
 
 
 def main(argv=None) -> int:

@@ -24,6 +24,7 @@ onset, per 10,000 such steps. Then ``evaluation/nab.py`` runs as a subprocess (u
      "real_healthy": n, "real_false_alarms": n, "real_added": {...},
      "recovery": {"runs": n, "recovered_without_human": n, "median_steps_lost": x,
                   "rollbacks_per_incident": x},
+     "forecast_lead_steps": x, "forecast_traces": n, "forecast_healthy": n,
      "nab": {"standard": x, "reward_low_FP": x, "reward_low_FN": x}}
 
 The ``real_*`` fields come from ``evaluation/real.py``: runs other people trained (the public
@@ -32,6 +33,9 @@ replayed through the same rules; the simulator was written with the rules, real 
 ``recovery`` comes from ``evaluation/recovery.py``: simulated runs whose trainer does obey the
 commands (a transient NaN, a NaN that recurs at its step, a hanging reward model, two sudden
 faults), counted by how many end without a human.
+The ``forecast_*`` fields come from the real traces as well: how many steps before today's alert the forecast rules (P3) first
+fired on the real traces whose labels show what they foretell. Forecasts page no one, so they
+are not false alerts here and not warnings there.
 
 Targets: recall >= 0.95 for every fault kind, <= 1 false alert per 10k healthy steps,
 median delay <= 3 steps for sudden faults, the slow KL drift caught before KL reaches 0.1.
@@ -145,10 +149,12 @@ def drive(sc: Scenario, rules=None) -> dict:
 def judge(res: dict) -> dict:
     """Split a run's firing alerts into false ones (before the onset) and the detection."""
     onset, onset_ts = res["onset"], res["onset_ts"]
-    pre = [f for f in res["fired"] if f[2] <= onset_ts]
-    during = [f for f in res["fired"] if f[2] > onset_ts]
+    heard = [f for f in res["fired"] if f[3] != real.FORECAST]  # forecasts page no one: not false alerts
+    pre = [f for f in heard if f[2] <= onset_ts]
+    during = [f for f in heard if f[2] > onset_ts]
     clean_steps = res["steps"] if res["fault"] is None else min(res["steps"], onset - 1)
-    out = {"false": pre, "clean_steps": clean_steps, "detected": False, "during": Counter(f[0] for f in during)}
+    out = {"false": pre, "clean_steps": clean_steps, "detected": False, "during": Counter(f[0] for f in during),
+           "forecasts": sum(f[3] == real.FORECAST and f[2] <= onset_ts for f in res["fired"])}
     if res["fault"] is None:
         return out
     if res["fault"] == "trainer_hung" and not res["has_tick"]:
@@ -201,9 +207,10 @@ def summarise(results: list[tuple[dict, dict]]) -> tuple[dict, dict]:
                                                 "rules": Counter(), "during": Counter(), "kl": []})
     false_alerts, clean_steps, healthy_steps = 0, 0, 0
     false_by_rule: Counter = Counter()
-    healthy_false = 0
+    healthy_false = forecasts = 0
     for res, v in results:
         false_alerts += len(v["false"])
+        forecasts += v["forecasts"]
         clean_steps += v["clean_steps"]
         false_by_rule.update(f[0] for f in v["false"])
         if res["fault"] is None:
@@ -254,7 +261,7 @@ def summarise(results: list[tuple[dict, dict]]) -> tuple[dict, dict]:
         "drift_caught_before_kl": drift,
     }
     extra = {"table": table, "false_alerts": false_alerts, "clean_steps": clean_steps,
-             "healthy_steps": healthy_steps, "healthy_false": healthy_false,
+             "healthy_steps": healthy_steps, "healthy_false": healthy_false, "forecasts": forecasts,
              "false_by_rule": dict(false_by_rule.most_common())}
     return summary, extra
 
@@ -276,6 +283,7 @@ def print_table(summary: dict, extra: dict) -> None:
           f"({extra['healthy_false'] / hs * 10_000 if hs else 0:.2f} per 10k); with fault runs before their onset: "
           f"{extra['false_alerts']} in {extra['clean_steps']} steps "
           f"({summary['false_alerts_per_10k_steps']} per 10k)")
+    print(f"forecasts (P3, not counted above) in the same steps: {extra['forecasts']}")
     if extra["false_by_rule"]:
         print("false alerts by rule: " + ", ".join(f"{r}:{n}" for r, n in extra["false_by_rule"].items()))
     if "kl_drift" in extra["table"]:

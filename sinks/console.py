@@ -9,7 +9,7 @@ from typing import TextIO
 import orjson
 
 from trainguard.sinks.base import Sink
-from trainguard.sinks.reports import format_value
+from trainguard.sinks.reports import forecast_text, format_value
 from trainguard.terminal import safe_event
 
 _SEVERITY_COLOUR = {"P0": "\033[1;97;41m", "P1": "\033[1;31m", "P2": "\033[33m", "P3": "\033[36m"}
@@ -68,6 +68,9 @@ class ConsoleSink(Sink):
         where = f" step={alert['step']}" if alert.get("step") is not None else ""
         metric, value = alert.get("metric") or "", alert.get("value")
         reading = f" {metric}={format_value(value)}" if metric and value is not None else f" {metric}" if metric else ""
+        forecast = forecast_text(ev) if alert["status"] == "firing" else None
+        if forecast:
+            bounds += f" {forecast}"
         flapping = " (flapping)" if alert.get("flapping") else ""
         line = (f"{_clock(alert.get('ts'))} {head} {self._c(_BOLD, alert['rule'])}{flapping} run={alert['run_id']}"
                 f"{where}{reading}{bounds}"

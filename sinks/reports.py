@@ -35,6 +35,41 @@ def format_value(v) -> str:
     return str(v)
 
 
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.2g} {unit}" if seconds < 10 * size else f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def forecast_text(evidence) -> str | None:
+    """A forecast's ETA and fitted curve as people read them (from a ``forecast`` detector's
+    evidence: reports, the console, the run page); None for any other evidence."""
+    if not isinstance(evidence, dict) or evidence.get("detector") != "forecast":
+        return None
+    eta, level = evidence.get("eta_points"), evidence.get("threshold")
+    if type(eta) is not int or not is_finite_number(level):
+        return None
+    steps = evidence.get("eta_steps")
+    when = f"~{steps} steps ({eta} logged points)" if type(steps) is int else f"~{eta} logged points"
+    seconds = evidence.get("eta_s")
+    if is_finite_number(seconds) and seconds > 0:
+        when += f", ~{_duration(seconds)} at this pace"
+    span = evidence.get("eta_points_range")
+    if isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span):
+        when += f"; {span[0]}-{span[1]} points over the slope's interval"
+    text = f"reaches {format_value(float(level))} in {when}"
+    slope, intercept = evidence.get("slope_per_point"), evidence.get("intercept")
+    if is_finite_number(slope) and is_finite_number(intercept):
+        if evidence.get("transform") == "log":
+            text += f"; fit exp({format_value(float(intercept))} {float(slope):+.4g}·i)"
+        else:
+            text += f"; fit {format_value(float(intercept))} {float(slope):+.4g}·i"
+        window = evidence.get("window")
+        text += f" over the last {window} points (i = 0 at the first)" if type(window) is int else ""
+    return text
+
+
 def render_text(report: dict) -> str:
     """The readable form of a diagnosis report."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report["ts"]))
@@ -56,6 +91,9 @@ def render_text(report: dict) -> str:
                   f"mean {format_value(ev['mean'])}" if "lower" in ev else "")
         lines.append(f"  - {a.get('severity')} {a['rule']} at step {a.get('step')}: "
                      f"{a.get('metric')}={format_value(a.get('value'))}{bounds}")
+        forecast = forecast_text(ev)
+        if forecast:
+            lines.append(f"      forecast: {forecast}")
         if a.get("diagnosis"):
             lines.append(f"      {a['diagnosis']}")
         if a.get("suggestion"):

@@ -244,7 +244,8 @@ def test_run_quick_prints_the_summary_json_last():
                             "drift_caught_before_kl", "real_caught", "real_failures", "real_healthy_silent",
                             "real_healthy", "real_false_alarms", "real_added", "nab",
                             "real_warnings_per_100_healthy_steps", "real_notifications_per_100_healthy_steps",
-                            "real_pages_before_onset", "recovery"}
+                            "real_pages_before_onset", "recovery", "forecast_lead_steps", "forecast_traces",
+                            "forecast_healthy"}
     assert set(summary["recovery"]) == {"runs", "recovered_without_human", "median_steps_lost",
                                         "rollbacks_per_incident"}
     assert summary["recovery"]["runs"] == 2 * 5 and any(line.startswith("nan_recurring ") for line in lines)
@@ -254,6 +255,9 @@ def test_run_quick_prints_the_summary_json_last():
     assert all(summary["real_added"][k] >= 0 for k in noise)
     assert any(line.startswith("real traces, added set:") for line in lines)
     assert set(summary["nab"]) == {"standard", "reward_low_FP", "reward_low_FN"}
+    # the added set alone holds two traces a forecast foretells (a KL climb, a KL explosion)
+    assert summary["forecast_traces"] >= 2 and summary["forecast_lead_steps"] >= 0
+    assert summary["forecast_healthy"] >= 0
     assert 0 <= summary["min_recall"] <= 1 and summary["false_alerts_per_10k_steps"] >= 0
     assert any(line.startswith("kl_explosion ") for line in lines)
     # the seed's four faults are caught by the seed's rules
@@ -275,3 +279,16 @@ def test_the_closed_loop_cures_a_transient_nan_stops_a_recurring_one_and_leaves_
     assert recurring.commands == ["rollback", "stop"] and recurring.stopped and not recurring.recovered
     hang = recovery.run_one("reward_model_hang", 0, default)
     assert hang.commands == [] and hang.recovered, "the guard's fallback carries the run: nothing to roll back"
+
+
+def test_forecasts_are_not_false_alerts_and_are_counted_apart():
+    import run
+
+    fired = [("kl_budget_forecast", 40, 400.0, "P3", False), ("kl_high", 50, 500.0, "P2", False),
+             ("entropy_exhaustion_forecast", 120, 1200.0, "P3", False), ("kl_explosion", 130, 1300.0, "P1", True)]
+    res = {"name": "s", "fault": "kl_explosion", "klass": "sudden", "onset": 110, "onset_ts": 1100.0,
+           "fired": fired, "steps": 150, "kl_at": {}, "has_tick": True, "step_seconds": 10.0,
+           "expected": ("kl_explosion",)}
+    verdict = run.judge(res)
+    assert [f[0] for f in verdict["false"]] == ["kl_high"] and verdict["forecasts"] == 1
+    assert "entropy_exhaustion_forecast" not in verdict["during"] and verdict["delay_steps"] == 20

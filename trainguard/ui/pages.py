@@ -88,7 +88,7 @@ def _alerts_by_id(view: dict, status: dict) -> list[dict]:
             entry["resolved_ts"] = a["ts"]
             entry["state"] = "resolved"
         else:
-            entry.update({k: a[k] for k in ("step", "value", "metric", "metrics", "severity", "rule")})
+            entry.update({k: a[k] for k in ("step", "value", "metric", "metrics", "severity", "rule", "forecast")})
             entry["fired"] = a["ts"]
         entry.setdefault("state", "firing")
         entry["silenced"] = entry["silenced"] or a["silenced"]
@@ -140,7 +140,7 @@ def render_run(board: Board, run_id: str, view: dict | None = None, *, x_range: 
     alert_rows = "".join(
         f'<tr class="alert {esc(a["state"])}" data-step="{esc(a["step"])}" data-alert="{esc(a["id"])}">'
         f'<td>{esc(a["id"])}</td><td class="when">{esc(utc_time(a["fired"]))}</td><td>{esc(a["step"])}</td>'
-        f'<td>{esc(a["severity"])}</td><td>{esc(a["rule"])}</td><td>{esc(a["metric"])}</td><td>{esc(a["value"])}</td>'
+        f'<td>{esc(a["severity"])}</td><td>{esc(a["rule"])}</td><td>{esc(a["metric"])}</td><td>{esc(a["value"])}{_forecast(a)}</td>'
         f'<td>{esc(a["state"])}{esc(" " + utc_time(a["resolved_ts"])) if a["resolved_ts"] else ""}</td>'
         f'<td>{"silenced" if a["silenced"] else ""}{" " if a["silenced"] and a["ack"] else ""}{esc(a["ack"])}</td>'
         f'<td>{_alert_zoom(a["step"])}</td></tr>' for a in alerts)
@@ -164,6 +164,11 @@ def render_run(board: Board, run_id: str, view: dict | None = None, *, x_range: 
             f'<th>command</th><th>detail</th></tr>{command_rows}</table>'
             f'<h2>diagnosis reports</h2><ul>{report_links or "<li>none</li>"}</ul>{_skipped_note(board)}')
     return html_page(f"trainguard: run {run_id}", body)
+
+
+def _forecast(alert: dict) -> str:
+    """A forecast's ETA under its value (the alert's evidence, as the reader kept it)."""
+    return f'<br><span class="forecast">{_attr(alert["forecast"])}</span>' if alert.get("forecast") else ""
 
 
 def _alert_zoom(step) -> str:

@@ -9,7 +9,7 @@ import time
 
 import orjson
 
-from trainguard.sinks.reports import format_value, int64
+from trainguard.sinks.reports import forecast_text, format_value, int64
 from trainguard.sinks.reports import shown as _shown
 
 
@@ -89,7 +89,8 @@ def alert_view(a: dict) -> dict:
     return {"id": a["id"], "status": a["status"], "severity": a["severity"], "rule": short_text(a["rule"]),
             "metric": short_text(metric), "metrics": [short_text(m) for m in names],
             "value": plain_value(a.get("value")),
-            "step": a.get("step"), "ts": a["ts"], "silenced": bool(a.get("silenced"))}
+            "step": a.get("step"), "ts": a["ts"], "silenced": bool(a.get("silenced")),
+            "forecast": short_text(forecast_text(a.get("evidence")) or "")}
 
 
 def command_view(c: dict) -> dict:  # no signature: the page shows what was decided, not the MAC
