@@ -33,9 +33,9 @@ replayed through the same rules; the simulator was written with the rules, real 
 ``recovery`` comes from ``evaluation/recovery.py``: simulated runs whose trainer does obey the
 commands (a transient NaN, a NaN that recurs at its step, a hanging reward model, two sudden
 faults), counted by how many end without a human.
-The ``forecast_*`` fields come from the real traces as well: how many steps before today's alert the forecast rules (P3) first
-fired on the real traces whose labels show what they foretell. Forecasts page no one, so they
-are not false alerts here and not warnings there.
+The ``forecast_*`` fields come from the real traces as well: how many steps before today's
+alert the forecast rules (P3) first fired on the traces whose labels show what they foretell.
+Forecasts page no one, so they are not false alerts here and not warnings there.
 
 Targets: recall >= 0.95 for every fault kind, <= 1 false alert per 10k healthy steps,
 median delay <= 3 steps for sudden faults, the slow KL drift caught before KL reaches 0.1.
