@@ -164,6 +164,8 @@ def test_an_entropy_collapse_is_forecast_long_before_it_warns_and_lands_in_the_r
     assert ev["transform"] == "log" and ev["slope_per_point"] < 0 and ev["threshold"] == pytest.approx(
         0.5 * ev["early_level"])
     assert "eta_points" in forecast["diagnosis"] or "logged points" in forecast["diagnosis"]
+    # logged every step: the engine hands the detector each point's step, so the ETA is in steps too
+    assert ev["steps_per_point"] == 1 and ev["eta_steps"] == ev["eta_points"]
 
 
 def test_a_kl_heading_past_its_budget_is_forecast_before_the_drift_warning():
@@ -210,7 +212,7 @@ def test_the_eta_and_the_fit_reach_the_console_the_report_and_the_run_page():
     alert = first(alerts_of("verl-grpo-7b-baseline-entropy-collapse"), "entropy_exhaustion_forecast")
     ev = alert["evidence"]
     lo, hi = ev["eta_points_range"]
-    said = f"in ~{ev['eta_points']} logged points"
+    said = f"in ~{ev['eta_steps']} steps ({ev['eta_points']} logged points)"
     assert said in ConsoleSink(colour=False).format(alert)
     report = {"id": "rep", "run_id": "r", "ts": 1.7e9, "action": "stop", "command_id": "c", "alerts": [alert]}
     text = render_text(report)
@@ -223,3 +225,23 @@ def test_the_eta_and_the_fit_reach_the_console_the_report_and_the_run_page():
     hostile = {**alert, "id": "a2", "run_id": "r", "evidence": {**ev, "eta_points": "<script>", "threshold": None}}
     board.take(topics.alerts, b"r", orjson.dumps(hostile))
     assert "<script>" not in render_run(board, "r") and board.skipped()[0] == 0
+
+
+def test_status_lists_an_open_forecast_with_its_eta_in_steps():
+    from trainguard.operate import format_status
+    from trainguard.schemas import events as ev
+    from trainguard.streams.engine import Engine
+
+    engine = Engine(rules_mod.default())
+    src = ev.source("trainer", "h", 0)
+    rng = random.Random(3)
+    for step in range(1, 46):  # entropy decaying 1% a step from 0.65 (half by step ~70), every step logged
+        entropy = 0.65 * math.exp(-0.01 * step) * (1 + 0.01 * rng.gauss(0, 1))
+        engine.handle(ev.encode(ev.metrics_event("f", step, {"actor/entropy": entropy}, src=src, ts=1.7e9 + step)),
+                      0, step)
+    [forecast] = [a for a in engine.status("f")["open_alerts"] if a["rule"] == "entropy_exhaustion_forecast"]
+    assert type(forecast["eta"]["eta_steps"]) is int and forecast["eta"]["eta_steps"] > 0, forecast
+    line = next(s for s in format_status(engine.status("f")).splitlines() if "entropy_exhaustion_forecast" in s)
+    assert f"in ~{forecast['eta']['eta_steps']} steps" in line, line
+    hostile = {**engine.status("f"), "open_alerts": [{**forecast, "eta": {"eta_steps": "\x1b[2J soon"}}]}
+    assert "soon" not in format_status(hostile) and "\x1b" not in format_status(hostile)

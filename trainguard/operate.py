@@ -301,6 +301,17 @@ def format_runs(statuses: dict[str, dict], now: float | None = None) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows)
 
 
+def _eta(eta) -> str:
+    """A forecast's ETA as status says it (a worker's own numbers, checked all the same)."""
+    if not isinstance(eta, dict):
+        return ""
+    steps, points, level = eta.get("eta_steps"), eta.get("eta_points"), eta.get("threshold")
+    when = f"~{steps} steps" if type(steps) is int else f"~{points} logged points" if type(points) is int else None
+    if when is None:
+        return ""
+    return f", reaches {_shown(level)} in {when}" if type(level) in (int, float) else f", in {when}"
+
+
 def format_status(s: dict, now: float | None = None) -> str:
     """A run's state, a few lines, every string from the topic made terminal-safe."""
     now = time.time() if now is None else now
@@ -326,7 +337,8 @@ def format_status(s: dict, now: float | None = None) -> str:
             acked = a.get("acknowledged")
             on_it = (f"  acknowledged by {acked.get('by') or '?'}: {acked.get('reason', '')}"
                      if isinstance(acked, dict) else "")
-            lines.append(f"    {a.get('severity') or '?'} {a['rule']}{value}{where}  ({a.get('id') or '-'}){on_it}")
+            lines.append(f"    {a.get('severity') or '?'} {a['rule']}{value}{where}{_eta(a.get('eta'))}  "
+                         f"({a.get('id') or '-'}){on_it}")
     else:
         lines.append("  open alerts: none")
     for silence in s.get("silences") or ():

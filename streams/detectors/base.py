@@ -229,6 +229,7 @@ class Detector(Stateful):
     __slots__ = ()
     score: float = 0.0
     judges_first: ClassVar[bool] = False
+    takes_step: ClassVar[bool] = False  # the engine calls ``at_step(step)`` before each update
     # Settings small enough to be ready within a few dozen samples: the property tests
     # (tests/test_detectors.py) run every kind with each of them.
     test_params: ClassVar[tuple[dict, ...]] = ()

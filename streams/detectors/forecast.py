@@ -59,6 +59,7 @@ class Forecast(Detector):
     __slots__ = ("window", "transform", "direction", "threshold", "floor_ratio", "reference", "horizon",
                  "confidence", "range_factor", "min_samples", "ys", "ts", "steps", "step", "early", "count", "last",
                  "score")
+    takes_step = True
     kind = "forecast"
     params = (Param("window", 50, int, "points in the fitted window (at least 4)"),
               Param("transform", "linear", str, "fit the value, or its logarithm (an exponential decay)",

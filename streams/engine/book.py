@@ -54,6 +54,10 @@ class AlertBook(StateAccess):
                                  "metric": alert.get("metric"), "step": alert.get("step"), "ts": alert["ts"],
                                  "value": _json_value(value) if type(value) is float else value,
                                  "flapping": bool(alert.get("flapping"))}
+        evidence = alert.get("evidence")
+        if isinstance(evidence, dict) and "eta_points" in evidence:  # a forecast: when, for status
+            run.book[alert["id"]]["eta"] = {k: evidence[k] for k in ("eta_steps", "eta_points", "threshold")
+                                            if k in evidence}
         while len(run.book) > MAX_BOOK:
             del run.book[next(iter(run.book))]
 

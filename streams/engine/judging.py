@@ -236,6 +236,8 @@ class Judging(Correlation, Breaker):
                     det = detectors[slot] = rule.make_detector()
                 if rule.paired is not None:  # e.g. the trained-on reward beside a validation score
                     det.pair(state.known.get(rule.paired))
+                if det.takes_step:  # a forecast's ETA in training steps, not only in points
+                    det.at_step(ctx.event["step"])
                 flagged = finite and det.update(value, ts)
                 if not flagged and rule.has_threshold and slot in firing:
                     flagged = True
