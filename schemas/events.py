@@ -26,6 +26,7 @@ import orjson
 MAX_EVENT_BYTES = 1 << 20  # 1 MiB: larger payloads are refused, not parsed
 MAX_METRICS_PER_EVENT = 10_000
 MAX_NAME_LEN = 256
+MAX_FOLDED_RANKS = 1024  # ranks one folded event (``source.ranks``) may carry
 
 METRICS = "metrics/1"
 CHECKPOINT = "checkpoint/1"
@@ -251,6 +252,14 @@ def _check_source(src: Any, field: str = "source") -> None:
     _str(src, "host", required=False, max_len=256, prefix=field + ".")
     _int(src, "rank", required=False, prefix=field + ".")
     _int(src, "gpu", required=False, prefix=field + ".")
+    ranks = src.get("ranks")
+    if ranks is not None:  # a node's ranks folded into one event: values named name[rank]
+        if (type(ranks) is not list or not 0 < len(ranks) <= MAX_FOLDED_RANKS
+                or not all(type(r) is int and 0 <= r < 2**31 for r in ranks)):
+            raise _fail(field + ".ranks",
+                        f"must be a list of 1..{MAX_FOLDED_RANKS} rank numbers, got {str(ranks)[:60]}")
+        if src.get("rank") is not None:
+            raise _fail(field + ".ranks", "a folded event has no rank of its own (rank must be null)")
 
 
 _NUMBER_TYPES = frozenset((float, int))
