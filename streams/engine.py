@@ -36,7 +36,7 @@ from trainguard.streams.alerts import LOUD, Track
 from trainguard.streams.baseline import BaselineBlock
 from trainguard.streams.detectors import CrossRank, detector_from_state
 from trainguard.streams.minutes import MinuteWindows
-from trainguard.streams.rules import ENGINE_KINDS, Rule, RuleSet, base_name
+from trainguard.streams.rules import ENGINE_KINDS, Rule, RuleSet, base_name, rank_of
 from trainguard.streams.signals import signal_of
 
 log = logging.getLogger("trainguard.engine")
@@ -866,6 +866,10 @@ class Engine:
         run.last_seen[kind] = [self.clock(), event.get("step"), src]
         if src.get("rank") is not None and kind in self.rules.policy["step_sources"]:
             run.ranks.setdefault(str(src["rank"]), src)
+        elif src.get("ranks") and kind in self.rules.policy["step_sources"]:  # a node's ranks folded in one event
+            for r in src["ranks"]:
+                if str(r) not in run.ranks:
+                    run.ranks[str(r)] = ev.source(kind, src.get("host", ""), r)
         for key in [k for k in run.stale if k.endswith("|" + kind)]:
             self._add(outputs, self._resolve(run, run.stale.pop(key), {"ts": event["ts"], "step": event.get("step")},
                                          resolution=f"{kind} is publishing again"))
@@ -1140,7 +1144,8 @@ class Engine:
     def _correlate(self, ctx: "EventContext") -> None:
         """Stragglers (one rank far from its peers) and incidents (rules that fire together)."""
         run, src = ctx.run, ctx.event["source"]
-        if (self._cross_rules and src.get("rank") is not None and len(run.ranks) >= self._cross_min_ranks
+        if (self._cross_rules and (src.get("rank") is not None or src.get("ranks"))
+                and len(run.ranks) >= self._cross_min_ranks
                 and src["kind"] in self.rules.policy["step_sources"]):
             self._cross_rank(run, ctx.run_id, ctx.event, ctx.outputs)
         # An incident can only open when one of its members fires, and only an open one can end.
@@ -1212,24 +1217,29 @@ class Engine:
         return evidence
 
     def _cross_rank(self, run: RunState, run_id: str, event: dict, outputs: list) -> None:
-        """Stragglers: one rank far from its peers at the same step."""
-        rank, step = str(event["source"]["rank"]), event["step"]
+        """Stragglers: one rank far from its peers at the same step. A folded event (a node's
+        ranks in one, ``source.ranks``) names each rank's value ``name[rank]``."""
+        src, step = event["source"], event["step"]
+        folded = src.get("rank") is None
         names = tuple(event["metrics"])
-        pairs = self._cross_pairs.get(names)
-        if pairs is None:  # which (rule, metric) pairs an event of this shape feeds, worked out once
+        pairs = self._cross_pairs.get((folded, names))
+        if pairs is None:  # which (rule, metric, rank) an event of this shape feeds, worked out once
             if len(self._cross_pairs) > 1024:
                 self._cross_pairs.clear()
-            pairs = self._cross_pairs[names] = [(rule, metric) for rule in self._cross_rules
-                                                for metric in names if rule.watches(metric)]
-        for rule, metric in pairs:
-            value = event["metrics"][metric]
+            pairs = self._cross_pairs[(folded, names)] = [
+                (rule, name, base_name(name), rank_of(name) if folded else None)
+                for rule in self._cross_rules for name in names
+                if rule.watches(name) and (not folded or rank_of(name) is not None)]
+        own = None if folded else str(src["rank"])
+        for rule, name, metric, rank in pairs:
+            value = event["metrics"][name]
             if math.isfinite(value):
                 key = f"{rule.name}|{metric}"
                 cr = run.cross.get(key)
                 if cr is None:
                     params = {k: v for k, v in rule.detector.items() if k != "kind"}
                     cr = run.cross[key] = CrossRank(**params)
-                cr.add(step, rank, value)
+                cr.add(step, rank or own, value)
                 for s in trackers.steps_to_judge(cr.pending, len(run.ranks), step):
                     flagged = {str(r): (v, med, z) for r, v, med, z in cr.complete(s)}
                     open_ranks = {r for r in run.ranks if f"{key}|{r}" in run.cross_firing}
