@@ -1218,10 +1218,11 @@ class Engine:
 
     def _cross_rank(self, run: RunState, run_id: str, event: dict, outputs: list) -> None:
         """Stragglers: one rank far from its peers at the same step. A folded event (a node's
-        ranks in one, ``source.ranks``) names each rank's value ``name[rank]``."""
+        ranks in one, ``source.ranks``) carries each rank's values in ``per_rank`` as ``name[rank]``."""
         src, step = event["source"], event["step"]
         folded = src.get("rank") is None
-        names = tuple(event["metrics"])
+        values = event.get("per_rank", {}) if folded else event["metrics"]
+        names = tuple(values)
         pairs = self._cross_pairs.get((folded, names))
         if pairs is None:  # which (rule, metric, rank) an event of this shape feeds, worked out once
             if len(self._cross_pairs) > 1024:
@@ -1232,7 +1233,7 @@ class Engine:
                 if rule.watches(name) and (not folded or rank_of(name) is not None)]
         own = None if folded else str(src["rank"])
         for rule, name, metric, rank in pairs:
-            value = event["metrics"][name]
+            value = values[name]
             if math.isfinite(value):
                 key = f"{rule.name}|{metric}"
                 cr = run.cross.get(key)
