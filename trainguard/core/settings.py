@@ -58,6 +58,9 @@ SETTINGS: tuple[Setting, ...] = (
             "`1`: listeners accept unsigned commands and workers unsigned checkpoints, lifecycle changes, "
             "operator events and acks (local use without any key; refused by default)"),
     Setting("TRAINGUARD_RUN_ID", None, "node agent", "the run id `trainguard node` reports under (or `--run-id`)"),
+    Setting("TRAINGUARD_RANK_SOCKET", "/tmp/trainguard-ranks.sock", "node agent, trainer side",
+            "the node's local socket where `RankLogger`s send their steps and `trainguard node --fold-ranks` "
+            "folds them into one event per node and step"),
     # worker
     Setting("TRAINGUARD_APP_ID", "trainguard", _WORKER, "consumer group and state-topic prefix (or `--app-id`)"),
     Setting("TRAINGUARD_INSTANCE_ID", None, _WORKER,
