@@ -22,7 +22,9 @@ on) share one consumer group: one, then two, then four, then one of the four lea
 Hot run: one run whose 1,024 ranks each log a step (6 compute metrics), pre-filled, drained by
 one worker (``throughput.consume``): every event of a run is keyed by the run, so one partition
 and one worker take them all. Reference: the same events spread over 32 runs of 32 ranks, same
-topic, one worker.
+topic, one worker. Then the same run with each node's 8 ranks folded into one event per step
+(``producers/ranks.py``), as many events as the unfolded run: its rank steps per second are the
+ranks logging once a second that one worker keeps up with.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import orjson
 from throughput import consume, cpu_seconds
 from workload import CLEANUP, ROOT, Steps, fresh_settings, percentile, prefill, progress
 
+from trainguard.producers.ranks import fold
 from trainguard.schemas import events as ev
 
 if str(ROOT) not in sys.path:
@@ -409,6 +412,26 @@ def rank_events(steps: Steps, runs: int, ranks: int, n_steps: int, prefix: str) 
     return out
 
 
+def folded_rank_events(steps: Steps, ranks: int, n_steps: int, prefix: str,
+                       per_node: int = 8) -> list[tuple[bytes, bytes]]:
+    """The hot run's steps as the node's rank folder publishes them (``producers/ranks.py``): per
+    step, one event per node carrying its ``per_node`` ranks' values."""
+    rng = random.Random(11)
+    t0 = time.time() - n_steps * 10.0
+    run_id = f"{prefix}-000"
+    key = run_id.encode()
+    out = []
+    for step in range(n_steps):
+        base = steps.trainer(step)
+        for node in range(ranks // per_node):
+            host = f"{prefix}-node-{node}"
+            per_rank = {rank: {"ts": t0 + step * 10.0, "layer": "compute",
+                               "metrics": {k: base[k] * (1 + 0.02 * rng.random()) for k in RANK_METRICS}}
+                        for rank in range(node * per_node, (node + 1) * per_node)}
+            out.append((key, ev.encode(fold(run_id, step, host, per_rank))))
+    return out
+
+
 def hot_run(bootstrap: str, steps: Steps, log_dir: Path, *, ranks: int = 1024, n_steps: int = 30,
             partitions: int = 32, measure_s: float = 15.0) -> dict:
     progress(f"hot run: one run, {ranks} ranks x {n_steps} steps, one worker ({partitions} partitions)")
@@ -422,10 +445,23 @@ def hot_run(bootstrap: str, steps: Steps, log_dir: Path, *, ranks: int = 1024, n
     prefill(spread_settings, spread)
     many = consume("trainguard", spread_settings, len(spread), log_dir, measure_s=measure_s)
     progress(f"  spread: {many['events_per_s']:.0f} events/s")
+    # The same run with each node's 8 ranks folded into one event per step, as many events as the
+    # unfolded run (8 times its steps) so that both drain for as long.
+    folded_settings = fresh_settings(bootstrap, partitions, "folded")
+    folded = folded_rank_events(steps, ranks, n_steps * 8, "folded")
+    prefill(folded_settings, folded)
+    f = consume("trainguard", folded_settings, len(folded), log_dir, measure_s=measure_s)
+    rank_steps = f["events_per_s"] * 8
+    progress(f"  folded: {f['events_per_s']:.0f} events/s = {rank_steps:.0f} rank steps/s")
     return {"hot_run_events_per_s": one["events_per_s"], "hot_run_ranks": ranks,
             "hot_run_events_per_cpu_s": one["events_per_cpu_s"],
             "spread_runs_events_per_s": many["events_per_s"],
-            "hot_run_ratio_vs_spread": one["events_per_s"] / many["events_per_s"]}
+            "hot_run_ratio_vs_spread": one["events_per_s"] / many["events_per_s"],
+            # Ranks logging once a second that one worker keeps up with, folded on their nodes.
+            "hot_run_folded_rank_steps_per_s": rank_steps, "hot_run_folded_events_per_s": f["events_per_s"],
+            "hot_run_folded_rank_steps_per_cpu_s": f["events_per_cpu_s"] * 8,
+            "hot_run_folded_ratio_vs_spread": rank_steps / many["events_per_s"],
+            "hot_run_folded_lift": rank_steps / one["events_per_s"]}
 
 
 def main(argv=None) -> int:

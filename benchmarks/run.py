@@ -49,7 +49,7 @@ KEYS = ("detector_speedup", "worker_samples_per_s", "worker_events_ratio_vs_bare
         "worker_events_ratio_vs_aiokafka", "alert_latency_p99_ms", "command_latency_p99_ms",
         "log_p99_us_broker_up", "log_p99_us_broker_down", "bytes_per_series", "two_worker_speedup",
         "kafka_worker_events_ratio_vs_bare_faust", "scale_events_per_worker_cpu_s", "scale_rebalance_pause_s",
-        "scale_max_lag_events")
+        "scale_max_lag_events", "hot_run_folded_rank_steps_per_s", "hot_run_folded_ratio_vs_spread")
 
 
 def _median_runs(fn, repeats: int) -> dict:
@@ -239,6 +239,10 @@ def fleet_rows(r: dict) -> list[tuple]:
         out.append((f"hot run ({g('hot_run_ranks')} ranks, one partition): events/s, one worker",
                     _fmt(g("hot_run_events_per_s")), "same events as 32 runs", _fmt(g("spread_runs_events_per_s")),
                     f"{g('hot_run_ratio_vs_spread'):.2f}", "-", None))
+    if "hot_run_folded_lift" in r:
+        out.append((f"  its ranks folded 8 a node (x{g('hot_run_folded_lift'):.1f}): rank steps/s",
+                    _fmt(g("hot_run_folded_rank_steps_per_s")), "same events as 32 runs",
+                    _fmt(g("spread_runs_events_per_s")), f"{g('hot_run_folded_ratio_vs_spread'):.2f}", "-", None))
     return out
 
 

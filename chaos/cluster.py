@@ -403,7 +403,7 @@ def election_takeover(cluster: KafkaCluster, static: bool, log_dir=None) -> dict
     worker = WorkerProcess(settings, log_dir, app_id=app_id, extra_env=env).start()
     alerts = TopicReader(settings, settings.topics.alerts)
     logger = TrainerLogger(run_id, settings, host="chaos")
-    killed, seconds, crashes, errors = None, None, 0, []
+    killed, seconds, crashes, errors, twice = None, None, 0, [], None
     try:
         worker.wait_ready(120)
         logger.checkpoint_saved(1, "/ckpt/step-1")
@@ -437,6 +437,9 @@ def election_takeover(cluster: KafkaCluster, static: bool, log_dir=None) -> dict
             except AssertionError:
                 pass
         say(f"election_{name}", f"kill to page: {seconds} s, the new worker exited {crashes} time(s) on its own")
+        # Its offsets were committed before the kill: a NaN judged again would be an event read twice.
+        paged = [a for a in alerts.drain(2.0) if a.get("rule") == "non_finite" and a.get("status") == "firing"]
+        twice = len(paged) - len({a["id"] for a in paged})
         logger.close(5, quiet=True)
     finally:
         alerts.close()
@@ -445,7 +448,7 @@ def election_takeover(cluster: KafkaCluster, static: bool, log_dir=None) -> dict
             cluster.start_node(killed)
             wait_in_sync(settings, settings.topics.events, partition)
     return {"static": static, "killed_node": killed, "takeover_s": seconds, "worker_exits": crashes,
-            "worker_exit_errors": errors[:3]}
+            "worker_exit_errors": errors[:3], "alerts_twice": twice if seconds is not None else None}
 
 
 def _write_runs(settings: KafkaSettings, first: int, runs: int, steps: int) -> list[str]:

@@ -127,6 +127,10 @@ TARGETS = {
     "refused_outputs_lost": (0, "le"),
     "refused_outputs_duplicated": (0, "le"),
     "refused_outputs_acked_early": (0, "le"),
+    "takeover_static_worker_exits": (0, "le"),
+    "takeover_dynamic_worker_exits": (0, "le"),
+    "takeover_static_alerts_twice": (0, "le"),
+    "takeover_dynamic_alerts_twice": (0, "le"),
 }
 
 # Stop or restart their broker themselves (memory storage, one port): an embedded broker each.
@@ -163,6 +167,7 @@ def run_on_cluster(kafka, only: set[str], quick: bool) -> dict:
         for kind, r in results.items():
             out["election"][f"takeover_{kind}_s"] = r["takeover_s"]
             out["election"][f"takeover_{kind}_worker_exits"] = r["worker_exits"]
+            out["election"][f"takeover_{kind}_alerts_twice"] = r["alerts_twice"]
     if "exactly_once" in only:
         print("exactly_once: Faust's transactions beside at-least-once ...", file=sys.stderr, flush=True)
         out["exactly_once"] = cluster.exactly_once(kafka, runs=4 if quick else 8)

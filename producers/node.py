@@ -454,7 +454,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", help="host name to report (default: this machine's)")
     parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or "
                                             f"{settings_mod.default('TRAINGUARD_BOOTSTRAP')})")
+    parser.add_argument("--fold-ranks", action="store_true",
+                        help="fold the steps this machine's RankLoggers send to $TRAINGUARD_RANK_SOCKET "
+                             "into one event per run and step (producers/ranks.py)")
+    parser.add_argument("--fold-wait", type=float, default=0.5,
+                        help="seconds a step waits for its late ranks before it goes without them (default 0.5)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="ranks to wait for at a run's first step (default: those that report within "
+                             "--fold-wait; later steps wait for every rank seen)")
     return parser
+
+
+def _start_folder(args, agent: NodeAgent):
+    """The rank folder, sharing the agent's producer; None (said once) when it cannot bind."""
+    from trainguard.producers.ranks import RankFolder
+
+    try:
+        folder = RankFolder(agent.settings, publisher=agent.publisher, max_wait_s=args.fold_wait,
+                            ranks_per_node=args.ranks_per_node).start()
+    except OSError as exc:
+        log.error("node agent: no rank folding (ranks publish directly): cannot listen on the rank socket: %s", exc)
+        return None
+    log.info("node agent: folding the ranks' steps sent to %s", folder.path)
+    return folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -465,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --run-id or set TRAINGUARD_RUN_ID")
     if args.interval <= 0:
         parser.error("--interval must be positive")
+    if args.fold_wait <= 0 or (args.ranks_per_node is not None and args.ranks_per_node < 1):
+        parser.error("--fold-wait and --ranks-per-node must be positive")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     settings = KafkaSettings.from_env(bootstrap=args.bootstrap)
@@ -504,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a daemon is stopped with SIGTERM
     except ValueError:
         pass  # not the main thread
+    folder = _start_folder(args, agent) if args.fold_ranks else None
     try:
         agent.run(stop, on_sample=show)
     except KeyboardInterrupt:
@@ -511,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if tty:
             sys.stdout.write("\n")
+        if folder is not None:
+            folder.close()
         agent.close()
     return 0
 

@@ -27,6 +27,7 @@ import orjson
 MAX_EVENT_BYTES = 1 << 20  # 1 MiB: larger payloads are refused, not parsed
 MAX_METRICS_PER_EVENT = 10_000
 MAX_NAME_LEN = 256
+MAX_FOLDED_RANKS = 1024  # ranks one folded event (``source.ranks``) may carry
 
 METRICS = "metrics/1"
 CHECKPOINT = "checkpoint/1"
@@ -69,10 +70,12 @@ def _wire_value(v: float) -> float | str:
 
 def encode(event: dict[str, Any]) -> bytes:
     """Encode an event built by this module; non-finite metric values become strings."""
-    metrics = event.get("metrics")
-    if metrics is not None and event.get("schema") == METRICS and not math.isfinite(sum(metrics.values())):
-        # NaN/Inf somewhere (or a sum that overflows): only then rewrite the values.
-        event = {**event, "metrics": {k: _wire_value(x) for k, x in metrics.items()}}
+    if event.get("schema") == METRICS:
+        for field in ("metrics", "per_rank"):
+            values = event.get(field)
+            if values is not None and not math.isfinite(sum(values.values())):
+                # NaN/Inf somewhere (or a sum that overflows): only then rewrite the values.
+                event = {**event, field: {k: _wire_value(x) for k, x in values.items()}}
     value = event.get("value")
     if isinstance(value, float) and not math.isfinite(value):
         event = {**event, "value": _wire_value(value)}
@@ -300,17 +303,25 @@ def _check_source(src: Any, field: str = "source") -> None:
     _str(src, "host", required=False, max_len=256, prefix=field + ".")
     _int(src, "rank", required=False, prefix=field + ".")
     _int(src, "gpu", required=False, prefix=field + ".")
+    ranks = src.get("ranks")
+    if ranks is not None:  # a node's ranks folded into one event: values named name[rank]
+        if (type(ranks) is not list or not 0 < len(ranks) <= MAX_FOLDED_RANKS
+                or not all(type(r) is int and 0 <= r < 2**31 for r in ranks)):
+            raise _fail(field + ".ranks",
+                        f"must be a list of 1..{MAX_FOLDED_RANKS} rank numbers, got {str(ranks)[:60]}")
+        if src.get("rank") is not None:
+            raise _fail(field + ".ranks", "a folded event has no rank of its own (rank must be null)")
 
 
 _NUMBER_TYPES = frozenset((float, int))
 
 
-def _check_metrics(event: dict) -> None:
-    metrics = event.get("metrics")
+def _check_metrics(event: dict, field: str = "metrics") -> None:
+    metrics = event.get(field)
     if type(metrics) is not dict:
-        raise _fail("metrics", "missing" if metrics is None else f"must be an object, got {type(metrics).__name__}")
+        raise _fail(field, "missing" if metrics is None else f"must be an object, got {type(metrics).__name__}")
     if len(metrics) > MAX_METRICS_PER_EVENT:
-        raise _fail("metrics", f"more than {MAX_METRICS_PER_EVENT} values in one event")
+        raise _fail(field, f"more than {MAX_METRICS_PER_EVENT} values in one event")
     # The common case in C-speed passes: every value a number, every name a sane length.
     if (not metrics or (_NUMBER_TYPES.issuperset(map(type, metrics.values()))
                         and 0 < min(map(len, metrics)) and max(map(len, metrics)) <= MAX_NAME_LEN)):
@@ -321,16 +332,16 @@ def _check_metrics(event: dict) -> None:
         if (t is float or t is int) and 0 < len(name) <= MAX_NAME_LEN:
             continue
         if not name or len(name) > MAX_NAME_LEN:
-            raise _fail("metrics", f"metric names must be 1..{MAX_NAME_LEN} characters, got {name[:40]!r}")
+            raise _fail(field, f"metric names must be 1..{MAX_NAME_LEN} characters, got {name[:40]!r}")
         if t is str or v is None:
             if v in _NON_FINITE_IN:
                 if converted is None:
                     converted = {}
                 converted[name] = _NON_FINITE_IN[v]
                 continue
-            raise _fail(f"metrics.{name}", f"must be a number, 'NaN', 'Infinity' or '-Infinity'; got {v!r}")
+            raise _fail(f"{field}.{name}", f"must be a number, 'NaN', 'Infinity' or '-Infinity'; got {v!r}")
         if t is not float and t is not int:
-            raise _fail(f"metrics.{name}", f"must be a number, got {t.__name__}")
+            raise _fail(f"{field}.{name}", f"must be a number, got {t.__name__}")
     if converted:
         metrics.update(converted)
 
@@ -369,6 +380,10 @@ def _validate_metrics(event: dict) -> None:
     if "layer" in event:
         _enum(event, "layer", LAYERS)
     _check_metrics(event)
+    if "per_rank" in event:  # a folded event: each rank's values beside the node's summary
+        if not event["source"].get("ranks"):
+            raise _fail("per_rank", "only a folded event (source.ranks) carries per-rank values")
+        _check_metrics(event, "per_rank")
     _check_tags(event)
 
 

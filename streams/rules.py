@@ -48,6 +48,16 @@ def base_name(metric: str) -> str:
     return metric if i < 0 else metric[:i]
 
 
+def rank_of(metric: str) -> str | None:
+    """``timing_s/step[12]`` -> ``"12"``: the index of a per-device (or, folded, per-rank) metric.
+
+    >>> rank_of("timing_s/step[12]"), rank_of("timing_s/step")
+    ('12', None)
+    """
+    i = metric.find("[")
+    return metric[i + 1:-1] if i > 0 and metric.endswith("]") and metric[i + 1:-1].isdigit() else None
+
+
 def equal(value: float, target: float) -> bool:
     """``equals:`` in a rule: the logged value is the target, up to float round-off."""
     return abs(value - target) <= 1e-12 * max(1.0, abs(target))

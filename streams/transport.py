@@ -62,6 +62,9 @@ UPSTREAM = {
     # QuickFetchThread reads aiokafka's member id the way this reads the generation
     "faust.transport.drivers.aiokafka:ConsumerRebalanceListener.on_partitions_assigned": "1c1f8406ad3698a6",
     "faust.tables.manager:TableManager.on_start": "365dd25fbc0e0684",  # WorkerTableManager drops its sleep
+    # WorkerTransport retries these when a broker died but is not fenced yet
+    "faust.transport.drivers.aiokafka:Transport._really_create_topic": "698806ec237ce0d7",
+    "faust.transport.drivers.aiokafka:Transport._get_controller_node": "5f99da292a60e6de",
 }
 
 
@@ -184,7 +187,35 @@ class WorkerConsumer(aiokafka_driver.Consumer):
 
 
 class WorkerTransport(aiokafka_driver.Transport):
+    """Faust's transport, whose topic creation rides out a broker that died: Faust asks the first
+    broker of its metadata for the controller and sends CreateTopics to the one that names, and
+    until the controller fences a dead broker (``broker.session.timeout.ms``, 9 s by default) the
+    metadata still lists it, so a worker starting then got ``NodeNotReadyError`` from its leader
+    assignor's topic and exited. Retriable errors are now retried, on fresh metadata, for up to
+    ``TOPIC_CREATE_PATIENCE_S``; nothing was consumed yet, so nothing is lost or read twice."""
+
     Consumer = WorkerConsumer
+    TOPIC_CREATE_PATIENCE_S = 120.0
+
+    async def _really_create_topic(self, owner, client, topic, partitions, replication, **kwargs) -> None:
+        deadline = asyncio.get_running_loop().time() + self.TOPIC_CREATE_PATIENCE_S
+        delay = 0.5
+        while True:
+            try:
+                return await super()._really_create_topic(owner, client, topic, partitions, replication, **kwargs)
+            except Exception as exc:
+                # Upstream turns NOT_CONTROLLER into a RuntimeError naming the controller it asked.
+                retriable = getattr(exc, "retriable", False) or "Invalid controller" in str(exc)
+                if not retriable or owner.should_stop or asyncio.get_running_loop().time() + delay > deadline:
+                    raise
+                log.warning("trainguard: creating topic %r: %s: %s; trying again in %.1f s (a broker that "
+                            "died is fenced after its session timeout)", topic, type(exc).__name__, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 4.0)
+            try:
+                await client.force_metadata_update()  # the dead broker drops out once fenced
+            except Exception as exc:
+                log.debug("trainguard: metadata update before creating %r again: %s", topic, exc)
 
 
 class WorkerApp(faust.App):

@@ -16,7 +16,7 @@ KEYS = ("detector_speedup", "worker_samples_per_s", "worker_events_ratio_vs_bare
         "worker_events_ratio_vs_aiokafka", "alert_latency_p99_ms", "command_latency_p99_ms",
         "log_p99_us_broker_up", "log_p99_us_broker_down", "bytes_per_series", "two_worker_speedup",
         "kafka_worker_events_ratio_vs_bare_faust", "scale_events_per_worker_cpu_s", "scale_rebalance_pause_s",
-        "scale_max_lag_events")
+        "scale_max_lag_events", "hot_run_folded_rank_steps_per_s", "hot_run_folded_ratio_vs_spread")
 SCALARS = [k for k in KEYS if k != "scale_events_per_worker_cpu_s"]
 
 
@@ -59,13 +59,15 @@ def test_the_table_has_a_row_per_figure_with_target_and_verdict():
                 kafka_latency_load_events_per_s=450.0, kafka_command_latency_p50_ms=90.0,
                 kafka_command_latency_p99_ms=300.0, kafka_commands_measured=15,
                 hot_run_events_per_s=3000.0, hot_run_ranks=1024, spread_runs_events_per_s=4000.0,
-                hot_run_ratio_vs_spread=0.75)
+                hot_run_ratio_vs_spread=0.75, hot_run_folded_rank_steps_per_s=20000.0, hot_run_folded_lift=6.7,
+                hot_run_folded_ratio_vs_spread=5.0)
     lines = run.table(fake).splitlines()
-    assert len(lines) == 2 + 11 + 7
+    assert len(lines) == 2 + 11 + 8
     row = next(line for line in lines if line.startswith("worker events/s") and "bare Faust agent" in line)
     assert "0.50" in row and "MISS" in row and "0.90" in row and "pass" in row  # Tansu misses, Kafka passes
     assert any("4 workers" in line and "0.75" in line for line in lines)  # per CPU-second against one worker
     assert any("hot run" in line and "3,000" in line for line in lines)
+    assert any("folded" in line and "20,000" in line and "5.00" in line for line in lines)
 
 
 @pytest.mark.integration

@@ -39,6 +39,10 @@ VALID = [
                       "value": "NaN", "step": 12}],
      "checkpoints": 3, "last_healthy_checkpoint": {"step": 10, "path": "/ckpt/10"}, "dropped_events": 0.0,
      "worker": "host:1"},
+    # A node's ranks folded into one event (producers/ranks.py).
+    {**ev.metrics_event("run-1", 13, {"timing_s/step": math.nan}, ts=1.5e9,
+                        src={**ev.source("trainer", "node-1"), "ranks": [8, 9]}),
+     "per_rank": {"timing_s/step[8]": 1.2, "timing_s/step[9]": math.nan}},
 ]
 
 
@@ -79,6 +83,16 @@ BAD = [
     (b'{"schema":"metrics/1","run_id":"r","source":{},"step":1,"ts":1,"metrics":{}}', "source.kind: missing"),
     (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"t"},"step":1,"ts":1,"metrics":{},"layer":"x"}',
      "layer: must be one of"),
+    (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"trainer","ranks":[-1]},"step":1,"ts":1,"metrics":{}}',
+     "source.ranks: must be a list of 1..1024 rank numbers"),
+    (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"trainer","ranks":[]},"step":1,"ts":1,"metrics":{}}',
+     "source.ranks: must be a list"),
+    (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"trainer","rank":3,"ranks":[3]},"step":1,"ts":1,'
+     b'"metrics":{}}', "source.ranks: a folded event has no rank of its own"),
+    (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"trainer","rank":3},"step":1,"ts":1,"metrics":{},'
+     b'"per_rank":{"a[3]":1}}', "per_rank: only a folded event"),
+    (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"trainer","ranks":[3]},"step":1,"ts":1,"metrics":{},'
+     b'"per_rank":{"a[3]":"x"}}', "per_rank.a\\[3\\]: must be a number"),
     (b'{"schema":"checkpoint/1","run_id":"r","step":1,"ts":NaN,"path":"p"}', "ts: must be a finite"),
     (b'{"schema":"command/1","id":"c","run_id":"r","action":"explode","issued":1,"expires":2}',
      "action: must be one of"),

@@ -10,7 +10,7 @@ from trainguard.streams import trackers
 from trainguard.streams.detectors import CrossRank
 from trainguard.streams.engine.book import AlertBook
 from trainguard.streams.engine.state import RunState
-from trainguard.streams.rules import Rule
+from trainguard.streams.rules import Rule, base_name, rank_of
 
 if TYPE_CHECKING:
     from trainguard.streams.engine.judging import EventContext
@@ -30,6 +30,10 @@ class Correlation(AlertBook):
         run.last_seen[kind] = [self.clock(), event.get("step"), src]
         if src.get("rank") is not None and kind in self.rules.policy.step_sources:
             run.ranks.setdefault(str(src["rank"]), src)
+        elif src.get("ranks") and kind in self.rules.policy.step_sources:  # a node's ranks folded in one event
+            for r in src["ranks"]:
+                if str(r) not in run.ranks:
+                    run.ranks[str(r)] = ev.source(kind, src.get("host", ""), r)
         for key in [k for k in run.stale if k.endswith("|" + kind)]:
             self._add(outputs, self._resolve(run, run.stale.pop(key), {"ts": event["ts"], "step": event.get("step")},
                                          resolution=f"{kind} is publishing again"))
@@ -37,7 +41,8 @@ class Correlation(AlertBook):
     def _correlate(self, ctx: "EventContext") -> None:
         """Stragglers (one rank far from its peers) and incidents (rules that fire together)."""
         run, src = ctx.run, ctx.event["source"]
-        if (self._cross_rules and src.get("rank") is not None and len(run.ranks) >= self._cross_min_ranks
+        if (self._cross_rules and (src.get("rank") is not None or src.get("ranks"))
+                and len(run.ranks) >= self._cross_min_ranks
                 and src["kind"] in self.rules.policy.step_sources):
             self._cross_rank(run, ctx.run_id, ctx.event, ctx.outputs)
         # An incident can only open when one of its members fires, and only an open one can end.
@@ -45,24 +50,30 @@ class Correlation(AlertBook):
             self._incidents(run, ctx.run_id, ctx.event, ctx.outputs, ctx.critical)
 
     def _cross_rank(self, run: RunState, run_id: str, event: dict, outputs: list) -> None:
-        """Stragglers: one rank far from its peers at the same step."""
-        rank, step = str(event["source"]["rank"]), event["step"]
-        names = tuple(event["metrics"])
-        pairs = self._cross_pairs.get(names)
-        if pairs is None:  # which (rule, metric) pairs an event of this shape feeds, worked out once
+        """Stragglers: one rank far from its peers at the same step. A folded event (a node's
+        ranks in one, ``source.ranks``) carries each rank's values in ``per_rank`` as ``name[rank]``."""
+        src, step = event["source"], event["step"]
+        folded = src.get("rank") is None
+        values = event.get("per_rank", {}) if folded else event["metrics"]
+        names = tuple(values)
+        pairs = self._cross_pairs.get((folded, names))
+        if pairs is None:  # which (rule, metric, rank) an event of this shape feeds, worked out once
             if len(self._cross_pairs) > 1024:
                 self._cross_pairs.clear()
-            pairs = self._cross_pairs[names] = [(rule, metric) for rule in self._cross_rules
-                                                for metric in names if rule.watches(metric)]
-        for rule, metric in pairs:
-            value = event["metrics"][metric]
+            pairs = self._cross_pairs[(folded, names)] = [
+                (rule, name, base_name(name), rank_of(name) if folded else None)
+                for rule in self._cross_rules for name in names
+                if rule.watches(name) and (not folded or rank_of(name) is not None)]
+        own = None if folded else str(src["rank"])
+        for rule, name, metric, rank in pairs:
+            value = values[name]
             if math.isfinite(value):
                 key = f"{rule.name}|{metric}"
                 cr = run.cross.get(key)
                 if cr is None:
                     params = {k: v for k, v in rule.detector.items() if k != "kind"}
                     cr = run.cross[key] = CrossRank(**params)
-                cr.add(step, rank, value)
+                cr.add(step, rank or own, value)
                 for s in trackers.steps_to_judge(cr.pending, len(run.ranks), step):
                     flagged = {str(r): (v, med, z) for r, v, med, z in cr.complete(s)}
                     open_ranks = {r for r in run.ranks if f"{key}|{r}" in run.cross_firing}

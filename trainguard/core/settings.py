@@ -60,6 +60,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_RUN_ID", None, "node agent, verl's task runner",
             "the run id `trainguard node` reports under (or `--run-id`); verl's `task_runner` runs under it "
             "(default: `trainer.experiment_name`)"),
+    Setting("TRAINGUARD_RANK_SOCKET", "/tmp/trainguard-ranks.sock", "node agent, trainer side",
+            "the node's local socket where `RankLogger`s send their steps and `trainguard node --fold-ranks` "
+            "folds them into one event per node and step"),
     # worker
     Setting("TRAINGUARD_APP_ID", "trainguard", _WORKER, "consumer group and state-topic prefix (or `--app-id`)"),
     Setting("TRAINGUARD_INSTANCE_ID", None, _WORKER,

@@ -1,0 +1,395 @@
+"""A node's ranks folded into one event per step (the seeds' local aggregation on the node).
+
+Every event of a run is keyed by its run id, so a run whose 1,024 ranks each publish a step
+puts 1,024 events a step on one partition and one worker. Folded on the node, the 8 ranks of a
+machine make one event per step, and the worker reads 8 times fewer events for the same steps:
+
+- each rank logs through a :class:`RankLogger` (a :class:`~trainguard.producers.trainer.TrainerLogger`
+  whose events go to the node's local socket, ``TRAINGUARD_RANK_SOCKET``). The send never
+  waits: when no folder listens, or its queue is full, the event goes straight to Kafka as an
+  unfolded per-rank event, so nothing is lost when the node agent is down;
+- a :class:`RankFolder` (``trainguard node --fold-ranks``) gathers each run's step from the ranks
+  of its machine and publishes one ``metrics/1`` event once every rank it expects has reported, or
+  ``max_wait_s`` after the step's first report: a late rank holds no one back, and its values,
+  when they come, go out in an event of their own (a straggler is still judged with its peers).
+
+The folded event's ``source`` is ``{"kind": "trainer", "host": ..., "rank": null, "ranks": [8, 9,
+...]}``; its ``metrics`` are the node's summary (each name's mean over the ranks, a non-finite value
+if any rank's is), which the per-source rules judge as one series per node; its ``per_rank`` keeps
+every rank's values, named ``metric[rank]`` (``timing_s/update_actor[9]``), for the rules that
+compare ranks (the straggler rule). A NaN on one rank is a NaN of its node's summary.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import selectors
+import socket
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import Any, cast
+
+from trainguard.core import settings as settings_mod
+from trainguard.core.kafka import KafkaSettings
+from trainguard.core.publisher import Publisher
+from trainguard.producers.trainer import TrainerLogger
+from trainguard.schemas import events as ev
+
+log = logging.getLogger("trainguard.ranks")
+
+DROPPED = "trainguard/dropped_events"
+MAX_DATAGRAM = 100_000  # a step's message, under half of Linux's default socket buffer; larger go to Kafka
+MAX_PENDING = 4096      # steps held at once (every run, every rank group); the oldest goes out first
+MAX_KNOWN = 4096        # (run, host) pairs whose ranks are remembered
+
+
+def socket_path(path: str | None = None) -> str:
+    return path or settings_mod.text("TRAINGUARD_RANK_SOCKET")
+
+
+def fold(run_id: str, step: int, host: str, per_rank: dict[int, dict]) -> dict:
+    """One ``metrics/1`` event from the decoded events of several ranks at one step: in
+    ``metrics`` the node's summary of each name (the mean over the ranks that logged it; a
+    non-finite value if any rank's is, so a NaN on one rank is a NaN of its node), in
+    ``per_rank`` every rank's values named ``metric[rank]``, the ranks in ``source.ranks``, the
+    earliest report's ``ts``, and the ranks' dropped-event counts summed."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    bad: dict[str, float] = {}
+    values: dict[str, float] = {}
+    tags: dict[str, str] = {}
+    layers = set()
+    for rank in sorted(per_rank):
+        event = per_rank[rank]
+        for name, value in event["metrics"].items():
+            if name == DROPPED:
+                sums[name] = sums.get(name, 0.0) + value
+                counts[name] = 1
+                continue
+            values[f"{name}[{rank}]"] = value
+            if math.isfinite(value):
+                sums[name] = sums.get(name, 0.0) + value
+                counts[name] = counts.get(name, 0) + 1
+            else:
+                bad.setdefault(name, value)
+                sums.setdefault(name, 0.0)
+        for k, v in (event.get("tags") or {}).items():
+            tags.setdefault(k, v)
+        layers.add(event.get("layer"))
+    summary = {name: bad[name] if name in bad else total / counts[name] for name, total in sums.items()}
+    src = ev.source("trainer", host)
+    src["ranks"] = sorted(per_rank)
+    ts = min(e["ts"] for e in per_rank.values())
+    layer = layers.pop() if len(layers) == 1 else None
+    event = ev.metrics_event(run_id, step, summary, src=src, ts=ts, layer=layer, tags=tags or None)
+    event["per_rank"] = values
+    return event
+
+
+class NodeRelay:
+    """A rank's publisher: events go to the node's folder over a local socket (``SOCK_SEQPACKET``:
+    one message per event, queued in the connection's buffer), never waiting; when no folder takes
+    one (none listens, its buffer is full, the event is too large), it goes to Kafka through a
+    :class:`Publisher` opened on first need. A lost folder is looked for again once a second."""
+
+    RETRY_S = 1.0
+
+    def __init__(self, settings: KafkaSettings, path: str | None = None, clock=time.monotonic):
+        self.settings = settings
+        self.path = socket_path(path)
+        self.relayed = 0
+        self.direct = 0
+        self.dropped = 0
+        self.clock = clock
+        self._kafka: Publisher | None = None
+        self._sock: socket.socket | None = None
+        self._retry_at = 0.0
+        self._said = False
+
+    def _direct(self) -> Publisher:
+        if self._kafka is None:
+            self._kafka = Publisher(self.settings)
+        return self._kafka
+
+    def _connected(self) -> socket.socket | None:
+        if self._sock is None and self.clock() >= self._retry_at:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.setblocking(False)
+            try:
+                sock.connect(self.path)
+                self._sock = sock
+            except OSError as exc:
+                sock.close()
+                self._unreached(exc)
+        return self._sock
+
+    def _unreached(self, exc: OSError) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._retry_at = self.clock() + self.RETRY_S
+        if not self._said:
+            self._said = True
+            log.info("trainguard: no rank folder at %s (%s): steps go straight to Kafka", self.path, exc)
+
+    def publish(self, topic: str, key: str | None, value: bytes | None, partition: int | None = None,
+                on_delivery=None) -> bool:
+        if topic == self.settings.topics.events and value is not None and len(value) <= MAX_DATAGRAM:
+            sock = self._connected()
+            if sock is not None:
+                try:
+                    sock.send(value, socket.MSG_NOSIGNAL)
+                    self.relayed += 1
+                    return True
+                except (BlockingIOError, InterruptedError):
+                    pass  # the folder is behind: this one goes direct, the connection stays
+                except OSError as exc:  # the folder went away
+                    self._unreached(exc)
+        self.direct += 1
+        return self._direct().publish(topic, key, value, partition, on_delivery)
+
+    # What TrainerLogger asks of its publisher (``dropped``: events it could not even build).
+    def lost(self) -> int:
+        return self.dropped + (self._kafka.lost() if self._kafka else 0)
+
+    def pending(self) -> int:
+        return self._kafka.pending() if self._kafka else 0
+
+    def flush(self, timeout: float = 10.0) -> int:
+        return self._kafka.flush(timeout) if self._kafka else 0
+
+    def close(self, timeout: float = 10.0) -> int:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        return self._kafka.close(timeout) if self._kafka else 0
+
+    def stats(self) -> dict:
+        base: dict[str, Any] = self._kafka.stats() if self._kafka else {
+            "sent": 0, "delivered": None, "dropped": 0, "delivery_failed": 0, "purged_at_close": 0,
+            "lost_fatal": 0, "lost": 0, "pending": 0, "producer_rebuilds": 0}
+        return {**base, "sent": base["sent"] + self.relayed, "dropped": base["dropped"] + self.dropped,
+                "lost": self.lost(), "relayed": self.relayed, "direct": self.direct}
+
+
+class RankLogger(TrainerLogger):
+    """The logger of one rank (not the run's main logger): its steps go to the node's folder.
+
+    It reports no lifecycle of the run (``started``, ``finished``: rank 0's logger says those)
+    and, like every logger, never raises into the training loop and never waits."""
+
+    def __init__(self, run_id: str, rank: int, settings: KafkaSettings | None = None, *,
+                 host: str | None = None, path: str | None = None):
+        settings = settings or KafkaSettings.from_env()
+        relay = cast(Publisher, NodeRelay(settings, path))  # it answers what TrainerLogger asks of a Publisher
+        super().__init__(run_id, settings, host=host, rank=int(rank), publisher=relay)
+        self._announce = False
+
+    def close(self, timeout: float = 10.0, *, quiet: bool = False, end: str | None = None,
+              step: int | None = None) -> dict:
+        return super().close(timeout, quiet=quiet, end=None, step=step)
+
+
+class _Step:
+    __slots__ = ("first", "ranks")
+
+    def __init__(self, first: float):
+        self.first = first
+        self.ranks: dict[int, dict] = {}
+
+
+class RankFolder:
+    """Gathers the ranks' steps from the node's socket and publishes one event per run, host and
+    step (see the module's text). ``ranks_per_node``: how many ranks to wait for at a run's first
+    step (the node agent passes its GPU count); later steps wait for the ranks seen so far.
+    ``publisher``: shared with the node agent, or one of its own."""
+
+    def __init__(self, settings: KafkaSettings | None = None, *, path: str | None = None,
+                 publisher: Publisher | None = None, max_wait_s: float = 0.5, ranks_per_node: int | None = None,
+                 clock=time.monotonic):
+        self.settings = settings or KafkaSettings.from_env()
+        self.path = socket_path(path)
+        self.publisher = publisher or Publisher(self.settings)
+        self._own_publisher = publisher is None
+        self.max_wait_s = float(max_wait_s)
+        self.ranks_per_node = ranks_per_node
+        self.clock = clock
+        self.pending: OrderedDict[tuple, _Step] = OrderedDict()
+        self.known: OrderedDict[tuple, set] = OrderedDict()    # (run, host) -> ranks seen
+        self.done: dict[tuple, deque] = {}                     # (run, host) -> steps sent lately
+        self.folded = 0        # events published, each for one or more ranks
+        self.ranks_in = 0      # rank steps received
+        self.late = 0          # rank steps that came after their step went out
+        self.passed = 0        # anything else, sent on as it came (the worker judges or dead-letters it)
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- the socket ----------------------------------------------------------------------
+
+    def bind(self) -> "RankFolder":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.bind(self.path)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or self._alive(self.path):
+                sock.close()
+                raise
+            os.unlink(self.path)  # left by a folder that died
+            sock.bind(self.path)
+        sock.listen(1024)
+        sock.setblocking(False)
+        self._sock = sock
+        return self
+
+    @staticmethod
+    def _alive(path: str) -> bool:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.connect(path)
+            return True
+        except OSError:
+            return False
+        finally:
+            probe.close()
+
+    def start(self) -> "RankFolder":
+        if self._sock is None:
+            self.bind()
+        self._thread = threading.Thread(target=self._serve, name="trainguard-rank-folder", daemon=True)
+        self._thread.start()
+        return self
+
+    def _serve(self) -> None:
+        assert self._sock is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ)
+        tick = min(0.05, self.max_wait_s / 4)
+        try:
+            while not self._stop.is_set():
+                for key, _ in sel.select(tick):
+                    conn = cast(socket.socket, key.fileobj)
+                    try:
+                        if conn is self._sock:
+                            rank_conn, _addr = self._sock.accept()
+                            rank_conn.setblocking(False)
+                            sel.register(rank_conn, selectors.EVENT_READ)
+                            continue
+                        for _ in range(256):  # what this rank queued, a bounded share at a time
+                            raw = conn.recv(MAX_DATAGRAM + 1)
+                            if not raw:  # the rank closed its logger, or exited
+                                sel.unregister(conn)
+                                conn.close()
+                                break
+                            self.take(raw)
+                    except (BlockingIOError, InterruptedError):
+                        pass
+                    except OSError as exc:
+                        if conn is self._sock:
+                            raise
+                        log.debug("trainguard: a rank's connection failed: %s", exc)
+                        sel.unregister(conn)
+                        conn.close()
+                    except Exception:  # a monitoring daemon outlives what it monitors
+                        log.exception("trainguard: the rank folder skipped a message")
+                self.due()
+        except OSError as exc:
+            if not self._stop.is_set():
+                log.error("trainguard: the rank folder stopped reading %s: %s (ranks now publish directly)",
+                          self.path, exc)
+        finally:
+            for key in list(sel.get_map().values()):
+                if key.fileobj is not self._sock:
+                    cast(socket.socket, key.fileobj).close()
+            sel.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Publish every step still held, then stop."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        for key in list(self.pending):
+            self._send(key)
+        if self._sock is not None:
+            self._sock.close()
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+        if self._own_publisher:
+            self.publisher.close(timeout)
+        else:
+            self.publisher.flush(timeout)
+
+    # -- folding (no I/O but the publisher; the tests drive these) ------------------------
+
+    def take(self, raw: bytes) -> None:
+        """One datagram: a rank's step is held for folding; anything else goes on unchanged."""
+        try:
+            event = ev.decode(raw)
+        except ev.SchemaError:
+            event = None
+        src = event.get("source") if event is not None else None
+        if (event is None or event["schema"] != ev.METRICS or src is None or src.get("rank") is None
+                or src.get("kind") != "trainer"):
+            self.passed += 1
+            key = event.get("run_id") if event is not None else None
+            self.publisher.publish(self.settings.topics.events, key, raw)
+            return
+        self.ranks_in += 1
+        run_id, step, rank = event["run_id"], event["step"], src["rank"]
+        group = (run_id, src.get("host") or "")
+        key = (*group, step)
+        known = self.known.get(group)
+        if known is None:
+            known = self.known[group] = set()
+            if len(self.known) > MAX_KNOWN:
+                old = next(iter(self.known))
+                self.known.pop(old)
+                self.done.pop(old, None)
+        else:
+            self.known.move_to_end(group)
+        held = self.pending.get(key)
+        if held is None:
+            if step in self.done.get(group, ()):
+                self.late += 1  # its peers went out already: this rank's values go alone
+                self._publish(run_id, step, group[1], {rank: event})
+                return
+            held = self.pending[key] = _Step(self.clock())
+            if len(self.pending) > MAX_PENDING:
+                self._send(next(iter(self.pending)))
+        held.ranks[rank] = event
+        if len(known) < 1024:
+            known.add(rank)
+        expect = len(known) if group in self.done else self.ranks_per_node
+        if expect and len(held.ranks) >= expect:
+            self._send(key)
+
+    def due(self) -> None:
+        """Publish every step whose wait is over."""
+        if not self.pending:
+            return
+        limit = self.clock() - self.max_wait_s
+        for key in [k for k, held in self.pending.items() if held.first <= limit]:
+            self._send(key)
+
+    def _send(self, key: tuple) -> None:
+        held = self.pending.pop(key)
+        run_id, host, step = key
+        done = self.done.get((run_id, host))
+        if done is None:
+            done = self.done[(run_id, host)] = deque(maxlen=64)
+        done.append(step)
+        self._publish(run_id, step, host, held.ranks)
+
+    def _publish(self, run_id: str, step: int, host: str, per_rank: dict[int, dict]) -> None:
+        self.folded += 1
+        self.publisher.publish(self.settings.topics.events, run_id, ev.encode(fold(run_id, step, host, per_rank)))
+
+    def stats(self) -> dict:
+        return {"folded_events": self.folded, "rank_steps": self.ranks_in, "late_rank_steps": self.late,
+                "passed_on": self.passed, "held_steps": len(self.pending)}

@@ -1,0 +1,153 @@
+"""A node's ranks folded into one event per step (producers/ranks.py), on a real broker with a
+real worker: what the worker still catches through the folded events, and that no rank waits."""
+
+import math
+import socket
+import threading
+import time
+
+import orjson
+import pytest
+
+from tests.integration import TopicReader, WorkerProcess
+from trainguard.producers.ranks import RankFolder, RankLogger
+from trainguard.schemas import events as ev
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def worker(kafka, tmp_path):
+    w = WorkerProcess(kafka, tmp_path).start()
+    yield w
+    w.kill()
+
+
+@pytest.fixture
+def folder_at(kafka, tmp_path):
+    folders = []
+
+    def start(**kw):
+        f = RankFolder(kafka, path=str(tmp_path / f"ranks-{len(folders)}.sock"), **kw).start()
+        folders.append(f)
+        return f
+
+    yield start
+    for f in folders:
+        f.close()
+
+
+def _step_metrics(rank: int, step: int, slow_rank: int | None = None, nan_at: tuple | None = None) -> dict:
+    return {"timing_s/update_actor": (2.5 if rank == slow_rank and step >= 4 else 1.0) + 0.01 * ((rank + step) % 3),
+            "actor/pg_loss": math.nan if nan_at == (rank, step) else -0.01 - 0.001 * (rank % 4)}
+
+
+def _decoded_or_none(raw: bytes) -> dict:
+    try:
+        return ev.decode(raw)
+    except ev.SchemaError:
+        return {"schema": None}
+
+
+def _metrics_events(kafka, run_id: str, want: int, timeout: float = 30.0) -> list[dict]:
+    reader = TopicReader(kafka, kafka.topics.events, decode=_decoded_or_none)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = [e for e in reader.drain(1.0) if e["schema"] == ev.METRICS and e["run_id"] == run_id]
+        if sum(len(e["source"].get("ranks") or [0]) for e in got) >= want:
+            return got
+    raise AssertionError(f"fewer than {want} rank steps of {run_id} on the events topic")
+
+
+def test_a_straggler_and_a_nan_on_one_rank_are_caught_through_the_folded_events(kafka, worker, folder_at):
+    folder = folder_at(max_wait_s=1.0, ranks_per_node=8)
+    worker.wait_ready()
+    loggers = [RankLogger("fold-1", r, kafka, host=f"n{r // 8}", path=folder.path) for r in range(16)]
+    for step in range(12):
+        for r, lg in enumerate(loggers):
+            assert lg.log(_step_metrics(r, step, slow_rank=13, nan_at=(5, 8)), step)
+        time.sleep(0.05)
+    # Whatever else reaches the socket goes on unchanged, so the worker dead-letters it with the reason.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.connect(folder.path)
+        s.send(b"\x00not json")
+
+    alerts = TopicReader(kafka, kafka.topics.alerts)
+    straggler = alerts.wait_for(lambda a: a["rule"] == "straggler_rank" and a["run_id"] == "fold-1",
+                                what="the straggler alert", worker=worker)
+    assert straggler["evidence"]["rank"] == "13" and straggler["source"]["rank"] == 13
+    assert straggler["step"] == 4 and straggler["value"] == pytest.approx(2.5, abs=0.05)
+    nan = alerts.wait_for(lambda a: a["rule"] == "non_finite" and a["run_id"] == "fold-1",
+                          what="the NaN alert", worker=worker)
+    assert nan["metric"] == "actor/pg_loss" and nan["step"] == 8 and nan["value"] == "NaN"
+    assert nan["source"]["host"] == "n0" and nan["source"]["ranks"] == list(range(8)), "rank 5's node"
+    others = [a for a in alerts.drain(1.0) if a["rule"] in ("straggler_rank", "non_finite")
+              and a["status"] == "firing" and a["id"] not in (straggler["id"], nan["id"])]
+    assert not others, f"no other rank was flagged: {others}"
+
+    events = _metrics_events(kafka, "fold-1", 16 * 12)
+    assert len(events) == 2 * 12, "one event per node and step"
+    assert all(e["source"]["rank"] is None and len(e["source"]["ranks"]) == 8 for e in events)
+    nan_step = next(e for e in events if e["source"]["host"] == "n0" and e["step"] == 8)
+    assert math.isnan(nan_step["per_rank"]["actor/pg_loss[5]"]), "each rank's own value travels with the node's"
+    assert nan_step["metrics"]["timing_s/update_actor"] == pytest.approx(
+        sum(_step_metrics(r, 8)["timing_s/update_actor"] for r in range(8)) / 8), "the node's mean"
+    assert folder.stats()["late_rank_steps"] == 0
+    dlq = TopicReader(kafka, kafka.topics.dlq, decode=orjson.loads)
+    dlq.wait_for(lambda r: "not valid JSON" in r["reason"], what="the dead letter of the garbage", worker=worker)
+
+
+def test_a_late_rank_holds_no_one_back_and_is_still_judged_with_its_peers(kafka, worker, folder_at):
+    folder = folder_at(max_wait_s=0.3, ranks_per_node=8)
+    worker.wait_ready()
+    loggers = [RankLogger("fold-2", r, kafka, host="n0", path=folder.path) for r in range(8)]
+    late, steps = 6, 10
+    slowest = [0.0]
+    sent = {}
+
+    def timed_log(r, step):
+        t = time.perf_counter()
+        assert loggers[r].log(_step_metrics(r, step, slow_rank=late), step)
+        slowest[0] = max(slowest[0], time.perf_counter() - t)
+
+    def late_rank():  # its steps come one and a half steps after its peers' (its peers do not wait)
+        for step in range(steps):
+            while step not in sent:
+                time.sleep(0.01)
+            time.sleep(max(0.0, sent[step] + 0.75 - time.monotonic()))
+            timed_log(late, step)
+
+    t = threading.Thread(target=late_rank)
+    t.start()
+    for step in range(steps):
+        for r in range(8):
+            if r != late:
+                timed_log(r, step)
+        sent[step] = time.monotonic()
+        time.sleep(0.5)
+    t.join(30)
+    assert slowest[0] < 0.05, f"a log() call waited {slowest[0] * 1000:.1f} ms"
+
+    events = _metrics_events(kafka, "fold-2", 8 * steps)
+    peers = [e for e in events if e["source"]["ranks"] != [late]]
+    alone = [e for e in events if e["source"]["ranks"] == [late]]
+    assert len(peers) == steps and all(len(e["source"]["ranks"]) == 7 for e in peers), "the peers went without it"
+    assert sorted(e["step"] for e in alone) == list(range(steps)), "the late rank's values went out alone, all of them"
+    assert folder.stats()["late_rank_steps"] == steps
+
+    alerts = TopicReader(kafka, kafka.topics.alerts)
+    straggler = alerts.wait_for(lambda a: a["rule"] == "straggler_rank" and a["run_id"] == "fold-2",
+                                what="the straggler alert for the late rank", worker=worker)
+    assert straggler["evidence"]["rank"] == str(late) and straggler["step"] == 4
+
+
+def test_without_a_folder_every_rank_publishes_its_own_event(kafka, tmp_path):
+    loggers = [RankLogger("fold-3", r, kafka, host="n0", path=str(tmp_path / "nobody.sock")) for r in range(4)]
+    for step in range(3):
+        for r, lg in enumerate(loggers):
+            assert lg.log(_step_metrics(r, step), step)
+    for lg in loggers:
+        stats = lg.close(10.0)
+        assert stats["direct"] == 3 and stats["relayed"] == 0 and stats["lost"] == 0
+    events = _metrics_events(kafka, "fold-3", 12)
+    assert sorted((e["source"]["rank"], e["step"]) for e in events) == [(r, s) for r in range(4) for s in range(3)]
