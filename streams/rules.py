@@ -22,7 +22,7 @@ from trainguard.streams.alerts import DEFAULTS as LIFECYCLE_DEFAULTS
 from trainguard.streams.alerts import Lifecycle
 from trainguard.streams.detectors import REGISTRY, series_kinds
 from trainguard.streams.policy import Policy
-from trainguard.streams.signals import COMPUTE, SIGNALS, signal_of
+from trainguard.streams.signals import COMPUTE, SIGNALS, base_name, signal_of
 
 LAYERS = ("data", "compute", "resource")
 _RULE_KEYS = {"name", "metric", "signal", "anomalous", "above", "below", "equals", "non_finite", "for",
@@ -40,22 +40,6 @@ ENGINE_KINDS = frozenset(set(REGISTRY) - set(series_kinds()))
 
 class RulesError(ValueError):
     """A rules file that cannot be used; the message names the file, line and problem."""
-
-
-def base_name(metric: str) -> str:
-    """``gpu/utilization_pct[3]`` -> ``gpu/utilization_pct``: rules match per-device metrics by base name."""
-    i = metric.find("[")
-    return metric if i < 0 else metric[:i]
-
-
-def rank_of(metric: str) -> str | None:
-    """``timing_s/step[12]`` -> ``"12"``: the index of a per-device (or, folded, per-rank) metric.
-
-    >>> rank_of("timing_s/step[12]"), rank_of("timing_s/step")
-    ('12', None)
-    """
-    i = metric.find("[")
-    return metric[i + 1:-1] if i > 0 and metric.endswith("]") and metric[i + 1:-1].isdigit() else None
 
 
 def equal(value: float, target: float) -> bool:

@@ -163,3 +163,19 @@ def markdown() -> str:
 
 if __name__ == "__main__":
     print(markdown(), end="")
+
+
+def base_name(metric: str) -> str:
+    """``gpu/utilization_pct[3]`` -> ``gpu/utilization_pct``: rules match per-device metrics by base name."""
+    i = metric.find("[")
+    return metric if i < 0 else metric[:i]
+
+
+def rank_of(metric: str) -> str | None:
+    """``timing_s/step[12]`` -> ``"12"``: the index of a per-device (or, folded, per-rank) metric.
+
+    >>> rank_of("timing_s/step[12]"), rank_of("timing_s/step")
+    ('12', None)
+    """
+    i = metric.find("[")
+    return metric[i + 1:-1] if i > 0 and metric.endswith("]") and metric[i + 1:-1].isdigit() else None

@@ -9,8 +9,7 @@ from trainguard.streams import keys
 from trainguard.streams.alerts import LOUD
 from trainguard.streams.engine.outputs import Output, OutputKind, _json_value
 from trainguard.streams.engine.state import MAX_BOOK, MAX_RECENT_ALERTS, RunState, StateAccess
-from trainguard.streams.rules import base_name
-from trainguard.streams.signals import signal_of
+from trainguard.streams.signals import base_name, signal_of
 
 log = logging.getLogger("trainguard.engine")
 

@@ -10,7 +10,8 @@ from trainguard.streams import trackers
 from trainguard.streams.detectors import CrossRank
 from trainguard.streams.engine.book import AlertBook
 from trainguard.streams.engine.state import RunState
-from trainguard.streams.rules import Rule, base_name, rank_of
+from trainguard.streams.rules import Rule
+from trainguard.streams.signals import base_name, rank_of
 
 if TYPE_CHECKING:
     from trainguard.streams.engine.judging import EventContext

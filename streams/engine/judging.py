@@ -25,8 +25,8 @@ from trainguard.streams.engine.state import (
     SourceState,
 )
 from trainguard.streams.minutes import MinuteWindows
-from trainguard.streams.rules import Rule, base_name
-from trainguard.streams.signals import signal_of
+from trainguard.streams.rules import Rule
+from trainguard.streams.signals import base_name, signal_of
 
 log = logging.getLogger("trainguard.engine")
 

@@ -17,8 +17,8 @@ from trainguard.streams import keys, policy
 from trainguard.streams.alerts import Track
 from trainguard.streams.baseline import BaselineBlock
 from trainguard.streams.detectors import detector_from_state
-from trainguard.streams.rules import ENGINE_KINDS, RuleSet, base_name
-from trainguard.streams.signals import signal_of
+from trainguard.streams.rules import ENGINE_KINDS, RuleSet
+from trainguard.streams.signals import base_name, signal_of
 
 log = logging.getLogger("trainguard.engine")
 
