@@ -26,6 +26,10 @@ $(FRAMEWORKS): $(STAMP)
 	@$(BIN)/python -m pip install --quiet wandb==0.31.0 swanlab==0.10.3
 	@$(BIN)/python -m pip install --quiet --no-deps verl==0.9.1
 	@$(BIN)/python -m pip install --quiet ray==2.60.0 "tensordict>=0.8,<=0.10.0" omegaconf==2.4.0 codetiming==1.4.0 msgpack==1.2.4 cloudpickle==3.1.3
+	@# what verl's own TaskRunnerV1 and v1 trainers import (the wiring is checked against them), without their deps
+	@$(BIN)/python -m pip install --quiet --no-deps hydra-core==1.3.2 antlr4-python3-runtime==4.9.3 torchdata==0.11.0 \
+		TransferQueue==0.1.11 msgspec==0.23.0 pyzmq==27.3.0 cachetools==8.0.2 peft==0.21.2 pylatexenc==2.11 \
+		uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7
 	@touch $(FRAMEWORKS)
 
 setup: $(STAMP)

@@ -405,3 +405,25 @@ def test_verl_task_runner_without_settings_forwards_none_and_keeps_verls_runner(
     options = task_runner(declared, trainer_classes=[])._default_options
     assert options["num_cpus"] == 1 and options["runtime_env"]["env_vars"] == {
         "TOKENIZERS_PARALLELISM": "true", "TRAINGUARD_BOOTSTRAP": "kafka-1:9092"}
+
+
+def test_verl_091s_own_task_runner_and_v1_trainers_are_what_task_runner_hooks():
+    """verl 0.9.1 itself (its runner needs GPUs and vLLM to run, not to import): the default of
+    task_runner() is verl's own TaskRunnerV1 actor, its options kept and the settings added to its
+    runtime_env, and every trainer verl's v1 registry builds inherits the fit that it hooks."""
+    main_ppo = pytest.importorskip("verl.trainer.main_ppo")
+    from verl.trainer.ppo import v1
+
+    from trainguard.producers.integrations.verl import TRAINER_CLASSES, _trainer_classes, task_runner
+
+    actor = task_runner(env_vars={"TRAINGUARD_BOOTSTRAP": "kafka-0:9092"})
+    cls = actor.__ray_actor_class__
+    assert issubclass(cls, main_ppo.TaskRunnerV1.__ray_actor_class__) and cls.__name__ == "TrainguardTaskRunnerV1"
+    assert "run" in vars(cls) and "init_agent_loop_manager" not in vars(cls), "only run() is wrapped"
+    assert actor._default_options["runtime_env"]["env_vars"] == {"TRAINGUARD_BOOTSTRAP": "kafka-0:9092"}
+    hooked = _trainer_classes(TRAINER_CLASSES)
+    assert len(hooked) == len(TRAINER_CLASSES), "every trainer class name resolves in verl 0.9.1"
+    for mode in ("sync", "colocate_async", "separate_async"):
+        trainer = v1.get_trainer_cls(mode)
+        owner = next(k for k in trainer.__mro__ if "fit" in vars(k))
+        assert owner in hooked, (mode, owner)
