@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ("streams", "schemas", "producers", "sinks", "rules")  # the folders installed as trainguard.<name>
 
@@ -22,10 +24,11 @@ def _package_tree(tmp_path: Path) -> Path:
     return tree
 
 
+@pytest.mark.timeout(900)  # mypy over every package: minutes on two busy cores
 def test_every_package_passes_the_type_checker(tmp_path):
     tree = _package_tree(tmp_path)
     result = subprocess.run([sys.executable, "-m", "mypy", "-p", "trainguard",
                              "--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", str(tmp_path / "cache")],
-                            cwd=tree, capture_output=True, text=True, timeout=240)
+                            cwd=tree, capture_output=True, text=True, timeout=900)
     assert "No module named mypy" not in result.stderr, "mypy is part of the dev extra: pip install -e '.[dev]'"
     assert result.returncode == 0, result.stdout + result.stderr
