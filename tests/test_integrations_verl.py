@@ -427,3 +427,19 @@ def test_verl_091s_own_task_runner_and_v1_trainers_are_what_task_runner_hooks():
         trainer = v1.get_trainer_cls(mode)
         owner = next(k for k in trainer.__mro__ if "fit" in vars(k))
         assert owner in hooked, (mode, owner)
+
+
+def test_a_backend_added_by_hand_reports_the_run_finished_at_its_last_step(kafka):
+    """verl's Tracking.finish() calls only the backends it knows by name: a VerlBackend added to
+    tracking.logger by hand says `finished` itself at total_training_steps, so the worker never
+    pages the silence after a healthy run's last step as a hung trainer."""
+    from trainguard.producers.integrations.verl import VerlBackend
+
+    run_id = f"verl-by-hand-{uuid.uuid4().hex[:6]}"
+    events = TopicReader(kafka, kafka.topics.events)
+    backend = VerlBackend(run_id, kafka, total_training_steps=3)
+    for step in (1, 2, 3):
+        backend.log({"actor/pg_loss": np.float32(0.1), "critic/score/mean": 0.5}, step)
+    ends = [e["event"] for e in events.drain(2.0) if e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE]
+    events.close()
+    assert ends == ["started", "finished"], ends

@@ -92,17 +92,21 @@ class VerlBackend(GuardBase):
     """One entry of verl's ``Tracking.logger``: ``log(data, step)`` and ``finish()``.
 
     Without a ``trainer`` it only publishes (no commands are taken); with one, it applies
-    commands at every ``log`` call of the training loop.
+    commands at every ``log`` call of the training loop. The run is reported ``finished`` at
+    verl's last step, ``total_training_steps`` (the trainer's, or the argument for a backend
+    added by hand; without either, call :meth:`finish` after ``fit()``, or the worker pages the
+    silence after the last step as a hung trainer).
     """
 
     def __init__(self, run_id: str, settings: KafkaSettings | None = None, *, trainer=None,
-                 on_stop: str = "raise", **kwargs):
+                 on_stop: str = "raise", total_training_steps: int | None = None, **kwargs):
         if on_stop not in ("raise", "finish"):
             raise ValueError("on_stop must be 'raise' or 'finish'")
         kwargs.setdefault("listen", trainer is not None)
         super().__init__(run_id, settings, **kwargs)
         self.trainer = trainer
         self.on_stop = on_stop
+        self.total_training_steps = total_training_steps
         self._started = False
 
     # -- verl's backend interface --------------------------------------------------------
@@ -113,13 +117,15 @@ class VerlBackend(GuardBase):
             self._started = True
             self.lifecycle("started", step=int(step))
         published = super().log(data, int(step))
+        total = getattr(self.trainer, "total_training_steps", None) or self.total_training_steps
         if self.trainer is None or self.listener is None:
+            if total is not None and int(step) >= int(total):
+                self.finish()  # verl's last step: fit() returns right after this call
             return published
         decision = self.step_boundary(int(step))
         if decision.stop and self.on_stop == "raise":
             self.close(timeout=10.0)
             raise StopTraining(f"trainguard stopped run {self.run_id} at step {step}")
-        total = getattr(self.trainer, "total_training_steps", None)
         if total is not None and not decision.rolled_back and int(step) >= int(total):
             self.finish()  # verl's last step: fit() returns right after this call
         return published
