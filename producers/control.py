@@ -35,7 +35,7 @@ import uuid
 from collections import OrderedDict
 from typing import Callable, cast
 
-from trainguard.core.kafka import KafkaSettings, partition_for
+from trainguard.core.kafka import EMBEDDED_CLUSTER_ID, KafkaSettings, partition_for
 from trainguard.core.publisher import Publisher
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import Keyring, TrainerKey, sign_trainer, unsigned_allowed, verify, verify_own
@@ -145,6 +145,7 @@ class ControlListener:
         self._deadlines: OrderedDict[str, float] = OrderedDict()  # of the latest commands handed out
         self._live_from: int | None = None  # offsets from here arrived after the listener read to the end
         self._said_create_time = False
+        self._embedded = False  # the embedded broker (Tansu): no LogAppendTime to ask it for
         self._seen: OrderedDict[str, None] = OrderedDict()  # ids and nonces: at most once
         self._remember = remember
         self._stop = threading.Event()
@@ -315,13 +316,17 @@ class ControlListener:
         while catching up. Without it (CreateTime), the trainer's clock judges, as it always did."""
         now = self.clock()
         if not appended or written_at is None:
-            if written_at is not None and not self._said_create_time:
+            if written_at is not None and not self._said_create_time and self._embedded:
+                self._said_create_time = True
+                log.info("trainguard: the embedded broker stamps commands with the producer's clock, so they "
+                         "expire by this trainer's clock (a Kafka cluster can stamp them itself: docs/security.md)")
+            elif written_at is not None and not self._said_create_time:
                 self._said_create_time = True
                 log.warning("trainguard: topic %s stamps records with the producer's clock (CreateTime), so "
                             "commands expire by this trainer's clock, and a wrong clock here refuses fresh ones "
                             "or accepts old ones written again: set message.timestamp.type=LogAppendTime on it "
                             "(kafka-configs.sh --alter --entity-type topics --entity-name %s --add-config "
-                            "message.timestamp.type=LogAppendTime); the embedded broker cannot",
+                            "message.timestamp.type=LogAppendTime)",
                             self.settings.topics.control, self.settings.topics.control)
             if command["expires"] < now:
                 return f"expired at {command['expires']:.3f}", None, 0.0
@@ -495,6 +500,7 @@ class ControlListener:
                         "log_level": 0,
                     }))
                     meta = consumer.list_topics(topic, timeout=5)
+                    self._embedded = meta.cluster_id == EMBEDDED_CLUSTER_ID
                     parts = meta.topics[topic].partitions
                     if not parts:
                         raise KafkaException(f"topic {topic} has no partitions yet")

@@ -331,3 +331,30 @@ def test_the_local_key_file_is_made_once_and_kept_private(tmp_path):
     first = path.read_text()
     assert local_key_file(env) == path and path.read_text() == first, "made once"
     assert local_key_file({**env, "TRAINGUARD_COMMAND_KEY": "ops:x"}) is None, "a configured key is used as it is"
+
+
+@pytest.mark.integration
+def test_on_the_embedded_broker_the_trainer_clock_is_said_once_as_information_not_as_a_fix_to_make(
+        tansu_bootstrap, caplog):
+    """The embedded broker cannot stamp records itself: telling its user to run kafka-configs.sh
+    (a warning at the end of every demo) is advice nobody can follow."""
+    import logging
+
+    from trainguard.core.admin import create_topics
+    from trainguard.core.kafka import Topics
+
+    settings = KafkaSettings(bootstrap=tansu_bootstrap, partitions=4,
+                             topics=Topics.with_prefix(f"emb{uuid.uuid4().hex[:6]}"))
+    create_topics(settings)
+    caplog.set_level(logging.INFO, logger="trainguard")
+    with ControlListener("emb-1", settings, keys={"ops": KEY}) as listener:
+        assert listener.wait_ready(10)
+        _publish(settings, "emb-1", [sign(_command("emb-1"), KEY)])
+        applied: list = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not applied:
+            listener.dispatch(lambda c: applied.append(c["id"]) or "done")
+            time.sleep(0.05)
+    assert applied, "the command was applied"
+    said = [r for r in caplog.records if "producer's clock" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO] and "embedded broker" in said[0].getMessage(), said

@@ -17,6 +17,7 @@ from typing import Any
 from trainguard.core import settings as _settings
 
 DEFAULT_BOOTSTRAP = _settings.default("TRAINGUARD_BOOTSTRAP")
+EMBEDDED_CLUSTER_ID = "tansu_cluster"  # the cluster id the embedded broker (Tansu) reports in its metadata
 _PREFIX = _settings.default("TRAINGUARD_TOPIC_PREFIX")
 
 
