@@ -141,6 +141,10 @@ class NodeAgent:
                 self._publisher.flush(5.0)
 
     def stats(self) -> dict:
+        if self._publisher is not None:
+            # the broker's acknowledgements of the last samples, served now: the publisher serves
+            # them every 16th event, which for a node agent is every minute or so
+            self._publisher.flush(0.0)
         pub = self._publisher.stats() if self._publisher is not None else {"sent": 0, "dropped": 0,
                                                                             "delivery_failed": 0, "pending": 0}
         return {"host": self.host, "gpus": self.gpu_count, "samples": self.step, "nvml_error": self.nvml_error,
