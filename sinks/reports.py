@@ -80,8 +80,8 @@ def render_text(report: dict) -> str:
         f"decision: {report['action'].upper()} (command {report['command_id']})",
         "",
         f"what happened: {report.get('summary', '')}",
-        f"incident: onset at step {inc.get('onset_step')}, rules {', '.join(inc.get('rules', []))}, "
-        f"layers {', '.join(inc.get('layers', []))}",
+        f"incident: onset at step {inc.get('onset_step')}{_critical_from(inc)}, "
+        f"rules {', '.join(inc.get('rules', []))}, layers {', '.join(inc.get('layers', []))}",
         "",
         "alerts:",
     ]
@@ -117,9 +117,23 @@ def render_text(report: dict) -> str:
             lines.append(f"  {host}: " + ", ".join(f"{k}={format_value(metrics[k])}" for k in keys))
     history = report.get("history", {})
     if history:
-        lines += ["", f"history: {history.get('rollbacks', 0)} rollback(s) so far, "
-                      f"{history.get('rollbacks_last_hour', 0)} in the last hour"]
+        before, hour = history.get("rollbacks", 0), history.get("rollbacks_last_hour", 0)
+        if report.get("action") == "rollback":
+            said = f"rollback {format_value(before + 1 if type(before) is int else before)} of this run " \
+                   f"({format_value(hour)} in the last hour, this one included)"
+        else:
+            said = f"{format_value(before)} rollback(s) of this run before this decision, " \
+                   f"{format_value(hour)} in the last hour"
+        lines += ["", f"history: {said}"]
     return "\n".join(lines) + "\n"
+
+
+def _critical_from(incident: dict) -> str:
+    """The first critical step, where it came after the onset (a warning came first)."""
+    critical = incident.get("first_critical_step")
+    if type(critical) is not int or critical == incident.get("onset_step"):
+        return ""
+    return f" (critical from step {critical})"
 
 
 def is_finite_number(v) -> TypeGuard[float]:

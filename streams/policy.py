@@ -120,6 +120,7 @@ class Decision:
     why: str
     checkpoint: dict | None
     candidates: list[dict]
+    onset: int | None = None       # where the incident began: its first warning, else its first critical step
 
 
 def safe_checkpoint(checkpoints: list[dict], onset_step: int, onset_ts: float | None,
@@ -212,6 +213,7 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
     recurred = (state.restored_step is not None and set(state.rules) & set(state.last_rules)
                 and onset - state.restored_step <= policy.recurrence_steps)
     target, why = _safe(state, policy, checkpoints)
+    began = state.began[0] if state.began is not None and state.began[0] < onset else onset
     if recurred:
         assert state.restored_step is not None  # recurred implies it
         target, why = None, (f"the same incident ({', '.join(sorted(set(state.rules) & set(state.last_rules)))}) "
@@ -241,7 +243,7 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
     else:
         state.status = STOPPED
     state.streak, state.alert_ids, state.began = 0, [], None
-    return Decision(command, why, target, candidates)
+    return Decision(command, why, target, candidates, onset=began)
 
 
 def on_command_refused(state: BreakerState, policy: Policy, *, run_id: str, command_id: str, status: str,

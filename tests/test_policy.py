@@ -8,7 +8,7 @@ import pytest
 
 from trainguard.schemas import events as ev
 from trainguard.simulator import SimulatedPPO
-from trainguard.sinks.reports import ReportSink
+from trainguard.sinks.reports import ReportSink, render_text
 from trainguard.streams import policy
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
@@ -100,6 +100,10 @@ def test_the_checkpoint_is_older_than_the_first_warning_not_only_the_first_criti
     assert commands[0]["target"]["step"] == 50, commands[0]
     report = next(o for o in r.of("report") if o["command_id"] == commands[0]["id"])
     assert "began with kl_spike at step 60" in report["checkpoint"]["why"], report["checkpoint"]["why"]
+    assert report["incident"]["onset_step"] == 60 < report["incident"]["first_critical_step"]
+    text = render_text(report)
+    assert f"onset at step 60 (critical from step {report['incident']['first_critical_step']})" in text, text
+    assert "history: rollback 1 of this run (1 in the last hour, this one included)" in text, text
 
 
 def test_rollbacks_can_be_asked_to_land_well_before_the_onset():
