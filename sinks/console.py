@@ -72,9 +72,14 @@ class ConsoleSink(Sink):
         if forecast:
             bounds += f" {forecast}"
         flapping = " (flapping)" if alert.get("flapping") else ""
+        said = alert.get("diagnosis", "")
+        if alert["status"] == "resolved":
+            # the value and the diagnosis are the firing's: beside the resolving step they read as
+            # that step's ("step=30 actor/pg_loss=NaN" when the NaN was step 31's)
+            reading, bounds = (f" {metric}" if metric else ""), ""
+            said = alert.get("resolution") or "the condition no longer holds"
         line = (f"{_clock(alert.get('ts'))} {head} {self._c(_BOLD, alert['rule'])}{flapping} run={alert['run_id']}"
-                f"{where}{reading}{bounds}"
-                f" {self._c(_DIM, alert.get('resolution') or alert.get('diagnosis', ''))}")
+                f"{where}{reading}{bounds} {self._c(_DIM, said)}")
         silence = alert.get("silenced")
         if silence:
             line += self._c(_DIM, f" [silenced until {_clock(silence.get('until'))} by {silence.get('by') or '?'}]")

@@ -245,3 +245,4 @@ def test_status_lists_an_open_forecast_with_its_eta_in_steps():
     assert f"in ~{forecast['eta']['eta_steps']} steps" in line, line
     hostile = {**engine.status("f"), "open_alerts": [{**forecast, "eta": {"eta_steps": "\x1b[2J soon"}}]}
     assert "soon" not in format_status(hostile) and "\x1b" not in format_status(hostile)
+

@@ -260,3 +260,19 @@ def test_tail_strips_escape_sequences_from_every_string_and_skips_bad_records(ka
     assert "\x1b" not in as_json and "\x9b" not in as_json and "\u202e" not in as_json
     [shown] = [ev.decode(line.encode()) for line in as_json.splitlines() if '"alert/1"' in line]
     assert shown["diagnosis"] == HOSTILE, "the JSON keeps the event as it was sent"
+
+
+def test_a_resolved_line_says_how_it_ended_not_the_value_and_diagnosis_it_fired_with():
+    from trainguard.sinks.console import ConsoleSink
+
+    fired = {"schema": "alert/1", "id": "a1", "run_id": "r", "rule": "non_finite", "severity": "P0", "status": "firing",
+             "metric": "actor/pg_loss", "value": "NaN", "step": 31, "ts": 1.7e9,
+             "diagnosis": "A loss is NaN or infinite."}
+    resolved = {**fired, "status": "resolved", "step": 30, "resolution": "the trainer rolled back to step 30"}
+    console = ConsoleSink(colour=False)
+    assert "actor/pg_loss=NaN" in console.format(fired) and "A loss is NaN" in console.format(fired)
+    line = console.format(resolved)
+    assert "RESOLVED" in line and "step=30 actor/pg_loss the trainer rolled back to step 30" in line, line
+    assert "NaN" not in line
+    assert console.format({k: v for k, v in resolved.items() if k != "resolution"}).endswith(
+        "the condition no longer holds")
