@@ -164,8 +164,8 @@ def detect_format(path: str | os.PathLike) -> str:
     if ext in (".log", ".txt", ".out", ".err"):
         return "verl"
     raise ReadError(path, "cannot tell the format (not JSON lines, CSV with a step column, trainer_state.json, "
-                          f"a TensorBoard event file, a verl or Hugging Face console log); pass a format: "
-                          f"{', '.join(FORMATS)}")
+                          f"a TensorBoard event file, a verl or Hugging Face console log, a W&B or SwanLab run "
+                          f"file); pass one with --format: {', '.join(FORMATS)}")
 
 
 def _json_object(line: str) -> dict | None:
