@@ -38,8 +38,17 @@ def shingles(text: str, ngram: int = 5) -> set[bytes]:
     return {norm[i:i + ngram].encode("utf-8", "surrogatepass") for i in range(len(norm) - ngram + 1)}
 
 
+def _datasketch():
+    try:
+        import datasketch
+    except ImportError as exc:
+        raise ImportError("trainguard's de-duplication and score cache need datasketch: "
+                          "pip install 'trainguard[guards]'") from exc
+    return datasketch
+
+
 def minhash(text: str, *, num_perm: int = 128, ngram: int = 5):
-    from datasketch import MinHash
+    MinHash = _datasketch().MinHash
 
     m = MinHash(num_perm=num_perm)
     m.update_batch(list(shingles(text, ngram)))
@@ -53,7 +62,7 @@ class SimilarTexts:
     (value: the score it got)."""
 
     def __init__(self, *, threshold: float = 0.7, num_perm: int = 128, ngram: int = 5, capacity: int = 100_000):
-        from datasketch import MinHashLSH
+        MinHashLSH = _datasketch().MinHashLSH
 
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"threshold must be between 0 and 1 (a Jaccard similarity), got {threshold!r}")
