@@ -71,6 +71,7 @@ class ReplayResult:
     metrics: list[str] = field(default_factory=list)    # every name the file logged, first seen first
     unwatched: list[str] = field(default_factory=list)  # names no rule judges
     by_pattern: list[str] = field(default_factory=list)  # names judged by their name pattern alone
+    consecutive_critical: int = 3                        # the breaker's policy in the rules replayed
 
     def alerts_by_rule(self) -> dict[str, dict[str, int]]:
         """``{rule: {"firing": n, "resolved": m}}`` in order of first appearance."""
@@ -242,6 +243,7 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
     result.unwatched = ruleset.unwatched(result.metrics)
     result.by_pattern = ruleset.by_pattern(result.metrics)
     result.steps = reader.steps
+    result.consecutive_critical = ruleset.policy.consecutive_critical
     result.skipped = reader.skipped
     result.ignored = reader.ignored
     result.problems = list(reader.problems)
@@ -372,7 +374,8 @@ def summary_lines(result: ReplayResult) -> list[str]:
         more = f" (+{len(result.checkpoints) - 12})" if len(result.checkpoints) > 12 else ""
         lines.append(f"checkpoints known: {len(result.checkpoints)} (steps {steps}{more})")
     else:
-        lines.append("checkpoints known: none (a rollback needs one; the breaker would stop the run instead)")
+        lines.append("checkpoints known: none (where the breaker acts, it can only stop the run; give them with "
+                     "--checkpoint STEP[:PATH])")
     if result.commands:
         lines.append(f"the circuit breaker {command_text(result.commands[0], result.command_steps[0])}")
         if len(result.commands) > 1:
@@ -384,8 +387,12 @@ def summary_lines(result: ReplayResult) -> list[str]:
             steps = ", ".join(str(s) for _, s in rest[:15]) + (" ..." if len(rest) > 15 else "")
             lines.append(f"  then {len(rest)} more ({what}) at steps {steps}, since the recording goes on "
                          f"as if the first was never applied")
+    elif any(a.get("critical") and a.get("status") == "firing" for a in result.alerts):
+        lines.append(f"the circuit breaker would not have acted: it acts after "
+                     f"{result.consecutive_critical} critical steps in a row (at once for a NaN/Inf when a "
+                     f"checkpoint is known), and this run never had that many")
     else:
-        lines.append("the circuit breaker would not have acted")
+        lines.append("the circuit breaker would not have acted (no critical alert)")
     return lines
 
 
