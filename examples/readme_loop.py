@@ -111,8 +111,9 @@ def main(argv=None) -> int:
     listener.close()
     # ---- end of the README's loop ----
 
-    print(f"readme loop: ended at step {step} of {total_steps}, {skipped} batch(es) skipped, "
-          f"{'stopped by a command' if stop else 'finished'}; checkpoints in {toy.ckpt_dir}")
+    restored = ", ".join(Path(p).stem for p in toy.loaded) or "none"
+    print(f"readme loop: ended at step {step} of {total_steps}, {'stopped by a command' if stop else 'finished'}; "
+          f"rolled back to: {restored}; {skipped} batch(es) skipped; checkpoints in {toy.ckpt_dir}")
     return 0
 
 
