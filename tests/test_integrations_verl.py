@@ -443,3 +443,22 @@ def test_a_backend_added_by_hand_reports_the_run_finished_at_its_last_step(kafka
     ends = [e["event"] for e in events.drain(2.0) if e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE]
     events.close()
     assert ends == ["started", "finished"], ends
+
+
+def test_the_launcher_in_the_docs_puts_trainguard_into_verls_own_runners(monkeypatch):
+    """docs/integrations.md's train_guarded.py, as written there, against verl 0.9.1's modules."""
+    import re
+    from pathlib import Path
+
+    main_ppo = pytest.importorskip("verl.trainer.main_ppo")
+    import verl.trainer.main_ppo_v0 as main_ppo_v0
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    section = text[text.index("A launcher that puts trainguard into verl's"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    code = "\n".join(line[3:] for line in code.splitlines())  # the block is indented in its list item
+    monkeypatch.setattr(main_ppo, "TaskRunnerV1", main_ppo.TaskRunnerV1)  # put back after the test
+    monkeypatch.setattr(main_ppo_v0, "TaskRunner", main_ppo_v0.TaskRunner)
+    exec(compile(code, "train_guarded.py", "exec"), {"__name__": "train_guarded"})
+    assert main_ppo.TaskRunnerV1.__ray_actor_class__.__name__ == "TrainguardTaskRunnerV1"
+    assert main_ppo_v0.TaskRunner.__ray_actor_class__.__name__ == "TrainguardTaskRunner"
