@@ -151,3 +151,22 @@ def test_without_a_folder_every_rank_publishes_its_own_event(kafka, tmp_path):
         assert stats["direct"] == 3 and stats["relayed"] == 0 and stats["lost"] == 0
     events = _metrics_events(kafka, "fold-3", 12)
     assert sorted((e["source"]["rank"], e["step"]) for e in events) == [(r, s) for r in range(4) for s in range(3)]
+
+
+def test_folded_events_cannot_grow_a_runs_ranks_past_its_source_cap():
+    """Anyone who can write to the events topic can invent rank numbers: folded events carry up
+    to 1,024 each, and their ranks count against the run's source cap as unfolded ranks do."""
+    from trainguard.schemas import events as ev
+    from trainguard.streams import rules as rules_mod
+    from trainguard.streams.engine import Engine, Limits
+
+    engine = Engine(rules_mod.default(), limits=Limits(sources_per_run=64))
+    for i in range(8):
+        ranks = list(range(i * 1024, (i + 1) * 1024))
+        event = {"schema": "metrics/1", "run_id": "r", "step": i + 1, "ts": 1.7e9 + i,
+                 "source": {"kind": "trainer", "host": f"h{i % 4}", "rank": None, "ranks": ranks},
+                 "metrics": {"timing_s/step": 1.0}, "per_rank": {f"timing_s/step[{r}]": 1.0 for r in ranks}}
+        engine.handle(ev.encode(event), 0, i)
+    run = engine._run(b"r")
+    assert len(run.ranks) == 64 and run.limits["sources_per_run"]["of"] == "ranks"
+    assert engine.status("r")["limits"]["sources_per_run"]["left_out"] == 8  # every event left some out

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from trainguard.schemas import events as ev
 from trainguard.streams import trackers
 from trainguard.streams.detectors import CrossRank
 from trainguard.streams.engine.book import AlertBook
-from trainguard.streams.engine.state import RunState
+from trainguard.streams.engine.state import Limits, RunState
 from trainguard.streams.rules import Rule
 from trainguard.streams.signals import base_name, rank_of
 
@@ -23,6 +23,8 @@ class Correlation(AlertBook):
     _cross_rules: list[Rule]
     _cross_min_ranks: int
     _cross_pairs: dict[tuple, list]
+    limits: Limits
+    _left_out: Callable[..., None]
 
     def _seen(self, run: RunState, run_id: str, event: dict, outputs: list) -> None:
         """A source spoke: remember when, and close a staleness alert if it was silent."""
@@ -33,8 +35,13 @@ class Correlation(AlertBook):
             run.ranks.setdefault(str(src["rank"]), src)
         elif src.get("ranks") and kind in self.rules.policy.step_sources:  # a node's ranks folded in one event
             for r in src["ranks"]:
-                if str(r) not in run.ranks:
-                    run.ranks[str(r)] = ev.source(kind, src.get("host", ""), r)
+                if str(r) in run.ranks:
+                    continue
+                if len(run.ranks) >= self.limits.sources_per_run:  # a rank counts as a source does
+                    self._left_out(run, run_id, "sources_per_run", self.limits.sources_per_run, 1, "ranks",
+                                   "further ranks of folded events are not compared with their peers")
+                    break
+                run.ranks[str(r)] = ev.source(kind, src.get("host", ""), r)
         for key in [k for k in run.stale if k.endswith("|" + kind)]:
             self._add(outputs, self._resolve(run, run.stale.pop(key), {"ts": event["ts"], "step": event.get("step")},
                                          resolution=f"{kind} is publishing again"))
@@ -68,6 +75,8 @@ class Correlation(AlertBook):
         own = None if folded else str(src["rank"])
         for rule, name, metric, rank in pairs:
             value = values[name]
+            if rank is not None and rank not in run.ranks:
+                continue  # a rank past the run's cap: not compared (said once by _seen)
             if math.isfinite(value):
                 key = f"{rule.name}|{metric}"
                 cr = run.cross.get(key)
