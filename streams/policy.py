@@ -27,6 +27,9 @@ from typing import Callable
 from trainguard.schemas.events import command_event, stable_id
 
 ARMED, AWAITING, STOPPED = "armed", "awaiting", "stopped"
+# How far before the critical onset a warning on the same metrics may date the incident's start:
+# a drift or a spike warns a few steps before it turns critical, not hundreds.
+WARNING_LOOKBACK_STEPS = 20
 
 ON_COMMAND_FAILURE = ("rearm", "stop")
 
@@ -191,18 +194,29 @@ def on_step(state: BreakerState, policy: Policy, *, run_id: str, step: int, ts: 
                    now=ts if now is None else now, ids=ids)
 
 
-def _safe(state: BreakerState, policy: Policy, checkpoints: list[dict]) -> tuple[dict | None, str]:
+def _safe(state: BreakerState, policy: Policy, checkpoints: list[dict]) -> tuple[dict | None, str, int]:
     """The checkpoint to roll back to: before the critical onset, and before the first warning
-    on its metrics when one came earlier."""
+    on its metrics when one came earlier. A warning counts only within WARNING_LOOKBACK_STEPS of
+    the critical onset (an event stamped with an old step must not choose an old checkpoint), and
+    it never costs the rollback: with no checkpoint before it, the critical onset decides.
+    Returns the target, why, and the onset it was chosen against."""
     assert state.onset_step is not None
-    onset, onset_ts = state.onset_step, state.onset_ts
-    warned = state.began if state.began is not None and state.began[0] < onset else None
+    min_before = policy.rollback_min_steps_before_onset
+    critical = safe_checkpoint(checkpoints, state.onset_step, state.onset_ts, min_before)
+    warned = _earlier_warning(state)
     if warned is not None:
-        onset, onset_ts = warned[0], None
-    target, why = safe_checkpoint(checkpoints, onset, onset_ts, policy.rollback_min_steps_before_onset)
-    if warned is not None:
-        why += f" (the change began with {warned[1]} at step {warned[0]}, before the critical step {state.onset_step})"
-    return target, why
+        target, why = safe_checkpoint(checkpoints, warned[0], None, min_before)
+        if target is not None:
+            return target, why + (f" (the change began with {warned[1]} at step {warned[0]}, before the critical "
+                                  f"step {state.onset_step})"), warned[0]
+    return critical[0], critical[1], state.onset_step
+
+
+def _earlier_warning(state: BreakerState) -> tuple[int, str] | None:
+    began, onset = state.began, state.onset_step
+    if began is None or onset is None or not onset - WARNING_LOOKBACK_STEPS <= began[0] < onset:
+        return None
+    return int(began[0]), str(began[1])
 
 
 def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoints, diagnosis, now,
@@ -212,8 +226,7 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
     recent = [t for t in state.rollback_ts if ts - t < 3600]
     recurred = (state.restored_step is not None and set(state.rules) & set(state.last_rules)
                 and onset - state.restored_step <= policy.recurrence_steps)
-    target, why = _safe(state, policy, checkpoints)
-    began = state.began[0] if state.began is not None and state.began[0] < onset else onset
+    target, why, began = _safe(state, policy, checkpoints)
     if recurred:
         assert state.restored_step is not None  # recurred implies it
         target, why = None, (f"the same incident ({', '.join(sorted(set(state.rules) & set(state.last_rules)))}) "

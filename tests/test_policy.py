@@ -273,3 +273,29 @@ def test_the_policy_is_a_typed_value_checked_as_it_is_made():
         pol.consecutive_critical = 1  # type: ignore[misc]
     with pytest.raises(ValueError, match="'command_ttl_s' must be >= 1"):
         policy.Policy(command_ttl_s=0)
+
+
+def test_an_event_stamped_with_an_old_step_chooses_no_checkpoint_and_cancels_no_rollback():
+    """Anyone who can write events can open a warning stamped with any step: one far before the
+    critical onset must not date the incident (a rollback to an old checkpoint, or none)."""
+    def rollback_target(forged_step):
+        engine, offset, t0 = Engine(ruleset()), [0], 1.7e9
+
+        def send(event):
+            offset[0] += 1
+            return engine.handle(ev.encode(event), 0, offset[0])
+
+        commands = []
+        for s in range(1, 411):
+            if s % 100 == 0:
+                send(ev.checkpoint_event("r", s, f"/ck/{s}", ts=t0 + s - 0.5))
+            if s == 405 and forged_step is not None:
+                send(ev.metrics_event("r", forged_step, {"actor/kl_loss": 0.6}, src=TRAINER, ts=t0 + s - 0.2))
+            value = float("nan") if s == 410 else 0.01 + 0.0001 * (s % 7)
+            outs = send(ev.metrics_event("r", s, {"actor/kl_loss": value}, src=TRAINER, ts=t0 + s))
+            commands += [o.value for o in outs if o.kind == "command"]
+        return [(c["action"], (c.get("target") or {}).get("step")) for c in commands]
+
+    assert rollback_target(None) == [("rollback", 400)]
+    assert rollback_target(150) == [("rollback", 400)], "not steered back to step 100"
+    assert rollback_target(3) == [("rollback", 400)], "not cancelled for want of a checkpoint before step 3"
