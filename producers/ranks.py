@@ -57,8 +57,8 @@ def fold(run_id: str, step: int, host: str, per_rank: dict[int, dict]) -> dict:
     non-finite value if any rank's is, so a NaN on one rank is a NaN of its node), in
     ``per_rank`` every rank's values named ``metric[rank]``, the ranks in ``source.ranks``, the
     earliest report's ``ts``, and the ranks' dropped-event counts summed."""
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    finite: dict[str, list[float]] = {}
+    dropped: float | None = None
     bad: dict[str, float] = {}
     values: dict[str, float] = {}
     tags: dict[str, str] = {}
@@ -67,20 +67,20 @@ def fold(run_id: str, step: int, host: str, per_rank: dict[int, dict]) -> dict:
         event = per_rank[rank]
         for name, value in event["metrics"].items():
             if name == DROPPED:
-                sums[name] = sums.get(name, 0.0) + value
-                counts[name] = 1
+                dropped = (dropped or 0.0) + value
                 continue
             values[f"{name}[{rank}]"] = value
             if math.isfinite(value):
-                sums[name] = sums.get(name, 0.0) + value
-                counts[name] = counts.get(name, 0) + 1
+                finite.setdefault(name, []).append(value)
             else:
                 bad.setdefault(name, value)
-                sums.setdefault(name, 0.0)
+                finite.setdefault(name, [])
         for k, v in (event.get("tags") or {}).items():
             tags.setdefault(k, v)
         layers.add(event.get("layer"))
-    summary = {name: bad[name] if name in bad else total / counts[name] for name, total in sums.items()}
+    summary = {name: bad[name] if name in bad else _mean(vals) for name, vals in finite.items()}
+    if dropped is not None:
+        summary[DROPPED] = dropped
     src = ev.source("trainer", host)
     src["ranks"] = sorted(per_rank)
     ts = min(e["ts"] for e in per_rank.values())
@@ -88,6 +88,13 @@ def fold(run_id: str, step: int, host: str, per_rank: dict[int, dict]) -> dict:
     event = ev.metrics_event(run_id, step, summary, src=src, ts=ts, layer=layer, tags=tags or None)
     event["per_rank"] = values
     return event
+
+
+def _mean(values: list[float]) -> float:
+    """The mean of finite values, itself finite: each is divided before they are added (a sum of
+    two 1e308 is inf, which the worker would judge as a non-finite value no rank logged)."""
+    n = len(values)
+    return math.fsum(v / n for v in values)
 
 
 class NodeRelay:

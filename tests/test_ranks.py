@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from tests.integration import TopicReader, WorkerProcess
-from trainguard.producers.ranks import RankFolder, RankLogger
+from trainguard.producers.ranks import RankFolder, RankLogger, fold
 from trainguard.schemas import events as ev
 
 pytestmark = pytest.mark.integration
@@ -170,3 +170,37 @@ def test_folded_events_cannot_grow_a_runs_ranks_past_its_source_cap():
     run = engine._run(b"r")
     assert len(run.ranks) == 64 and run.limits["sources_per_run"]["of"] == "ranks"
     assert engine.status("r")["limits"]["sources_per_run"]["left_out"] == 8  # every event left some out
+
+
+# -- folding without a broker: what reaches the worker is what the ranks logged ---------------
+
+
+class _Pub:
+    def __init__(self):
+        self.sent: list[bytes] = []
+
+    def publish(self, topic, key, value, partition=None, on_delivery=None):
+        self.sent.append(value)
+        return True
+
+    def flush(self, timeout=0.0):
+        return 0
+
+    def close(self, timeout=0.0):
+        return 0
+
+
+def _rank_event(run_id: str, step: int, rank: int, metrics: dict, host: str = "h") -> bytes:
+    return ev.encode(ev.metrics_event(run_id, step, metrics, src=ev.source("trainer", host, rank)))
+
+
+def test_the_node_mean_of_finite_values_is_finite():
+    """Two ranks at 1e308 sum to inf: a node summary of inf would be judged a non-finite value
+    (a page and a rollback) that no rank logged."""
+    per_rank = {r: ev.decode(_rank_event("r", 1, r, {"actor/grad_norm": 1e308, "x": -1.7e308 + r}))
+                for r in range(8)}
+    event = ev.decode(ev.encode(fold("r", 1, "h", per_rank)))
+    assert event["metrics"]["actor/grad_norm"] == pytest.approx(1e308)
+    assert math.isfinite(event["metrics"]["x"])
+    per_rank[3]["metrics"]["actor/grad_norm"] = math.inf
+    assert fold("r", 1, "h", per_rank)["metrics"]["actor/grad_norm"] == math.inf, "a rank's inf is its node's"
