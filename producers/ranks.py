@@ -227,7 +227,7 @@ class RankFolder:
         self.clock = clock
         self.pending: OrderedDict[tuple, _Step] = OrderedDict()
         self.known: OrderedDict[tuple, set] = OrderedDict()    # (run, host) -> ranks seen
-        self.done: dict[tuple, deque] = {}                     # (run, host) -> steps sent lately
+        self.done: dict[tuple, deque] = {}                     # (run, host) in known -> steps sent lately
         self.folded = 0        # events published, each for one or more ranks
         self.ranks_in = 0      # rank steps received
         self.late = 0          # rank steps that came after their step went out
@@ -387,10 +387,12 @@ class RankFolder:
     def _send(self, key: tuple) -> None:
         held = self.pending.pop(key)
         run_id, host, step = key
-        done = self.done.get((run_id, host))
-        if done is None:
-            done = self.done[(run_id, host)] = deque(maxlen=64)
-        done.append(step)
+        group = (run_id, host)
+        if group in self.known:  # a group pushed out of known is forgotten whole, its steps sent too
+            done = self.done.get(group)
+            if done is None:
+                done = self.done[group] = deque(maxlen=64)
+            done.append(step)
         self._publish(run_id, step, host, held.ranks)
 
     def _publish(self, run_id: str, step: int, host: str, per_rank: dict[int, dict]) -> None:

@@ -204,3 +204,13 @@ def test_the_node_mean_of_finite_values_is_finite():
     assert math.isfinite(event["metrics"]["x"])
     per_rank[3]["metrics"]["actor/grad_norm"] = math.inf
     assert fold("r", 1, "h", per_rank)["metrics"]["actor/grad_norm"] == math.inf, "a rank's inf is its node's"
+
+
+def test_the_folders_memory_stays_bounded_however_many_hosts_report():
+    from trainguard.producers import ranks as ranks_mod
+
+    folder = RankFolder(path="/nonexistent/ranks.sock", publisher=_Pub(), max_wait_s=60.0)
+    for i in range(3 * ranks_mod.MAX_KNOWN):
+        folder.take(_rank_event("r", 1, 0, {"loss": 1.0}, host=f"h{i}"))
+    assert len(folder.known) <= ranks_mod.MAX_KNOWN and len(folder.pending) <= ranks_mod.MAX_PENDING
+    assert set(folder.done) <= set(folder.known), "what is sent is remembered only for the groups known"
