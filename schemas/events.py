@@ -156,8 +156,7 @@ def stable_id(*parts) -> str:
 
 
 def alert_id(run_id: str, rule: str, *parts) -> str:
-    """An alert's id: its run, its rule, and what tells its episodes apart (source, metric, step,
-    rollbacks so far; the command for a refused one)."""
+    """An alert's id: its run, its rule and what tells its episodes apart (source, metric, step, rollbacks)."""
     return stable_id(run_id, rule, *parts)
 
 
@@ -188,8 +187,7 @@ def alert_event(run_id: str, rule: str, *, alert_id: str, severity: str, critica
 
 def report_event(run_id: str, command: dict, *, ts: float, step: int, incident: dict, alerts: list, windows: dict,
                  resource_snapshot: dict, checkpoint: dict, history: dict) -> dict:
-    """The diagnosis report behind a command, validated: what happened, the evidence, what was
-    chosen and why."""
+    """The diagnosis report behind a command, validated: what happened, the evidence, the choice and why."""
     event = {"schema": REPORT, "id": "report-" + command["id"], "run_id": run_id, "ts": ts, "step": step,
              "action": command["action"], "command_id": command["id"], "summary": command["detail"],
              "incident": incident, "alerts": alerts, "windows": windows, "resource_snapshot": resource_snapshot,
@@ -384,6 +382,11 @@ def _validate_metrics(event: dict) -> None:
         if not event["source"].get("ranks"):
             raise _fail("per_rank", "only a folded event (source.ranks) carries per-rank values")
         _check_metrics(event, "per_rank")
+        carried = set(event["source"]["ranks"])
+        for name in event["per_rank"]:  # name[rank]: only the ranks the event says it folds
+            i = name.find("[")
+            if i > 0 and name.endswith("]") and name[i + 1:-1].isdigit() and int(name[i + 1:-1]) not in carried:
+                raise _fail("per_rank", f"{name[:80]!r} is a rank this event does not fold (source.ranks)")
     _check_tags(event)
 
 
@@ -526,8 +529,7 @@ def _loads(raw: bytes | str) -> Any:
 
 
 def _bounded_int(text: str) -> int:
-    """An integer literal orjson refused because no 64-bit number holds it (a 400-digit time
-    would raise OverflowError wherever it is used as a float): refused here, named."""
+    """An integer literal orjson refused (no 64-bit number holds it): refused here, named, not later."""
     if len(text.lstrip("-")) > 19 or not -2**63 <= int(text) < 2**64:
         raise SchemaError(f"an integer of {len(text.lstrip('-'))} digits is out of range (64-bit at most)")
     return int(text)
@@ -551,11 +553,10 @@ def _check_utf8(obj: Any) -> None:
 
 
 def _utf8(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return _SURROGATE.search(s) is None  # the only str that UTF-8 cannot write: a lone surrogate
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _shown(field: str) -> str:

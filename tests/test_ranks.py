@@ -214,3 +214,15 @@ def test_the_folders_memory_stays_bounded_however_many_hosts_report():
         folder.take(_rank_event("r", 1, 0, {"loss": 1.0}, host=f"h{i}"))
     assert len(folder.known) <= ranks_mod.MAX_KNOWN and len(folder.pending) <= ranks_mod.MAX_PENDING
     assert set(folder.done) <= set(folder.known), "what is sent is remembered only for the groups known"
+
+
+def test_a_folded_event_cannot_carry_values_for_ranks_it_does_not_fold():
+    from trainguard.schemas import events as ev
+
+    event = {"schema": "metrics/1", "run_id": "r", "step": 1, "ts": 1.7e9, "metrics": {"timing_s/step": 1.0},
+             "source": {"kind": "trainer", "host": "b", "rank": None, "ranks": [0]},
+             "per_rank": {"timing_s/step[0]": 1.0, "timing_s/step[7]": 50.0}}
+    with pytest.raises(ev.SchemaError, match=r"timing_s/step\[7\].* does not fold"):
+        ev.decode(ev.encode(event))
+    del event["per_rank"]["timing_s/step[7]"]
+    assert ev.decode(ev.encode(event))["per_rank"] == {"timing_s/step[0]": 1.0}
