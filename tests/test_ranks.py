@@ -226,3 +226,67 @@ def test_a_folded_event_cannot_carry_values_for_ranks_it_does_not_fold():
         ev.decode(ev.encode(event))
     del event["per_rank"]["timing_s/step[7]"]
     assert ev.decode(ev.encode(event))["per_rank"] == {"timing_s/step[0]": 1.0}
+
+
+def _delivered(pub: _Pub) -> dict[tuple[int, str], float]:
+    """Every rank's value in what the folder sent, each event decoded as the worker decodes it."""
+    got: dict[tuple[int, str], float] = {}
+    for raw in pub.sent:
+        event = ev.decode(raw)  # a SchemaError here: the worker would dead-letter it
+        src = event["source"]
+        if src.get("ranks") is None:
+            got.update({(src["rank"], n): v for n, v in event["metrics"].items()})
+            continue
+        for name, v in event["per_rank"].items():
+            base, _, rank = name.rpartition("[")
+            got[(int(rank[:-1]), base)] = v
+    return got
+
+
+@pytest.mark.parametrize("ranks, metrics", [
+    (8, {"m/" + "a" * 254: 1.0, "loss": 1.0}),              # name[r] would pass 256 characters
+    (8, {f"m{j}": 1.0 for j in range(1500)}),                # 12,000 values in one event
+    (4000, {f"metric/{j}": 1.0 for j in range(4)}),          # more ranks and bytes than one event takes
+])
+def test_a_step_too_large_to_fold_reaches_the_worker_whole(ranks, metrics):
+    """A folded event over the schema's limits would be dead-lettered, and every rank's values of
+    that step lost with it, a NaN on one rank included."""
+    pub = _Pub()
+    folder = RankFolder(path="/nonexistent/ranks.sock", publisher=pub, max_wait_s=60.0, ranks_per_node=ranks)
+    nan_rank, name = ranks // 2, next(iter(metrics))
+    for r in range(ranks):
+        folder.take(_rank_event("r", 7, r, {**metrics, name: math.nan} if r == nan_rank else metrics))
+    folder.close()
+    got = _delivered(pub)
+    assert len(got) == ranks * len(metrics), "every rank's every value"
+    assert math.isnan(got[(nan_rank, name)])
+    assert all(v == 1.0 for k, v in got.items() if k != (nan_rank, name))
+    assert any(math.isnan(ev.decode(raw)["metrics"][name]) for raw in pub.sent), "the NaN is judged"
+    assert all(len(ev.decode(raw)["source"].get("ranks") or [0]) <= ev.MAX_FOLDED_RANKS for raw in pub.sent)
+    assert len(folder.pending) == 0
+
+
+def test_a_step_holds_no_more_ranks_than_one_event_carries():
+    pub = _Pub()
+    folder = RankFolder(path="/nonexistent/ranks.sock", publisher=pub, max_wait_s=60.0)
+    for r in range(3 * ev.MAX_FOLDED_RANKS + 5):
+        folder.take(_rank_event("r", 1, r, {"loss": 1.0}))
+        assert all(len(held.ranks) <= ev.MAX_FOLDED_RANKS for held in folder.pending.values())
+    folder.close()
+    assert len(_delivered(pub)) == 3 * ev.MAX_FOLDED_RANKS + 5
+
+
+def test_a_ranks_own_events_say_where_it_runs_whatever_a_folded_event_claimed_first():
+    from trainguard.schemas import events as ev
+    from trainguard.streams import rules as rules_mod
+    from trainguard.streams.engine import Engine
+
+    engine = Engine(rules_mod.default())
+    claim = {"schema": "metrics/1", "run_id": "r", "step": 1, "ts": 1.7e9, "metrics": {"timing_s/step": 1.0},
+             "source": {"kind": "trainer", "host": "evil-host", "rank": None, "ranks": list(range(8))}}
+    engine.handle(ev.encode(claim), 0, 0)
+    for rank in range(8):
+        engine.handle(ev.encode(ev.metrics_event("r", 2, {"timing_s/step": 1.0},
+                                                 src=ev.source("trainer", f"node-{rank // 4}", rank), ts=1.7e9 + 1)),
+                      0, 1 + rank)
+    assert {r: s["host"] for r, s in engine._run(b"r").ranks.items()} == {str(r): f"node-{r // 4}" for r in range(8)}

@@ -32,7 +32,9 @@ class Correlation(AlertBook):
         kind = src["kind"]
         run.last_seen[kind] = [self.clock(), event.get("step"), src]
         if src.get("rank") is not None and kind in self.rules.policy.step_sources:
-            run.ranks.setdefault(str(src["rank"]), src)
+            rank = str(src["rank"])
+            if run.ranks.get(rank) != src and (rank in run.ranks or len(run.ranks) < self.limits.sources_per_run):
+                run.ranks[rank] = src  # a rank's own events say where it runs; a folded event only infers it
         elif src.get("ranks") and kind in self.rules.policy.step_sources:  # a node's ranks folded in one event
             for r in src["ranks"]:
                 if str(r) in run.ranks:
