@@ -13,7 +13,9 @@ readout in CSS, so that neither page needs script.
 
 from __future__ import annotations
 
+import hashlib
 import html
+import logging
 import math
 import re
 import time
@@ -26,6 +28,9 @@ import orjson
 
 from trainguard.core import settings as settings_mod
 from trainguard.sinks.base import Sink
+from trainguard.terminal import safe_event
+
+log = logging.getLogger("trainguard.sinks")
 
 
 def format_value(v) -> str:
@@ -70,55 +75,85 @@ def forecast_text(evidence) -> str | None:
     return text
 
 
+def _mapping(v) -> dict:
+    """``v`` where it is an object, else an empty one: a report's parts come from a topic."""
+    return v if isinstance(v, dict) else {}
+
+
+def _items(v) -> list:
+    return v if isinstance(v, list) else []
+
+
+def _when(ts) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return shown(ts)
+
+
 def render_text(report: dict) -> str:
-    """The readable form of a diagnosis report."""
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report["ts"]))
-    inc = report.get("incident", {})
+    """The readable form of a diagnosis report. Its parts come from a topic: a missing or
+    mistyped one reads as absent, and no string in it can reach a terminal's escape sequences
+    or start a line of its own."""
+    report = safe_event(report)
+    inc = _mapping(report.get("incident"))
+    action = report.get("action")
     lines = [
-        f"trainguard diagnosis report {report['id']}",
-        f"run {report['run_id']}  at step {report.get('step')}  {when}",
-        f"decision: {report['action'].upper()} (command {report['command_id']})",
+        f"trainguard diagnosis report {shown(report.get('id'))}",
+        f"run {shown(report.get('run_id'))}  at step {report.get('step')}  {_when(report.get('ts'))}",
+        f"decision: {shown(action).upper()} (command {shown(report.get('command_id'))})",
         "",
-        f"what happened: {report.get('summary', '')}",
-        f"incident: onset at step {inc.get('onset_step')}{_critical_from(inc)}, "
-        f"rules {', '.join(inc.get('rules', []))}, layers {', '.join(inc.get('layers', []))}",
+        f"what happened: {shown(report.get('summary', ''))}",
+        f"incident: onset at step {shown(inc.get('onset_step'))}{_critical_from(inc)}, "
+        f"rules {', '.join(shown(r) for r in _items(inc.get('rules')))}, "
+        f"layers {', '.join(shown(la) for la in _items(inc.get('layers')))}",
         "",
         "alerts:",
     ]
-    for a in report.get("alerts", []):
-        ev = a.get("evidence", {})
-        bounds = (f" window [{format_value(ev['lower'])}, {format_value(ev['upper'])}] "
-                  f"mean {format_value(ev['mean'])}" if "lower" in ev else "")
-        lines.append(f"  - {a.get('severity')} {a['rule']} at step {a.get('step')}: "
-                     f"{a.get('metric')}={format_value(a.get('value'))}{bounds}")
+    for a in _items(report.get("alerts")):
+        if not isinstance(a, dict):
+            lines.append("  - (an entry that is not an alert)")
+            continue
+        ev = _mapping(a.get("evidence"))
+        bounds = ""
+        if "lower" in ev and "upper" in ev:
+            bounds = f" window [{format_value(ev['lower'])}, {format_value(ev['upper'])}]"
+            if "mean" in ev:
+                bounds += f" mean {format_value(ev['mean'])}"
+        lines.append(f"  - {shown(a.get('severity'))} {shown(a.get('rule'))} at step {shown(a.get('step'))}: "
+                     f"{shown(a.get('metric'))}={format_value(a.get('value'))}{bounds}")
         forecast = forecast_text(ev)
         if forecast:
             lines.append(f"      forecast: {forecast}")
         if a.get("diagnosis"):
-            lines.append(f"      {a['diagnosis']}")
+            lines.append(f"      {shown(a['diagnosis'])}")
         if a.get("suggestion"):
-            lines.append(f"      suggestion: {a['suggestion']}")
-    cp = report.get("checkpoint", {})
+            lines.append(f"      suggestion: {shown(a['suggestion'])}")
+    cp = _mapping(report.get("checkpoint"))
     chosen = cp.get("chosen")
-    lines += ["", "checkpoint: " + (f"step {chosen['step']} ({chosen['path']})" if chosen else "none"),
-              f"  why: {cp.get('why', '')}"]
-    windows = report.get("windows", {})
+    if isinstance(chosen, dict):
+        where = f"step {shown(chosen.get('step'))} ({shown(chosen.get('path'))})"
+    else:
+        where = shown(chosen) if chosen else "none"
+    lines += ["", f"checkpoint: {where}", f"  why: {shown(cp.get('why', ''))}"]
+    windows = _mapping(report.get("windows"))
     if windows:
         lines += ["", "metric windows before the decision (oldest first):"]
         for metric, w in windows.items():
-            values = ", ".join(format_value(v) for v in w["values"][-20:])
-            lines.append(f"  {metric} [{w['source']}]: {values}")
-    snapshot = report.get("resource_snapshot") or {}
+            w = _mapping(w)
+            values = ", ".join(format_value(v) for v in _items(w.get("values"))[-20:])
+            lines.append(f"  {metric} [{shown(w.get('source'))}]: {values}")
+    snapshot = _mapping(report.get("resource_snapshot"))
     if snapshot:
         lines += ["", "resources (latest node metrics):"]
         for host, snap in snapshot.items():
-            metrics = snap.get("metrics", {})
+            metrics = _mapping(_mapping(snap).get("metrics"))
             keys = [k for k in metrics if k.startswith(("gpu/utilization_pct", "gpu/memory_used_gb", "system/"))][:12]
             lines.append(f"  {host}: " + ", ".join(f"{k}={format_value(metrics[k])}" for k in keys))
-    history = report.get("history", {})
+    history = _mapping(report.get("history"))
     if history:
         before, hour = history.get("rollbacks", 0), history.get("rollbacks_last_hour", 0)
-        if report.get("action") == "rollback":
+        if action == "rollback":
             said = f"rollback {format_value(before + 1 if type(before) is int else before)} of this run " \
                    f"({format_value(hour)} in the last hour, this one included)"
         else:
@@ -439,8 +474,10 @@ def int64(v) -> int | None:
 
 def implicated(report: dict) -> list[str]:
     """The signals a report is about: those with a window, then every alert's metrics."""
-    names = list(report.get("windows") or {})
-    for a in report.get("alerts") or []:
+    names = [m for m in _mapping(report.get("windows"))]
+    for a in _items(report.get("alerts")):
+        if not isinstance(a, dict):
+            continue
         more = a.get("metrics") if isinstance(a.get("metrics"), list) else []
         for m in [a.get("metric"), *more]:
             if isinstance(m, str) and m and m not in names:
@@ -476,14 +513,14 @@ def render_html(report: dict, *, run_href: str | None = None, series: dict | Non
     keeps, else the report's windows), linked to the run's page (``run_href``)."""
     esc = html.escape
     step = int64(report.get("step")) if step is None else step
-    alerts = [a for a in report.get("alerts", []) if isinstance(a, dict)]
+    alerts = [a for a in _items(report.get("alerts")) if isinstance(a, dict)]
     decision = f"decision: {report['action'].upper()}"
     plots = []
     for metric in implicated(report):
         mine = [a for a in alerts if a.get("metric") == metric or metric in (a.get("metrics") or [])]
         alert = next((a for a in mine if a.get("metric") == metric), mine[0] if mine else {})
-        evidence = alert.get("evidence") or {}
-        window = (report.get("windows") or {}).get(metric)
+        evidence = _mapping(alert.get("evidence"))
+        window = _mapping(_mapping(report.get("windows")).get(metric))
         kept = (series or {}).get(metric)
         # the windows were taken when the report was made, at its step, not at the alert's
         end = step if step is not None else int64(alert.get("step"))
@@ -526,8 +563,27 @@ def render_html(report: dict, *, run_href: str | None = None, series: dict | Non
             f"<pre>{esc(render_text(report))}</pre></body></html>\n")
 
 
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:200] or "_"
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+SEGMENT_MAX = 120  # a file name holds 255 bytes: room for a report id's suffixes
+
+
+def safe_segment(name) -> str:
+    """``name`` (a run id, a report id: anyone who can write to a topic chooses them) as one
+    path segment that stays inside its folder: ``/`` and every character but letters, digits,
+    ``_``, ``.`` and ``-`` become ``_``, and leading dots too (no ``..``, no hidden file). A
+    name that had to change keeps its readable form and gains ``~`` and a hash of the
+    original, so two names never share a folder (a kept name has no ``~``).
+
+    >>> safe_segment("grpo-qwen-7b"), safe_segment("..")[:3], safe_segment("../../x")[:8]
+    ('grpo-qwen-7b', '__~', '___.._x~')
+    """
+    name = str(name)
+    clean = _UNSAFE.sub("_", name)
+    clean = "_" * (len(clean) - len(clean.lstrip("."))) + clean.lstrip(".")
+    if clean == name and 0 < len(name) <= SEGMENT_MAX:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{clean[:SEGMENT_MAX - 17]}~{digest}"
 
 
 class ReportSink(Sink):
@@ -549,15 +605,34 @@ class ReportSink(Sink):
         self.ui_url = (ui_url if ui_url is not None else settings_mod.value("TRAINGUARD_UI_URL") or "").rstrip("/")
 
     def path_for(self, report: dict) -> Path:
-        return self.directory / _safe(report["run_id"]) / f"{_safe(report['id'])}.json"
+        return self.directory / safe_segment(report["run_id"]) / f"{safe_segment(report['id'])}.json"
+
+    def deliver(self, batch: list[dict]) -> None:
+        """Each report on its own: one that cannot be written (a topic's writer chose its
+        fields) is logged with why and skipped, and the others in its batch are written."""
+        for report in batch or []:
+            try:
+                self.write([report])
+            except Exception as exc:
+                self.failed += 1
+                what = report if not isinstance(report, dict) else report.get("id")
+                run = report.get("run_id") if isinstance(report, dict) else None
+                log.error("trainguard: sink reports skipped report %.200r of run %.200r: %s: %.300s",
+                          what, run, type(exc).__name__, exc)
+            else:
+                self.written += 1
 
     def write(self, batch: list[dict]) -> None:
         for report in batch:
-            if report.get("schema") != "report/1":
+            if not isinstance(report, dict) or report.get("schema") != "report/1":
                 continue
             path = self.path_for(report)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-            path.with_suffix(".txt").write_text(render_text(report), encoding="utf-8")
+            # all three made before any is written: a report that cannot be read leaves no file
+            document = orjson.dumps(report, option=orjson.OPT_INDENT_2)
+            text = render_text(report)
             run_href = page_url(self.ui_url, report["run_id"]) or None
-            path.with_suffix(".html").write_text(render_html(report, run_href=run_href), encoding="utf-8")
+            page = render_html(report, run_href=run_href)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(document)
+            path.with_suffix(".txt").write_text(text, encoding="utf-8")
+            path.with_suffix(".html").write_text(page, encoding="utf-8")

@@ -73,3 +73,66 @@ def test_a_reports_window_is_drawn_at_the_steps_it_covers():
     assert (steps[0], steps[-1], len(values)) == (53, 82, 30) and steps[values.index(2.563)] == 80
     nan_now = _window_series({"values": [0.1] * 30}, {"step": 82, "value": float("nan")}, 82)
     assert nan_now[0][-2:] == [81, 82] and nan_now[1][-1] != nan_now[1][-1]  # the NaN drawn at its own step
+
+
+def _report(run_id="r", rid="rep", alerts=(), **more) -> dict:
+    return {"schema": "report/1", "id": rid, "run_id": run_id, "action": "rollback", "command_id": "c1",
+            "ts": 1.7e9, "summary": "s", "incident": {"onset_step": 1, "rules": ["a"], "layers": ["x"]},
+            "checkpoint": {"chosen": None, "why": "w"}, "alerts": list(alerts), **more}
+
+
+@pytest.mark.parametrize("run_id", ["..", ".", "../../x", "/tmp/x", "a/../../b", "\x00", "." * 300])
+def test_a_hostile_run_id_writes_its_report_inside_the_reports_folder(run_id, tmp_path):
+    folder = tmp_path / "reports"
+    sink = ReportSink(folder)
+    sink.deliver([_report(run_id, "rep")])
+    assert sink.failed == 0
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(written) == 3 and all(p.parent.parent == folder for p in written), written
+
+
+def test_run_ids_that_differ_never_share_a_folder_and_plain_ones_keep_their_name(tmp_path):
+    from trainguard.sinks.reports import safe_segment
+
+    ids = ["grpo-qwen-7b", "a/b", "a_b", "a:b", "..", "__", "_.", ".x", "_x", "x" * 200, "x" * 201]
+    segments = [safe_segment(i) for i in ids]
+    assert len(set(segments)) == len(ids), segments
+    assert segments[0] == "grpo-qwen-7b" and segments[2] == "a_b" and segments[1].startswith("a_b~")
+    assert all(len(s) <= 120 and "/" not in s and not s.startswith(".") for s in segments)
+
+
+HOSTILE_ALERTS = [["x"], [{"rule": "r", "evidence": {"lower": 1}}], [{"rule": "r", "evidence": [1]}], [{}],
+                  [{"rule": "r", "evidence": {"detector": "forecast", "eta_points": 5, "threshold": 1.0,
+                                              "eta_s": 1e308}}], [{"rule": {"a": 1}, "severity": ["P0"]}]]
+
+
+@pytest.mark.parametrize("alerts", HOSTILE_ALERTS)
+def test_a_hostile_report_is_skipped_alone_and_the_good_ones_of_its_batch_are_written(alerts, tmp_path):
+    sink = ReportSink(tmp_path)
+    sink.deliver([_report("bad", "b1", alerts), _report("good", "g1", [{"rule": "kl_spike", "step": 3}])])
+    assert "kl_spike at step 3" in (tmp_path / "good" / "g1.txt").read_text()
+    assert sink.written + sink.failed == 2 and sink.written >= 1
+
+
+def test_a_report_that_cannot_be_written_is_logged_and_skipped(tmp_path, caplog, monkeypatch):
+    from trainguard.sinks import reports
+
+    real = reports.render_html
+    monkeypatch.setattr(reports, "render_html", lambda r, **kw: 1 / 0 if r["id"] == "b1" else real(r, **kw))
+    sink = ReportSink(tmp_path)
+    sink.deliver([_report("r", "b1"), _report("r", "g1")])
+    assert (sink.written, sink.failed) == (1, 1)
+    assert "b1" in caplog.text and "ZeroDivisionError" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["g1.html", "g1.json", "g1.txt"]
+
+
+def test_the_text_of_a_report_reads_missing_and_mistyped_parts_as_absent():
+    from trainguard.sinks.reports import render_text
+
+    text = render_text(_report(alerts=["x", {"evidence": {"lower": 1, "upper": 2}}, {"rule": "r", "evidence": "e"}],
+                               incident={"rules": "ab", "layers": [1]}, checkpoint={"chosen": "yes"},
+                               windows={"loss": "v", "kl": {"values": "12"}}, resource_snapshot={"h": 1},
+                               history=[1], summary="line\n\x1b[2Jforged"))
+    assert "window [1, 2]" in text and "  - - r at step -: -=None" in text and "checkpoint: yes" in text
+    assert "\x1b" not in text and "line forged" in text
+    render_text({"id": "x", "ts": "late", "incident": None, "checkpoint": None, "alerts": None})
