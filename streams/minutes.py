@@ -175,7 +175,8 @@ class MinuteWindows:
         start = last_start
         while start > last_start - span_s + self.size / 2:
             entry = (self.get(skey, start) or {}).get(name)
-            if entry is not None:
+            # a sum of finite samples past 1.8e308 is infinite, kept as null: that minute has no mean
+            if entry is not None and entry[0] is not None:
                 total += entry[0]
                 count += entry[1]
             start -= self.size
@@ -187,7 +188,7 @@ class MinuteWindows:
         out = []
         for start in starts[-last:]:
             entry = (self.get(skey, start) or {}).get(name)
-            if entry is not None and entry[1]:
+            if entry is not None and entry[1] and entry[0] is not None:
                 out.append([start, entry[0] / entry[1]])
         return out
 

@@ -130,3 +130,22 @@ def test_an_interval_of_several_windows_is_judged_at_its_boundary():
 def test_resample_s_must_be_whole_seconds():
     with pytest.raises(rules_mod.RulesError, match="team.yaml:4: 'resample_s' must be an integer"):
         rules_mod.parse(FAST_LEAK.replace("resample_s: 60", "resample_s: 1.5"), "team.yaml")
+
+
+def test_a_minute_whose_sum_overflowed_has_no_mean_and_loses_no_event():
+    """Finite samples can sum past the largest float: the minute's sum is infinite, kept as null in
+    the changelog; the events of that minute and after are judged, never dead-lettered."""
+    import orjson
+
+    from trainguard.schemas import events as ev
+    from trainguard.streams import rules as rules_mod
+    from trainguard.streams.engine import Engine
+
+    engine, src, t0 = Engine(rules_mod.default()), ev.source("trainer", "h", 0), 1796150000.0
+    kinds = []
+    for i in range(30):
+        value = 1e308 if i < 3 else 0.01
+        outs = engine.handle(orjson.dumps(ev.metrics_event("r", i, {"actor/kl_loss": value, "actor/entropy": 0.5},
+                                                           src=src, ts=t0 + i * 20)), 0, i + 1)
+        kinds += [o.kind.value for o in outs]
+    assert "dlq" not in kinds
