@@ -97,6 +97,15 @@ def _mean(values: list[float]) -> float:
     return math.fsum(v / n for v in values)
 
 
+def _fitting(event: dict) -> bytes | None:
+    """``event`` encoded if the worker would take it (the event schema's checks and byte cap), else None."""
+    try:
+        raw = ev.encode(ev.validate(event))
+    except (ev.SchemaError, TypeError, ValueError):
+        return None
+    return raw if len(raw) <= ev.MAX_EVENT_BYTES else None
+
+
 class NodeRelay:
     """A rank's publisher: events go to the node's folder over a local socket (``SOCK_SEQPACKET``:
     one message per event, queued in the connection's buffer), never waiting; when no folder takes
@@ -231,6 +240,8 @@ class RankFolder:
         self.folded = 0        # events published, each for one or more ranks
         self.ranks_in = 0      # rank steps received
         self.late = 0          # rank steps that came after their step went out
+        self.unfolded = 0      # rank steps sent as they came: folded, they would break the schema's limits
+        self.split = 0         # steps sent in parts for the same reason
         self.passed = 0        # anything else, sent on as it came (the worker judges or dead-letters it)
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -361,8 +372,12 @@ class RankFolder:
         else:
             self.known.move_to_end(group)
         held = self.pending.get(key)
+        more = False
+        if held is not None and rank not in held.ranks and len(held.ranks) >= ev.MAX_FOLDED_RANKS:
+            self._send(key)  # as many ranks as one event carries: out they go, this one starts the next
+            held, more = None, True
         if held is None:
-            if step in self.done.get(group, ()):
+            if not more and step in self.done.get(group, ()):
                 self.late += 1  # its peers went out already: this rank's values go alone
                 self._publish(run_id, step, group[1], {rank: event})
                 return
@@ -396,9 +411,31 @@ class RankFolder:
         self._publish(run_id, step, host, held.ranks)
 
     def _publish(self, run_id: str, step: int, host: str, per_rank: dict[int, dict]) -> None:
-        self.folded += 1
-        self.publisher.publish(self.settings.topics.events, run_id, ev.encode(fold(run_id, step, host, per_rank)))
+        """One folded event, or, when it would break the event schema's limits (names, values,
+        bytes) and be dead-lettered with every rank's values, the ranks in parts that pass, down
+        to each rank's own event as it came."""
+        if len(per_rank) == 1:
+            rank, event = next(iter(per_rank.items()))
+            raw = _fitting(fold(run_id, step, host, per_rank))
+            if raw is None:  # its values alone break a limit once folded (a 256-character name)
+                self.unfolded += 1
+                raw = ev.encode(event)
+            else:
+                self.folded += 1
+            self.publisher.publish(self.settings.topics.events, run_id, raw)
+            return
+        raw = _fitting(fold(run_id, step, host, per_rank))
+        if raw is not None:
+            self.folded += 1
+            self.publisher.publish(self.settings.topics.events, run_id, raw)
+            return
+        self.split += 1
+        ranks = sorted(per_rank)
+        half = len(ranks) // 2
+        for part in (ranks[:half], ranks[half:]):
+            self._publish(run_id, step, host, {r: per_rank[r] for r in part})
 
     def stats(self) -> dict:
         return {"folded_events": self.folded, "rank_steps": self.ranks_in, "late_rank_steps": self.late,
-                "passed_on": self.passed, "held_steps": len(self.pending)}
+                "passed_on": self.passed, "held_steps": len(self.pending), "unfolded_rank_steps": self.unfolded,
+                "split_steps": self.split}

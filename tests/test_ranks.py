@@ -246,7 +246,8 @@ def _delivered(pub: _Pub) -> dict[tuple[int, str], float]:
 @pytest.mark.parametrize("ranks, metrics", [
     (8, {"m/" + "a" * 254: 1.0, "loss": 1.0}),              # name[r] would pass 256 characters
     (8, {f"m{j}": 1.0 for j in range(1500)}),                # 12,000 values in one event
-    (4000, {f"metric/{j}": 1.0 for j in range(4)}),          # more ranks and bytes than one event takes
+    (1000, {f"m{j}/" + "b" * 120: 1.0 for j in range(9)}),   # 9,000 values but over 1 MiB
+    (4000, {f"metric/{j}": 1.0 for j in range(2)}),          # more ranks than one event carries
 ])
 def test_a_step_too_large_to_fold_reaches_the_worker_whole(ranks, metrics):
     """A folded event over the schema's limits would be dead-lettered, and every rank's values of
