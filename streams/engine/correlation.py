@@ -68,7 +68,9 @@ class Correlation(AlertBook):
         names = tuple(values)
         pairs = self._cross_pairs.get((folded, names))
         if pairs is None:  # which (rule, metric, rank) an event of this shape feeds, worked out once
-            if len(self._cross_pairs) > 1024:
+            # bounded by the names it holds, not only its shapes: a shape of a folded event may
+            # name thousands of metrics (~1 MB), and invented shapes come from anyone who can write
+            if len(self._cross_pairs) > 1024 or sum(len(k[1]) for k in self._cross_pairs) + len(names) > 65_536:
                 self._cross_pairs.clear()
             pairs = self._cross_pairs[(folded, names)] = [
                 (rule, name, base_name(name), rank_of(name) if folded else None)
