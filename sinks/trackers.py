@@ -16,7 +16,9 @@ every firing and resolved alert, and every command, beside the run's own curves:
   process: an alert of another run finishes the open one.
 
 The libraries are imported only when their sink is configured. Each event is written once (by
-id and status), so a redelivered batch changes nothing.
+id and status), so a redelivered batch changes nothing. Anyone who can write to the alerts topic
+chooses run ids: each becomes one safe path segment (``safe_segment``), and only the runs with
+the latest alerts keep a writer open (TensorBoard, W&B); a later alert of another reopens one.
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ from pathlib import Path
 from trainguard.core.settings import value
 from trainguard.schemas import events as ev
 from trainguard.sinks.base import Sink
+from trainguard.sinks.reports import safe_segment
 from trainguard.sinks.webhooks.messages import title_of
 
 log = logging.getLogger("trainguard.sinks")
 
 MAX_IDS = 50_000
 MAX_ROWS = 1_000  # W&B's table of a run keeps its latest events (each log uploads the table whole)
+MAX_RUNS = 10_000  # runs whose latest step is kept (a command's step)
+MAX_WRITERS = 16  # TensorBoard writers open at once (each holds a thread and a file)
+MAX_WANDB_RUNS = 8  # W&B companion runs open at once
 WEIGHT = {"P0": 4.0, "P1": 3.0, "P2": 2.0, "P3": 1.0}  # the marker's height: worse is higher
 
 
@@ -58,10 +64,14 @@ class TrackerSink(Sink):
     def __init__(self) -> None:
         super().__init__()
         self._seen: OrderedDict[str, None] = OrderedDict()  # bounded: a sinks process runs for months
-        self._last_step: dict[str, int] = {}  # a command's step: the run's latest alert's
+        self._last_step: OrderedDict[str, int] = OrderedDict()  # a command's step: the run's latest alert's
+
+    def _order(self, batch: list[dict]) -> list[dict]:
+        """The order events are written in (the batch's, unless a writer is cheaper another way)."""
+        return batch
 
     def write(self, batch: list[dict]) -> None:
-        for event in batch:
+        for event in self._order(batch):
             kind = event.get("schema")
             if kind not in (ev.ALERT, ev.COMMAND) or not event.get("run_id"):
                 continue
@@ -75,6 +85,9 @@ class TrackerSink(Sink):
                     step = (event.get("onset") or {}).get("step")
                 if step is not None:
                     self._last_step[run] = int(step)
+                    self._last_step.move_to_end(run)
+                    if len(self._last_step) > MAX_RUNS:
+                        self._last_step.popitem(last=False)
                 self._alert(run, event, None if step is None else int(step))
             else:
                 step = self._last_step.get(run, ((event.get("target") or {}).get("step")))
@@ -112,12 +125,20 @@ class TensorBoardSink(TrackerSink):
                                    "pip install tensorboard") from None
         self._writer_cls = SummaryWriter
         self.folder = folder
-        self._writers: dict = {}
+        self._writers: OrderedDict = OrderedDict()  # the runs of the latest alerts; at most MAX_WRITERS
+
+    def log_dir(self, run: str) -> str:
+        """The run's folder: its id one safe segment in ``folder`` (never a path of its own)."""
+        name = safe_segment(run)
+        return self.folder.replace("{run_id}", name) if "{run_id}" in self.folder else str(Path(self.folder) / name)
 
     def _writer(self, run: str):
-        if run not in self._writers:
-            path = self.folder.replace("{run_id}", run) if "{run_id}" in self.folder else str(Path(self.folder) / run)
-            self._writers[run] = self._writer_cls(log_dir=path, filename_suffix=".trainguard")
+        if run in self._writers:
+            self._writers.move_to_end(run)
+        else:
+            while len(self._writers) >= MAX_WRITERS:  # the least recent one's file is complete: closed
+                self._writers.popitem(last=False)[1].close()
+            self._writers[run] = self._writer_cls(log_dir=self.log_dir(run), filename_suffix=".trainguard")
         return self._writers[run]
 
     def _alert(self, run, alert, step):
@@ -159,11 +180,17 @@ class WandbSink(TrackerSink):
 
         self._wandb = wandb
         self.project, self.entity, self.folder = project, entity, folder
-        self._runs: dict = {}
+        self._runs: OrderedDict = OrderedDict()  # the runs of the latest alerts; at most MAX_WANDB_RUNS
         self._rows: dict[str, list[list]] = {}
 
     def _run(self, run: str):
-        if run not in self._runs:
+        if run in self._runs:
+            self._runs.move_to_end(run)
+        else:
+            while len(self._runs) >= MAX_WANDB_RUNS:  # finished; a later alert of it opens another
+                old, r = self._runs.popitem(last=False)
+                self._rows.pop(old, None)
+                r.finish()
             r = self._wandb.init(project=self.project, entity=self.entity, dir=self.folder, group=run,
                                  name=f"{run} trainguard", job_type="trainguard", reinit="create_new",
                                  config={"trainguard_run_id": run})
@@ -199,6 +226,7 @@ class WandbSink(TrackerSink):
         for r in self._runs.values():
             r.finish()
         self._runs.clear()
+        self._rows.clear()
 
 
 class SwanLabSink(TrackerSink):
@@ -217,6 +245,14 @@ class SwanLabSink(TrackerSink):
         self._swanlab = swanlab
         self.project, self.folder = project, folder
         self._open: str | None = None
+
+    def _order(self, batch: list[dict]) -> list[dict]:
+        """Each run's events together, the open experiment's first: a batch that alternates
+        between runs finishes and opens each experiment once, not at every alternation."""
+        runs: dict[str, list[dict]] = {"" if self._open is None else self._open: []}
+        for event in batch:
+            runs.setdefault(str(event.get("run_id") or ""), []).append(event)
+        return [event for events in runs.values() for event in events]
 
     def _experiment(self, run: str):
         if self._open != run:

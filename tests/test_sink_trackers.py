@@ -111,3 +111,107 @@ def test_alerts_and_commands_on_swanlab(tmp_path):
             for r in rows] == [(42, 3.0, None), (42, None, 1.0), (47, 0.0, None)]
     assert b"P1 KL spike at step 42" in b"".join(p.read_bytes() for p in (tmp_path / "swanlog").rglob("*")
                                                  if p.is_file())
+
+
+def _alert(run: str, aid: str, step: int = 5) -> dict:
+    return {"schema": ev.ALERT, "id": aid, "run_id": run, "rule": "loss_nan", "severity": "P1", "status": "firing",
+            "summary": "s", "step": step, "ts": 1.7e9, "onset": {"step": step, "ts": 1.7e9}, "evidence": {}}
+
+
+@pytest.mark.parametrize("template", [False, True])
+def test_a_hostile_run_id_writes_inside_the_tensorboard_folder(tmp_path, template):
+    pytest.importorskip("tensorboard")
+    from trainguard.sinks.trackers import TensorBoardSink
+
+    inner = tmp_path / "a" / "inner"
+    sink = TensorBoardSink(str(inner / "{run_id}") if template else str(inner))
+    hostile = ["../../escape", str(tmp_path / "absolute"), "..", ".", "a/../../b", "", "\x00"]
+    sink.deliver([_alert(run, f"id{i}") for i, run in enumerate(hostile)] + [_alert(RUN, "plain")])
+    sink.close()
+    assert sink.failed == 0
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(written) == len(hostile) - 1 + 1  # "" is no run: nothing written for it
+    assert all(p.parent.parent == inner for p in written), written
+    assert (inner / RUN).is_dir()  # a plain run id is the trainer's own folder name
+
+
+def test_many_run_ids_keep_a_bounded_number_of_tensorboard_writers_open(tmp_path):
+    pytest.importorskip("tensorboard")
+    import threading
+
+    from trainguard.sinks.trackers import MAX_WRITERS, TensorBoardSink
+
+    sink = TensorBoardSink(str(tmp_path))
+    before = threading.active_count()
+    for i in range(MAX_WRITERS * 3):
+        sink.deliver([_alert(f"run{i}", f"a{i}")])
+    assert len(sink._writers) == MAX_WRITERS and threading.active_count() - before <= MAX_WRITERS
+    sink.deliver([_alert("run0", "again", step=9)])  # an evicted run's writer opens again, in its folder
+    sink.close()
+    assert sink.failed == 0 and len(list((tmp_path / "run0").iterdir())) == 2
+    assert threading.active_count() <= before
+
+
+class _Fake:
+    """A tracker library's few calls, counted."""
+
+    def __init__(self):
+        self.inits, self.finished, self.logged = [], [], []
+        self.AlertLevel = type("AlertLevel", (), {"ERROR": "ERROR", "WARN": "WARN"})
+
+    def init(self, **kw):
+        self.inits.append(kw.get("group") or kw.get("experiment_name"))
+        fake, group = self, kw.get("group")
+
+        class Run:
+            def define_metric(self, *a, **k):
+                pass
+
+            def alert(self, **k):
+                pass
+
+            def log(self, row):
+                fake.logged.append(row)
+
+            def finish(self):
+                fake.finished.append(group)
+        return Run()
+
+    def finish(self):
+        self.finished.append(None)
+
+    def log(self, row):
+        self.logged.append(row)
+
+    def Table(self, **kw):
+        return kw
+
+    def Text(self, text):
+        return text
+
+
+def test_many_run_ids_keep_a_bounded_number_of_wandb_runs_open(monkeypatch):
+    from trainguard.sinks.trackers import MAX_WANDB_RUNS, WandbSink
+
+    fake = _Fake()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    sink = WandbSink("p")
+    for i in range(MAX_WANDB_RUNS * 4):
+        sink.deliver([_alert(f"run{i}", f"a{i}")])
+    assert sink.failed == 0 and len(sink._runs) == len(sink._rows) == MAX_WANDB_RUNS
+    assert fake.finished == [f"run{i}" for i in range(MAX_WANDB_RUNS * 3)]  # the least recent, finished
+    sink.close()
+    assert len(fake.finished) == MAX_WANDB_RUNS * 4
+
+
+def test_swanlab_opens_each_runs_experiment_once_for_a_batch_that_alternates(monkeypatch):
+    from trainguard.sinks.trackers import SwanLabSink
+
+    fake = _Fake()
+    monkeypatch.setitem(sys.modules, "swanlab", fake)
+    sink = SwanLabSink("p")
+    sink.deliver([_alert("b", "b0")])
+    sink.deliver([_alert("a" if i % 2 else "b", f"x{i}", step=i) for i in range(1, 41)])
+    assert fake.inits == ["b trainguard", "a trainguard"] and len(fake.finished) == 1
+    a_steps = [row["trainguard/step"] for row in fake.logged[21:]]
+    assert a_steps == list(range(1, 41, 2))  # each run's events in their order
