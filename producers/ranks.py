@@ -5,8 +5,9 @@ puts 1,024 events a step on one partition and one worker. Folded on the node, th
 machine make one event per step, and the worker reads 8 times fewer events for the same steps:
 
 - each rank logs through a :class:`RankLogger` (a :class:`~trainguard.producers.trainer.TrainerLogger`
-  whose events go to the node's local socket, ``TRAINGUARD_RANK_SOCKET``). The send never
-  waits: when no folder listens, or its queue is full, the event goes straight to Kafka as an
+  whose events go to the node's local socket, ``TRAINGUARD_RANK_SOCKET``, by default this user's
+  own: see :func:`socket_path`). The send never waits: when no folder of this user's listens
+  (another user's gets nothing), or its queue is full, the event goes straight to Kafka as an
   unfolded per-rank event, so nothing is lost when the node agent is down;
 - a :class:`RankFolder` (``trainguard node --fold-ranks``) gathers each run's step from the ranks
   of its machine and publishes one ``metrics/1`` event once every rank it expects has reported, or
@@ -28,6 +29,8 @@ import math
 import os
 import selectors
 import socket
+import stat
+import struct
 import threading
 import time
 from collections import OrderedDict, deque
@@ -48,7 +51,30 @@ MAX_KNOWN = 4096        # (run, host) pairs whose ranks are remembered
 
 
 def socket_path(path: str | None = None) -> str:
-    return path or settings_mod.text("TRAINGUARD_RANK_SOCKET")
+    """``path``, else ``TRAINGUARD_RANK_SOCKET``, else this user's own: in ``$XDG_RUNTIME_DIR``
+    (a folder only its user can enter) when set, else ``/tmp/trainguard-ranks-<uid>.sock``. A
+    path shared by every user would let another local user listen there first and receive every
+    rank's steps."""
+    found = path or settings_mod.value("TRAINGUARD_RANK_SOCKET")
+    if found:
+        return found
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime):
+        return os.path.join(runtime, "trainguard-ranks.sock")
+    return f"/tmp/trainguard-ranks-{os.getuid()}.sock"
+
+
+def peer_uid(sock: socket.socket, path: str) -> int | None:
+    """The uid of the process listening at the other end of a connected local socket (Linux's
+    ``SO_PEERCRED``; elsewhere the socket file's owner), or None when it cannot be told."""
+    try:
+        if hasattr(socket, "SO_PEERCRED"):
+            _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                   struct.calcsize("3i")))
+            return uid
+        return os.stat(path).st_uid
+    except OSError:
+        return None
 
 
 def fold(run_id: str, step: int, host: str, per_rank: dict[int, dict]) -> dict:
@@ -125,6 +151,7 @@ class NodeRelay:
         self._sock: socket.socket | None = None
         self._retry_at = 0.0
         self._said = False
+        self._said_foreign = False
 
     def _direct(self) -> Publisher:
         if self._kafka is None:
@@ -137,10 +164,21 @@ class NodeRelay:
             sock.setblocking(False)
             try:
                 sock.connect(self.path)
-                self._sock = sock
             except OSError as exc:
                 sock.close()
                 self._unreached(exc)
+                return None
+            uid = peer_uid(sock, self.path)
+            if uid != os.getuid():  # another user listens there: it gets none of this run's steps
+                sock.close()
+                self._retry_at = self.clock() + self.RETRY_S
+                if not self._said_foreign:
+                    self._said_foreign = True
+                    log.warning("trainguard: the rank socket %s is held by %s, not by this user (uid %d): "
+                                "steps go straight to Kafka", self.path,
+                                "an unknown user" if uid is None else f"uid {uid}", os.getuid())
+                return None
+            self._sock = sock
         return self._sock
 
     def _unreached(self, exc: OSError) -> None:
@@ -244,25 +282,52 @@ class RankFolder:
         self.split = 0         # steps sent in parts for the same reason
         self.passed = 0        # anything else, sent on as it came (the worker judges or dead-letters it)
         self._sock: socket.socket | None = None
+        self._inode: int | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     # -- the socket ----------------------------------------------------------------------
 
     def bind(self) -> "RankFolder":
+        """Listen at the path. What is already there is replaced only when it is a socket of this
+        user's that no one listens on (left by a folder that died); anything else (a file, another
+        user's socket, a live folder) is left alone, and OSError says why."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            sock.bind(self.path)
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE or self._alive(self.path):
-                sock.close()
-                raise
-            os.unlink(self.path)  # left by a folder that died
-            sock.bind(self.path)
-        sock.listen(1024)
-        sock.setblocking(False)
+            try:
+                sock.bind(self.path)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                why = self._not_stale(self.path)
+                if why:
+                    raise OSError(errno.EADDRINUSE, f"{self.path} {why}; left alone") from None
+                os.unlink(self.path)
+                sock.bind(self.path)
+            os.chmod(self.path, 0o600)  # this user's ranks only
+            self._inode = os.lstat(self.path).st_ino
+            sock.listen(1024)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
         self._sock = sock
         return self
+
+    @classmethod
+    def _not_stale(cls, path: str) -> str | None:
+        """Why what is at ``path`` may not be replaced, or None when it is a dead socket of ours."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISSOCK(st.st_mode):
+            return "exists and is not a socket"
+        if st.st_uid != os.getuid():
+            return f"is a socket of another user (uid {st.st_uid})"
+        if cls._alive(path):
+            return "has a folder listening already"
+        return None
 
     @staticmethod
     def _alive(path: str) -> bool:
@@ -335,7 +400,8 @@ class RankFolder:
         if self._sock is not None:
             self._sock.close()
             try:
-                os.unlink(self.path)
+                if os.lstat(self.path).st_ino == self._inode:  # still ours, not a newer folder's
+                    os.unlink(self.path)
             except OSError:
                 pass
         if self._own_publisher:

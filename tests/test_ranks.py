@@ -2,7 +2,9 @@
 real worker: what the worker still catches through the folded events, and that no rank waits."""
 
 import math
+import os
 import socket
+import stat
 import threading
 import time
 
@@ -10,6 +12,7 @@ import orjson
 import pytest
 
 from tests.integration import TopicReader, WorkerProcess
+from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.ranks import RankFolder, RankLogger, fold
 from trainguard.schemas import events as ev
 
@@ -291,3 +294,67 @@ def test_a_ranks_own_events_say_where_it_runs_whatever_a_folded_event_claimed_fi
                                                  src=ev.source("trainer", f"node-{rank // 4}", rank), ts=1.7e9 + 1)),
                       0, 1 + rank)
     assert {r: s["host"] for r, s in engine._run(b"r").ranks.items()} == {str(r): f"node-{r // 4}" for r in range(8)}
+
+
+# -- the node's socket belongs to one user ------------------------------------------------------
+
+
+def test_the_default_socket_is_this_users_own(monkeypatch, tmp_path):
+    from trainguard.producers.ranks import socket_path
+
+    monkeypatch.delenv("TRAINGUARD_RANK_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert socket_path() == str(tmp_path / "trainguard-ranks.sock")
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert socket_path() == f"/tmp/trainguard-ranks-{os.getuid()}.sock"
+    monkeypatch.setenv("TRAINGUARD_RANK_SOCKET", str(tmp_path / "x.sock"))
+    assert socket_path() == str(tmp_path / "x.sock") and socket_path("/a.sock") == "/a.sock"
+
+
+def test_the_folder_replaces_only_a_dead_socket_of_its_own_user(tmp_path):
+    kept = tmp_path / "ranks.sock"
+    kept.write_text("someone's data\n")
+    with pytest.raises(OSError, match="not a socket"):
+        RankFolder(path=str(kept), publisher=_Pub()).bind()
+    assert kept.read_text() == "someone's data\n", "a file at the path is left alone"
+
+    path = str(tmp_path / "dead.sock")
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    dead.bind(path)
+    dead.close()  # a folder that died leaves its socket file behind
+    first = RankFolder(path=path, publisher=_Pub()).bind()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with pytest.raises(OSError, match="listening already"):
+        RankFolder(path=path, publisher=_Pub()).bind()
+    first.close()
+    assert not os.path.exists(path)
+
+
+def test_a_rank_sends_nothing_to_a_socket_another_user_listens_on(monkeypatch, tmp_path, caplog):
+    from trainguard.producers import ranks as ranks_mod
+
+    class Direct(_Pub):
+        def __init__(self, settings=None):
+            super().__init__()
+
+    monkeypatch.setattr(ranks_mod, "Publisher", Direct)
+    path = str(tmp_path / "ranks.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(8)
+    raw = _rank_event("secret-run", 1, 0, {"loss": 0.5})
+    try:
+        mine = ranks_mod.NodeRelay(KafkaSettings.from_env(), path=path)
+        assert ranks_mod.peer_uid(mine._connected(), path) == os.getuid()
+        assert mine.publish(mine.settings.topics.events, "r", raw) and mine.relayed == 1
+
+        me = os.getuid()
+        monkeypatch.setattr(ranks_mod.os, "getuid", lambda: me + 1)  # the listener is now someone else's
+        relay = ranks_mod.NodeRelay(KafkaSettings.from_env(), path=path)
+        with caplog.at_level("WARNING", logger="trainguard.ranks"):
+            for _ in range(3):
+                assert relay.publish(relay.settings.topics.events, "r", raw)
+        assert relay.relayed == 0 and relay.direct == 3 and relay._kafka.sent == [raw] * 3
+        assert sum("not by this user" in r.message for r in caplog.records) == 1, "said once"
+    finally:
+        listener.close()

@@ -60,9 +60,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_RUN_ID", None, "node agent, verl's task runner",
             "the run id `trainguard node` reports under (or `--run-id`); verl's `task_runner` runs under it "
             "(default: `trainer.experiment_name`)"),
-    Setting("TRAINGUARD_RANK_SOCKET", "/tmp/trainguard-ranks.sock", "node agent, trainer side",
+    Setting("TRAINGUARD_RANK_SOCKET", None, "node agent, trainer side",
             "the node's local socket where `RankLogger`s send their steps and `trainguard node --fold-ranks` "
-            "folds them into one event per node and step"),
+            "folds them into one event per node and step (default: this user's own, "
+            "`$XDG_RUNTIME_DIR/trainguard-ranks.sock`, else `/tmp/trainguard-ranks-<uid>.sock`). A rank sends "
+            "only to a folder of its own user (else straight to Kafka, said once in the log), and the folder "
+            "replaces only a dead socket of its user's at the path"),
     # worker
     Setting("TRAINGUARD_APP_ID", "trainguard", _WORKER, "consumer group and state-topic prefix (or `--app-id`)"),
     Setting("TRAINGUARD_INSTANCE_ID", None, _WORKER,
