@@ -47,31 +47,45 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
+ETA_MAX = 10**9  # a count of steps or points, or seconds, past it: no ETA a person can use
+
+
+def _count(v) -> int | None:
+    """A count of steps or points as a forecast can mean it, else None (a bool is no count)."""
+    return v if type(v) is int and 0 <= v <= ETA_MAX else None
+
+
+def _number(v) -> float | None:
+    """A finite number, else None (neither a bool nor a NaN is a threshold or a slope)."""
+    return float(v) if type(v) in (int, float) and math.isfinite(v) else None
+
+
 def forecast_text(evidence) -> str | None:
     """A forecast's ETA and fitted curve as people read them (from a ``forecast`` detector's
-    evidence: reports, the console, the run page); None for any other evidence."""
+    evidence: reports, the console, the run page); None for any other evidence. A part that is
+    missing, mistyped, NaN or too large to mean anything is left out."""
     if not isinstance(evidence, dict) or evidence.get("detector") != "forecast":
         return None
-    eta, level = evidence.get("eta_points"), evidence.get("threshold")
-    if type(eta) is not int or not is_finite_number(level):
+    eta, level = _count(evidence.get("eta_points")), _number(evidence.get("threshold"))
+    if eta is None or level is None:
         return None
-    steps = evidence.get("eta_steps")
-    when = f"~{steps} steps ({eta} logged points)" if type(steps) is int else f"~{eta} logged points"
-    seconds = evidence.get("eta_s")
-    if is_finite_number(seconds) and seconds > 0:
+    steps = _count(evidence.get("eta_steps"))
+    when = f"~{steps} steps ({eta} logged points)" if steps is not None else f"~{eta} logged points"
+    seconds = _number(evidence.get("eta_s"))
+    if seconds is not None and 0 < seconds <= ETA_MAX:
         when += f", ~{_duration(seconds)} at this pace"
     span = evidence.get("eta_points_range")
-    if isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span):
+    if isinstance(span, list) and len(span) == 2 and all(_count(v) is not None for v in span):
         when += f"; {span[0]}-{span[1]} points over the slope's interval"
-    text = f"reaches {format_value(float(level))} in {when}"
-    slope, intercept = evidence.get("slope_per_point"), evidence.get("intercept")
-    if is_finite_number(slope) and is_finite_number(intercept):
+    text = f"reaches {format_value(level)} in {when}"
+    slope, intercept = _number(evidence.get("slope_per_point")), _number(evidence.get("intercept"))
+    if slope is not None and intercept is not None:
         if evidence.get("transform") == "log":
-            text += f"; fit exp({format_value(float(intercept))} {float(slope):+.4g}·i)"
+            text += f"; fit exp({format_value(intercept)} {slope:+.4g}·i)"
         else:
-            text += f"; fit {format_value(float(intercept))} {float(slope):+.4g}·i"
-        window = evidence.get("window")
-        text += f" over the last {window} points (i = 0 at the first)" if type(window) is int else ""
+            text += f"; fit {format_value(intercept)} {slope:+.4g}·i"
+        window = _count(evidence.get("window"))
+        text += f" over the last {window} points (i = 0 at the first)" if window is not None else ""
     return text
 
 

@@ -246,3 +246,26 @@ def test_status_lists_an_open_forecast_with_its_eta_in_steps():
     hostile = {**engine.status("f"), "open_alerts": [{**forecast, "eta": {"eta_steps": "\x1b[2J soon"}}]}
     assert "soon" not in format_status(hostile) and "\x1b" not in format_status(hostile)
 
+
+
+@pytest.mark.parametrize("junk", [{"eta_s": 1e308}, {"eta_steps": 10**300}, {"eta_points_range": [10**300, 1]},
+                                  {"window": 10**300}, {"slope_per_point": True, "intercept": False},
+                                  {"slope_per_point": math.nan}, {"eta_s": math.inf}, {"eta_steps": True}])
+def test_a_forecasts_absurd_parts_read_as_absent(junk):
+    from trainguard.sinks.reports import forecast_text
+
+    base = {"detector": "forecast", "eta_points": 5, "threshold": 0.1, "slope_per_point": -0.01, "intercept": 0.6}
+    text = forecast_text({**base, **junk})
+    assert text is not None and text.startswith("reaches 0.1 in ~5 logged points"), text
+    assert len(text) < 120 and "nan" not in text and "inf" not in text, text
+
+
+@pytest.mark.parametrize("threshold", [math.nan, True, False, "0.1", None])
+@pytest.mark.parametrize("eta", [5, 10**300, True, -1])
+def test_no_forecast_is_said_without_a_real_threshold_and_eta(threshold, eta):
+    from trainguard.sinks.reports import forecast_text
+
+    said = forecast_text({"detector": "forecast", "eta_points": eta, "threshold": threshold})
+    assert said is None, said
+    plain = forecast_text({"detector": "forecast", "eta_points": 5, "threshold": 0.1})
+    assert plain == "reaches 0.1 in ~5 logged points"
