@@ -459,8 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or "
                                             f"{settings_mod.default('TRAINGUARD_BOOTSTRAP')})")
     parser.add_argument("--fold-ranks", action="store_true",
-                        help="fold the steps this machine's RankLoggers send to $TRAINGUARD_RANK_SOCKET "
-                             "into one event per run and step (producers/ranks.py)")
+                        help="fold the steps this machine's RankLoggers (of this user) send to the rank socket "
+                             "($TRAINGUARD_RANK_SOCKET, by default $XDG_RUNTIME_DIR/trainguard-ranks.sock or "
+                             "/tmp/trainguard-ranks-<uid>.sock) into one event per run and step (producers/ranks.py)")
     parser.add_argument("--fold-wait", type=float, default=0.5,
                         help="seconds a step waits for its late ranks before it goes without them (default 0.5)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
