@@ -287,7 +287,7 @@ def _evaluation_module(name: str):
 
     spec = importlib.util.spec_from_file_location(f"evaluation_{name}", ROOT / "evaluation" / f"{name}.py")
     assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
     spec.loader.exec_module(module)
     return module
 
