@@ -6,9 +6,11 @@ the others (or the pipeline) down; its failure is counted and reported.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -74,3 +76,26 @@ def write_state(path: Path, state) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(state, default=str))
     os.replace(tmp, path)
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+SEGMENT_MAX = 120  # a file name holds 255 bytes: room for a report id's suffixes
+
+
+def safe_segment(name) -> str:
+    """``name`` (a run id, a report id: anyone who can write to a topic chooses them) as one
+    path segment that stays inside its folder: ``/`` and every character but letters, digits,
+    ``_``, ``.`` and ``-`` become ``_``, and leading dots too (no ``..``, no hidden file). A
+    name that had to change keeps its readable form and gains ``~`` and a hash of the
+    original, so two names never share a folder (a kept name has no ``~``).
+
+    >>> safe_segment("grpo-qwen-7b"), safe_segment("..")[:3], safe_segment("../../x")[:8]
+    ('grpo-qwen-7b', '__~', '___.._x~')
+    """
+    name = str(name)
+    clean = _UNSAFE.sub("_", name)
+    clean = "_" * (len(clean) - len(clean.lstrip("."))) + clean.lstrip(".")
+    if clean == name and 0 < len(name) <= SEGMENT_MAX:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{clean[:SEGMENT_MAX - 17]}~{digest}"

@@ -1,8 +1,8 @@
-"""Diagnosis reports on disk: one JSON document, one readable text file and one HTML page
-with plots per report.
+"""Diagnosis reports rendered: one readable text and one HTML page with plots per report
+(``sinks/report_files.py`` writes them, with the JSON document, under ``<dir>/<run_id>/``).
 
-``<dir>/<run_id>/<report id>.json``, ``.txt`` and ``.html``; the control command names the
-report id, so whoever looks at a rollback or a stop finds why in one place. The page is one
+The control command names the report id, so whoever looks at a rollback or a stop finds why
+in one place. The page is one
 self-contained file (inline SVG, no script, no network): it opens from a chat attachment or
 a shared disk as it is, and links the run's page when ``TRAINGUARD_UI_URL`` says where it is.
 
@@ -13,21 +13,15 @@ readout in CSS, so that neither page needs script.
 
 from __future__ import annotations
 
-import hashlib
 import html
 import logging
 import math
-import re
 import time
 import urllib.parse
-from pathlib import Path
 from typing import TypeGuard
 
 import numpy as np
-import orjson
 
-from trainguard.core import settings as settings_mod
-from trainguard.sinks.base import Sink
 from trainguard.terminal import safe_event
 
 log = logging.getLogger("trainguard.sinks")
@@ -575,78 +569,3 @@ def render_html(report: dict, *, run_href: str | None = None, series: dict | Non
             f"{esc(str(report.get('step')))}, command {esc(report['command_id'])}</p>"
             f"<section class=\"plots\">{''.join(plots) or '<p>no metric windows in this report</p>'}</section>"
             f"<pre>{esc(render_text(report))}</pre></body></html>\n")
-
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
-SEGMENT_MAX = 120  # a file name holds 255 bytes: room for a report id's suffixes
-
-
-def safe_segment(name) -> str:
-    """``name`` (a run id, a report id: anyone who can write to a topic chooses them) as one
-    path segment that stays inside its folder: ``/`` and every character but letters, digits,
-    ``_``, ``.`` and ``-`` become ``_``, and leading dots too (no ``..``, no hidden file). A
-    name that had to change keeps its readable form and gains ``~`` and a hash of the
-    original, so two names never share a folder (a kept name has no ``~``).
-
-    >>> safe_segment("grpo-qwen-7b"), safe_segment("..")[:3], safe_segment("../../x")[:8]
-    ('grpo-qwen-7b', '__~', '___.._x~')
-    """
-    name = str(name)
-    clean = _UNSAFE.sub("_", name)
-    clean = "_" * (len(clean) - len(clean.lstrip("."))) + clean.lstrip(".")
-    if clean == name and 0 < len(name) <= SEGMENT_MAX:
-        return name
-    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    return f"{clean[:SEGMENT_MAX - 17]}~{digest}"
-
-
-class ReportSink(Sink):
-    """Writes each report's three files; ``ui_url`` (default ``TRAINGUARD_UI_URL``): where
-    ``trainguard ui`` is served, so that the page links the run's page."""
-
-    name = "reports"
-    settings = ("TRAINGUARD_REPORTS_DIR", "TRAINGUARD_UI_URL")
-
-    @classmethod
-    def from_env(cls, env) -> "ReportSink | None":
-        """A sink writing under ``TRAINGUARD_REPORTS_DIR``; None where it is not set."""
-        directory = settings_mod.value("TRAINGUARD_REPORTS_DIR", env)
-        return cls(directory, ui_url=settings_mod.value("TRAINGUARD_UI_URL", env) or "") if directory else None
-
-    def __init__(self, directory: str | Path, ui_url: str | None = None):
-        super().__init__()
-        self.directory = Path(directory)
-        self.ui_url = (ui_url if ui_url is not None else settings_mod.value("TRAINGUARD_UI_URL") or "").rstrip("/")
-
-    def path_for(self, report: dict) -> Path:
-        return self.directory / safe_segment(report["run_id"]) / f"{safe_segment(report['id'])}.json"
-
-    def deliver(self, batch: list[dict]) -> None:
-        """Each report on its own: one that cannot be written (a topic's writer chose its
-        fields) is logged with why and skipped, and the others in its batch are written."""
-        for report in batch or []:
-            try:
-                self.write([report])
-            except Exception as exc:
-                self.failed += 1
-                what = report if not isinstance(report, dict) else report.get("id")
-                run = report.get("run_id") if isinstance(report, dict) else None
-                log.error("trainguard: sink reports skipped report %.200r of run %.200r: %s: %.300s",
-                          what, run, type(exc).__name__, exc)
-            else:
-                self.written += 1
-
-    def write(self, batch: list[dict]) -> None:
-        for report in batch:
-            if not isinstance(report, dict) or report.get("schema") != "report/1":
-                continue
-            path = self.path_for(report)
-            # all three made before any is written: a report that cannot be read leaves no file
-            document = orjson.dumps(report, option=orjson.OPT_INDENT_2)
-            text = render_text(report)
-            run_href = page_url(self.ui_url, report["run_id"]) or None
-            page = render_html(report, run_href=run_href)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(document)
-            path.with_suffix(".txt").write_text(text, encoding="utf-8")
-            path.with_suffix(".html").write_text(page, encoding="utf-8")

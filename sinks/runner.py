@@ -203,7 +203,7 @@ def build_sinks(env: dict | None = None, console: bool = True, jsonl_path: str |
     from trainguard.sinks.console import ConsoleSink
     from trainguard.sinks.jsonl import JsonlSink
     from trainguard.sinks.paging import PagingSink
-    from trainguard.sinks.reports import ReportSink
+    from trainguard.sinks.report_files import ReportSink
     from trainguard.sinks.webhooks import DingTalkSink, GenericWebhookSink, SlackSink, WebhookSetup, WeComSink
 
     setup = WebhookSetup(env, group)

@@ -29,8 +29,7 @@ from pathlib import Path
 
 from trainguard.core.settings import value
 from trainguard.schemas import events as ev
-from trainguard.sinks.base import Sink
-from trainguard.sinks.reports import safe_segment
+from trainguard.sinks.base import Sink, safe_segment
 from trainguard.sinks.webhooks.messages import title_of
 
 log = logging.getLogger("trainguard.sinks")

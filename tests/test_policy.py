@@ -8,7 +8,8 @@ import pytest
 
 from trainguard.schemas import events as ev
 from trainguard.simulator import SimulatedPPO
-from trainguard.sinks.reports import ReportSink, render_text
+from trainguard.sinks.report_files import ReportSink
+from trainguard.sinks.reports import render_text
 from trainguard.streams import policy
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine

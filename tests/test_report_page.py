@@ -13,7 +13,8 @@ import pytest
 from tests.conftest import SCREENSHOTS
 from tests.integration import browser
 from tests.test_engine import run_sim
-from trainguard.sinks.reports import ReportSink, implicated
+from trainguard.sinks.report_files import ReportSink
+from trainguard.sinks.reports import implicated
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
 
@@ -92,7 +93,7 @@ def test_a_hostile_run_id_writes_its_report_inside_the_reports_folder(run_id, tm
 
 
 def test_run_ids_that_differ_never_share_a_folder_and_plain_ones_keep_their_name(tmp_path):
-    from trainguard.sinks.reports import safe_segment
+    from trainguard.sinks.base import safe_segment
 
     ids = ["grpo-qwen-7b", "a/b", "a_b", "a:b", "..", "__", "_.", ".x", "_x", "x" * 200, "x" * 201]
     segments = [safe_segment(i) for i in ids]
@@ -115,10 +116,10 @@ def test_a_hostile_report_is_skipped_alone_and_the_good_ones_of_its_batch_are_wr
 
 
 def test_a_report_that_cannot_be_written_is_logged_and_skipped(tmp_path, caplog, monkeypatch):
-    from trainguard.sinks import reports
+    from trainguard.sinks import report_files
 
-    real = reports.render_html
-    monkeypatch.setattr(reports, "render_html", lambda r, **kw: 1 / 0 if r["id"] == "b1" else real(r, **kw))
+    real = report_files.render_html
+    monkeypatch.setattr(report_files, "render_html", lambda r, **kw: 1 / 0 if r["id"] == "b1" else real(r, **kw))
     sink = ReportSink(tmp_path)
     sink.deliver([_report("r", "b1"), _report("r", "g1")])
     assert (sink.written, sink.failed) == (1, 1)

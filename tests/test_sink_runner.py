@@ -154,7 +154,7 @@ class _Recording(dict):
 
 def test_each_sink_reads_the_settings_it_declares_and_no_other(tmp_path):
     from trainguard.core import settings
-    from trainguard.sinks.reports import ReportSink
+    from trainguard.sinks.report_files import ReportSink
     from trainguard.sinks.trackers import SwanLabSink, TensorBoardSink, WandbSink
     from trainguard.sinks.webhooks import WebhookSetup
 

@@ -178,7 +178,7 @@ def main(args) -> int:
     from trainguard.broker import BrokerError, kafka_or_embedded, stop_process
     from trainguard.sinks.console import ConsoleSink
     from trainguard.sinks.jsonl import JsonlSink
-    from trainguard.sinks.reports import ReportSink
+    from trainguard.sinks.report_files import ReportSink
 
     started = time.time()
     out_dir = Path(args.jsonl).parent
