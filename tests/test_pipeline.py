@@ -190,14 +190,15 @@ def test_the_worker_finds_a_hung_trainer_on_its_own_clock(kafka, tmp_path):
 
 
 def _drift_and_leak_events(run_id: str, steps: range) -> list[bytes]:
-    """KL drifting 0.02 -> 0.08 over an hour and GPU memory leaking 20 MB/min, 10 s per step."""
+    """KL drifting 0.04 -> 0.1 over an hour (its level passes kl_drift's 0.05 within minutes) and
+    GPU memory leaking 20 MB/min, 10 s per step."""
     import random
 
     rng = random.Random(11)
     out = []
     for step in steps:
         ts = 1.7e9 + 10 * step
-        kl = 0.02 + 0.06 * min(step, 360) / 360 + rng.gauss(0, 0.003)
+        kl = 0.04 + 0.06 * min(step, 360) / 360 + rng.gauss(0, 0.003)
         out.append(ev.encode(ev.metrics_event(run_id, step, {"actor/kl_loss": kl}, src=ev.source("trainer", "h", 0),
                                               ts=ts)))
         mem = {f"gpu/memory_used_gb[{g}]": 40 + 0.02 * (10 * step) / 60 + rng.gauss(0, 0.03) for g in range(2)}
