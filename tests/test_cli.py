@@ -18,9 +18,16 @@ from trainguard.broker import free_port
 pytestmark = pytest.mark.integration
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    # A suite started in the background by a non-interactive shell inherits SIGINT ignored, and
+    # so would the CLI it starts: a terminal's Ctrl-C is what these tests send.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _trainguard(*args, **kw):
     return subprocess.Popen([sys.executable, "-m", "trainguard.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_ctrl_c_as_in_a_terminal, **kw)
 
 
 def test_broker_prints_its_address_creates_topics_and_stops_on_ctrl_c():
