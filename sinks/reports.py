@@ -486,7 +486,8 @@ def implicated(report: dict) -> list[str]:
     for a in _items(report.get("alerts")):
         if not isinstance(a, dict):
             continue
-        more = a.get("metrics") if isinstance(a.get("metrics"), list) else []
+        listed = a.get("metrics")
+        more: list = listed if isinstance(listed, list) else []
         for m in [a.get("metric"), *more]:
             if isinstance(m, str) and m and m not in names:
                 names.append(m)
