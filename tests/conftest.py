@@ -172,3 +172,13 @@ def kafka(bootstrap) -> KafkaSettings:
     settings = KafkaSettings(bootstrap=bootstrap, partitions=4, topics=Topics.with_prefix(prefix))
     create_topics(settings)
     return settings
+
+
+@pytest.fixture
+def worker(kafka, tmp_path):
+    """A real worker process on the test's topics, started (not yet ready) and killed after."""
+    from tests.integration import WorkerProcess
+
+    w = WorkerProcess(kafka, tmp_path).start()
+    yield w
+    w.kill()

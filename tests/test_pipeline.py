@@ -15,13 +15,6 @@ from trainguard.simulator import SimulatedPPO
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def worker(kafka, tmp_path):
-    w = WorkerProcess(kafka, tmp_path).start()
-    yield w
-    w.kill()
-
-
 def test_a_hand_written_event_is_processed_and_a_malformed_one_lands_in_the_dlq(kafka, worker):
     """Any Kafka client can publish: plain JSON text, per the published JSON Schema."""
     healthy = [('{"schema":"metrics/1","run_id":"hand-1","source":{"kind":"trainer","host":"h","rank":0},'

@@ -11,19 +11,12 @@ import time
 import orjson
 import pytest
 
-from tests.integration import TopicReader, WorkerProcess
+from tests.integration import TopicReader
 from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.ranks import RankFolder, RankLogger, fold
 from trainguard.schemas import events as ev
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def worker(kafka, tmp_path):
-    w = WorkerProcess(kafka, tmp_path).start()
-    yield w
-    w.kill()
 
 
 @pytest.fixture
