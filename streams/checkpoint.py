@@ -99,7 +99,6 @@ class Checkpoint:
         self.undelivered = 0                      # outputs of the flush in flight not yet delivered
         self.unwritable = 0                       # state entries left out of the changelog
         self.stage = ""                           # what the flush in flight waits for, said when it stalls
-        self.flush_started = 0.0
         self._said_stalled = -math.inf
 
     # 1. hold
@@ -128,7 +127,7 @@ class Checkpoint:
                     if told is not None:  # the value as taken: the engine may hold an idle run as it
                         told(key, value)
             entries.dirty.clear()
-        self.last_flush = self.flush_started = self.clock()
+        self.last_flush = self.clock()  # also when the flush in flight began
         self.in_flight = asyncio.ensure_future(self._finish(held, records))
         self.in_flight.add_done_callback(lambda task: self._finished(task, held, taken))
         return True
@@ -173,11 +172,11 @@ class Checkpoint:
         """A line for the log when the flush in flight has waited ``after_s`` or more (at most
         one every ``every_s``): what it waits for, and how many events wait behind it."""
         now = self.clock()
-        if (self.in_flight is None or self.in_flight.done() or now - self.flush_started < after_s
+        if (self.in_flight is None or self.in_flight.done() or now - self.last_flush < after_s
                 or now - self._said_stalled < every_s):
             return None
         self._said_stalled = now
-        return (f"a state flush has waited {now - self.flush_started:.0f} s for {self.stage or 'its start'}; "
+        return (f"a state flush has waited {now - self.last_flush:.0f} s for {self.stage or 'its start'}; "
                 f"{len(self.held)} more events are held behind it, none acknowledged meanwhile")
 
     async def _outputs_delivered(self, events: int) -> None:
