@@ -114,10 +114,13 @@ class AlertBook(StateAccess):
 
     def _alert(self, event, run: RunState, run_id, sid, rule, metric, value, evidence, attempt) -> dict:
         step, value = event["step"], _json_value(value)
+        first = evidence.get("first_spike") if isinstance(evidence, dict) else None
+        # A repeated spike began at the first one: the breaker's healthy checkpoint predates it.
+        onset = first if first is not None and first["step"] < step else None
         return ev.alert_event(
             run_id, rule.name, alert_id=ev.alert_id(run_id, rule.name, sid, metric, step, attempt),
             severity=rule.severity, critical=rule.critical, summary=rule.summary, metric=metric, value=value,
             signal=signal_of(base_name(metric)), metrics=[metric], values={metric: value},
             layer=event.get("layer") or self.rules.layer_for(metric), source=event["source"], step=step,
             ts=event["ts"], evidence=evidence, diagnosis=rule.diagnosis, suggestion=rule.suggestion,
-            node_snapshot=dict(run.nodes))
+            onset=onset, node_snapshot=dict(run.nodes))

@@ -25,6 +25,12 @@ STEERING_LIFECYCLE = ("started", "finished", "stopped", "rolled_back")
 CLOCK_SKEW_SAID_S = 60.0
 
 
+def _onset_step(alert: dict) -> int:
+    """Where an alert's episode began (a repeated spike's first one), else its firing step."""
+    step = (alert.get("onset") or {}).get("step")
+    return step if isinstance(step, int) and step <= alert["step"] else alert["step"]
+
+
 def _clock_skew(trainer_ts: float, appended_at: float | None) -> str | None:
     """"the trainer's clock is 10 min ahead of the broker's", from an ack's own time and the
     broker's append time (both read as the ack was written); None within a minute or unknown."""
@@ -101,11 +107,11 @@ class Breaker(AlertBook, StatusRoom):
 
     @staticmethod
     def _warned_since(ctx: "EventContext") -> tuple[int, str] | None:
-        """The first step of the alerts still open on the critical alerts' metrics, and its rule:
+        """The first onset of the alerts still open on the critical alerts' metrics, and its rule:
         a change is often warned about steps before it turns critical (a KL spike, then the
         explosion), and a checkpoint saved in between already holds it."""
         metrics = {a.get("metric") for a in ctx.state.firing.values() if a["id"] in {c[0] for c in ctx.critical}}
-        warned = [(a["step"], a["rule"]) for a in ctx.state.firing.values()
+        warned = [(_onset_step(a), a["rule"]) for a in ctx.state.firing.values()
                   if a.get("metric") in metrics and isinstance(a.get("step"), int)]
         return min(warned) if warned else None
 
