@@ -12,8 +12,10 @@ Alertmanager's model, shared by every chat and generic-webhook sink:
 - **page** (``page`` severities, P0/P1 by default): each firing at once, and its resolution,
   when its firing was paged here;
 - **digest** (``digest`` severities, P2 by default): one message per run per
-  ``digest_interval_s``, listing what warned (rule, count, first and last step); their
-  resolutions are not sent. Other severities are not sent at all;
+  ``digest_interval_s``, listing what warned (rule, count, first and last step, how many still
+  fire); their resolutions are not sent, and an interval whose warnings all resolved before it
+  ended sends nothing (Alertmanager does not notify a group that only holds resolved alerts;
+  the run page and ``trainguard status`` keep them). Other severities are not sent at all;
 - **flapping**: an alert with ``"flapping": true`` (a rule changing state too often) is shown
   as flapping; while its rule keeps flapping on the same run and metric, its further changes
   are folded into the first message, until an alert without the flag says it settled.
@@ -40,6 +42,7 @@ PAGE = "page"
 DIGEST = "digest"
 DIGEST_SCHEMA = "digest/1"
 _RANK = {"P0": 0, "P1": 1, "P2": 2, "P3": 3}
+MAX_OPEN_PER_DIGEST = 1000  # warnings a digest follows to their resolution
 
 
 @dataclass(frozen=True)
@@ -139,8 +142,11 @@ class Pager:
             page = self._page(alert)
             if page is not None:
                 out.append(page)
-        elif severity in self.settings.digest and alert.get("status") != "resolved" and not muted(alert):
-            self._gather(alert, ts, now)
+        elif severity in self.settings.digest:
+            if alert.get("status") == "resolved":
+                self._cleared(alert)
+            elif not muted(alert):
+                self._gather(alert, ts, now)
         return out
 
     def flush(self, now: float | None = None) -> list[Message]:
@@ -152,7 +158,8 @@ class Pager:
             if now is None or now >= due:
                 del self._digests[run_id]
                 self.changed = True
-                out.append(Message(DIGEST, run_id, due, self._digest_event(run_id, digest, due)))
+                if digest.get("open", True):  # a digest of an older state (no "open") is sent
+                    out.append(Message(DIGEST, run_id, due, self._digest_event(run_id, digest, due)))
         return out
 
     # -- pages
@@ -196,7 +203,7 @@ class Pager:
         run_id = str(alert.get("run_id"))
         ts = ts if ts is not None else (now or 0.0)
         digest = self._digests.setdefault(run_id, {"opened": now if now is not None else ts, "since": ts,
-                                                   "until": ts, "entries": {}})
+                                                   "until": ts, "entries": {}, "open": {}})
         digest["since"], digest["until"] = min(digest["since"], ts), max(digest["until"], ts)
         rule = str(alert.get("rule", ""))
         step = alert.get("step") if isinstance(alert.get("step"), int) else None
@@ -204,10 +211,27 @@ class Pager:
             "rule": rule, "summary": alert.get("summary"), "severity": alert.get("severity"), "count": 0,
             "first_step": step, "last_step": step, "metric": alert.get("metric"), "flapping": False})
         entry["count"] += 1
+        entry["open"] = entry.get("open", 0) + 1
+        still = digest.setdefault("open", {})
+        still[str(alert.get("id"))] = rule
+        if len(still) > MAX_OPEN_PER_DIGEST:  # forgotten ones count as still firing: sent, never lost
+            del still[next(iter(still))]
+            digest["overflow"] = True
         if step is not None:
             entry["first_step"] = step if entry["first_step"] is None else min(entry["first_step"], step)
             entry["last_step"] = step if entry["last_step"] is None else max(entry["last_step"], step)
         entry["flapping"] = entry["flapping"] or bool(alert.get("flapping"))
+
+    def _cleared(self, alert: dict) -> None:
+        """A warning gathered in a digest resolved: counted as no longer firing."""
+        digest = self._digests.get(str(alert.get("run_id")))
+        if digest is None or digest.get("overflow"):
+            return
+        rule = digest.get("open", {}).pop(str(alert.get("id")), None)
+        if rule is not None:
+            entry = digest["entries"].get(rule)
+            if entry is not None:
+                entry["open"] = max(0, entry.get("open", 1) - 1)
 
     @staticmethod
     def _digest_event(run_id: str, digest: dict, due: float) -> dict:
@@ -216,7 +240,7 @@ class Pager:
         return {"schema": DIGEST_SCHEMA, "id": f"digest-{run_id}-{int(_opened(digest) * 1000)}",
                 "status": DIGEST, "run_id": run_id, "severity": worst, "since": digest["since"],
                 "until": digest["until"], "ts": due, "count": sum(e["count"] for e in entries),
-                "entries": entries}
+                "open": sum(e.get("open", e["count"]) for e in entries), "entries": entries}
 
 
 # --------------------------------------------------------------------------- the stage

@@ -123,3 +123,31 @@ def test_a_digest_gathers_from_arrival_when_the_alerts_carry_old_times():
     assert pager.flush(now + 899) == []
     [digest] = pager.flush(now + 900)
     assert digest.event["count"] == 5 and digest.event["since"] == T0 and digest.event["until"] == T0 + 40
+
+
+def test_an_interval_whose_warnings_all_resolved_sends_nothing():
+    # Alertmanager notifies no group that only holds resolved alerts: a one-off warning the run
+    # got over before the digest was due stays on the run page, out of the channel
+    pager = Pager(PagingSettings(digest_interval_s=900))
+    spike = _alert(0)
+    assert _run(pager, [spike, {**spike, "status": "resolved", "ts": T0 + 300}]) == []
+    assert pager.flush(T0 + 900) == [] and pager.flush() == []
+    # one of two still firing: the digest is sent, listing both and saying which still fires
+    _run(pager, [_alert(1, ts=T0 + 1000), _alert(2, rule="kl_high", ts=T0 + 1010),
+                 {**_alert(1, ts=T0 + 1000), "status": "resolved", "ts": T0 + 1200}])
+    [digest] = pager.flush(T0 + 1900)
+    assert digest.event["count"] == 2 and digest.event["open"] == 1
+    assert [(e["rule"], e["open"]) for e in digest.event["entries"]] == [("kl_spike", 0), ("kl_high", 1)]
+    from trainguard.sinks.webhooks.messages import Templates
+
+    lines = [line for line in Templates().render("markdown.md", digest.event, escape=str).splitlines()
+             if line.startswith("- **KL")]
+    assert lines[0].endswith("step 101") and lines[1].endswith("step 102, 1 still firing"), lines
+
+
+def test_a_digest_saved_before_warnings_were_followed_is_still_sent():
+    state = {"digests": {"ppo-7b": {"opened": T0, "since": T0, "until": T0, "entries": {
+        "kl_spike": {"rule": "kl_spike", "summary": "KL spike", "severity": "P2", "count": 2, "first_step": 1,
+                     "last_step": 2, "metric": "kl", "flapping": False}}}}}
+    [digest] = Pager(PagingSettings(digest_interval_s=900), json.loads(json.dumps(state))).flush()
+    assert digest.event["count"] == 2 and digest.event["open"] == 2

@@ -144,15 +144,20 @@ def _steps(first, last) -> str:
     return f"step {first}" if last in (None, first) else f"steps {first}-{last}"
 
 
+def _still_firing(n) -> str:
+    return f", {n} still firing" if type(n) is int and n > 0 else ""
+
+
 def digest_fields(digest: dict, ui_url: str | None, escape, line: string.Template) -> dict[str, str]:
     """The placeholders of the digest templates; ``entries`` is ``line`` rendered once per rule
     that warned (placeholders ``title``, ``rule``, ``severity``, ``count``, ``steps``, ``metric``,
-    ``flapping``)."""
+    ``flapping``, ``open``: ", 1 still firing", or "" when none or unknown)."""
     entries = []
     for e in digest.get("entries", []):
         values = {"title": title_of(e), "rule": _fmt(e.get("rule")), "severity": _fmt(e.get("severity")),
                   "count": _fmt(e.get("count")), "steps": _steps(e.get("first_step"), e.get("last_step")),
-                  "metric": _fmt(e.get("metric")), "flapping": " (flapping)" if e.get("flapping") else ""}
+                  "metric": _fmt(e.get("metric")), "flapping": " (flapping)" if e.get("flapping") else "",
+                  "open": _still_firing(e.get("open"))}
         entries.append(render(line, {k: escape(v) for k, v in values.items()}))
     fields = {"severity": _fmt(digest.get("severity")), "run": _fmt(digest.get("run_id")),
               "count": _fmt(digest.get("count")), "rules": _fmt(len(entries)),
