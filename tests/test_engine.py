@@ -457,3 +457,39 @@ def test_outputs_are_checked_against_their_schema_when_made():
         Output(OutputKind.ALERT, "r", {"schema": ev.ALERT, "id": "a1", "status": "firing"})
     assert Output(OutputKind.STATUS, "r", None).value is None  # a tombstone
     assert Output(OutputKind.DLQ, "", {"reason": "not JSON"}).kind == "dlq"  # dead letters are free-form
+
+
+def test_open_alerts_of_a_state_from_before_the_one_book_are_all_in_it():
+    """tests/data/state-v1: a run's state as the previous release wrote it, with a NaN page an
+    operator acknowledged, a command_failed notice and a trainer_hung alert, each in its own table."""
+    import base64
+    import json
+    from pathlib import Path
+
+    saved = json.loads((Path(__file__).parent / "data" / "state-v1" / "open-alerts.json").read_text())
+    engine = Engine(rules_mod.default(), {k.encode(): base64.b64decode(v) for k, v in saved["state"].items()})
+    now = saved["last_ts"]
+    engine.clock = lambda: now
+    listed = {a["rule"]: a for a in engine.status("v1-run")["open_alerts"]}
+    assert set(listed) == {"non_finite", "command_failed", "trainer_hung"}
+    assert listed["non_finite"]["acknowledged"]["by"] == "ops" and listed["trainer_hung"]["acknowledged"] is None
+    assert set(saved["open"]) == {a["id"] for a in listed.values()}
+    offset = saved["last_offset"]
+
+    def feed(event, ack=False):
+        nonlocal offset
+        offset += 1
+        return (engine.handle_ack if ack else engine.handle)(ev.encode(event), 0, offset)
+
+    # the NaN page is still open: a checkpoint saved now is no rollback target
+    feed(ev.checkpoint_event("v1-run", 31, "/ckpt/global_step_31", ts=now))
+    assert engine.store[b"v1-run"].checkpoints[-1]["healthy"] is False
+    # the trainer speaks again: its silence ends; a later command applied: the notice ends
+    outs = feed(ev.metrics_event("v1-run", 32, {"actor/pg_loss": -0.01}, src=TRAINER, ts=now))
+    assert [(o.value["rule"], o.value["status"]) for o in outs if o.kind == "alert"] == [("trainer_hung", "resolved")]
+    outs = feed(ev.ack_event("a-later-command", "v1-run", "applied", step=32, ts=now), ack=True)
+    assert [(o.value["rule"], o.value["status"]) for o in outs if o.kind == "alert"] == [("command_failed", "resolved")]
+    # the run ends: what is left closes with it, and the book is empty
+    outs = feed(ev.lifecycle_event("v1-run", "finished", step=32, ts=now))
+    assert [(o.value["rule"], o.value["status"]) for o in outs if o.kind == "alert"] == [("non_finite", "resolved")]
+    assert engine.status("v1-run")["open_alerts"] == [] and engine.store[b"v1-run"].book == {}

@@ -54,7 +54,7 @@ class Spike(Detector):
               Param("floor", 0.0, float, "the least value that can flag (up)"),
               Param("direction", "up", str, "above median x ratio, or below median / ratio", choices=("up", "down")),
               Param("start", None, float, "the level the signal starts from, used until min_samples (KL: 0)"),
-              Param("repeats", 1, int, "spikes within `within` samples before one flags (2: one the run absorbs does not)"),
+              Param("repeats", 1, int, "spikes within `within` samples before one flags (2: one absorbed does not)"),
               Param("within", 20, int, "the samples over which `repeats` spikes are counted"),
               Param("at_once", None, float, "a ratio past which one spike flags without repeating"))
     test_params = ({"window": 20, "ratio": 3.0, "min_samples": 3},)

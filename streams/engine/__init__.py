@@ -24,6 +24,7 @@ from typing import Any, MutableMapping, cast
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import SigningKey
 from trainguard.streams import keys, policy, trackers
+from trainguard.streams.engine.book import STALE
 from trainguard.streams.engine.breaker import STEERING_LIFECYCLE
 from trainguard.streams.engine.judging import EventContext, Judging
 from trainguard.streams.engine.operators import OperatorActions
@@ -190,7 +191,7 @@ class Engine(Judging, OperatorActions):
         elif kind == ev.CHECKPOINT:
             # Only a checkpoint saved while no critical alert and no page was open is a rollback target.
             run.checkpoints.append({"step": event["step"], "path": event["path"], "ts": event["ts"],
-                                    "healthy": not run.open_critical and not self._paging(run)})
+                                    "healthy": not self._critical_open(run) and not self._paging(run)})
             del run.checkpoints[:-MAX_CHECKPOINTS]
         elif event["event"] == "rolled_back":
             self._rolled_back(event, run, run_id, partition, outputs)
@@ -199,7 +200,7 @@ class Engine(Judging, OperatorActions):
             run.finished_at = self.clock()
             run.stopped = event["event"] == "stopped"
             # Nothing will judge its alerts again: they end with it (a stop's last step fired two).
-            for alert_id in list(run.book):
+            for alert_id in self._open_alerts(run, run_id):
                 alert = self._open_alert(run, run_id, alert_id, close=True)
                 if alert is not None:
                     self._add(outputs, self._resolve(run, alert, event, resolution=f"the run {event['event']}"))
@@ -250,15 +251,14 @@ class Engine(Judging, OperatorActions):
             run_id = key.decode()
             for rule in stale_rules:
                 timeout = float(cast(dict, rule.detector).get("timeout_s", 300))  # kind "stale": it has one
-                already = {k.rsplit("|", 1)[1] for k in run.stale if k.startswith(rule.name + "|")}
+                already = {k.rsplit("|", 1)[1] for k in self._in_room(run, STALE) if k.startswith(rule.name + "|")}
                 for kind, silent, step, src in trackers.silent_sources(run.last_seen, timeout, rule.sources,
                                                                        already, now):
                     event = {"step": step or 0, "ts": now, "source": src}
                     alert = self._alert(event, run, run_id, ev.source_id(src), rule, "heartbeat", silent,
                                         {"detector": "stale", "silent_s": silent, "timeout_s": timeout,
                                          "last_step": step}, run.breaker.attempt)
-                    run.stale[f"{rule.name}|{kind}"] = alert
-                    self._add(outputs, self._fire(run, alert, rule))
+                    self._add(outputs, self._fire(run, alert, rule, STALE, f"{rule.name}|{kind}"))
                     self._changed(key, run.partition)
         return outputs
 

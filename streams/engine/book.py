@@ -8,23 +8,44 @@ from trainguard.schemas import events as ev
 from trainguard.streams import keys
 from trainguard.streams.alerts import LOUD
 from trainguard.streams.engine.outputs import Output, OutputKind, _json_value
-from trainguard.streams.engine.state import MAX_BOOK, MAX_RECENT_ALERTS, RunState, StateAccess
+from trainguard.streams.engine.state import (
+    CROSS,
+    INCIDENT,
+    LISTED,
+    MAX_BOOK,
+    MAX_RECENT_ALERTS,
+    NOTICE,
+    SOURCE,
+    STALE,
+    RunState,
+    StateAccess,
+    book_entry,
+)
+
+__all__ = ["AlertBook", "CROSS", "INCIDENT", "LISTED", "NOTICE", "SOURCE", "STALE"]
 from trainguard.streams.signals import base_name, signal_of
 
 log = logging.getLogger("trainguard.engine")
 
 
 class AlertBook(StateAccess):
-    """Every open alert of a run, wherever its kind keeps it: entering one as it fires, finding
-    it by id, taking it out as it resolves."""
+    """The run's alert book (``RunState.book``): every open alert of the run, one entry per alert
+    id, entered as it fires and taken out as it resolves, whatever kind of rule judges it. The
+    breaker reads it (is a critical alert open?), the status lists it, operators acknowledge and
+    resolve through it."""
 
     _severity: dict[str, str]
     _fired: bool
 
     def _open_alert(self, run: RunState, run_id: str, alert_id: str, close: bool = False) -> dict | None:
-        """The open alert with this id, wherever the run keeps it; with ``close`` it is taken
-        out (and its streak reset, so a condition that still holds fires again only after the
+        """The open alert with this id; with ``close`` it is taken out of the book and its room
+        (and its streak reset, so a condition that still holds fires again only after the
         rule's duration, as a new alert)."""
+        entry = run.book.get(alert_id)
+        if entry is not None and entry["room"] != SOURCE:
+            if close:
+                del run.book[alert_id]
+            return entry["alert"]
         found = None
         for sid in run.sources:
             key = keys.source_key(run_id, sid)
@@ -40,25 +61,38 @@ class AlertBook(StateAccess):
                         src.streaks.pop(slot, None)
                         src.tracks.pop(slot, None)
                     self._changed(key, run.partition)
-        for table in (run.stale, run.cross_firing, run.incidents, run.notices):
-            for k in [k for k, a in table.items() if a["id"] == alert_id]:
-                found = table.pop(k) if close else table[k]
+        if close:
+            run.book.pop(alert_id, None)
         return found
 
+    def _open_alerts(self, run: RunState, run_id: str) -> list[str]:
+        """The ids of every open alert of the run: the book's, and those of its sources (a
+        source's alert the book no longer lists, past ``MAX_BOOK``, is still open)."""
+        ids = dict.fromkeys(run.book)
+        for sid in run.sources:
+            key = keys.source_key(run_id, sid)
+            if key in self.store:
+                ids.update(dict.fromkeys(a["id"] for a in self._source(key, "").firing.values()))
+        return list(ids)
+
     @staticmethod
-    def _book(run: RunState, alert: dict) -> None:
-        """Enter a published alert in the run's book of open alerts (what `status` lists)."""
-        value = alert.get("value")
-        run.book[alert["id"]] = {"rule": alert["rule"], "severity": alert["severity"], "id": alert["id"],
-                                 "metric": alert.get("metric"), "step": alert.get("step"), "ts": alert["ts"],
-                                 "value": _json_value(value) if type(value) is float else value,
-                                 "flapping": bool(alert.get("flapping"))}
-        evidence = alert.get("evidence")
-        if isinstance(evidence, dict) and "eta_points" in evidence:  # a forecast: when, for status
-            run.book[alert["id"]]["eta"] = {k: evidence[k] for k in ("eta_steps", "eta_points", "threshold")
-                                            if k in evidence}
-        while len(run.book) > MAX_BOOK:
-            del run.book[next(iter(run.book))]
+    def _in_room(run: RunState, room: str, key: str | None = None) -> dict[str, dict]:
+        """The room's open alerts by the room's key (all of them, or the one under ``key``)."""
+        return {e["key"]: e["alert"] for e in run.book.values()
+                if e["room"] == room and (key is None or e["key"] == key)}
+
+    @staticmethod
+    def _critical_open(run: RunState) -> bool:
+        return any(e["critical"] for e in run.book.values())
+
+    @staticmethod
+    def _book(run: RunState, alert: dict, room: str = SOURCE, key: str | None = None) -> None:
+        """Enter an alert in the book: what `status` lists, and for a run-level room the alert
+        itself under its key."""
+        run.book[alert["id"]] = book_entry(alert, room, key)
+        if len(run.book) > MAX_BOOK:  # the oldest source alerts leave the list; they stay open in their source
+            for aid in [aid for aid, e in run.book.items() if e["room"] == SOURCE][:len(run.book) - MAX_BOOK]:
+                del run.book[aid]
 
     def _paging(self, run: RunState) -> bool:
         """Whether a P0/P1 alert of the run is open."""
@@ -75,24 +109,27 @@ class AlertBook(StateAccess):
         if output is not None:
             outputs.append(output)
 
-    def _fire(self, run: RunState, alert: dict, rule) -> Output | None:
+    def _fire(self, run: RunState, alert: dict, rule, room: str = SOURCE, key: str | None = None) -> Output | None:
+        """Open an alert: in the book (under ``room`` and ``key``), the incident bookkeeping and
+        the reports' recent critical alerts; its event, unless the rule only feeds incidents."""
         self._fired = True
         active = run.active.setdefault(alert["rule"], {"open": 0, "last_ts": 0.0, "alert": None})
         active["open"] += 1
         active["last_ts"] = alert["ts"]
         active["alert"] = {k: alert[k] for k in ("id", "metric", "value", "step", "layer")}
+        incidents = self._in_room(run, INCIDENT) if self.rules.incidents else {}
         for incident in self.rules.incidents:
-            opened = run.incidents.get(incident.name)
+            opened = incidents.get(incident.name)
             if incident.inhibit and opened and alert["rule"] in incident.rules:
                 alert["inhibited_by"] = opened["id"]  # the incident already pages for it
         if rule.critical:
-            run.open_critical[alert["id"]] = alert["rule"]
             run.recent_alerts.append(alert)
             del run.recent_alerts[:-MAX_RECENT_ALERTS]
         if not getattr(rule, "emit", True):
             alert["incident_only"] = True  # kept for incidents, never published on its own
+        self._book(run, alert, room, key)
+        if alert.get("incident_only"):
             return None
-        self._book(run, alert)
         silence = self._silence_for(run, alert["rule"])
         if silence is not None:  # published and recorded, but no sink pages for it
             alert["silenced"] = dict(silence)
@@ -102,8 +139,6 @@ class AlertBook(StateAccess):
         active = run.active.get(alert["rule"])
         if active and active["open"] > 0:
             active["open"] -= 1
-        run.open_critical.pop(alert["id"], None)
-        run.acknowledged.pop(alert["id"], None)
         run.book.pop(alert["id"], None)
         if alert.get("incident_only"):
             return None

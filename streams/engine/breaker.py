@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import SigningKey, sign, verify, verify_trainer
 from trainguard.streams import keys, policy
-from trainguard.streams.engine.book import AlertBook
+from trainguard.streams.engine.book import NOTICE, AlertBook
 from trainguard.streams.engine.outputs import Output, OutputKind, dead_letter
 from trainguard.streams.engine.state import RunState
 from trainguard.streams.engine.status import StatusRoom
@@ -118,7 +118,7 @@ class Breaker(AlertBook, StatusRoom):
     def _ack(self, ack: dict, raw: bytes, partition: int, offset: int, topic: str,
              appended_at: float | None = None) -> list[Output]:
         run_key = ack["run_id"].encode()
-        if run_key not in self.store or (ack["status"] == "applied" and not self._run(run_key).notices):
+        if run_key not in self.store or (ack["status"] == "applied" and not self._in_room(self._run(run_key), NOTICE)):
             return []
         problem = self._unauthentic(ack, raw, topic, partition, offset)
         if problem is not None:
@@ -132,9 +132,9 @@ class Breaker(AlertBook, StatusRoom):
         run = self._run(run_key)
         if ack["status"] == "applied":  # a later command worked: the refused one's alert is over
             self._changed(run_key, run.partition)
-            return [o for o in (self._resolve(run, run.notices.pop(aid), {"ts": ack["ts"], "step": ack.get("step")},
+            return [o for o in (self._resolve(run, alert, {"ts": ack["ts"], "step": ack.get("step")},
                                               resolution=f"the trainer applied command {ack['command_id']}")
-                                for aid in list(run.notices)) if o is not None]
+                                for alert in self._in_room(run, NOTICE).values()) if o is not None]
         handled, stop = policy.on_command_refused(run.breaker, self.rules.policy, run_id=ack["run_id"],
                                                   command_id=ack["command_id"], status=ack["status"],
                                                   detail=ack.get("detail", ""), ts=ack["ts"], now=self.clock(),
@@ -155,8 +155,7 @@ class Breaker(AlertBook, StatusRoom):
                       + (f" Note: {skew}." if skew else ""),
             suggestion="Check the checkpoint path and the trainer's log; a rollback that cannot be applied "
                        "needs a person (or set on_command_failure: stop).")
-        run.notices[alert["id"]] = alert
-        self._book(run, alert)
+        self._book(run, alert, NOTICE, alert["id"])
         outputs = [Output(OutputKind.ALERT, ack["run_id"], alert)]
         if stop is not None:
             if self.signing_key is not None:
@@ -184,5 +183,4 @@ class Breaker(AlertBook, StatusRoom):
                     self.windows.delete(key, start, partition)
                 src.windows, src.minute = [], None
                 self._changed(key, partition)
-        run.open_critical.clear()
         run.cross.clear()

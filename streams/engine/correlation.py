@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 from trainguard.schemas import events as ev
 from trainguard.streams import trackers
 from trainguard.streams.detectors import CrossRank
-from trainguard.streams.engine.book import AlertBook
+from trainguard.streams.engine.book import CROSS, INCIDENT, STALE, AlertBook
 from trainguard.streams.engine.state import Limits, RunState
 from trainguard.streams.rules import Rule
 from trainguard.streams.signals import base_name, rank_of
@@ -44,9 +44,11 @@ class Correlation(AlertBook):
                                    "further ranks of folded events are not compared with their peers")
                     break
                 run.ranks[str(r)] = ev.source(kind, src.get("host", ""), r)
-        for key in [k for k in run.stale if k.endswith("|" + kind)]:
-            self._add(outputs, self._resolve(run, run.stale.pop(key), {"ts": event["ts"], "step": event.get("step")},
-                                         resolution=f"{kind} is publishing again"))
+        if run.book:
+            for key, alert in self._in_room(run, STALE).items():
+                if key.endswith("|" + kind):
+                    self._add(outputs, self._resolve(run, alert, {"ts": event["ts"], "step": event.get("step")},
+                                                     resolution=f"{kind} is publishing again"))
 
     def _correlate(self, ctx: "EventContext") -> None:
         """Stragglers (one rank far from its peers) and incidents (rules that fire together)."""
@@ -56,7 +58,7 @@ class Correlation(AlertBook):
                 and src["kind"] in self.rules.policy.step_sources):
             self._cross_rank(run, ctx.run_id, ctx.event, ctx.outputs)
         # An incident can only open when one of its members fires, and only an open one can end.
-        if self.rules.incidents and (self._fired or run.incidents):
+        if self.rules.incidents and (self._fired or self._in_room(run, INCIDENT)):
             self._incidents(run, ctx.run_id, ctx.event, ctx.outputs, ctx.critical)
 
     def _cross_rank(self, run: RunState, run_id: str, event: dict, outputs: list) -> None:
@@ -90,7 +92,8 @@ class Correlation(AlertBook):
                 cr.add(step, rank or own, value)
                 for s in trackers.steps_to_judge(cr.pending, len(run.ranks), step):
                     flagged = {str(r): (v, med, z) for r, v, med, z in cr.complete(s)}
-                    open_ranks = {r for r in run.ranks if f"{key}|{r}" in run.cross_firing}
+                    firing = self._in_room(run, CROSS)
+                    open_ranks = {r for r in run.ranks if f"{key}|{r}" in firing}
                     opens, closes = trackers.straggler_changes(flagged, run.ranks, open_ranks)
                     for r in opens:
                         v, med, z = flagged[r]
@@ -99,18 +102,17 @@ class Correlation(AlertBook):
                                             rule, metric, v, {**cr.evidence(), "detector": "cross_rank",
                                                               "median": med, "robust_z": z, "rank": r},
                                             run.breaker.attempt)
-                        run.cross_firing[f"{key}|{r}"] = alert
-                        self._add(outputs, self._fire(run, alert, rule))
+                        self._add(outputs, self._fire(run, alert, rule, CROSS, f"{key}|{r}"))
                     for r in closes:
-                        self._add(outputs, self._resolve(run, run.cross_firing.pop(f"{key}|{r}"),
-                                                         {"ts": event["ts"], "step": s}))
+                        self._add(outputs, self._resolve(run, firing[f"{key}|{r}"], {"ts": event["ts"], "step": s}))
 
     def _incidents(self, run: RunState, run_id: str, event: dict, outputs: list, critical: list) -> None:
         """Alerts of several rules that belong together become one incident with a root cause."""
         ts = event["ts"]
         for incident in self.rules.incidents:
+            opened = self._in_room(run, INCIDENT, incident.name).get(incident.name)
             verdict, members = trackers.incident_verdict(incident.rules, incident.within_s, run.active,
-                                                         incident.name in run.incidents, ts)
+                                                         opened is not None, ts)
             if verdict == trackers.OPEN:  # every member present
                 alert = ev.alert_event(
                     run_id, incident.name, alert_id=ev.alert_id(run_id, incident.name, event["step"],
@@ -125,9 +127,10 @@ class Correlation(AlertBook):
                               "members": [{"rule": r, **m["alert"]}
                                           for r, m in zip(incident.rules, members, strict=True)]},
                     diagnosis=incident.diagnosis, suggestion=incident.suggestion, node_snapshot=dict(run.nodes))
-                run.incidents[incident.name] = alert
-                self._add(outputs, self._fire(run, alert, incident))
-            elif verdict == trackers.CLOSE:
-                self._add(outputs, self._resolve(run, run.incidents.pop(incident.name), event))
-            if incident.critical and run.incidents.get(incident.name):
-                critical.append((run.incidents[incident.name]["id"], incident.name, incident.summary))
+                opened = alert
+                self._add(outputs, self._fire(run, alert, incident, INCIDENT, incident.name))
+            elif verdict == trackers.CLOSE and opened is not None:
+                self._add(outputs, self._resolve(run, opened, event))
+                opened = None
+            if incident.critical and opened is not None:
+                critical.append((opened["id"], incident.name, incident.summary))

@@ -19,11 +19,11 @@ class OperatorActions(AlertBook):
         acknowledged or resolved an open alert by hand."""
         who = f"{event.get('by') or '?'}: {event.get('reason', '')}"
         if event["action"] == "ack":
-            if self._open_alert(run, run_id, event["alert_id"]) is None:
+            entry = run.book.get(event["alert_id"])
+            if entry is None or self._open_alert(run, run_id, event["alert_id"]) is None:
                 log.warning("trainguard: run %s: no open alert %s to acknowledge", run_id, event["alert_id"])
                 return
-            run.acknowledged[event["alert_id"]] = {"by": event.get("by", ""), "reason": event.get("reason", ""),
-                                                   "ts": event["ts"]}
+            entry["acknowledged"] = {"by": event.get("by", ""), "reason": event.get("reason", ""), "ts": event["ts"]}
             return
         if event["action"] == "resolve":
             alert = self._open_alert(run, run_id, event["alert_id"], close=True)

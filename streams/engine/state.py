@@ -17,6 +17,7 @@ from trainguard.streams import keys, policy
 from trainguard.streams.alerts import Track
 from trainguard.streams.baseline import BaselineBlock
 from trainguard.streams.detectors import detector_from_state
+from trainguard.streams.engine.outputs import _json_value
 from trainguard.streams.rules import ENGINE_KINDS, RuleSet
 from trainguard.streams.signals import base_name, signal_of
 
@@ -31,8 +32,51 @@ MAX_SILENCES = 32  # per run: the newest are kept
 MAX_BOOK = 256  # open alerts listed per run: the newest are kept
 MAX_SNAPSHOT_METRICS = 256  # per host in the node snapshot alerts carry
 _STATE_MAGIC = b"TGS1"  # source state: magic, header length, JSON header, raw float64 arrays
-STATE_VERSION = 1      # of the run state and the source state's header (0: before versions were written)
+STATE_VERSION = 2      # of the run state and the source state's header (0: before versions were written;
+                       # 1: a run's open alerts in eight tables, before the one book)
 _SHARED_ROWS: dict[tuple, tuple] = {}  # interned rule-index tuples: a few shapes for millions of rows
+
+
+# The alert book's rooms: where an open alert's episode is judged. A rule's alert on one source's
+# metric is also kept in that source's state (``SourceState.firing``, by rule and metric: judging
+# reads it there); an alert of a run-level room lives in the book alone, under its room's key
+# (stale: rule|source kind; cross: rule|metric|rank; incident: its name; notice: its id).
+SOURCE, STALE, CROSS, INCIDENT, NOTICE = "source", "stale", "cross", "incident", "notice"
+LISTED = ("rule", "severity", "id", "metric", "step", "ts", "value", "flapping", "eta")  # what `status` shows
+
+
+def book_entry(alert: dict, room: str = SOURCE, key: str | None = None) -> dict:
+    """An open alert's entry in its run's book (``RunState.book``, by alert id)."""
+    value = alert.get("value")
+    entry = {"rule": alert["rule"], "severity": alert.get("severity"), "id": alert["id"],
+             "metric": alert.get("metric"), "step": alert.get("step"), "ts": alert.get("ts"),
+             "value": _json_value(value) if type(value) is float else value,
+             "flapping": bool(alert.get("flapping")), "critical": bool(alert.get("critical")),
+             "room": room, "listed": not alert.get("incident_only")}
+    evidence = alert.get("evidence")
+    if isinstance(evidence, dict) and "eta_points" in evidence:  # a forecast: when, for status
+        entry["eta"] = {k: evidence[k] for k in ("eta_steps", "eta_points", "threshold") if k in evidence}
+    if room != SOURCE:
+        entry["key"], entry["alert"] = key, alert
+    return entry
+
+
+def _one_book(d: dict) -> None:
+    """A run state of version 1 or older kept its open alerts in eight tables: one book now."""
+    book = d.setdefault("book", {})
+    critical = d.pop("open_critical", {})
+    for aid, entry in book.items():
+        entry.setdefault("room", SOURCE)
+        entry.setdefault("listed", True)
+        entry.setdefault("critical", aid in critical)
+    for room, field_name in ((STALE, "stale"), (CROSS, "cross_firing"), (INCIDENT, "incidents"), (NOTICE, "notices")):
+        for key, alert in d.pop(field_name, {}).items():
+            book[alert["id"]] = book_entry(alert, room, key)
+    for aid, rule in critical.items():  # critical and unlisted (kept for incidents only)
+        book.setdefault(aid, {"rule": rule, "id": aid, "critical": True, "room": SOURCE, "listed": False})
+    for aid, ack in d.pop("acknowledged", {}).items():
+        if aid in book:
+            book[aid]["acknowledged"] = ack
 
 
 class SourceState:
@@ -196,24 +240,18 @@ class RunState:
     checkpoints: list = field(default_factory=list)     # {step, path, ts, healthy}
     nodes: dict = field(default_factory=dict)           # host -> {ts, step, metrics}
     sources: list = field(default_factory=list)         # source ids seen
-    open_critical: dict = field(default_factory=dict)   # alert id -> rule, while firing
     recent_alerts: list = field(default_factory=list)   # the last critical alerts, for reports
     active: dict = field(default_factory=dict)          # rule -> {open, last_ts, alert}: for incidents
-    incidents: dict = field(default_factory=dict)       # incident name -> its open alert
     last_seen: dict = field(default_factory=dict)       # source kind -> [received at, step, source]
-    stale: dict = field(default_factory=dict)           # rule|kind -> its open alert
     ranks: dict = field(default_factory=dict)           # rank -> source, for trainer ranks
     cross: dict = field(default_factory=dict)           # rule|metric -> CrossRank
-    cross_firing: dict = field(default_factory=dict)    # rule|metric|rank -> its open alert
     finished: bool = False
     finished_at: float | None = None                    # received at, for forgetting the run
     stopped: bool = False                               # it ended on a stop (a command, or its trainer's own)
     dropped_events: float | None = None                 # the trainer client's own count, last reported
     silences: list = field(default_factory=list)        # {id, rule, until, reason, by}: an operator's
-    acknowledged: dict = field(default_factory=dict)    # alert id -> {by, reason, ts}, while it is open
-    book: dict = field(default_factory=dict)            # alert id -> summary: every open published alert
+    book: dict = field(default_factory=dict)            # alert id -> book_entry: every open alert of the run
     announced: bool = False                             # its trainer said it started (a signed lifecycle event)
-    notices: dict = field(default_factory=dict)         # alert id -> alert the engine raised (a refused command)
     unwatched: list = field(default_factory=list)       # metric names no rule judges (MAX_UNWATCHED)
     events: int | None = None                           # events applied (None: counted by no release yet)
     rows: int = 0                                       # metric rows of its sources, all together
@@ -230,7 +268,10 @@ class RunState:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "RunState":
-        d = known_fields(cls, orjson.loads(raw), "run state")
+        d = orjson.loads(raw)
+        if d.get("v", 0) < 2:
+            _one_book(d)
+        d = known_fields(cls, d, "run state")
         if "breaker" in d:
             d["breaker"] = policy.BreakerState.from_state(d["breaker"])
         d["cross"] = {k: detector_from_state(v) for k, v in d.get("cross", {}).items()}

@@ -8,6 +8,7 @@ from typing import Iterator
 
 from trainguard.schemas import events as ev
 from trainguard.streams import keys, policy
+from trainguard.streams.engine.book import LISTED
 from trainguard.streams.engine.outputs import Output, OutputKind
 from trainguard.streams.engine.state import RunState, StateAccess
 
@@ -38,7 +39,8 @@ class StatusRoom(StateAccess):
         trainer = run.last_seen.get("trainer")
         steps = [seen[1] for seen in run.last_seen.values() if seen[1] is not None]
         healthy = next((c for c in reversed(run.checkpoints) if c.get("healthy")), None)
-        open_alerts = [{**entry, "acknowledged": run.acknowledged.get(aid)} for aid, entry in run.book.items()]
+        open_alerts = [{**{k: entry[k] for k in LISTED if k in entry}, "acknowledged": entry.get("acknowledged")}
+                       for entry in run.book.values() if entry.get("listed", True)]
         breaker = run.breaker
         return {
             "schema": ev.STATUS, "run_id": run_id, "ts": time.time(),
