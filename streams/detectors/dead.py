@@ -20,7 +20,9 @@ class DeadSteps(Detector):
       dead point of a run that has not yet shown a live one);
     - streak: ``streak >= max(min_streak, streak_factor * longest earlier streak + 1)``;
     - fraction (with ``max_fraction`` set): the last ``window`` points are more than
-      ``max_fraction`` dead and more than ``fraction_factor`` times the rate before them.
+      ``max_fraction`` dead and more than ``fraction_factor`` times the rate before them, once
+      ``window`` points before them say what the run's rate is (a small-group run half dead
+      from its start is dead at its own rate).
 
     Cost: O(1) per sample.
 
@@ -102,7 +104,7 @@ class DeadSteps(Detector):
             why = "dead from the first points"
         elif self.alive and self.streak >= need:
             why = f"a dead streak of {self.streak} against the run's longest of {self.longest}"
-        elif (self.max_fraction is not None and len(self.recent) == self.window and fraction > self.max_fraction
+        elif (self.max_fraction is not None and before >= self.window and fraction > self.max_fraction
               and fraction > self.fraction_factor * base_rate):
             why = f"{fraction:.0%} of the last {self.window} points dead against {base_rate:.0%} before"
         self.last = [x, True, self.streak, need, fraction, base_rate, why]
