@@ -153,11 +153,17 @@ def test_the_dev_set_is_caught_and_its_healthy_runs_stay_silent():
 def test_the_added_traces_are_caught_and_their_healthy_runs_stay_silent():
     res = real.evaluate(rules_mod.default(), "added")["added"]
     assert (res["caught"], res["failures"]) == (8, 8), [t for t in res["traces"] if not t["ok"]]
-    # One known page: zero_reward_sustained (P1) at step 32 of the rho-0.70 run, whose 4 completions a step go
-    # unrewarded for 5 steps (28-32) before the run recovers; it counts steps, not completions.
-    noisy = [t["file"] for t in res["traces"] if not t["ok"]]
-    assert noisy == ["trl-grpo-qwen35-9b-g2-gsm8k-rho070-seed42"], noisy
-    assert (res["healthy_silent"], res["healthy"], res["false_alarms"]) == (14, 15, 1)
+    assert (res["healthy_silent"], res["healthy"], res["false_alarms"]) == (15, 15, 0), \
+        [t["file"] for t in res["traces"] if not t["ok"]]
+
+
+def test_a_dead_streak_the_run_lives_through_warns_and_does_not_page():
+    """The rho-0.70 run's 4 completions a step earn nothing for 5 steps (28-32, all at the 256-token
+    cap), then it learns again (reward 0.47 over the next 20 steps against 0.46 before): labelled
+    healthy. Zero reward warns at once; the page waits for a streak of 10 mid-run."""
+    alerts = firing("trl-grpo-qwen35-9b-g2-gsm8k-rho070-seed42", ADDED)
+    assert 28 <= steps_of(alerts, "zero_reward")[0] <= 32
+    assert not [a for a in alerts if a["severity"] in LOUD]
 
 
 @needs_dev
