@@ -456,3 +456,42 @@ def test_verl_peak_memory_that_jumps_a_quarter_warns_and_a_slow_creep_does_not()
         f.now += 60
         f.send(step, {"perf/max_memory_allocated_gb": 80 + rng.gauss(0, 0.2)})  # +25% at step 201
     assert [a["step"] for a in f.firing("peak_memory_up")] == [202]
+
+
+def _grpo_step(rng, step, format_rise, accuracy_fall):
+    """A TRL GRPO step whose reward is the sum of a format and a correctness component."""
+    fmt = min(1.0, 0.3 + format_rise * step + rng.gauss(0, 0.05))
+    acc = max(0.0, 0.45 - accuracy_fall * step + rng.gauss(0, 0.05))
+    return {"rewards/format_reward/mean": fmt, "rewards/format_reward/std": 0.3,
+            "rewards/accuracy_reward/mean": acc, "rewards/accuracy_reward/std": 0.4,
+            "reward": fmt + acc, "reward_std": 0.5, "loss": 0.001, "grad_norm": 0.5}
+
+
+def test_a_reward_that_rises_while_its_correctness_falls_warns():
+    # open-r1's thread: the format reward climbs towards 1 while the accuracy reward falls to 0
+    f, rng = Feed(), random.Random(20)
+    for step in range(1, 81):
+        f.now += 30
+        f.send(step, _grpo_step(rng, step, format_rise=0.01, accuracy_fall=0.005))
+    [alert] = f.firing("reward_component_hacking")
+    assert alert["metric"] == "rewards/accuracy_reward/mean" and alert["severity"] == "P2"
+    assert 20 <= alert["step"] <= 60, alert["step"]
+    assert "at the task's expense" in alert["diagnosis"]
+
+
+def test_a_reward_learned_with_its_correctness_or_format_first_is_no_hacking():
+    for seed, fall in ((21, -0.003), (22, 0.0)):   # correctness rising with the total, or flat while format is learned
+        f, rng = Feed(), random.Random(seed)
+        for step in range(1, 121):
+            f.now += 30
+            f.send(step, _grpo_step(rng, step, format_rise=0.006, accuracy_fall=fall))
+        assert not f.firing("reward_component_hacking"), seed
+
+
+def test_the_correctness_component_is_found_under_each_trainers_name_but_never_its_spread():
+    rule = next(r for r in rules_mod.load(None).rules if r.name == "reward_component_hacking")
+    for name in ("rewards/accuracy_reward", "rewards/accuracy_reward/mean", "rewards/correctness_reward_func",
+                 "rewards/correctness_reward_func/mean", "rewards/MathAccuracy/mean", "train/rewards/accuracy_reward"):
+        assert rule.watches(name), name
+    for name in ("rewards/accuracy_reward/std", "rewards/MathAccuracy/std", "rewards/format_reward", "reward"):
+        assert not rule.watches(name), name

@@ -8,6 +8,7 @@ README's rules from the numbers and the threads, never fitted to a rule).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -228,3 +229,12 @@ def test_verls_generation_time_and_peak_memory_rules_stay_silent_on_every_real_v
         loud = [(a["rule"], a["step"]) for a in result.alerts
                 if a["status"] == "firing" and a["rule"] in ("gen_time_up", "peak_memory_up")]
         assert not loud, (path.name, loud)
+
+
+def test_real_runs_whose_correctness_rises_with_the_reward_are_not_taken_for_hacking():
+    """The 250-step unsloth run and the gemma-3 run log TRL's rewards/correctness_reward_func beside
+    the format rewards; both learn the task (labelled healthy)."""
+    for trace in ("unsloth-grpo-llama31-8b-gsm8k-250", "trl-grpo-gemma3-gsm8k"):
+        rows = [json.loads(line) for line in (ADDED / "traces" / f"{trace}.jsonl").read_text().splitlines()]
+        assert "rewards/correctness_reward_func" in rows[0]
+        assert not steps_of(firing(trace, ADDED), "reward_component_hacking"), trace
