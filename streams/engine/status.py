@@ -123,4 +123,8 @@ class StatusRoom(StateAccess):
                                        "diagnosis", "suggestion") if k in a} for a in alerts],
             windows=windows, resource_snapshot=run.nodes,
             checkpoint={"chosen": decision.checkpoint, "why": decision.why, "candidates": decision.candidates},
-            history={"rollbacks": b.attempt, "rollbacks_last_hour": len(b.rollback_ts)})
+            history={"rollbacks": b.attempt, "rollbacks_last_hour": len(b.rollback_ts),
+                     "ladder": [dict(r) for r in b.ladder], "rungs": self.rules.policy.rungs,
+                     **({"rung": decision.rung} if decision.rung is not None else {}),
+                     **({"verdict": decision.verdict} if decision.verdict else {}),
+                     **({"suspect_host": b.suspect} if decision.verdict == policy.HARDWARE and b.suspect else {})})
