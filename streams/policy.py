@@ -11,7 +11,7 @@ checkpoint and the last critical step). With no safe checkpoint or with more tha
 incident comes back within ``recurrence_steps`` after a rollback it climbs a bounded ladder
 (``ladder``): ``wider_rewinds`` rollbacks each to a healthy checkpoint older than the last one
 with twice the skip, then an ``adjust`` (the rules file's ``adjust`` scales, within
-``adjust_bounds``) with one more such rollback, and only then a stop. A NaN first asks the
+``adjust_bounds``) after one more such rollback, and only then a stop. A NaN first asks the
 trainer to rerun the step (``rerun_on_nan``): a result that does not reproduce is a transient
 (hardware) fault, rolled back plainly; one that does is numeric and goes on the ladder.
 It then waits for the trainer to report the rollback (a ``rolled_back`` lifecycle event)
@@ -196,7 +196,7 @@ class Decision:
     checkpoint: dict | None
     candidates: list[dict]
     onset: int | None = None       # where the incident began: its first warning, else its first critical step
-    before: list[dict] = field(default_factory=list)  # commands to send first (the ladder's adjust)
+    then: list[dict] = field(default_factory=list)  # commands that follow it (the ladder's adjust)
     verdict: str | None = None     # numeric | hardware: what a rerun of the NaN step said
     rung: int | None = None        # the recovery ladder's rung this rollback is
 
@@ -390,14 +390,14 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
         skip_batches=skip if target is not None and skip and skip > 0 else None,
         detail=(f"{state.streak} consecutive critical steps from step {onset}" if state.streak > 1 else
                 f"a critical step that cannot wait at step {onset}") + f": {diagnosis}. {why}.")
-    before: list[dict] = []
+    then: list[dict] = []
     state.adjust_id = None
-    if action == "rollback" and adjust:  # applied first, then the rollback in the same step boundary
-        before.append(command_event(
+    if action == "rollback" and adjust:  # after the restore, which loads the checkpoint's learning rates
+        then.append(command_event(
             run_id, "adjust", command_id=ids(stable_id(run_id, "adjust", onset, state.attempt)), issued=now,
             ttl_s=float(policy.command_ttl_s), reason=reason, params=dict(policy.adjust),
-            detail=f"{why}; the rollback to step {target['step'] if target else '?'} follows"))
-        state.adjust_id = before[0]["id"]
+            detail=f"{why}; applied after the rollback to step {target['step'] if target else '?'}"))
+        state.adjust_id = then[0]["id"]
     candidates = [c for c in checkpoints][-10:]
     state.command_id = command["id"]
     state.command_expires = ts + float(policy.command_ttl_s)  # event time: replays wait the same
@@ -411,7 +411,7 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
     else:
         state.status = STOPPED
     state.streak, state.alert_ids, state.began = 0, [], None
-    return Decision(command, why, target, candidates, onset=began, before=before, verdict=verdict,
+    return Decision(command, why, target, candidates, onset=began, then=then, verdict=verdict,
                     rung=rung if action == "rollback" else None)
 
 

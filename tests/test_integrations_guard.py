@@ -238,3 +238,50 @@ def test_importing_the_integrations_package_does_not_import_torch():
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("beta", [0.04, None])
+def test_the_hf_callback_adjusts_the_lr_and_trls_beta_where_there_is_one(beta):
+    from types import SimpleNamespace
+
+    from trainguard.producers.integrations.hf import TrainguardCallback
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    listener = ScriptedListener()
+    trainer = SimpleNamespace(beta=beta) if beta is not None else SimpleNamespace()
+    cb = TrainguardCallback("r", rl=True, trainer=trainer, logger=RecordingLogger(), listener=listener)
+    state, control = SimpleNamespace(is_world_process_zero=True, global_step=7), SimpleNamespace()
+    cb.on_train_begin(None, state, control)
+    assert cb.guard.can() == (["adjust"])
+    listener.queue = [[cmd("adjust", id="a", params={"lr_scale": 0.5, "kl_coef_scale": 2.0})]]
+    cb.on_step_end(None, state, control, model=model, optimizer=opt, lr_scheduler=scheduler)
+    if beta is None:
+        assert listener.acks[0][1] == "rejected" and "cannot apply kl_coef_scale" in listener.acks[0][2]
+        assert opt.param_groups[0]["lr"] == pytest.approx(1e-4), "all or nothing"
+    else:
+        assert listener.acks[0][1] == "applied", listener.acks
+        assert trainer.beta == pytest.approx(0.08) and opt.param_groups[0]["lr"] == pytest.approx(5e-5)
+        scheduler.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(5e-5), "the schedule keeps the scaled rate"
+
+
+def test_the_verl_backend_scales_the_in_reward_kl_coefficient_and_refuses_the_lr():
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.core_algos import AdaptiveKLController
+
+    from trainguard.producers.integrations.verl import VerlBackend
+
+    ctrl = AdaptiveKLController(init_kl_coef=0.02, target_kl=0.1, horizon=10000)
+    listener = ScriptedListener()
+    backend = VerlBackend("r", trainer=SimpleNamespace(kl_ctrl_in_reward=ctrl, total_training_steps=100),
+                          logger=RecordingLogger(), listener=listener)
+    assert backend.can() == ["adjust"]
+    listener.queue = [[cmd("adjust", id="a", params={"kl_coef_scale": 2.0}),
+                       cmd("adjust", id="b", params={"lr_scale": 0.5}), cmd("rerun_step", id="c")]]
+    backend.log({"actor/pg_loss": 0.1}, 5)
+    assert [(i, s) for i, s, _ in listener.acks] == [("a", "applied"), ("b", "rejected"), ("c", "rejected")]
+    assert ctrl.value == pytest.approx(0.04) and "cannot apply lr_scale" in listener.acks[1][2]
+    assert VerlBackend("r2", trainer=SimpleNamespace(), logger=RecordingLogger(), listener=listener).can() == []

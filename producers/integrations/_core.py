@@ -156,7 +156,10 @@ class GuardBase:
 
     def can(self) -> list[str]:
         """The commands beyond the basic ones this integration applies, said in ``started``."""
-        return (["adjust"] if self.adjustable else []) + (["rerun_step"] if self._can_rerun() else [])
+        return (["adjust"] if self._adjustable() else []) + (["rerun_step"] if self._can_rerun() else [])
+
+    def _adjustable(self) -> tuple[str, ...]:
+        return self.adjustable
 
     # -- commands -------------------------------------------------------------------------
 
@@ -231,10 +234,11 @@ class GuardBase:
     def _do_adjust(self, command: dict, step: int, decision: Decision) -> str:
         """All of an adjust's parameters, or none (the listener checked their hard limits)."""
         params = dict(command.get("params") or {})
-        cannot = [p for p in params if p not in self.adjustable]
+        adjustable = self._adjustable()
+        cannot = [p for p in params if p not in adjustable]
         if cannot:
             raise Unsupported(f"this integration cannot apply {', '.join(cannot)} (it adjusts "
-                              f"{', '.join(self.adjustable) or 'nothing'}); nothing was changed")
+                              f"{', '.join(adjustable) or 'nothing'}); nothing was changed")
         detail = self._adjust(params, command, step, decision)
         decision.extra["adjusted"] = params
         return detail or f"adjusted {params} at step {step}"

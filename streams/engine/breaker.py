@@ -95,10 +95,10 @@ class Breaker(AlertBook, StatusRoom):
             ctx.outputs += self._decided(ctx.run, ctx.run_id, decision, event)
 
     def _decided(self, run: RunState, run_id: str, decision: policy.Decision, event: dict) -> list[Output]:
-        """A decision out: its report, then its commands (the ladder's adjust before the rollback), signed."""
+        """A decision out: its report, then its commands (the rollback, then the ladder's adjust), signed."""
         report = self._report(run, run_id, decision, event)
         outputs = [Output(OutputKind.REPORT, run_id, report)]
-        for command in [*decision.before, decision.command]:
+        for command in [decision.command, *decision.then]:
             command = {**command, "report": report["id"]}
             if self.signing_key is not None:
                 command = sign(command, self.signing_key)
