@@ -177,8 +177,10 @@ def command_problem(command: dict) -> str | None:
             if name not in ADJUST_LIMITS:
                 return f"unknown adjust parameter {name[:40]!r}; allowed: {', '.join(ADJUST_LIMITS)}"
             lo, hi = ADJUST_LIMITS[name]
-            if type(value) not in (int, float) or not lo <= value <= hi:  # NaN fails the comparison
-                return f"{name} {str(value)[:40]} is outside the hard limits [{lo:g}, {hi:g}]"
+            if type(value) not in (int, float):
+                return f"{name} must be a number, got {type(value).__name__}"
+            if not lo <= value <= hi:  # NaN fails the comparison too
+                return f"{name} {value:g} is outside the hard limits [{lo:g}, {hi:g}]"
     elif command["action"] == "rerun_step":
         if set(params) - {"step"} or ("step" in params and type(params["step"]) is not int):
             return "a rerun_step's only parameter is step, an integer"
