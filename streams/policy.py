@@ -374,7 +374,7 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
         plain = f"rung 1 of {policy.rungs}: rollback to step {target['step']}"
         why = f"{plain}, skipping {skip} batches; {why}" if skip and skip > 0 else f"{plain}; {why}"
     if verdict == HARDWARE:
-        why += (f"; the rerun did not reproduce the NaN: a transient (hardware) fault"
+        why += ("; the rerun did not reproduce the NaN: a transient (hardware) fault"
                 + (f" on host {state.suspect}: cordon it" if state.suspect else "") + ", so no escalation")
     elif verdict == NUMERIC:
         why += "; the rerun reproduced the NaN: numeric (the state and the data), not the hardware"

@@ -1,8 +1,8 @@
 """The wire contract: strict decoding in Python agrees with the published JSON Schemas."""
 
 import json
-import re
 import math
+import re
 from importlib import resources
 
 import jsonschema

@@ -178,8 +178,10 @@ class GuardBase:
             decision.errors.append(f"{command.get('action')}: {detail}")
         with never_raises("ack failed", owner=self):
             if self.listener is not None:
-                extra = {} if result is None else {"result": result}  # a listener of the loop's own may not know it
-                self.listener.ack(command, status, detail[:2000], step=step, **extra)
+                if result is None:  # a listener of the loop's own may not know the argument
+                    self.listener.ack(command, status, detail[:2000], step=step)
+                else:
+                    self.listener.ack(command, status, detail[:2000], step=step, result=result)
 
     def step_boundary(self, step: int) -> Decision:
         """Apply every command that is ready; the loop does what the returned Decision says."""

@@ -176,7 +176,7 @@ class _HFGuard(GuardBase):
 
     def _beta(self) -> float | None:
         beta = getattr(self.callback.trainer, "beta", None)
-        return float(beta) if type(beta) in (int, float) else None
+        return float(beta) if isinstance(beta, (int, float)) and not isinstance(beta, bool) else None
 
     def _adjustable(self) -> tuple[str, ...]:
         return ("lr_scale",) + (("kl_coef_scale",) if self._beta() is not None else ())

@@ -131,7 +131,8 @@ class Guard(GuardBase):
     def _capture(self) -> dict:
         import torch
 
-        state = {"model": copy.deepcopy(self.model.state_dict()), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+        state = {"model": copy.deepcopy(self.model.state_dict()),
+                 "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                  "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
