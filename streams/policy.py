@@ -478,6 +478,9 @@ def on_command_refused(state: BreakerState, policy: Policy, *, run_id: str, comm
         return True, command
     if state.status != AWAITING or command_id != state.command_id:
         return False, None
+    if state.ladder:
+        state.ladder.pop()  # a rung the trainer did not apply was not climbed
+        state.adjust_id = None
     state.streak, state.onset_step, state.onset_ts, state.alert_ids, state.rules = 0, None, None, [], []
     state.last_step, state.began = None, None
     if policy.on_command_failure != "stop":

@@ -522,3 +522,16 @@ def test_a_hostile_rerun_result_is_a_dead_letter(result):
     ack = {**ev.ack_event("c", "r", "applied", ts=1.0), "result": result}
     outs = Engine(ruleset()).handle_ack(orjson.dumps(ack), 0, 0)
     assert [o.kind for o in outs] == ["dlq"]
+
+
+def test_a_rung_the_trainer_refused_is_not_climbed():
+    state = policy.BreakerState(restored_step=50, last_rules=["nan_loss"], attempt=1,
+                                ladder=[{"rung": 1, "action": "rollback", "step": 50, "skip": 3}])
+    checkpoints = [{"step": s, "path": f"/c/{s}", "ts": 1.7e9 + s, "healthy": True} for s in (30, 40, 50)]
+    decision = policy.on_step(state, policy.DEFAULTS, run_id="r", step=53, ts=1.7e9 + 530, critical=True,
+                              alert_ids=["a"], rules=["nan_loss"], checkpoints=checkpoints, diagnosis="NaN",
+                              immediate=True)
+    assert decision.rung == 2 and [r["rung"] for r in state.ladder] == [1, 2]
+    handled, stop = policy.on_command_refused(state, policy.DEFAULTS, run_id="r", command_id=decision.command["id"],
+                                              status="failed", detail="no such file", ts=1.7e9 + 531)
+    assert handled and stop is None and [r["rung"] for r in state.ladder] == [1]

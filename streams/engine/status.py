@@ -48,7 +48,8 @@ class StatusRoom(StateAccess):
             "sources": len(run.sources),
             "breaker": {"status": breaker.status, "rollbacks": breaker.attempt, "streak": breaker.streak,
                         "restored_step": breaker.restored_step,
-                        "pending_command": breaker.command_id if breaker.status == policy.AWAITING else None},
+                        "pending_command": breaker.command_id if breaker.status in (policy.AWAITING, policy.RERUN)
+                        else None},
             "open_alerts": open_alerts, "checkpoints": len(run.checkpoints),
             # what `trainguard command RUN rollback --to STEP` may restore: only what the trainer reported
             "saved_checkpoints": [{"step": c["step"], "path": c["path"], "healthy": c["healthy"]}
