@@ -329,6 +329,8 @@ def test_an_incident_that_keeps_coming_back_climbs_the_ladder_and_only_then_stop
     assert [reports[c["id"]]["history"].get("rung") for c in (first, wider, last)] == [1, 2, 3]
     assert [rung["action"] for rung in reports[last["id"]]["history"]["ladder"]] == ["rollback", "rollback", "adjust"]
     assert r.stopped
+    text = render_text(reports[wider["id"]])
+    assert f"rung 2 of 3: wider rewind to step {wider['target']['step']}" in text, "the person reads the rung"
 
 
 def test_the_ladder_starts_afresh_for_an_incident_after_the_recurrence_window():
