@@ -6,14 +6,20 @@ applied by the simulated trainer as an integration applies them; ``make eval``'s
 
 Each run trains ``STEPS`` steps of :class:`~trainguard.simulator.SimulatedPPO` through a fresh
 engine (in process, simulated clock, a worker's tick every simulated second), saving a
-checkpoint every ``CHECKPOINT_EVERY`` steps. The trainer applies what the engine sends: a
-rollback restores the checkpoint (the simulator's model and its noise state), reports
-``rolled_back`` and acks ``applied``; a stop ends the run. The faults, from step ``ONSET``:
+checkpoint every ``CHECKPOINT_EVERY`` steps. The trainer says at its start that it can adjust
+and rerun a step, and applies what the engine sends: a rollback restores the checkpoint (the
+simulator's model and its noise state), reports ``rolled_back`` and acks ``applied``; an
+``adjust`` scales its learning rate; a ``rerun_step`` acks whether the NaN reproduced; a stop
+ends the run. The faults, from step ``ONSET``:
 
 - ``nan_transient``: a NaN loss that does not come back after a rollback (a transient fault,
-  a flipped bit): one rollback should cure it;
+  a flipped bit): a rerun does not reproduce it (the "hardware" verdict) and one rollback
+  should cure it;
 - ``nan_recurring``: a NaN loss that comes back at the same step after any rollback (the
-  state and the step, not the data: skipping batches does not help);
+  state and the step, not the data: skipping batches does not help), and reproduces on a
+  rerun (numeric). Its model: the step overflows at the run's learning rate, so it clears only
+  once an ``adjust`` scales the rate down (``lr_scale`` < 1); a wider rewind alone never cures
+  it here (the worst case for the ladder, whose wider rewind only costs steps);
 - ``reward_model_hang``: the reward model hangs for ``HANG_STEPS`` steps: the trainer's guard
   breaker (``producers/guards``) times out three calls, opens, scores on its fallback and
   closes when the model answers again; it publishes its state as the guard does. Nothing
@@ -55,6 +61,8 @@ QUIET_TAIL = 20         # the last steps that must be free of pages for a run to
 LOUD = {"P0", "P1"}
 
 # fault -> (simulator fault kind or None, recurs after a rollback)
+# faults whose step overflows at the run's learning rate: an adjust with lr_scale < 1 clears them
+LR_DRIVEN = {"nan_recurring"}
 FAULTS: dict[str, tuple[str | None, bool]] = {
     "nan_transient": ("nan_loss", False),
     "nan_recurring": ("nan_loss", True),
@@ -74,6 +82,8 @@ class Outcome:
     undone: int = 0                              # steps trained, then undone by rollbacks
     loud: list = field(default_factory=list)     # (step, rule) of each P0/P1 that fired
     commands: list = field(default_factory=list)
+    verdicts: list = field(default_factory=list)  # what each rerun said: numeric | hardware
+    lr_scale: float = 1.0                        # the product of the adjusts applied
     faulty_at_end: bool = False                  # the simulator's fault still shaping the last step
 
     @property
@@ -132,6 +142,12 @@ def run_one(fault: str, seed: int, rules) -> Outcome:
         offset[0] += 1
         return outputs
 
+    def ack(command, status, step, result=None) -> list:
+        outputs = engine.handle_ack(ev.encode(ev.ack_event(command["id"], run_id, status, step=step, ts=sim.ts,
+                                                           result=result)), 0, offset[0])
+        offset[0] += 1
+        return outputs
+
     def judge(outputs, step: int) -> list[dict]:
         commands = []
         for o in outputs or ():
@@ -142,7 +158,12 @@ def run_one(fault: str, seed: int, rules) -> Outcome:
                 commands.append(v)
             elif v.get("status") == "firing" and v.get("severity") in LOUD:
                 out.loud.append((step, v.get("rule")))
+            if o.kind == "alert" and v.get("rule") == "rerun_verdict" and v.get("status") == "firing":
+                out.verdicts.append(v["evidence"]["verdict"])
         return commands
+
+    send(ev.lifecycle_event(run_id, "started", step=0, ts=sim.ts, src=trainer,
+                            detail={"can": ["adjust", "rerun_step"]}))
 
     while sim.current_step < STEPS and not out.stopped:
         extra_s, guard_metrics = guard.step(sim.current_step + 1) if guard else (0.0, None)
@@ -164,7 +185,11 @@ def run_one(fault: str, seed: int, rules) -> Outcome:
         if m is not None and step % CHECKPOINT_EVERY == 0:
             send(ev.checkpoint_event(run_id, step, sim.save_checkpoint(), ts=now))
         out.last_step = max(out.last_step, step)
-        for command in commands:  # applied at the step boundary, as the integrations do
+        restored_by = None  # the report of the rollback applied at this boundary
+        while commands:  # applied at the step boundary, as the integrations do
+            command = commands.pop(0)
+            if restored_by is not None and command.get("report") != restored_by:
+                continue  # the rest of this step's commands belong to the state it rolled back
             out.commands.append(command["action"])
             if command["action"] == "rollback":
                 restored = command["target"]["step"]
@@ -173,11 +198,19 @@ def run_one(fault: str, seed: int, rules) -> Outcome:
                 out.rollbacks += 1
                 send(ev.lifecycle_event(run_id, "rolled_back", step=restored, ts=sim.ts, src=trainer,
                                         detail={"command_id": command["id"]}))
-                engine.handle_ack(ev.encode(ev.ack_event(command["id"], run_id, "applied", step=step, ts=sim.ts)),
-                                  0, offset[0])
-                offset[0] += 1
-                break  # the rest of this step's commands belong to the state it rolled back
-            if command["action"] == "stop":
+                ack(command, "applied", step)
+                restored_by = command.get("report")
+            elif command["action"] == "adjust":
+                scale = float(command["params"].get("lr_scale", 1.0))
+                out.lr_scale *= scale
+                if scale < 1.0 and fault in LR_DRIVEN:
+                    for f in sim.faults:
+                        f.active = False  # the step no longer overflows at the lower rate
+                ack(command, "applied", step)
+            elif command["action"] == "rerun_step":
+                # A fault of the state reproduces on the same batch and seed; a transient one does not.
+                commands += judge(ack(command, "applied", step, {"reproduced": recur, "step": step}), step)
+            elif command["action"] == "stop":
                 out.stopped = True
                 break
     out.faulty_at_end = any(f.active and sim.current_step >= f.at_step for f in sim.faults)
@@ -189,8 +222,12 @@ def summary(outcomes: list[Outcome]) -> dict:
         return {}
     per_fault: dict[str, dict] = {}
     for o in outcomes:
-        f = per_fault.setdefault(o.fault, {"runs": 0, "recovered": 0, "rollbacks": 0, "stops": 0, "steps_lost": []})
+        f = per_fault.setdefault(o.fault, {"runs": 0, "recovered": 0, "rollbacks": 0, "stops": 0, "adjusts": 0,
+                                           "hardware": 0, "numeric": 0, "steps_lost": []})
         f["runs"] += 1
+        f["adjusts"] += o.commands.count("adjust")
+        f["hardware"] += o.verdicts.count("hardware")
+        f["numeric"] += o.verdicts.count("numeric")
         f["recovered"] += o.recovered
         f["rollbacks"] += o.rollbacks
         f["stops"] += o.stopped
@@ -209,10 +246,12 @@ def evaluate(seeds: int = 3, rules=None) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = [f"{'fault':<22} {'runs':>4} {'recovered':>9} {'rollbacks':>9} {'stops':>5} {'median lost':>11}"]
+    lines = [f"{'fault':<22} {'runs':>4} {'recovered':>9} {'rollbacks':>9} {'adjusts':>7} {'stops':>5} "
+             f"{'median lost':>11} {'verdicts':>10}"]
     for fault, f in result["per_fault"].items():
-        lines.append(f"{fault:<22} {f['runs']:>4} {f['recovered']:>9} {f['rollbacks']:>9} {f['stops']:>5} "
-                     f"{f['median_steps_lost']:>11}")
+        said = ", ".join(f"{f[v]} {v}" for v in ("hardware", "numeric") if f[v]) or "-"
+        lines.append(f"{fault:<22} {f['runs']:>4} {f['recovered']:>9} {f['rollbacks']:>9} {f['adjusts']:>7} "
+                     f"{f['stops']:>5} {f['median_steps_lost']:>11} {said:>10}")
     lines.append(f"{result['recovered_without_human']} of {result['runs']} runs recovered without a human; "
                  f"median {result['median_steps_lost']} steps lost, {result['rollbacks_per_incident']} rollbacks "
                  f"per incident")

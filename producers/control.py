@@ -216,9 +216,10 @@ class ControlListener:
         return commands
 
     def ack(self, command: dict, status: str, detail: str = "", step: int | None = None,
-            cause: str | None = None) -> None:
-        """Acknowledge a command: applied, rejected or failed (with detail), signed as the trainer."""
-        event = ev.ack_event(command["id"], self.run_id, status, detail, step=step, ts=self.clock())
+            cause: str | None = None, result: dict | None = None) -> None:
+        """Acknowledge a command: applied, rejected or failed (with detail), signed as the trainer;
+        ``result``: a ``rerun_step``'s verdict (``{"reproduced": bool, ...}``)."""
+        event = ev.ack_event(command["id"], self.run_id, status, detail, step=step, ts=self.clock(), result=result)
         if cause:
             event["cause"] = cause
         self.publisher.publish(self.settings.topics.acks, self.run_id, authored(event))
@@ -291,6 +292,10 @@ class ControlListener:
         problem, cause, left = self._freshness(command, written_at, appended, live)
         if problem:
             self._reject(command, problem, cause)
+            return None, 0.0
+        problem = ev.command_problem(command)  # signed, yet absurd (an adjust of lr x 1e9, NaN)
+        if problem:
+            self._reject(command, f"refused: {problem}")
             return None, 0.0
         if not self._remember_id("id:" + command["id"]):
             # A second delivery (or a captured command sent again): never applied twice.

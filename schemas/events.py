@@ -43,7 +43,11 @@ KINDS = (METRICS, CHECKPOINT, LIFECYCLE, ALERT, COMMAND, ACK, REPORT, STATUS, OP
 LAYERS = ("data", "compute", "resource")
 SEVERITIES = ("P0", "P1", "P2", "P3")
 ALERT_STATUSES = ("firing", "resolved")
-ACTIONS = ("rollback", "pause", "resume", "stop", "skip_data", "checkpoint_now")
+ACTIONS = ("rollback", "pause", "resume", "stop", "skip_data", "checkpoint_now", "adjust", "rerun_step")
+# What an ``adjust`` may scale, and the hard limits a trainer refuses a signed value outside of
+# (the rules file's ``adjust_bounds`` narrow them for the worker).
+ADJUST_LIMITS = {"lr_scale": (0.001, 10.0), "kl_coef_scale": (0.01, 100.0), "clip_range_scale": (0.01, 10.0)}
+RERUN_RESULT_TEXT = 64  # an ack's rerun result: the losses as short text
 ACK_STATUSES = ("applied", "rejected", "failed")
 OPERATOR_ACTIONS = ("silence", "unsilence", "ack", "resolve")
 LIFECYCLE_EVENTS = ("started", "finished", "heartbeat", "rolled_back", "paused", "resumed", "stopped")
@@ -127,27 +131,62 @@ def lifecycle_event(run_id: str, what: str, *, step: int | None = None, ts: floa
 
 
 def ack_event(command_id: str, run_id: str, status: str, detail: str = "", *, step: int | None = None,
-              ts: float | None = None) -> dict:
+              ts: float | None = None, result: dict | None = None) -> dict:
+    """An ack; ``result``: a rerun's verdict (``{"reproduced": bool, "step", "first", "again"}``)."""
     event: dict[str, Any] = {"schema": ACK, "command_id": command_id, "run_id": run_id, "status": status,
                              "detail": detail, "ts": time.time() if ts is None else ts}
     if step is not None:
         event["step"] = step
+    if result is not None:
+        event["result"] = result
+        _check_result(event)
     return event
 
 
 def command_event(run_id: str, action: str, *, target: dict | None = None, detail: str = "",
                   reason: list[str] | None = None, ttl_s: float = 300.0, skip_batches: int | None = None,
-                  issued: float | None = None, command_id: str | None = None) -> dict:
+                  issued: float | None = None, command_id: str | None = None,
+                  params: dict | None = None) -> dict:
     """A control command, validated (SchemaError names the bad field). ``reason`` holds the
-    alert ids behind it (none for a command an operator sends by hand)."""
+    alert ids behind it (none for a command an operator sends by hand). ``params``: an
+    ``adjust``'s scales (inside :data:`ADJUST_LIMITS`), a ``rerun_step``'s ``step``."""
     issued = time.time() if issued is None else issued
     event: dict[str, Any] = {"schema": COMMAND, "id": command_id or uuid.uuid4().hex[:20], "run_id": run_id,
                              "action": action, "target": target, "reason": list(reason or ()),
                              "issued": issued, "expires": issued + ttl_s, "detail": detail}
     if skip_batches:
         event["skip_batches"] = skip_batches
+    if params is not None:
+        event["params"] = params
     _validate_command(event)
+    problem = command_problem(event)
+    if problem:
+        raise _fail("params", problem)
     return event
+
+
+def command_problem(command: dict) -> str | None:
+    """Why a well-formed command cannot be applied as it stands (a signed but absurd value: an
+    ``adjust`` outside :data:`ADJUST_LIMITS`, NaN, or with nothing to adjust), else None. The
+    trainer acks such a command ``rejected`` with this reason."""
+    params = command.get("params") or {}
+    if command["action"] == "adjust":
+        if not params:
+            return "an adjust without parameters"
+        for name, value in params.items():
+            if name not in ADJUST_LIMITS:
+                return f"unknown adjust parameter {name[:40]!r}; allowed: {', '.join(ADJUST_LIMITS)}"
+            lo, hi = ADJUST_LIMITS[name]
+            if type(value) not in (int, float):
+                return f"{name} must be a number, got {type(value).__name__}"
+            if not lo <= value <= hi:  # NaN fails the comparison too
+                return f"{name} {value:g} is outside the hard limits [{lo:g}, {hi:g}]"
+    elif command["action"] == "rerun_step":
+        if set(params) - {"step"} or ("step" in params and type(params["step"]) is not int):
+            return "a rerun_step's only parameter is step, an integer"
+    elif params:
+        return f"a {command['action']} takes no parameters"
+    return None
 
 
 def stable_id(*parts) -> str:
@@ -441,6 +480,9 @@ def _validate_command(event: dict) -> None:
     if expires < issued:
         raise _fail("expires", "is earlier than issued")
     _int(event, "skip_batches", required=False)
+    params = _dict(event, "params")
+    if params is not None and (len(params) > 8 or any(len(k) > MAX_NAME_LEN for k in params)):
+        raise _fail("params", "at most 8 parameters with short names")
     signature = _dict(event, "signature")
     if signature is not None:
         for f in ("key_id", "nonce", "mac"):
@@ -454,6 +496,22 @@ def _validate_ack(event: dict) -> None:
     _str(event, "detail", required=False)
     _time(event, "ts")
     _int(event, "step", required=False)
+    _check_result(event)
+
+
+def _check_result(event: dict) -> None:
+    """An ack's rerun verdict: ``reproduced`` (a boolean), the step, the two losses as short text."""
+    result = _dict(event, "result")
+    if result is None:
+        return
+    extra = set(result) - {"reproduced", "step", "first", "again"}
+    if extra:
+        raise _fail("result", f"unknown field {sorted(extra)[0][:40]!r}")
+    if type(result.get("reproduced")) is not bool:
+        raise _fail("result.reproduced", "must be true or false")
+    _int(result, "step", required=False, prefix="result.")
+    for f in ("first", "again"):
+        _str(result, f, required=False, max_len=RERUN_RESULT_TEXT, prefix="result.")
 
 
 def _validate_report(event: dict) -> None:

@@ -6,9 +6,14 @@ onset (its first critical step, or the first warning still open on the same metr
 that came earlier), while no critical alert was open, and (optionally) at least
 ``rollback_min_steps_before_onset`` steps before it. It asks to skip the batches that led
 into the failure (``skip_batches``: a number, or ``auto`` for the ones between the
-checkpoint and the last critical step). With no safe checkpoint, with more than
-``max_rollbacks_per_hour`` rollbacks, or when the same incident comes back within
-``recurrence_steps`` after a rollback, it stops the run instead of looping forever.
+checkpoint and the last critical step). With no safe checkpoint or with more than
+``max_rollbacks_per_hour`` rollbacks it stops the run instead of looping forever. When the same
+incident comes back within ``recurrence_steps`` after a rollback it climbs a bounded ladder
+(``ladder``): ``wider_rewinds`` rollbacks each to a healthy checkpoint older than the last one
+with twice the skip, then an ``adjust`` (the rules file's ``adjust`` scales, within
+``adjust_bounds``) after one more such rollback, and only then a stop. A NaN first asks the
+trainer to rerun the step (``rerun_on_nan``): a result that does not reproduce is a transient
+(hardware) fault, rolled back plainly; one that does is numeric and goes on the ladder.
 It then waits for the trainer to report the rollback (a ``rolled_back`` lifecycle event)
 before it counts again, so one incident yields one command, and a replayed event yields
 the same command id.
@@ -24,14 +29,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
-from trainguard.schemas.events import command_event, stable_id
+from trainguard.schemas.events import ADJUST_LIMITS, command_event, stable_id
 
 ARMED, AWAITING, STOPPED = "armed", "awaiting", "stopped"
+RERUN = "rerun"  # waiting for the trainer's verdict on a rerun of the NaN step
 # How far before the critical onset a warning on the same metrics may date the incident's start:
 # a drift or a spike warns a few steps before it turns critical, not hundreds.
 WARNING_LOOKBACK_STEPS = 20
 
 ON_COMMAND_FAILURE = ("rearm", "stop")
+RERUN_ON_NAN = ("auto", True, False)
+MAX_WIDER_REWINDS = 5
+# What a trainer's ``started`` event may say it can apply beyond the basic commands.
+ANNOUNCED = ("adjust", "rerun_step")
+NUMERIC, HARDWARE = "numeric", "hardware"
 
 
 def _number(key: str, v, *, integer: bool = False, minimum: float | None = None) -> None:
@@ -54,6 +65,11 @@ class Policy:
     recurrence_steps: int = 200
     step_sources: tuple[str, ...] = ("trainer",)  # source kinds whose events are the run's steps
     on_command_failure: str = "rearm"       # or "stop": the trainer failed or refused a rollback
+    wider_rewinds: int = 1                  # ladder rungs that rewind further, each with twice the skip
+    adjust: dict = field(default_factory=lambda: {"lr_scale": 0.5})  # the adjust rung ({}: none)
+    adjust_bounds: dict = field(default_factory=lambda: {"lr_scale": [0.1, 1.0], "kl_coef_scale": [1.0, 10.0],
+                                                         "clip_range_scale": [0.1, 1.0]})
+    rerun_on_nan: bool | str = "auto"       # auto: when the run's trainer announced it can rerun a step
 
     def __post_init__(self) -> None:
         _number("consecutive_critical", self.consecutive_critical, integer=True, minimum=1)
@@ -71,6 +87,19 @@ class Policy:
         if not isinstance(kinds, (list, tuple)) or not all(isinstance(k, str) for k in kinds):
             raise ValueError(f"'step_sources' must be a list of source kinds, got {self.step_sources!r}")
         object.__setattr__(self, "step_sources", tuple(kinds))
+        _number("wider_rewinds", self.wider_rewinds, integer=True, minimum=0)
+        if self.wider_rewinds > MAX_WIDER_REWINDS:
+            raise ValueError(f"'wider_rewinds' must be <= {MAX_WIDER_REWINDS}, got {self.wider_rewinds}")
+        if self.rerun_on_nan not in RERUN_ON_NAN or (self.rerun_on_nan in (0, 1) and not isinstance(
+                self.rerun_on_nan, bool)):
+            raise ValueError(f"'rerun_on_nan' must be auto, true or false, got {self.rerun_on_nan!r}")
+        object.__setattr__(self, "adjust_bounds", _bounds(self.adjust_bounds))
+        object.__setattr__(self, "adjust", _adjust(self.adjust, self.adjust_bounds))
+
+    @property
+    def rungs(self) -> int:
+        """The recovery ladder's rungs: the rollback, the wider rewinds, the adjust."""
+        return 1 + self.wider_rewinds + (1 if self.adjust else 0)
 
     @classmethod
     def from_settings(cls, settings: dict) -> "Policy":
@@ -80,6 +109,41 @@ class Policy:
             if key not in names:
                 raise ValueError(f"unknown policy setting {key!r}; allowed: {', '.join(names)}")
         return cls(**settings)
+
+
+def _plain_map(key: str, v) -> dict:
+    if not isinstance(v, dict):
+        raise ValueError(f"'{key}' must be a mapping, got {v!r}")
+    return {k: x for k, x in v.items() if k != "__line__"}  # the rules loader's line marks
+
+
+def _bounds(v) -> dict:
+    """``adjust_bounds``: per parameter [low, high], inside the hard limits a trainer enforces."""
+    bounds = {}
+    for name, pair in _plain_map("adjust_bounds", v).items():
+        if name not in ADJUST_LIMITS:
+            raise ValueError(f"'adjust_bounds': unknown parameter {name!r}; allowed: {', '.join(ADJUST_LIMITS)}")
+        lo, hi = ADJUST_LIMITS[name]
+        if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in pair)
+                or not lo <= pair[0] <= pair[1] <= hi):
+            raise ValueError(f"'adjust_bounds.{name}' must be [low, high] with {lo} <= low <= high <= {hi}, "
+                             f"got {pair!r}")
+        bounds[name] = [float(pair[0]), float(pair[1])]
+    return bounds
+
+
+def _adjust(v, bounds: dict) -> dict:
+    """``adjust``: the scales the adjust rung sends, each inside its ``adjust_bounds``."""
+    scales = {}
+    for name, x in _plain_map("adjust", v).items():
+        if name not in bounds:
+            raise ValueError(f"'adjust': {name!r} has no adjust_bounds; bounded: {', '.join(bounds) or 'none'}")
+        lo, hi = bounds[name]
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not lo <= x <= hi:
+            raise ValueError(f"'adjust.{name}' must be a number in [{lo}, {hi}] (adjust_bounds), got {x!r}")
+        scales[name] = float(x)
+    return scales
 
 
 DEFAULTS = Policy()
@@ -106,6 +170,14 @@ class BreakerState:
     restored_step: int | None = None                     # where the last rollback landed
     last_rules: list[str] = field(default_factory=list)  # the incident behind the last rollback
     began: tuple[int, str] | None = None                 # (step, rule) of the incident's first warning
+    # The recovery ladder so far for the incident that keeps coming back: one entry per rung
+    # climbed ({"rung", "action", "step": checkpoint restored, "skip"}); empty for a new incident.
+    ladder: list[dict] = field(default_factory=list)
+    adjust_id: str | None = None                         # the adjust sent with the last rung
+    can: list[str] = field(default_factory=list)         # what the trainer announced it can apply
+    verdict: str | None = None                           # numeric | hardware: the last rerun's answer
+    suspect: str | None = None                           # the host the NaN step came from
+    diagnosis: str = ""                                  # the incident's diagnosis, kept over a rerun
 
     def to_state(self) -> dict:
         return self.__dict__.copy()
@@ -124,6 +196,9 @@ class Decision:
     checkpoint: dict | None
     candidates: list[dict]
     onset: int | None = None       # where the incident began: its first warning, else its first critical step
+    then: list[dict] = field(default_factory=list)  # commands that follow it (the ladder's adjust)
+    verdict: str | None = None     # numeric | hardware: what a rerun of the NaN step said
+    rung: int | None = None        # the recovery ladder's rung this rollback is
 
 
 def safe_checkpoint(checkpoints: list[dict], onset_step: int, onset_ts: float | None,
@@ -149,7 +224,8 @@ def safe_checkpoint(checkpoints: list[dict], onset_step: int, onset_ts: float | 
 def on_step(state: BreakerState, policy: Policy, *, run_id: str, step: int, ts: float, critical: bool,
             alert_ids: list[str], rules: list[str], checkpoints: list[dict], diagnosis: str,
             immediate: bool = False, now: float | None = None,
-            ids: Callable[[str], str] = _plain, began: tuple[int, str] | None = None) -> Decision | None:
+            ids: Callable[[str], str] = _plain, began: tuple[int, str] | None = None,
+            host: str | None = None) -> Decision | None:
     """Feed one trainer step; return a decision (with an unsigned command) when the breaker trips.
 
     ``immediate``: a critical rule that cannot wait holds (a NaN loss, which the next optimiser
@@ -159,9 +235,18 @@ def on_step(state: BreakerState, policy: Policy, *, run_id: str, step: int, ts: 
 
     ``began``: the step (and rule) of the earliest alert still open on the critical alerts'
     metrics. The checkpoint must be older than it too: one saved after the warning and before
-    the critical step already holds the change."""
+    the critical step already holds the change.
+
+    ``host``: where the step's event came from, named when a rerun says the fault was the hardware's."""
     if state.status == STOPPED:
         return None
+    if state.status == RERUN:
+        if ts <= state.command_expires:
+            return None  # the trainer is rerunning the step: its verdict decides
+        state.status, state.verdict = ARMED, None  # no verdict in time: decide as before
+        return _decide(state, policy, run_id=run_id, step=state.last_step if state.last_step is not None else step,
+                       ts=ts, checkpoints=checkpoints, diagnosis=state.diagnosis or diagnosis,
+                       now=ts if now is None else now, ids=ids)
     if state.status == AWAITING:
         if ts <= state.command_expires:
             return None
@@ -190,6 +275,10 @@ def on_step(state: BreakerState, policy: Policy, *, run_id: str, step: int, ts: 
     if state.streak < policy.consecutive_critical:
         if not immediate or _safe(state, policy, checkpoints)[0] is None:
             return None
+    if immediate and _wants_rerun(state, policy) and not _recurred(state, policy):
+        state.suspect = host[:256] if isinstance(host, str) and host else None
+        return _ask_rerun(state, policy, run_id=run_id, step=step, ts=ts, checkpoints=checkpoints,
+                          diagnosis=diagnosis, now=ts if now is None else now, ids=ids)
     return _decide(state, policy, run_id=run_id, step=step, ts=ts, checkpoints=checkpoints, diagnosis=diagnosis,
                    now=ts if now is None else now, ids=ids)
 
@@ -219,44 +308,155 @@ def _earlier_warning(state: BreakerState) -> tuple[int, str] | None:
     return int(began[0]), str(began[1])
 
 
+def _recurred(state: BreakerState, policy: Policy) -> bool:
+    """Whether the incident is the one the last rollback was for, back within recurrence_steps."""
+    return bool(state.restored_step is not None and state.onset_step is not None
+                and set(state.rules) & set(state.last_rules)
+                and state.onset_step - state.restored_step <= policy.recurrence_steps)
+
+
+def _wants_rerun(state: BreakerState, policy: Policy) -> bool:
+    if policy.rerun_on_nan == "auto":
+        return "rerun_step" in state.can
+    return policy.rerun_on_nan is True
+
+
+def _checkpoint_at(checkpoints: list[dict], step: int) -> dict | None:
+    return next((c for c in reversed(checkpoints) if c["step"] == step and c.get("healthy", True)), None)
+
+
+def _climb(state: BreakerState, policy: Policy, checkpoints: list[dict], step: int
+           ) -> tuple[int, dict | None, int, bool, str]:
+    """The next rung for an incident that came back: (rung, target, skip, with adjust, why)."""
+    assert state.restored_step is not None and state.onset_step is not None
+    again = ", ".join(sorted(set(state.rules) & set(state.last_rules)))
+    came = (f"the same incident ({again}) came back at step {state.onset_step}, "
+            f"{state.onset_step - state.restored_step} steps after the rollback to step {state.restored_step}")
+    # A state saved before the ladder existed knows only where the last rollback landed.
+    last = state.ladder[-1] if state.ladder else {"rung": 1, "step": state.restored_step,
+                                                  "skip": max(0, step - state.restored_step)}
+    rung = int(last["rung"]) + 1
+    if rung > policy.rungs:
+        return rung, None, 0, False, (f"{came}; the recovery ladder's {policy.rungs} rung(s) are spent: "
+                                      f"rolling back again would loop")
+    skip = 2 * max(1, int(last.get("skip") or 0))
+    adjust = bool(policy.adjust) and rung == policy.rungs
+    if not adjust:
+        older, _ = safe_checkpoint(checkpoints, int(last["step"]), None)
+        if older is not None:
+            return rung, older, skip, False, (f"rung {rung} of {policy.rungs}: wider rewind to step "
+                                              f"{older['step']}, skipping {skip} batches, because {came}")
+        if not policy.adjust:
+            return rung, None, 0, False, (f"{came}, and no healthy checkpoint is older than step {last['step']}: "
+                                          f"rolling back again would loop")
+        rung, adjust = policy.rungs, True  # nothing older to rewind to: on to the adjust
+    target = _checkpoint_at(checkpoints, int(last["step"])) or safe_checkpoint(checkpoints, int(last["step"]), None)[0]
+    if target is None:
+        return rung, None, 0, False, f"{came}, and the checkpoint of step {last['step']} is gone: stopping"
+    scales = ", ".join(f"{k} {v:g}" for k, v in policy.adjust.items())
+    return rung, target, skip, True, (f"rung {rung} of {policy.rungs}: adjust ({scales}) and rewind to step "
+                                      f"{target['step']}, skipping {skip} batches, because {came}")
+
+
 def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoints, diagnosis, now,
             ids) -> Decision:
     onset = state.onset_step
     assert onset is not None  # on_step set it with the streak's first step
     recent = [t for t in state.rollback_ts if ts - t < 3600]
-    recurred = (state.restored_step is not None and set(state.rules) & set(state.last_rules)
-                and onset - state.restored_step <= policy.recurrence_steps)
     target, why, began = _safe(state, policy, checkpoints)
-    if recurred:
-        assert state.restored_step is not None  # recurred implies it
-        target, why = None, (f"the same incident ({', '.join(sorted(set(state.rules) & set(state.last_rules)))}) "
-                             f"came back {onset - state.restored_step} steps after the rollback to step "
-                             f"{state.restored_step}: rolling back again would loop")
-    elif len(recent) >= policy.max_rollbacks_per_hour:
+    verdict, state.verdict = state.verdict, None
+    rung, skip, adjust = 1, None, False
+    if _recurred(state, policy):
+        rung, target, skip, adjust, why = _climb(state, policy, checkpoints, step)
+    elif target is not None:
+        skip = step - target["step"] if policy.skip_batches == "auto" else int(policy.skip_batches)
+        state.ladder = []
+        plain = f"rung 1 of {policy.rungs}: rollback to step {target['step']}"
+        why = f"{plain}, skipping {skip} batches; {why}" if skip and skip > 0 else f"{plain}; {why}"
+    if verdict == HARDWARE:
+        why += ("; the rerun did not reproduce the NaN: a transient (hardware) fault"
+                + (f" on host {state.suspect}: cordon it" if state.suspect else "") + ", so no escalation")
+    elif verdict == NUMERIC:
+        why += "; the rerun reproduced the NaN: numeric (the state and the data), not the hardware"
+    if target is not None and len(recent) >= policy.max_rollbacks_per_hour:
         target, why = None, (f"{len(recent)} rollbacks in the last hour reached max_rollbacks_per_hour="
                              f"{policy.max_rollbacks_per_hour}")
     action = "rollback" if target is not None else "stop"
-    skip: int | None = None
-    if target is not None:
-        skip = step - target["step"] if policy.skip_batches == "auto" else int(policy.skip_batches)
+    reason = state.alert_ids[-20:]
     command = command_event(
         run_id, action, command_id=ids(stable_id(run_id, action, onset, state.attempt)), issued=now,
-        ttl_s=float(policy.command_ttl_s), reason=state.alert_ids[-20:],
+        ttl_s=float(policy.command_ttl_s), reason=reason,
         target={"step": target["step"], "path": target["path"]} if target else None,
-        skip_batches=skip if skip and skip > 0 else None,
+        skip_batches=skip if target is not None and skip and skip > 0 else None,
         detail=(f"{state.streak} consecutive critical steps from step {onset}" if state.streak > 1 else
                 f"a critical step that cannot wait at step {onset}") + f": {diagnosis}. {why}.")
+    then: list[dict] = []
+    state.adjust_id = None
+    if action == "rollback" and adjust:  # after the restore, which loads the checkpoint's learning rates
+        then.append(command_event(
+            run_id, "adjust", command_id=ids(stable_id(run_id, "adjust", onset, state.attempt)), issued=now,
+            ttl_s=float(policy.command_ttl_s), reason=reason, params=dict(policy.adjust),
+            detail=f"{why}; applied after the rollback to step {target['step'] if target else '?'}"))
+        state.adjust_id = then[0]["id"]
     candidates = [c for c in checkpoints][-10:]
     state.command_id = command["id"]
     state.command_expires = ts + float(policy.command_ttl_s)  # event time: replays wait the same
     if action == "rollback":
+        assert target is not None
         state.status = AWAITING
         state.rollback_ts = recent + [ts]
         state.last_rules = list(state.rules)
+        state.ladder = (state.ladder + [{"rung": rung, "action": "adjust" if adjust else "rollback",
+                                         "step": int(target["step"]), "skip": int(skip or 0)}])[-(policy.rungs + 1):]
     else:
         state.status = STOPPED
     state.streak, state.alert_ids, state.began = 0, [], None
-    return Decision(command, why, target, candidates, onset=began)
+    return Decision(command, why, target, candidates, onset=began, then=then, verdict=verdict,
+                    rung=rung if action == "rollback" else None)
+
+
+def _ask_rerun(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoints, diagnosis, now,
+               ids) -> Decision:
+    """Before rolling back a NaN, ask the trainer to repeat the step on the same batch and seed."""
+    onset = state.onset_step
+    assert onset is not None
+    why = (f"asking the trainer to rerun step {step} on the same batch and seed: a NaN that reproduces is "
+           f"numeric (the ladder of rollbacks), one that does not is a transient hardware fault"
+           + (f" (host {state.suspect})" if state.suspect else "") + "; the rollback follows the verdict, or "
+           f"the command's expiry ({float(policy.command_ttl_s):g} s) without one")
+    command = command_event(
+        run_id, "rerun_step", command_id=ids(stable_id(run_id, "rerun_step", onset, state.attempt)), issued=now,
+        ttl_s=float(policy.command_ttl_s), reason=state.alert_ids[-20:], params={"step": int(step)},
+        detail=f"a critical step that cannot wait at step {onset}: {diagnosis}. {why}.")
+    state.status, state.command_id = RERUN, command["id"]
+    state.command_expires = ts + float(policy.command_ttl_s)
+    state.diagnosis = diagnosis[:1000]
+    return Decision(command, why, None, [c for c in checkpoints][-10:], onset=onset)
+
+
+def on_rerun_verdict(state: BreakerState, policy: Policy, *, run_id: str, command_id: str, status: str,
+                     result: dict | None, ts: float, checkpoints: list[dict], now: float | None = None,
+                     ids: Callable[[str], str] = _plain) -> tuple[bool, Decision | None]:
+    """The trainer answered the rerun the breaker waits for: ``applied`` with ``result.reproduced``
+    labels the incident numeric or hardware; anything else is no verdict. Either way the breaker
+    now decides as it would have (a hardware verdict: a plain rollback, no escalation). Returns
+    ``(handled, decision)``; not handled when it is not the rerun the breaker waits for."""
+    if state.status != RERUN or command_id != state.command_id or state.onset_step is None:
+        return False, None
+    reproduced = result.get("reproduced") if status == "applied" and isinstance(result, dict) else None
+    state.verdict = NUMERIC if reproduced is True else HARDWARE if reproduced is False else None
+    if state.verdict == HARDWARE and _recurred(state, policy):
+        state.verdict = None  # back at its step after a rollback: that is not a transient fault
+    state.status = ARMED
+    step = state.last_step if state.last_step is not None else state.onset_step
+    return True, _decide(state, policy, run_id=run_id, step=step, ts=ts, checkpoints=checkpoints,
+                         diagnosis=state.diagnosis, now=ts if now is None else now, ids=ids)
+
+
+def on_started(state: BreakerState, detail: dict | None) -> None:
+    """The trainer's ``started`` event: what it says it can apply (``detail.can``), bounded."""
+    can = (detail or {}).get("can")
+    state.can = [c for c in ANNOUNCED if isinstance(can, list) and c in can]
 
 
 def on_command_refused(state: BreakerState, policy: Policy, *, run_id: str, command_id: str, status: str,
@@ -266,9 +466,21 @@ def on_command_refused(state: BreakerState, policy: Policy, *, run_id: str, comm
     would have no breaker until the command expired. Returns ``(handled, stop command or None)``:
     not handled when it is not the command the breaker waits for (an old one, a hand-sent one,
     an ack read twice). ``on_command_failure: rearm`` counts critical steps afresh at once;
-    ``stop`` asks the trainer to stop (a rollback it cannot apply will not get better)."""
+    ``stop`` asks the trainer to stop (a rollback it cannot apply will not get better).
+    The ladder's ``adjust`` refused: its next rung, a stop, whatever ``on_command_failure`` says."""
+    if state.adjust_id is not None and command_id == state.adjust_id and state.status != STOPPED:
+        state.adjust_id, state.status = None, STOPPED
+        command = command_event(run_id, "stop", command_id=ids(stable_id(run_id, "stop", command_id)),
+                                issued=ts if now is None else now, ttl_s=float(policy.command_ttl_s),
+                                detail=f"the trainer {status} the adjust {command_id} ({detail}): the recovery "
+                                       f"ladder's last rung is a stop")
+        state.command_id = command["id"]
+        return True, command
     if state.status != AWAITING or command_id != state.command_id:
         return False, None
+    if state.ladder:
+        state.ladder.pop()  # a rung the trainer did not apply was not climbed
+        state.adjust_id = None
     state.streak, state.onset_step, state.onset_ts, state.alert_ids, state.rules = 0, None, None, [], []
     state.last_step, state.began = None, None
     if policy.on_command_failure != "stop":

@@ -265,17 +265,21 @@ def test_run_quick_prints_the_summary_json_last():
     assert all(table[k] == "1.00" for k in FAULTS)
 
 
-def test_the_closed_loop_cures_a_transient_nan_stops_a_recurring_one_and_leaves_a_hung_reward_model_alone():
+def test_the_closed_loop_cures_a_transient_nan_and_a_recurring_one_and_leaves_a_hung_reward_model_alone():
     recovery = _evaluation_module("recovery")
 
     from trainguard.streams import rules
 
     default = rules.default()
     transient = recovery.run_one("nan_transient", 0, default)
-    assert transient.commands == ["rollback"] and transient.recovered, transient
+    assert transient.commands == ["rerun_step", "rollback"] and transient.recovered, transient
+    assert transient.verdicts == ["hardware"], "the rerun did not reproduce it"
     assert 0 < transient.steps_lost <= recovery.CHECKPOINT_EVERY  # back to the checkpoint before the NaN
     recurring = recovery.run_one("nan_recurring", 0, default)
-    assert recurring.commands == ["rollback", "stop"] and recurring.stopped and not recurring.recovered
+    # numeric: a rollback, a wider rewind, then a rollback with the adjust that clears it
+    assert recurring.commands == ["rerun_step", "rollback", "rollback", "rollback", "adjust"], recurring
+    assert recurring.verdicts == ["numeric"] and recurring.lr_scale == 0.5
+    assert recurring.recovered and not recurring.stopped
     hang = recovery.run_one("reward_model_hang", 0, default)
     assert hang.commands == [] and hang.recovered, "the guard's fallback carries the run: nothing to roll back"
 

@@ -19,12 +19,14 @@ class ScriptedListener:
     def __init__(self):
         self.queue: list[list[dict]] = []   # one list per poll_all() call
         self.acks: list[tuple[str, str, str]] = []
+        self.results: list = []
 
     def poll_all(self):
         return self.queue.pop(0) if self.queue else []
 
-    def ack(self, command, status, detail="", step=None):
+    def ack(self, command, status, detail="", step=None, result=None):
         self.acks.append((command["id"], status, detail))
+        self.results.append(result)
 
     def time_left(self, command):
         return command["expires"] - time.time()
@@ -121,6 +123,80 @@ def test_failures_are_acked_never_raised(setup, tmp_path):
     assert guard.save_checkpoint(10) is None and guard.failures == 2
 
 
+def test_adjust_scales_the_learning_rate_and_refuses_what_it_cannot_apply(tmp_path):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1000)
+    listener = ScriptedListener()
+    guard = Guard("r", model, opt, tmp_path, scheduler=scheduler, logger=RecordingLogger(), listener=listener)
+    assert guard.can() == ["adjust"], "no rerun unless asked for"
+    listener.queue = [[cmd("adjust", id="a", params={"lr_scale": 0.5}),
+                       cmd("adjust", id="b", params={"lr_scale": 0.5, "kl_coef_scale": 2.0})]]
+    d = guard.step_boundary(3)
+    assert [(i, s) for i, s, _ in listener.acks] == [("a", "applied"), ("b", "rejected")]
+    assert "kl_coef_scale" in listener.acks[1][2] and "nothing was changed" in listener.acks[1][2]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05), "applied once: the refused one changed nothing"
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05), "the schedule goes on from the scaled rate"
+    assert d.extra["adjusted"] == {"lr_scale": 0.5}
+
+
+def _rerun_guard(tmp_path, flaky_at=None, poison_at=None):
+    """A real model trained through run_step; ``flaky_at``: that step's first run turns NaN (a
+    transient fault); ``poison_at``: that step's batch always does (numeric)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    listener = ScriptedListener()
+    guard = Guard("r", model, opt, tmp_path, logger=RecordingLogger(), listener=listener, rerun=True)
+    runs = {}
+
+    def step_fn(batch):
+        step, x = batch
+        runs[step] = runs.get(step, 0) + 1
+        x = x * torch.randn(1).abs()  # the RNG matters: a rerun must draw the same
+        if step == poison_at or (step == flaky_at and runs[step] == 1):
+            x = x * float("inf")
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    for step in range(1, 8):
+        loss = guard.run_step(step, (step, torch.ones(8, 4)), step_fn)
+        guard.log({"train/loss": loss.item()}, step)
+    return guard, model, opt, listener
+
+
+@pytest.mark.parametrize("fault, reproduced", [("flaky_at", False), ("poison_at", True), (None, True)])
+def test_a_rerun_repeats_the_kept_step_and_puts_the_run_back(tmp_path, fault, reproduced):
+    guard, model, opt, listener = _rerun_guard(tmp_path, **({fault: 5} if fault else {}))
+    assert guard.can() == ["adjust", "rerun_step"]
+    weights = model.weight.detach().clone()
+    rng = torch.get_rng_state()
+    want = 5 if fault else 7  # the first of the non-finite steps, else the last step
+    listener.queue = [[cmd("rerun_step", params={"step": want})]]
+    guard.step_boundary(7)
+    assert listener.acks[0][1] == "applied", listener.acks
+    result = listener.results[0]
+    assert result["reproduced"] is reproduced and result["step"] == want
+    assert ("not reproduced (transient: hardware)" if not reproduced else "reproduced (numeric)") in listener.acks[0][2]
+    assert torch.equal(model.weight, weights) or not torch.isfinite(weights).all(), "the run is where it was"
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_rerun_of_a_step_that_is_not_kept_is_refused(setup, tmp_path):
+    guard, model, opt, listener, logger = setup
+    listener.queue = [[cmd("rerun_step", id="a", params={"step": 3})]]
+    guard.step_boundary(3)
+    assert listener.acks[0][1] == "rejected" and "no step kept for a rerun" in listener.acks[0][2]
+    guard, model, opt, listener = _rerun_guard(tmp_path)
+    listener.queue = [[cmd("rerun_step", id="b", params={"step": 2})]]
+    guard.step_boundary(7)
+    assert listener.acks[0][1] == "rejected" and "the kept step is 7" in listener.acks[0][2]
+
+
 def test_no_checkpoint_after_a_non_finite_step(setup, tmp_path):
     guard, model, opt, listener, logger = setup
     guard.log({"train/loss": float("nan")}, 5)
@@ -162,3 +238,50 @@ def test_importing_the_integrations_package_does_not_import_torch():
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("beta", [0.04, None])
+def test_the_hf_callback_adjusts_the_lr_and_trls_beta_where_there_is_one(beta):
+    from types import SimpleNamespace
+
+    from trainguard.producers.integrations.hf import TrainguardCallback
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    listener = ScriptedListener()
+    trainer = SimpleNamespace(beta=beta) if beta is not None else SimpleNamespace()
+    cb = TrainguardCallback("r", rl=True, trainer=trainer, logger=RecordingLogger(), listener=listener)
+    state, control = SimpleNamespace(is_world_process_zero=True, global_step=7), SimpleNamespace()
+    cb.on_train_begin(None, state, control)
+    assert cb.guard.can() == (["adjust"])
+    listener.queue = [[cmd("adjust", id="a", params={"lr_scale": 0.5, "kl_coef_scale": 2.0})]]
+    cb.on_step_end(None, state, control, model=model, optimizer=opt, lr_scheduler=scheduler)
+    if beta is None:
+        assert listener.acks[0][1] == "rejected" and "cannot apply kl_coef_scale" in listener.acks[0][2]
+        assert opt.param_groups[0]["lr"] == pytest.approx(1e-4), "all or nothing"
+    else:
+        assert listener.acks[0][1] == "applied", listener.acks
+        assert trainer.beta == pytest.approx(0.08) and opt.param_groups[0]["lr"] == pytest.approx(5e-5)
+        scheduler.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(5e-5), "the schedule keeps the scaled rate"
+
+
+def test_the_verl_backend_scales_the_in_reward_kl_coefficient_and_refuses_the_lr():
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.core_algos import AdaptiveKLController
+
+    from trainguard.producers.integrations.verl import VerlBackend
+
+    ctrl = AdaptiveKLController(init_kl_coef=0.02, target_kl=0.1, horizon=10000)
+    listener = ScriptedListener()
+    backend = VerlBackend("r", trainer=SimpleNamespace(kl_ctrl_in_reward=ctrl, total_training_steps=100),
+                          logger=RecordingLogger(), listener=listener)
+    assert backend.can() == ["adjust"]
+    listener.queue = [[cmd("adjust", id="a", params={"kl_coef_scale": 2.0}),
+                       cmd("adjust", id="b", params={"lr_scale": 0.5}), cmd("rerun_step", id="c")]]
+    backend.log({"actor/pg_loss": 0.1}, 5)
+    assert [(i, s) for i, s, _ in listener.acks] == [("a", "applied"), ("b", "rejected"), ("c", "rejected")]
+    assert ctrl.value == pytest.approx(0.04) and "cannot apply lr_scale" in listener.acks[1][2]
+    assert VerlBackend("r2", trainer=SimpleNamespace(), logger=RecordingLogger(), listener=listener).can() == []

@@ -114,7 +114,7 @@ def test_rollbacks_can_be_asked_to_land_well_before_the_onset():
 
 
 def test_a_fault_that_persists_after_rollback_ends_in_a_stop_with_a_diagnosis_report(tmp_path):
-    r = Run(Engine(ruleset()))
+    r = Run(Engine(ruleset(wider_rewinds=0, adjust={})))  # a ladder of one rung: the rollback
     r.sim.inject("kl_explosion", at_step=70, recur=True)  # the bad data comes back after every restore
     r.run(200)
     commands = r.of("command")
@@ -300,3 +300,240 @@ def test_an_event_stamped_with_an_old_step_chooses_no_checkpoint_and_cancels_no_
     assert rollback_target(None) == [("rollback", 400)]
     assert rollback_target(150) == [("rollback", 400)], "not steered back to step 100"
     assert rollback_target(3) == [("rollback", 400)], "not cancelled for want of a checkpoint before step 3"
+
+
+# -- the recovery ladder ------------------------------------------------------------------------
+
+
+def test_an_incident_that_keeps_coming_back_climbs_the_ladder_and_only_then_stops():
+    r = Run(Engine(ruleset()), checkpoint_every=10)
+    r.sim.inject("kl_explosion", at_step=70, recur=True)  # back at its step after every restore
+    r.run(300)
+    commands = r.of("command")
+    assert [c["action"] for c in commands] == ["rollback", "rollback", "rollback", "adjust", "stop"]
+    first, wider, last, adjust, stop = commands
+    assert wider["target"]["step"] < first["target"]["step"], "a wider rewind lands before the last one"
+    assert wider["skip_batches"] == 2 * first["skip_batches"]
+    assert adjust["params"] == {"lr_scale": 0.5}, "the rules file's adjust, nothing else"
+    assert last["target"]["step"] == wider["target"]["step"] and last["skip_batches"] == 2 * wider["skip_batches"]
+    reports = {rep["command_id"]: rep for rep in r.of("report")}
+    assert adjust["report"] == last["report"] == reports[last["id"]]["id"], "one decision, one report"
+    why = [reports[c["id"]]["checkpoint"]["why"] for c in (first, wider, last, stop)]
+    assert why[0].startswith(f"rung 1 of 3: rollback to step {first['target']['step']}")
+    assert why[1].startswith(f"rung 2 of 3: wider rewind to step {wider['target']['step']}, skipping "
+                             f"{wider['skip_batches']} batches, because the same incident (kl_explosion) came back "
+                             f"at step "), why[1]
+    assert f"after the rollback to step {first['target']['step']}" in why[1]
+    assert why[2].startswith(f"rung 3 of 3: adjust (lr_scale 0.5) and rewind to step {last['target']['step']}")
+    assert "the recovery ladder's 3 rung(s) are spent" in why[3]
+    assert [reports[c["id"]]["history"].get("rung") for c in (first, wider, last)] == [1, 2, 3]
+    assert [rung["action"] for rung in reports[last["id"]]["history"]["ladder"]] == ["rollback", "rollback", "adjust"]
+    assert r.stopped
+    text = render_text(reports[wider["id"]])
+    assert f"rung 2 of 3: wider rewind to step {wider['target']['step']}" in text, "the person reads the rung"
+
+
+def test_the_ladder_starts_afresh_for_an_incident_after_the_recurrence_window():
+    r = Run(Engine(ruleset(recurrence_steps=0)), checkpoint_every=10)
+    r.sim.inject("nan_loss", at_step=50)
+    r.run(100)
+    r.sim.inject("nan_loss", at_step=120)
+    r.run(200)
+    reports = r.of("report")
+    assert [rep["action"] for rep in reports] == ["rollback", "rollback"]
+    assert all(rep["history"]["rung"] == 1 for rep in reports)
+
+
+def test_the_ladder_has_the_rungs_the_rules_file_gives_it():
+    assert policy.Policy().rungs == 3
+    assert policy.Policy(wider_rewinds=2).rungs == 4
+    assert policy.Policy(wider_rewinds=0, adjust={}).rungs == 1
+    r = Run(Engine(ruleset(wider_rewinds=2, adjust={"lr_scale": 0.25}, max_rollbacks_per_hour=4)),
+            checkpoint_every=10)
+    r.sim.inject("kl_explosion", at_step=90, recur=True)
+    r.run(400)
+    actions = [c["action"] for c in r.of("command")]
+    assert actions == ["rollback", "rollback", "rollback", "rollback", "adjust", "stop"]
+    targets = [c["target"]["step"] for c in r.of("command") if c["action"] == "rollback"]
+    assert targets[0] > targets[1] > targets[2] == targets[3]
+    assert [c for c in r.of("command") if c["action"] == "adjust"][0]["params"] == {"lr_scale": 0.25}
+
+
+def test_the_rollback_limit_per_hour_holds_on_the_ladder():
+    r = Run(Engine(ruleset(max_rollbacks_per_hour=2)), checkpoint_every=10)
+    r.sim.inject("kl_explosion", at_step=70, recur=True)
+    r.run(300)
+    assert [c["action"] for c in r.of("command")] == ["rollback", "rollback", "stop"]
+    assert "max_rollbacks_per_hour=2" in r.of("report")[-1]["checkpoint"]["why"]
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"adjust": {"lr_scale": 2.0}}, "'adjust.lr_scale' must be a number in [0.1, 1.0] (adjust_bounds), got 2.0"),
+    ({"adjust": {"lr_scale": float("nan")}}, "'adjust.lr_scale' must be a number in [0.1, 1.0]"),
+    ({"adjust": {"momentum": 0.5}}, "'adjust': 'momentum' has no adjust_bounds"),
+    ({"adjust": "half"}, "'adjust' must be a mapping"),
+    ({"adjust_bounds": {"lr_scale": [0.1, 1e9]}}, "'adjust_bounds.lr_scale' must be [low, high] with 0.001 <= low"),
+    ({"adjust_bounds": {"lr_scale": [0.9, 0.2]}}, "'adjust_bounds.lr_scale' must be [low, high]"),
+    ({"adjust_bounds": {"temperature": [0.1, 1]}}, "'adjust_bounds': unknown parameter 'temperature'"),
+    ({"wider_rewinds": -1}, "'wider_rewinds' must be >= 0"),
+    ({"wider_rewinds": 9}, "'wider_rewinds' must be <= 5"),
+    ({"rerun_on_nan": "sometimes"}, "'rerun_on_nan' must be auto, true or false"),
+    ({"rerun_on_nan": 1}, "'rerun_on_nan' must be auto, true or false"),
+])
+def test_ladder_settings_are_checked_as_the_policy_is_made(settings, message):
+    with pytest.raises(ValueError) as info:
+        policy.Policy.from_settings(settings)
+    assert message in str(info.value)
+
+
+def test_ladder_settings_come_from_the_rules_file(tmp_path):
+    from importlib import resources
+
+    default = resources.files("trainguard.rules").joinpath("default.yaml").read_text()
+    anchor = "  step_sources: [trainer]\n"
+    assert anchor in default
+    path = tmp_path / "rules.yaml"
+    path.write_text(default.replace(anchor, anchor + "  wider_rewinds: 2\n  adjust:\n    lr_scale: 0.3\n"
+                                    "  rerun_on_nan: true\n  adjust_bounds:\n    lr_scale: [0.2, 0.8]\n"))
+    p = rules_mod.load(str(path)).policy
+    assert (p.rungs, p.adjust, p.adjust_bounds, p.rerun_on_nan) == (4, {"lr_scale": 0.3}, {"lr_scale": [0.2, 0.8]},
+                                                                    True)
+    path.write_text(default.replace(anchor, anchor + "  adjust:\n    lr_scale: 0.05\n"))
+    with pytest.raises(ValueError, match=r"rules\.yaml:\d+: 'adjust\.lr_scale' must be a number in \[0\.1, 1\.0\]"):
+        rules_mod.load(str(path))
+
+
+def test_a_breaker_state_saved_before_the_ladder_loads_and_climbs_from_its_last_rollback():
+    old = {"status": "armed", "streak": 0, "attempt": 1, "rollback_ts": [1.7e9], "restored_step": 50,
+           "last_rules": ["nan_loss"], "command_id": "c1", "command_expires": 0.0}
+    state = policy.BreakerState.from_state(old)
+    assert (state.ladder, state.adjust_id, state.can, state.verdict) == ([], None, [], None)
+    checkpoints = [{"step": s, "path": f"/c/{s}", "ts": 1.7e9 + s, "healthy": True} for s in (30, 40, 50)]
+    decision = policy.on_step(state, policy.DEFAULTS, run_id="r", step=53, ts=1.7e9 + 530, critical=True,
+                              alert_ids=["a"], rules=["nan_loss"], checkpoints=checkpoints, diagnosis="NaN",
+                              immediate=True)
+    assert decision is not None and decision.command["action"] == "rollback"
+    assert decision.command["target"]["step"] == 40 and decision.rung == 2
+    assert decision.why.startswith("rung 2 of 3: wider rewind to step 40, skipping 6 batches, because the same "
+                                   "incident (nan_loss) came back at step 53, 3 steps after the rollback to step 50")
+
+
+# -- rerunning the NaN step ---------------------------------------------------------------------
+
+
+def _nan_run(rerun_on_nan="auto", announce=True, **policy_settings):
+    r = Run(Engine(ruleset(rerun_on_nan=rerun_on_nan, **policy_settings)), checkpoint_every=10)
+    if announce:
+        r.feed(ev.lifecycle_event("r", "started", step=0, ts=r.ts, src=TRAINER,
+                                  detail={"can": ["adjust", "rerun_step", "teleport"]}))
+    r.sim.inject("nan_loss", at_step=45)
+    r.run(46)
+    return r
+
+
+def _verdict(r, command, status="applied", reproduced=None):
+    result = None if reproduced is None else {"reproduced": reproduced, "step": command["params"]["step"],
+                                              "first": "nan", "again": "nan" if reproduced else "0.0312"}
+    outs = r.engine.handle_ack(ev.encode(ev.ack_event(command["id"], "r", status, "", step=45, ts=r.ts + 1,
+                                                      result=result)), 0, 0)
+    r.outputs += outs
+    return outs
+
+
+def test_a_nan_asks_for_a_rerun_where_the_trainer_said_it_can():
+    r = _nan_run()
+    commands = r.of("command")
+    assert [c["action"] for c in commands] == ["rerun_step"] and commands[0]["params"] == {"step": 45}
+    assert r.engine._run(b"r").breaker.can == ["adjust", "rerun_step"], "only what the breaker knows"
+    assert [c["action"] for c in _nan_run(announce=False).of("command")] == ["rollback"], "auto: not announced"
+    assert [c["action"] for c in _nan_run(rerun_on_nan=False).of("command")] == ["rollback"]
+    assert [c["action"] for c in _nan_run(rerun_on_nan=True, announce=False).of("command")] == ["rerun_step"]
+
+
+def test_a_nan_that_does_not_reproduce_is_hardware_and_rolls_back_plainly_naming_the_host():
+    r = _nan_run()
+    rerun = r.of("command")[0]
+    outs = _verdict(r, rerun, reproduced=False)
+    alert = [o.value for o in outs if o.kind == "alert"][0]
+    assert alert["rule"] == "rerun_verdict" and alert["severity"] == "P1"
+    assert alert["evidence"]["verdict"] == "hardware" and alert["evidence"]["host"] == "h"
+    assert "Cordon host h" in alert["suggestion"]
+    rollback = [o.value for o in outs if o.kind == "command"][0]
+    assert rollback["action"] == "rollback" and rollback["target"]["step"] == 40
+    report = [o.value for o in outs if o.kind == "report"][0]
+    assert report["history"]["verdict"] == "hardware" and report["history"]["suspect_host"] == "h"
+    assert "a transient (hardware) fault on host h: cordon it" in report["checkpoint"]["why"]
+    assert report["history"]["rung"] == 1
+    again = _verdict(r, rerun, reproduced=False)
+    assert not [o for o in again if o.kind in ("command", "report")], "a second copy of the verdict decides nothing"
+
+
+def test_a_nan_that_reproduces_is_numeric_and_goes_on_the_ladder():
+    r = _nan_run()
+    outs = _verdict(r, r.of("command")[0], reproduced=True)
+    report = [o.value for o in outs if o.kind == "report"][0]
+    assert report["history"]["verdict"] == "numeric" and "suspect_host" not in report["history"]
+    assert [o.value for o in outs if o.kind == "alert"][0]["evidence"]["verdict"] == "numeric"
+    assert [o.value["action"] for o in outs if o.kind == "command"] == ["rollback"]
+
+
+def test_a_rerun_refused_or_unanswered_gives_no_verdict_and_the_breaker_rolls_back_as_before():
+    r = _nan_run(on_command_failure="stop")
+    outs = _verdict(r, r.of("command")[0], status="rejected")
+    assert [o.value["action"] for o in outs if o.kind == "command"] == ["rollback"], "not a stop: no verdict"
+    assert "verdict" not in [o.value for o in outs if o.kind == "report"][0]["history"]
+    r = _nan_run(command_ttl_s=60)
+    r.sim.faults.clear()
+    r.run(60)  # the trainer never answers: after the command's expiry the breaker decides without it
+    assert [c["action"] for c in r.of("command")] == ["rerun_step", "rollback"]
+    assert "verdict" not in r.of("report")[-1]["history"]
+
+
+def test_a_forged_hardware_verdict_is_refused_and_skips_no_rollback():
+    from trainguard.schemas.signing import SigningKey
+
+    master = SigningKey("k", b"s" * 32)
+    engine = Engine(ruleset(rerun_on_nan=True), verify_keys={"k": master}, require_signed=True)
+    r = Run(engine, checkpoint_every=10)
+    r.run(10)  # unsigned checkpoints are no rollback targets: sign them as the trainer would
+    engine.rules.policy = dataclasses.replace(engine.rules.policy)
+    from trainguard.schemas.signing import sign_trainer
+
+    key = master.trainer_key("r")
+    for step in (10, 20, 30, 40):
+        r.sim.model.step = step
+        r.sim.save_checkpoint()
+    for step in (20, 30, 40):
+        r.feed(sign_trainer(ev.checkpoint_event("r", step, f"/checkpoints/global_step_{step}", ts=r.ts), key))
+    r.sim.model.step = 40
+    r.sim.inject("nan_loss", at_step=45)
+    r.run(46)
+    rerun = r.of("command")[-1]
+    assert rerun["action"] == "rerun_step"
+    forged = ev.ack_event(rerun["id"], "r", "applied", step=45, ts=r.ts, result={"reproduced": False})
+    outs = engine.handle_ack(ev.encode(forged), 0, 0)
+    assert [o.kind for o in outs] == ["dlq"], "unsigned: refused"
+    assert engine._run(b"r").breaker.status == policy.RERUN, "still waiting for the trainer's own verdict"
+    outs = engine.handle_ack(ev.encode(sign_trainer(forged, key)), 0, 1)
+    assert [o.value["action"] for o in outs if o.kind == "command"] == ["rollback"], "hardware still rolls back"
+
+
+@pytest.mark.parametrize("result", [{"reproduced": "yes"}, {"reproduced": True, "host": "evil"},
+                                    {"reproduced": False, "first": "x" * 65}, {"step": 3}, ["reproduced"]])
+def test_a_hostile_rerun_result_is_a_dead_letter(result):
+    ack = {**ev.ack_event("c", "r", "applied", ts=1.0), "result": result}
+    outs = Engine(ruleset()).handle_ack(orjson.dumps(ack), 0, 0)
+    assert [o.kind for o in outs] == ["dlq"]
+
+
+def test_a_rung_the_trainer_refused_is_not_climbed():
+    state = policy.BreakerState(restored_step=50, last_rules=["nan_loss"], attempt=1,
+                                ladder=[{"rung": 1, "action": "rollback", "step": 50, "skip": 3}])
+    checkpoints = [{"step": s, "path": f"/c/{s}", "ts": 1.7e9 + s, "healthy": True} for s in (30, 40, 50)]
+    decision = policy.on_step(state, policy.DEFAULTS, run_id="r", step=53, ts=1.7e9 + 530, critical=True,
+                              alert_ids=["a"], rules=["nan_loss"], checkpoints=checkpoints, diagnosis="NaN",
+                              immediate=True)
+    assert decision.rung == 2 and [r["rung"] for r in state.ladder] == [1, 2]
+    handled, stop = policy.on_command_refused(state, policy.DEFAULTS, run_id="r", command_id=decision.command["id"],
+                                              status="failed", detail="no such file", ts=1.7e9 + 531)
+    assert handled and stop is None and [r["rung"] for r in state.ladder] == [1]

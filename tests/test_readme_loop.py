@@ -3,8 +3,10 @@
 The loop gets a toy model (one weight) whose training turns NaN on a poisoned batch, and
 checkpoints that are real files. With a fault: the first poisoned batch makes the worker roll
 the run back at once (NaN is immediate) and skip the batches that led into it; the second, soon
-after, is the same incident coming back after a rollback, so the worker stops the run. The
-loop must rewind its step and its data, and leave the training loop itself on the stop.
+after, is the same incident coming back after a rollback, so the worker climbs its recovery
+ladder: a wider rewind with twice the skip, then a rollback with an adjust, which this loop
+refuses, so the worker stops the run. The loop must rewind its step and its data, and leave
+the training loop itself on the stop.
 Run to its end, the loop says it finished and is never paged as hung; killed, it is paged
 once. Steered by hand (`trainguard command`), it rolls back to the checkpoint it reported,
 acks a checkpoint that does not load as `failed` and trains on, and refuses `pause`.
@@ -99,9 +101,17 @@ def test_the_readme_loop_rolls_back_skips_the_bad_data_and_stops(kafka, tmp_path
 
         step, skipped = namespace["step"], namespace["skipped"]
         # Batch 30 turned step 31 NaN: rolled back at once to the checkpoint of step 30, skipping it.
-        assert skipped == 1 and toy.batches.count(30) == 1, (skipped, toy.batches)
         assert toy.loaded and toy.loaded[0].endswith("global_step_30.json"), toy.loaded
         assert 45 in toy.batches
+        # Batch 45 is the same incident back: a wider rewind (to step 20, skipping 2), which meets
+        # batch 30 again, then the last rung's rollback (skipping 4) and its adjust, refused here.
+        assert [Path(p).stem for p in toy.loaded] == ["global_step_30", "global_step_20", "global_step_20"]
+        assert skipped == 1 + 2 + 4, skipped
+        acks = TopicReader(kafka, kafka.topics.acks)
+        refused = acks.wait_for(lambda e: e["run_id"] == RUN and e["status"] == "rejected", timeout=20,
+                                what="the refused adjust", worker=worker)
+        assert refused["detail"] == "this loop does not handle adjust", refused
+        acks.close()
         rewound = [i for i in range(1, len(toy.batches)) if toy.batches[i] <= toy.batches[i - 1]]
         assert len(rewound) >= 1, "the data rewound with the step (the restore undid those batches)"
         assert namespace["stop"] is True and step < 100, "the stop left the training loop long before 400 steps"

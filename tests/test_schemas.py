@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from importlib import resources
 
 import jsonschema
@@ -252,3 +253,20 @@ def test_a_report_of_an_unknown_action_is_refused():
     with pytest.raises(ev.SchemaError, match="action"):
         ev.report_event("run-1", command, ts=1.5e9, step=3, incident={}, alerts=[], windows={},
                         resource_snapshot={}, checkpoint={}, history={})
+
+
+@pytest.mark.parametrize("action, params, problem", [
+    ("adjust", {"lr_scale": 1e9}, "lr_scale 1e+09 is outside the hard limits [0.001, 10]"),
+    ("adjust", {"lr_scale": float("nan")}, "lr_scale nan is outside the hard limits"),
+    ("adjust", {"lr_scale": True}, "lr_scale must be a number, got bool"),
+    ("adjust", {"temperature": 0.5}, "unknown adjust parameter 'temperature'"),
+    ("adjust", {}, "an adjust without parameters"),
+    ("rerun_step", {"step": "3"}, "a rerun_step's only parameter is step, an integer"),
+    ("stop", {"lr_scale": 0.5}, "a stop takes no parameters"),
+])
+def test_a_command_the_trainer_must_refuse_cannot_be_built_and_is_named(action, params, problem):
+    with pytest.raises(ev.SchemaError, match=re.escape(problem)):
+        ev.command_event("r", action, params=params)
+    command = {**ev.command_event("r", "adjust", params={"lr_scale": 0.5}), "action": action, "params": params}
+    assert problem in ev.command_problem(command)
+    assert ev.command_problem(ev.command_event("r", "adjust", params={"lr_scale": 0.5, "kl_coef_scale": 2})) is None

@@ -2,14 +2,19 @@
 boundary, acknowledge, and never raise into the training loop.
 
 An integration subclasses :class:`GuardBase` and implements the framework-specific parts
-(``_rollback``, ``_checkpoint_now``, ``_skip``, ``_stop``); everything about the control
-protocol lives here:
+(``_rollback``, ``_checkpoint_now``, ``_skip``, ``_stop``, and where it can ``_adjust`` for the
+parameters in ``adjustable`` and ``_rerun``); everything about the control protocol lives here:
 
 * commands are taken only at step boundaries (:meth:`GuardBase.step_boundary`);
 * each command is acknowledged once: ``applied`` with what was done, ``failed`` with the
   error, ``rejected`` when the integration cannot do it;
 * after a rollback the trainer reports ``rolled_back`` with the restored step, so the
   stream worker re-arms its circuit breaker and resets its baselines;
+* ``adjust`` is applied whole or not at all: a parameter the integration cannot apply is
+  refused (``rejected``, naming it), and the worker's breaker then stops the run;
+* ``rerun_step`` repeats the kept step and acks the verdict (``result.reproduced``); an
+  integration that cannot acks ``rejected`` and the breaker rolls back as before;
+* the ``started`` event says which of ``adjust`` and ``rerun_step`` the integration can apply;
 * ``pause`` waits, polling commands, until ``resume``, ``stop``, the command's expiry or
   ``max_pause_s`` (never forever);
 * any trainguard failure is logged and counted, never raised.
@@ -74,6 +79,27 @@ def finite(value) -> bool:
         return True  # not a number: not ours to judge
 
 
+def scale_lr(optimizer, scale: float, scheduler=None) -> str:
+    """Scale every param group's learning rate (and a scheduler's base rates, so its schedule
+    goes on scaled); what was done, for the ack."""
+    before = [g["lr"] for g in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * scale
+        if "initial_lr" in group:
+            group["initial_lr"] = group["initial_lr"] * scale
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * scale for lr in scheduler.base_lrs]
+    after = [g["lr"] for g in optimizer.param_groups]
+    return f"lr x{scale:g}: {', '.join(f'{a:.3g}' for a in before)} -> {', '.join(f'{b:.3g}' for b in after)}"
+
+
+def same_result(first: float, again: float, rel: float = 1e-6) -> bool:
+    """Whether a rerun reproduced a step's result: both non-finite, or equal within ``rel``."""
+    if not math.isfinite(first) or not math.isfinite(again):
+        return not math.isfinite(first) and not math.isfinite(again)
+    return abs(first - again) <= rel * max(1.0, abs(first), abs(again))
+
+
 class GuardBase:
     """Publisher + control listener + the command protocol, for one run.
 
@@ -121,7 +147,19 @@ class GuardBase:
         return self.logger.checkpoint_saved(step, path)
 
     def lifecycle(self, what: str, step: int | None = None, detail: dict | None = None) -> bool:
+        if what == "started" and self.can():  # so the breaker asks only for what this trainer applies
+            detail = {**(detail or {}), "can": self.can()}
         return self.logger.lifecycle(what, step=step, detail=detail)
+
+    # What ``adjust`` parameters this integration applies (``_adjust``).
+    adjustable: tuple[str, ...] = ()
+
+    def can(self) -> list[str]:
+        """The commands beyond the basic ones this integration applies, said in ``started``."""
+        return (["adjust"] if self._adjustable() else []) + (["rerun_step"] if self._can_rerun() else [])
+
+    def _adjustable(self) -> tuple[str, ...]:
+        return self.adjustable
 
     # -- commands -------------------------------------------------------------------------
 
@@ -131,7 +169,8 @@ class GuardBase:
             return []
         return self.listener.poll_all()
 
-    def _ack(self, command: dict, status: str, detail: str, step: int | None, decision: Decision) -> None:
+    def _ack(self, command: dict, status: str, detail: str, step: int | None, decision: Decision,
+             result: dict | None = None) -> None:
         decision.commands.append((command.get("id", "?"), command.get("action", "?"), status))
         self.history.append({"id": command.get("id"), "action": command.get("action"), "status": status,
                              "detail": detail, "step": step})
@@ -139,7 +178,10 @@ class GuardBase:
             decision.errors.append(f"{command.get('action')}: {detail}")
         with never_raises("ack failed", owner=self):
             if self.listener is not None:
-                self.listener.ack(command, status, detail[:2000], step=step)
+                if result is None:  # a listener of the loop's own may not know the argument
+                    self.listener.ack(command, status, detail[:2000], step=step)
+                else:
+                    self.listener.ack(command, status, detail[:2000], step=step, result=result)
 
     def step_boundary(self, step: int) -> Decision:
         """Apply every command that is ready; the loop does what the returned Decision says."""
@@ -158,6 +200,7 @@ class GuardBase:
 
     def _apply(self, command: dict, step: int, decision: Decision) -> None:
         action = command.get("action")
+        result = None
         try:
             if action == "rollback":
                 detail = self._do_rollback(command, step, decision)
@@ -176,6 +219,10 @@ class GuardBase:
             elif action == "skip_data":
                 n = int(command.get("skip_batches") or 1)
                 detail = self._skip(n, command, step, decision) or f"skipping {n} batch(es)"
+            elif action == "adjust":
+                detail = self._do_adjust(command, step, decision)
+            elif action == "rerun_step":
+                detail, result = self._rerun(command, step, decision)
             else:
                 raise Unsupported(f"unknown action {action!r}")
         except Unsupported as exc:
@@ -184,7 +231,19 @@ class GuardBase:
         except Exception as exc:
             self._ack(command, "failed", f"{type(exc).__name__}: {exc}", step, decision)
             return
-        self._ack(command, "applied", detail, step, decision)
+        self._ack(command, "applied", detail, step, decision, result=result)
+
+    def _do_adjust(self, command: dict, step: int, decision: Decision) -> str:
+        """All of an adjust's parameters, or none (the listener checked their hard limits)."""
+        params = dict(command.get("params") or {})
+        adjustable = self._adjustable()
+        cannot = [p for p in params if p not in adjustable]
+        if cannot:
+            raise Unsupported(f"this integration cannot apply {', '.join(cannot)} (it adjusts "
+                              f"{', '.join(adjustable) or 'nothing'}); nothing was changed")
+        detail = self._adjust(params, command, step, decision)
+        decision.extra["adjusted"] = params
+        return detail or f"adjusted {params} at step {step}"
 
     def _do_rollback(self, command: dict, step: int, decision: Decision) -> str:
         target = command.get("target") or {}
@@ -240,6 +299,16 @@ class GuardBase:
 
     def _stop(self, command: dict, step: int, decision: Decision) -> str | None:
         return None
+
+    def _adjust(self, params: dict, command: dict, step: int, decision: Decision) -> str | None:
+        raise Unsupported("this integration cannot adjust")
+
+    def _can_rerun(self) -> bool:
+        return False
+
+    def _rerun(self, command: dict, step: int, decision: Decision) -> tuple[str, dict]:
+        """Repeat the kept step on the same batch and seed: (detail, the verdict for the ack)."""
+        raise Unsupported("this integration cannot rerun a step")
 
     def _checkpoint_now(self, command: dict, step: int, decision: Decision) -> str | None:
         return None

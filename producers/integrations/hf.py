@@ -48,6 +48,11 @@ What a callback can and cannot do (it gets ``model``, ``optimizer``, ``lr_schedu
   (set to ``None``, so neither the weights nor the optimizer's moments move; with fp16's
   grad scaler they are zeroed instead, which still moves the moments).
 * ``checkpoint_now`` -> ``control.should_save = True`` (saved at this step).
+* ``adjust``: ``lr_scale`` scales the optimizer's learning rates and the scheduler's base
+  rates; ``kl_coef_scale`` scales TRL's ``beta`` (GRPO, RLOO ...) when the callback knows the
+  trainer (``TrainguardCallback(..., trainer=trainer)`` or ``callback.trainer = trainer``) and
+  it has one; anything else is refused, naming it. ``rerun_step`` is refused: a callback
+  cannot repeat a step of the Trainer's loop.
 * ``pause`` waits inside ``on_step_end`` until ``resume`` / ``stop`` / expiry.
 * Multi-process runs: only process zero listens and acts, so a rollback there would put
   the ranks out of step; use ``stop`` (every rank must stop: broadcast it yourself) or run
@@ -67,7 +72,7 @@ import time
 from transformers import TrainerCallback
 
 from trainguard.core.kafka import KafkaSettings
-from trainguard.producers.integrations._core import Decision, GuardBase
+from trainguard.producers.integrations._core import Decision, GuardBase, scale_lr
 from trainguard.readers.hfconsole import PLAIN_LOSS
 
 __all__ = ["TrainguardCallback", "rewrite_logs", "load_model_weights", "is_rl_trainer"]
@@ -169,6 +174,26 @@ class _HFGuard(GuardBase):
         self.callback = callback
         super().__init__(*args, **kwargs)
 
+    def _beta(self) -> float | None:
+        beta = getattr(self.callback.trainer, "beta", None)
+        return float(beta) if isinstance(beta, (int, float)) and not isinstance(beta, bool) else None
+
+    def _adjustable(self) -> tuple[str, ...]:
+        return ("lr_scale",) + (("kl_coef_scale",) if self._beta() is not None else ())
+
+    def _adjust(self, params, command, step, decision):
+        ctx, said = self.callback._ctx, []
+        optimizer = ctx.get("optimizer")
+        if "lr_scale" in params and optimizer is None:
+            raise RuntimeError("the Trainer passed no optimizer to the callback")
+        if "lr_scale" in params:
+            said.append(scale_lr(optimizer, float(params["lr_scale"]), ctx.get("lr_scheduler")))
+        beta = self._beta()
+        if "kl_coef_scale" in params and beta is not None:
+            self.callback.trainer.beta = beta * float(params["kl_coef_scale"])
+            said.append(f"beta {beta:g} -> {self.callback.trainer.beta:g}")
+        return "; ".join(said) + f" at global step {step}"
+
     def _rollback(self, command, target_step, path, step, decision):
         import torch
 
@@ -207,13 +232,15 @@ class _HFGuard(GuardBase):
 class TrainguardCallback(TrainerCallback):
     """Publish a Trainer's logs and checkpoints; apply trainguard's commands at step ends.
 
-    ``run_id``: the run's id in trainguard. Other keyword arguments go to the shared
+    ``run_id``: the run's id in trainguard. ``trainer``: the Trainer itself, for what a
+    callback's kwargs do not reach (TRL's ``beta``). Other keyword arguments go to the shared
     guard (``listen``, ``max_pause_s``, ``ready_timeout_s``, ``host``, ``keys`` ...).
     """
 
     def __init__(self, run_id: str, settings: KafkaSettings | None = None, *, nonfinite_guard: bool = True,
-                 max_nonfinite_updates: int = 3, rl: bool | None = None, **guard_kwargs):
+                 max_nonfinite_updates: int = 3, rl: bool | None = None, trainer=None, **guard_kwargs):
         self.run_id = run_id
+        self.trainer = trainer  # for adjust's kl_coef_scale: TRL's trainer.beta
         self.rl = rl  # None: from the Trainer's arguments at train begin (TRL's GRPO/RLOO/PPO configs)
         self.settings = settings
         self.guard_kwargs = guard_kwargs

@@ -18,6 +18,13 @@
             next(batches)
     guard.close("stopped" if decision.stop else "finished", step=step)
 
+``adjust`` scales the optimizer's learning rate (``lr_scale``; the scheduler's base rates too).
+With ``rerun=True`` the loop trains through ``guard.run_step(step, batch, train_step)``, which
+keeps the step's batch, RNG state and a copy of the model and optimizer state from before it
+(one copy per step, in memory: for models that fit twice): a ``rerun_step`` runs that step again
+on the same batch and seed, compares the loss, puts the run back as it was and acks whether the
+result reproduced. Of several non-finite steps in a row, the first is kept.
+
 A checkpoint is one file (``checkpoint-{step}.pt``, written atomically) holding the step,
 the model's and the optimizer's state dicts, the LR scheduler's when one is given, and
 whatever ``state_fn()`` returns (e.g. the data position; plain values and tensors only).
@@ -30,26 +37,47 @@ training goes on (``decision.errors`` says why).
 
 from __future__ import annotations
 
+import copy
+import math
 import os
+import random
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from trainguard.core.kafka import KafkaSettings
-from trainguard.producers.integrations._core import Decision, GuardBase, finite, log
+from trainguard.producers.integrations._core import (
+    Decision,
+    GuardBase,
+    Unsupported,
+    finite,
+    log,
+    same_result,
+    scale_lr,
+)
 
 __all__ = ["Guard", "Decision"]
 
 
+def _loss(value) -> float:
+    try:
+        return float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
+
+
 class Guard(GuardBase):
+    adjustable = ("lr_scale",)
+
     def __init__(self, run_id: str, model, optimizer, checkpoint_dir: str | os.PathLike,
                  settings: KafkaSettings | None = None, *, checkpoint_every: int = 100, scheduler=None,
                  state_fn: Callable[[], dict] | None = None, load_state_fn: Callable[[dict], Any] | None = None,
                  keep: int | None = None, skip_non_finite: bool = True, map_location=None,
-                 announce: bool = True, **kwargs):
+                 announce: bool = True, rerun: bool = False, **kwargs):
         """``keep``: how many newest checkpoints to keep on disk (None: all; the one a
         rollback needs is the newest *healthy* one, so keep more than one).
         ``skip_non_finite``: do not checkpoint a step whose logged metrics had NaN/Inf.
+        ``rerun``: keep what a ``rerun_step`` needs (``run_step``), and say so in ``started``.
         Other keyword arguments go to :class:`GuardBase` (``listen``, ``max_pause_s``,
         ``ready_timeout_s``, ``host``, ``rank``, ``keys`` ...)."""
         super().__init__(run_id, settings, **kwargs)
@@ -65,6 +93,8 @@ class Guard(GuardBase):
         self.map_location = map_location
         self.saved: list[tuple[int, str]] = []
         self._last_finite = True
+        self.rerun = bool(rerun)
+        self._kept: dict | None = None  # the step a rerun repeats: its batch, function, state before it, loss
         if announce:
             self.lifecycle("started", step=0)
 
@@ -76,6 +106,78 @@ class Guard(GuardBase):
         except Exception:
             self._last_finite = True
         return super().log(metrics, step, tags=tags)
+
+    # -- steps a rerun can repeat -----------------------------------------------------------------
+
+    def run_step(self, step: int, batch, train_step: Callable[[Any], Any]):
+        """``train_step(batch)`` (returns the loss), keeping what a ``rerun_step`` needs when
+        ``rerun`` is on. Returns what ``train_step`` returned; its exceptions are the loop's own."""
+        if not self.rerun:
+            return train_step(batch)
+        before = None
+        try:
+            before = self._capture()
+        except Exception as exc:
+            self._failed(f"step {step} not kept for a rerun", exc)
+        out = train_step(batch)
+        if before is not None:
+            loss = _loss(out)
+            kept = self._kept
+            # the first of several non-finite steps in a row is the one to repeat
+            if kept is None or math.isfinite(kept["loss"]) or math.isfinite(loss):
+                self._kept = {"step": int(step), "batch": batch, "fn": train_step, "state": before, "loss": loss}
+        return out
+
+    def _capture(self) -> dict:
+        import torch
+
+        state = {"model": copy.deepcopy(self.model.state_dict()),
+                 "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                 "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda_rng"] = torch.cuda.get_rng_state_all()
+        if self.scheduler is not None:
+            state["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
+        return state
+
+    def _put_back(self, state: dict) -> None:
+        import torch
+
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["py_rng"])
+        if "cuda_rng" in state:
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def _can_rerun(self) -> bool:
+        return self.rerun
+
+    def _rerun(self, command: dict, step: int, decision: Decision) -> tuple[str, dict]:
+        kept = self._kept
+        if not self.rerun or kept is None:
+            raise Unsupported("no step kept for a rerun (Guard(rerun=True), training through guard.run_step)")
+        want = (command.get("params") or {}).get("step")
+        if want is not None and want != kept["step"]:
+            raise Unsupported(f"step {want} is not kept for a rerun (the kept step is {kept['step']})")
+        now = self._capture()
+        try:
+            self._put_back(kept["state"])
+            again = _loss(kept["fn"](kept["batch"]))
+        finally:
+            self._put_back(now)  # a rerun is a probe: the run goes on from where it was
+        first = kept["loss"]
+        reproduced = same_result(first, again)
+        result = {"reproduced": reproduced, "step": kept["step"], "first": f"{first:.6g}", "again": f"{again:.6g}"}
+        decision.extra["rerun"] = result
+        return (f"reran step {kept['step']} on the same batch and seed at step {step}: loss {first:.6g} then "
+                f"{again:.6g}, {'reproduced (numeric)' if reproduced else 'not reproduced (transient: hardware)'}",
+                result)
+
+    def _adjust(self, params: dict, command: dict, step: int, decision: Decision) -> str:
+        return scale_lr(self.optimizer, float(params["lr_scale"]), self.scheduler) + f" at step {step}"
 
     # -- checkpoints ----------------------------------------------------------------------------
 

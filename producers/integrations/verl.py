@@ -38,6 +38,11 @@ What :func:`attach` relies on (verl's ``RayPPOTrainer``, checked against its sou
   ``total_training_steps`` so that the next step is verl's last (it validates and saves
   as a last step does, then returns).
 * ``checkpoint_now`` calls ``trainer._save_checkpoint()``; ``pause`` waits in ``log``.
+* ``adjust``: ``kl_coef_scale`` scales the in-reward KL controller's coefficient
+  (``trainer.kl_ctrl_in_reward.value``, on the controller; an adaptive one goes on adapting
+  from there) when the run uses one; ``lr_scale`` and ``clip_range_scale`` live in the Ray
+  workers' optimizers and configs, out of a backend's reach, and are refused, naming them.
+  ``rerun_step`` is refused (``fit`` owns the batch).
 * ``attach`` wraps ``fit()`` too: the run reports ``finished`` when it returns (or
   ``stopped``), and nothing when it raises, so a crash is paged once by the worker's staleness
   rule and a finished run never is.
@@ -132,6 +137,19 @@ class VerlBackend(GuardBase):
 
     def finish(self) -> None:
         self.close("stopped" if self.stopped else "finished")
+
+    def _kl_controller(self):
+        ctrl = getattr(self.trainer, "kl_ctrl_in_reward", None)
+        return ctrl if type(getattr(ctrl, "value", None)) in (int, float) else None
+
+    def _adjustable(self) -> tuple[str, ...]:
+        return ("kl_coef_scale",) if self._kl_controller() is not None else ()
+
+    def _adjust(self, params, command, step, decision):
+        ctrl = self._kl_controller()
+        before = ctrl.value
+        ctrl.value = before * float(params["kl_coef_scale"])
+        return f"in-reward KL coefficient {before:g} -> {ctrl.value:g} at step {step}"
 
     # -- applying commands to a RayPPOTrainer --------------------------------------------
 

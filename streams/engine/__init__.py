@@ -210,6 +210,7 @@ class Engine(Judging, OperatorActions):
                 run.checkpoints.clear()
                 run.breaker = policy.BreakerState()
             run.finished, run.finished_at, run.stopped = False, None, False
+            policy.on_started(run.breaker, event.get("detail"))
         return outputs
 
     def tick(self, now: float | None = None) -> list[Output]:

@@ -95,15 +95,21 @@ class Breaker(AlertBook, StatusRoom):
                                   alert_ids=[c[0] for c in critical], rules=[c[1] for c in critical],
                                   checkpoints=ctx.run.checkpoints, diagnosis=critical[0][2] if critical else "",
                                   now=self.clock(), ids=self._command_id,
-                                  began=self._warned_since(ctx) if critical else None)
-        if decision is None:
-            return
-        report = self._report(ctx.run, ctx.run_id, decision, event)
-        command = {**decision.command, "report": report["id"]}
-        if self.signing_key is not None:
-            command = sign(command, self.signing_key)
-        ctx.outputs.append(Output(OutputKind.REPORT, ctx.run_id, report))
-        ctx.outputs.append(Output(OutputKind.COMMAND, ctx.run_id, command))
+                                  began=self._warned_since(ctx) if critical else None,
+                                  host=(event.get("source") or {}).get("host"))
+        if decision is not None:
+            ctx.outputs += self._decided(ctx.run, ctx.run_id, decision, event)
+
+    def _decided(self, run: RunState, run_id: str, decision: policy.Decision, event: dict) -> list[Output]:
+        """A decision out: its report, then its commands (the rollback, then the ladder's adjust), signed."""
+        report = self._report(run, run_id, decision, event)
+        outputs = [Output(OutputKind.REPORT, run_id, report)]
+        for command in [decision.command, *decision.then]:
+            command = {**command, "report": report["id"]}
+            if self.signing_key is not None:
+                command = sign(command, self.signing_key)
+            outputs.append(Output(OutputKind.COMMAND, run_id, command))
+        return outputs
 
     @staticmethod
     def _warned_since(ctx: "EventContext") -> tuple[int, str] | None:
@@ -118,7 +124,9 @@ class Breaker(AlertBook, StatusRoom):
     def _ack(self, ack: dict, raw: bytes, partition: int, offset: int, topic: str,
              appended_at: float | None = None) -> list[Output]:
         run_key = ack["run_id"].encode()
-        if run_key not in self.store or (ack["status"] == "applied" and not self._in_room(self._run(run_key), NOTICE)):
+        if run_key not in self.store or (ack["status"] == "applied"
+                                         and not self._in_room(self._run(run_key), NOTICE)
+                                         and self._run(run_key).breaker.status != policy.RERUN):
             return []
         problem = self._unauthentic(ack, raw, topic, partition, offset)
         if problem is not None:
@@ -130,6 +138,9 @@ class Breaker(AlertBook, StatusRoom):
                         ack["cause"], ack["command_id"], ack.get("detail", ""))
             return []
         run = self._run(run_key)
+        rerun = self._rerun_verdict(run, run_key, ack)
+        if rerun is not None:
+            return rerun
         if ack["status"] == "applied":  # a later command worked: the refused one's alert is over
             self._changed(run_key, run.partition)
             return [o for o in (self._resolve(run, alert, {"ts": ack["ts"], "step": ack.get("step")},
@@ -161,6 +172,47 @@ class Breaker(AlertBook, StatusRoom):
             if self.signing_key is not None:
                 stop = sign(stop, self.signing_key)
             outputs.append(Output(OutputKind.COMMAND, ack["run_id"], stop))
+        return outputs
+
+    def _rerun_verdict(self, run: RunState, run_key: bytes, ack: dict) -> list[Output] | None:
+        """The trainer's answer to the rerun the breaker waits for (None for any other ack): the
+        verdict in an alert, and the breaker's decision. Only an ack the run's trainer key signed
+        gets here, and a hardware verdict still rolls back (plainly), so a forged one skips nothing."""
+        handled, decision = policy.on_rerun_verdict(
+            run.breaker, self.rules.policy, run_id=ack["run_id"], command_id=ack["command_id"], status=ack["status"],
+            result=ack.get("result"), ts=ack["ts"], checkpoints=run.checkpoints, now=self.clock(),
+            ids=self._command_id)
+        if not handled:
+            return None
+        self._changed(run_key, run.partition)
+        outputs: list[Output] = []
+        verdict, b = decision.verdict if decision else None, run.breaker
+        if verdict is not None:
+            result = ack.get("result") or {}
+            hardware = verdict == policy.HARDWARE
+            said = (f"the NaN of step {result.get('step', b.last_step)} did not come back when the trainer reran "
+                    f"it on the same batch and seed ({result.get('first', '?')} then {result.get('again', '?')})"
+                    if hardware else
+                    f"the NaN of step {result.get('step', b.last_step)} came back when the trainer reran it on the "
+                    f"same batch and seed")
+            alert = ev.alert_event(
+                ack["run_id"], "rerun_verdict", alert_id=ev.alert_id(ack["run_id"], "rerun_verdict", ack["command_id"]),
+                severity="P1" if hardware else "P2", critical=False,
+                summary=f"Rerun verdict: {verdict}" + (f" (host {b.suspect})" if hardware and b.suspect else ""),
+                metric="rerun", value=None, signal=None, metrics=[], values={},
+                layer="resource" if hardware else "data", source=None, step=ack.get("step"), ts=ack["ts"],
+                evidence={"detector": "rerun", "command_id": ack["command_id"], "verdict": verdict,
+                          "host": b.suspect if hardware else None, "reproduced": not hardware},
+                diagnosis=f"A {verdict} fault: {said}.",
+                suggestion=(f"Cordon host {b.suspect} and check its GPUs (ECC, XID errors); the run rolls back "
+                            f"plainly." if hardware and b.suspect else
+                            "Check the GPUs of the run's nodes (ECC, XID errors); the run rolls back plainly."
+                            if hardware else "The recovery ladder handles it: a rollback, wider rewinds, an adjust."))
+            self._book(run, alert, NOTICE, alert["id"])  # over once the trainer applies the next command
+            outputs.append(Output(OutputKind.ALERT, ack["run_id"], alert))
+        if decision is not None:
+            event = {"ts": ack["ts"], "step": b.last_step if b.last_step is not None else ack.get("step") or 0}
+            outputs += self._decided(run, ack["run_id"], decision, event)
         return outputs
 
     def _command_id(self, stable: str) -> str:

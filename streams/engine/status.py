@@ -50,7 +50,8 @@ class StatusRoom(StateAccess):
             "sources": len(run.sources),
             "breaker": {"status": breaker.status, "rollbacks": breaker.attempt, "streak": breaker.streak,
                         "restored_step": breaker.restored_step,
-                        "pending_command": breaker.command_id if breaker.status == policy.AWAITING else None},
+                        "pending_command": breaker.command_id if breaker.status in (policy.AWAITING, policy.RERUN)
+                        else None},
             "open_alerts": open_alerts, "checkpoints": len(run.checkpoints),
             # what `trainguard command RUN rollback --to STEP` may restore: only what the trainer reported
             "saved_checkpoints": [{"step": c["step"], "path": c["path"], "healthy": c["healthy"]}
@@ -125,4 +126,8 @@ class StatusRoom(StateAccess):
                                        "diagnosis", "suggestion") if k in a} for a in alerts],
             windows=windows, resource_snapshot=run.nodes,
             checkpoint={"chosen": decision.checkpoint, "why": decision.why, "candidates": decision.candidates},
-            history={"rollbacks": b.attempt, "rollbacks_last_hour": len(b.rollback_ts)})
+            history={"rollbacks": b.attempt, "rollbacks_last_hour": len(b.rollback_ts),
+                     "ladder": [dict(r) for r in b.ladder], "rungs": self.rules.policy.rungs,
+                     **({"rung": decision.rung} if decision.rung is not None else {}),
+                     **({"verdict": decision.verdict} if decision.verdict else {}),
+                     **({"suspect_host": b.suspect} if decision.verdict == policy.HARDWARE and b.suspect else {})})
