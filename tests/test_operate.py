@@ -401,3 +401,42 @@ def test_a_command_to_a_run_that_ended_is_refused_unless_forced(kafka):
     assert "--force" in refused.stderr
     forced = _runs(kafka, "command", run, "stop", "--reason", "x", "--wait", "1", "--force")
     assert "has ended" not in forced.stderr
+
+
+def test_an_adjust_sent_by_hand_scales_the_learning_rate_of_a_guarded_loop(kafka, tmp_path):
+    """`trainguard command RUN adjust --lr-scale 0.5` reaches a real PyTorch loop through the
+    Guard, which halves the optimizer's learning rate and acks it; an adjust outside the limits
+    or without a scale is refused before anything is sent."""
+    import torch
+
+    from trainguard.producers.integrations.torch_loop import Guard
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard("ops-adjust", model, opt, tmp_path / "ckpt", kafka, checkpoint_every=1000, ready_timeout_s=15)
+    stop = threading.Event()
+
+    def loop():
+        step = 0
+        while not stop.wait(0.05):
+            step += 1
+            guard.log({"train/loss": 0.1}, step)
+            guard.step_boundary(step)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        absurd = _command(kafka, "ops-adjust", "adjust", "--lr-scale", "1e9", "--reason", "x", "--wait", "5")
+        empty = _command(kafka, "ops-adjust", "adjust", "--reason", "x", "--wait", "5")
+        mixed = _command(kafka, "ops-adjust", "pause", "--lr-scale", "0.5", "--reason", "x", "--wait", "5")
+        result = _command(kafka, "ops-adjust", "adjust", "--lr-scale", "0.5", "--reason", "KL climbing since 3 am")
+    finally:
+        stop.set()
+        thread.join(5)
+        guard.close()
+    assert absurd.returncode == 2 and "lr_scale" in absurd.stderr, absurd.stderr
+    assert empty.returncode == 2 and "needs a scale" in empty.stderr, empty.stderr
+    assert mixed.returncode == 2 and "only go with adjust" in mixed.stderr, mixed.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "applied" in result.stdout
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)

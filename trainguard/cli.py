@@ -196,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_demo)
 
     from trainguard.readers import FORMATS
+    from trainguard.schemas.events import ADJUST_LIMITS  # the readers import it anyway
 
     p = command("replay", "run a recorded run through the rules offline and list the alerts",
                 "Reads JSON lines, CSV, trainer_state.json, TensorBoard event files (a file, a run "
@@ -257,16 +258,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
     p.set_defaults(func=_ui)
 
-    p = command("command", "steer a run by hand: pause, resume, stop or roll it back",
+    p = command("command", "steer a run by hand: pause, resume, stop, roll it back or adjust its settings",
                 "Signed with the operator's key (TRAINGUARD_COMMAND_KEY or _FILE) and acked by the trainer "
                 "like the worker's commands; waits for the ack. Exit 0 applied, 1 refused by the trainer, "
                 "2 bad input or no broker, 3 no ack in time.")
     p.add_argument("run", help="the run id")
-    p.add_argument("action", choices=("pause", "resume", "stop", "rollback"), help="what the trainer should do")
+    p.add_argument("action", choices=("pause", "resume", "stop", "rollback", "adjust"),
+                   help="what the trainer should do")
     p.add_argument("--reason", required=True, help="why (kept with the command, shown to the trainer)")
     p.add_argument("--to", type=int, metavar="STEP",
                    help="rollback: the step of a checkpoint the run's trainer reported (`trainguard status RUN`)")
     p.add_argument("--path", help="rollback: the checkpoint's path (default: the one the trainer reported at STEP)")
+    for name, what in (("lr_scale", "the learning rate"), ("kl_coef_scale", "the KL coefficient"),
+                       ("clip_range_scale", "the PPO clip range")):
+        low, high = ADJUST_LIMITS[name]
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=float, metavar="X",
+                       help=f"adjust: multiply {what} by X ({low:g} to {high:g}; applied by the integrations "
+                            f"that can, refused by the others)")
     p.add_argument("--wait", type=float, default=60.0,
                    help="seconds to wait for the trainer's ack; 0 sends and returns (default: %(default)s)")
     p.add_argument("--force", action="store_true",

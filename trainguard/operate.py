@@ -30,21 +30,27 @@ from trainguard.sinks.reports import format_value
 from trainguard.terminal import safe, safe_event, safe_json
 
 # Actions an operator sends by hand (the worker's own also include skip_data, checkpoint_now).
-MANUAL_ACTIONS = ("pause", "resume", "stop", "rollback")
+MANUAL_ACTIONS = ("pause", "resume", "stop", "rollback", "adjust")
 
 EXIT_APPLIED, EXIT_REFUSED, EXIT_BAD_INPUT, EXIT_NO_ACK = 0, 1, 2, 3
 
 
 def build_command(run_id: str, action: str, *, reason: str, to_step: int | None = None,
-                  path: str | None = None, ttl_s: float = 300.0, env=None) -> dict:
-    """The command as it goes out: validated, and signed when a key is configured.
-    ValueError names the problem (a rollback without a step, a bad run id, several keys)."""
+                  path: str | None = None, ttl_s: float = 300.0, params: dict | None = None, env=None) -> dict:
+    """The command as it goes out: validated, and signed when a key is configured. ``params``:
+    an adjust's scales (``lr_scale`` ...). ValueError names the problem (a rollback without a
+    step, an adjust without a scale or outside the limits, a bad run id, several keys)."""
     if action not in MANUAL_ACTIONS:
         raise ValueError(f"action must be one of {', '.join(MANUAL_ACTIONS)}, not {action!r}")
     if action == "rollback" and to_step is None:
         raise ValueError("a rollback needs --to STEP: the checkpoint step to restore")
     if action != "rollback" and (to_step is not None or path):
         raise ValueError(f"--to and --path only go with rollback, not {action}")
+    params = {k: v for k, v in (params or {}).items() if v is not None}
+    if action == "adjust" and not params:
+        raise ValueError("an adjust needs a scale: --lr-scale, --kl-coef-scale or --clip-range-scale")
+    if action != "adjust" and params:
+        raise ValueError(f"--lr-scale, --kl-coef-scale and --clip-range-scale only go with adjust, not {action}")
     if action == "rollback" and not path:
         raise ValueError("a rollback needs the checkpoint's path, as the trainer reported it "
                          "(resolve_rollback finds it in the run's status)")
@@ -53,7 +59,7 @@ def build_command(run_id: str, action: str, *, reason: str, to_step: int | None 
     who = f"{getpass.getuser()}@{socket.gethostname()}"
     target = {"step": to_step, "path": path} if action == "rollback" else None
     try:
-        command = ev.command_event(run_id, action, target=target, ttl_s=ttl_s,
+        command = ev.command_event(run_id, action, target=target, ttl_s=ttl_s, params=params or None,
                                    detail=f"sent by hand by {who}: {reason.strip()}")
     except ev.SchemaError as exc:
         raise ValueError(str(exc)) from None
@@ -175,8 +181,9 @@ def main(args) -> int:
             return EXIT_BAD_INPUT
         if args.action == "rollback" and args.to is not None:
             path = resolve_rollback(args.run, status, args.to, args.path)
+        scales = {name: getattr(args, name, None) for name in ev.ADJUST_LIMITS}
         command = build_command(args.run, args.action, reason=args.reason, to_step=args.to, path=path,
-                                ttl_s=args.ttl)
+                                ttl_s=args.ttl, params=scales)
     except ValueError as exc:
         print(f"trainguard command: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
