@@ -466,6 +466,8 @@ def test_a_nan_that_does_not_reproduce_is_hardware_and_rolls_back_plainly_naming
     assert report["history"]["rung"] == 1
     again = _verdict(r, rerun, reproduced=False)
     assert not [o for o in again if o.kind in ("command", "report")], "a second copy of the verdict decides nothing"
+    assert not [o for o in again if o.kind == "alert"], "nor does it end the verdict it raised"
+    assert [a["rule"] for a in r.engine.status("r")["open_alerts"]].count("rerun_verdict") == 1
 
 
 def test_a_nan_that_reproduces_is_numeric_and_goes_on_the_ladder():

@@ -142,10 +142,14 @@ class Breaker(AlertBook, StatusRoom):
         if rerun is not None:
             return rerun
         if ack["status"] == "applied":  # a later command worked: the refused one's alert is over
-            self._changed(run_key, run.partition)
+            # (not the notice its own ack raised: a second copy of that ack is no later command)
+            over = [a for a in self._in_room(run, NOTICE).values()
+                    if (a.get("evidence") or {}).get("command_id") != ack["command_id"]]
+            if over:
+                self._changed(run_key, run.partition)
             return [o for o in (self._resolve(run, alert, {"ts": ack["ts"], "step": ack.get("step")},
                                               resolution=f"the trainer applied command {ack['command_id']}")
-                                for alert in self._in_room(run, NOTICE).values()) if o is not None]
+                                for alert in over) if o is not None]
         handled, stop = policy.on_command_refused(run.breaker, self.rules.policy, run_id=ack["run_id"],
                                                   command_id=ack["command_id"], status=ack["status"],
                                                   detail=ack.get("detail", ""), ts=ack["ts"], now=self.clock(),
