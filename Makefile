@@ -18,10 +18,12 @@ $(STAMP): pyproject.toml
 
 # The frameworks the integration tests train real (tiny) models with: the real Trainer, TRL's
 # GRPOTrainer, real TensorBoard, W&B and SwanLab files (replay reads them; both libraries write
-# offline) (CPU torch, pinned; trl's extra keeps transformers below 5), and verl as its users install it beside other frameworks: the wheel without its GPU
+# offline) (torch pinned: PyPI's Linux wheel, which brings its CUDA libraries, about 4 GB, and
+# runs on the CPU where there is no GPU; trl's extra keeps transformers below 5), and verl as its
+# users install it beside other frameworks: the wheel without its GPU
 # stack, plus what `verl.utils.tracking` imports (its transformers-5 pin is not needed for that).
 $(FRAMEWORKS): $(STAMP)
-	@echo "setup: the frameworks the tests train with (torch CPU, transformers, TRL, W&B, SwanLab, verl; a few minutes once)"
+	@echo "setup: the frameworks the tests train with (torch, transformers, TRL, W&B, SwanLab, verl; about 4 GB, a few minutes once)"
 	@$(BIN)/python -m pip install --quiet torch==2.13.0 transformers==4.57.6 accelerate==1.15.0 tensorboard==2.21.0 trl==1.16.0
 	@$(BIN)/python -m pip install --quiet wandb==0.31.0 swanlab==0.10.3
 	@$(BIN)/python -m pip install --quiet --no-deps verl==0.9.1
