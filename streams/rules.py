@@ -274,6 +274,13 @@ class _LineLoader(yaml.SafeLoader):
 
 
 def _construct_mapping(loader, node):
+    seen: dict = {}
+    for key_node, _ in node.value:  # YAML keeps the last of two equal keys: a setting silently lost
+        key = loader.construct_object(key_node, deep=True)
+        if isinstance(key, (str, int, float, bool)) and key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{key!r} appears twice in one mapping (first at line {seen[key]})", key_node.start_mark)
+        seen[key] = key_node.start_mark.line + 1
     mapping = loader.construct_mapping(node, deep=True)
     mapping["__line__"] = node.start_mark.line + 1
     return mapping

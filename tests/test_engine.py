@@ -221,6 +221,8 @@ def test_a_rule_added_in_yaml_fires_without_code():
      "team.yaml:3: rule 'a': 'given: learning_rate' must be a mapping"),
     ("version: 1\nrules:\n  - name: a\n    signal: kl\n    above: 1\n    immediate: true\n",
      "team.yaml:3: rule 'a': 'immediate' makes the breaker act at once"),
+    ("version: 1\npolicy:\n  wider_rewinds: 1\n  wider_rewinds: 2\nrules:\n  - name: a\n    signal: kl\n    above: 1\n",
+     "team.yaml:4: not valid YAML: 'wider_rewinds' appears twice in one mapping \\(first at line 3\\)"),
 ])
 def test_a_rules_file_with_a_mistake_names_the_line(text, problem):
     with pytest.raises(rules_mod.RulesError, match=problem):
