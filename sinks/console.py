@@ -44,9 +44,10 @@ class ConsoleSink(Sink):
         if kind.startswith("command/"):
             target = event.get("target") or {}
             where = f" -> step {target['step']} ({target['path']})" if target else ""
+            n = len(event.get("reason") or [])
+            why = f"because {n} alert{'s' if n != 1 else ''}: " if n else ""  # by hand: its detail says who
             return (f"{_clock(event.get('issued'))} {self._c(_MAGENTA, 'COMMAND ' + event['action'].upper())}"
-                    f"{where} run={event['run_id']} because {len(event.get('reason', []))} alert(s): "
-                    f"{event.get('detail', '')}")
+                    f"{where} run={event['run_id']} {why}{event.get('detail', '')}")
         if kind.startswith("report/"):
             return (f"{_clock(event.get('ts'))} {self._c(_MAGENTA, 'REPORT')} {event['id']} run={event['run_id']} "
                     f"decision={event['action']}: {event['checkpoint'].get('why', '')}")
