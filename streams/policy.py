@@ -178,6 +178,10 @@ class BreakerState:
     verdict: str | None = None                           # numeric | hardware: the last rerun's answer
     suspect: str | None = None                           # the host the NaN step came from
     diagnosis: str = ""                                  # the incident's diagnosis, kept over a rerun
+    # The trainer process this state belongs to (its ``started`` event's time): in every command
+    # id, so a run started again under the same id (or a restarted trainer, whose listener still
+    # reads the old acks) never gets a command that is the copy of one acked before.
+    epoch: str | None = None
 
     def to_state(self) -> dict:
         return self.__dict__.copy()
@@ -353,6 +357,9 @@ def _climb(state: BreakerState, policy: Policy, checkpoints: list[dict], step: i
     target = _checkpoint_at(checkpoints, int(last["step"])) or safe_checkpoint(checkpoints, int(last["step"]), None)[0]
     if target is None:
         return rung, None, 0, False, f"{came}, and the checkpoint of step {last['step']} is gone: stopping"
+    if state.epoch is not None and "adjust" not in state.can:  # it said what it applies: no adjust
+        return rung, target, skip, False, (f"rung {rung} of {policy.rungs}: rollback to step {target['step']}, "
+                                           f"skipping {skip} batches (its trainer applies no adjust), because {came}")
     scales = ", ".join(f"{k} {v:g}" for k, v in policy.adjust.items())
     return rung, target, skip, True, (f"rung {rung} of {policy.rungs}: adjust ({scales}) and rewind to step "
                                       f"{target['step']}, skipping {skip} batches, because {came}")
@@ -384,7 +391,7 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
     action = "rollback" if target is not None else "stop"
     reason = state.alert_ids[-20:]
     command = command_event(
-        run_id, action, command_id=ids(stable_id(run_id, action, onset, state.attempt)), issued=now,
+        run_id, action, command_id=ids(_command_key(state, run_id, action, onset)), issued=now,
         ttl_s=float(policy.command_ttl_s), reason=reason,
         target={"step": target["step"], "path": target["path"]} if target else None,
         skip_batches=skip if target is not None and skip and skip > 0 else None,
@@ -394,7 +401,7 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
     state.adjust_id = None
     if action == "rollback" and adjust:  # after the restore, which loads the checkpoint's learning rates
         then.append(command_event(
-            run_id, "adjust", command_id=ids(stable_id(run_id, "adjust", onset, state.attempt)), issued=now,
+            run_id, "adjust", command_id=ids(_command_key(state, run_id, "adjust", onset)), issued=now,
             ttl_s=float(policy.command_ttl_s), reason=reason, params=dict(policy.adjust),
             detail=f"{why}; applied after the rollback to step {target['step'] if target else '?'}"))
         state.adjust_id = then[0]["id"]
@@ -425,7 +432,7 @@ def _ask_rerun(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpo
            + (f" (host {state.suspect})" if state.suspect else "") + "; the rollback follows the verdict, or "
            f"the command's expiry ({float(policy.command_ttl_s):g} s) without one")
     command = command_event(
-        run_id, "rerun_step", command_id=ids(stable_id(run_id, "rerun_step", onset, state.attempt)), issued=now,
+        run_id, "rerun_step", command_id=ids(_command_key(state, run_id, "rerun_step", onset)), issued=now,
         ttl_s=float(policy.command_ttl_s), reason=state.alert_ids[-20:], params={"step": int(step)},
         detail=f"a critical step that cannot wait at step {onset}: {diagnosis}. {why}.")
     state.status, state.command_id = RERUN, command["id"]
@@ -453,10 +460,19 @@ def on_rerun_verdict(state: BreakerState, policy: Policy, *, run_id: str, comman
                          diagnosis=state.diagnosis, now=ts if now is None else now, ids=ids)
 
 
-def on_started(state: BreakerState, detail: dict | None) -> None:
-    """The trainer's ``started`` event: what it says it can apply (``detail.can``), bounded."""
+def _command_key(state: BreakerState, run_id: str, action: str, onset) -> str:
+    """A decision's id: the same when a replay decides it again, another for another trainer process."""
+    parts = (run_id, action, onset, state.attempt)
+    return stable_id(*parts) if state.epoch is None else stable_id(*parts, state.epoch)
+
+
+def on_started(state: BreakerState, detail: dict | None, ts: float | None = None) -> None:
+    """The trainer's ``started`` event: what it says it can apply (``detail.can``), bounded, and
+    which trainer process this is (``ts``: the event's time)."""
     can = (detail or {}).get("can")
     state.can = [c for c in ANNOUNCED if isinstance(can, list) and c in can]
+    if ts is not None:
+        state.epoch = repr(ts)
 
 
 def on_command_refused(state: BreakerState, policy: Policy, *, run_id: str, command_id: str, status: str,

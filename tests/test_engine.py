@@ -495,3 +495,36 @@ def test_open_alerts_of_a_state_from_before_the_one_book_are_all_in_it():
     outs = feed(ev.lifecycle_event("v1-run", "finished", step=32, ts=now))
     assert [(o.value["rule"], o.value["status"]) for o in outs if o.kind == "alert"] == [("non_finite", "resolved")]
     assert engine.status("v1-run")["open_alerts"] == [] and engine.store[b"v1-run"].book == {}
+
+
+def test_a_trainer_started_again_gets_its_own_checkpoints_ladder_and_command_ids():
+    """A trainer that crashed and started again under its run id: its new listener applies only
+    the checkpoints it reports itself, its ladder starts over, the hour's rollbacks still count."""
+    engine, now, offset = Engine(rules_mod.default()), [1.7e9], [0]
+    engine.clock = lambda: now[0]
+
+    def feed(event):
+        offset[0] += 1
+        return engine.handle(ev.encode(event), 0, offset[0])
+
+    def train(first, last, nan_at, started):
+        outs = feed(ev.lifecycle_event("crash", "started", step=first - 1, ts=started, src=TRAINER))
+        for step in range(first, last + 1):
+            now[0] += 10
+            loss = float("nan") if step == nan_at else -0.01
+            outs += feed(ev.metrics_event("crash", step, {"actor/pg_loss": loss}, src=TRAINER, ts=now[0]))
+            if step % 10 == 0 and step != nan_at:
+                outs += feed(ev.checkpoint_event("crash", step, f"/ckpt/{started}/global_step_{step}", ts=now[0]))
+        return [o.value for o in outs if o.kind == "command"]
+
+    [first] = train(1, 41, 41, started=1.7e9)
+    assert first["target"] == {"step": 40, "path": "/ckpt/1700000000.0/global_step_40"}
+    feed(ev.lifecycle_event("crash", "rolled_back", step=40, ts=now[0], src=TRAINER))
+    # the process dies; a new one starts from scratch and reports its own checkpoint of step 10
+    [second] = train(1, 11, 11, started=now[0] + 60)
+    assert second["action"] == "rollback" and second["target"]["path"].endswith(f"{now[0] - 50}/global_step_10")
+    assert second["id"] != first["id"]
+    assert "rung 1 of" in second["detail"], "the dead process's ladder is not the new one's"
+    run = engine.store[b"crash"]
+    assert len(run.breaker.rollback_ts) == 2, "both rollbacks count against max_rollbacks_per_hour"
+    assert [c["step"] for c in run.checkpoints] == [10]

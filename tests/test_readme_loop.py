@@ -104,14 +104,14 @@ def test_the_readme_loop_rolls_back_skips_the_bad_data_and_stops(kafka, tmp_path
         assert toy.loaded and toy.loaded[0].endswith("global_step_30.json"), toy.loaded
         assert 45 in toy.batches
         # Batch 45 is the same incident back: a wider rewind (to step 20, skipping 2), which meets
-        # batch 30 again, then the last rung's rollback (skipping 4) and its adjust, refused here.
+        # batch 30 again, then the last rung's rollback (skipping 4), with no adjust: the loop's
+        # started event said it applies none.
         assert [Path(p).stem for p in toy.loaded] == ["global_step_30", "global_step_20", "global_step_20"]
         assert skipped == 1 + 2 + 4, skipped
-        acks = TopicReader(kafka, kafka.topics.acks)
-        refused = acks.wait_for(lambda e: e["run_id"] == RUN and e["status"] == "rejected", timeout=20,
-                                what="the refused adjust", worker=worker)
-        assert refused["detail"] == "this loop does not handle adjust", refused
-        acks.close()
+        commands = TopicReader(kafka, kafka.topics.control)
+        sent = [c["action"] for c in commands.drain(2.0) if c["run_id"] == RUN]
+        assert "adjust" not in sent and sent[-1] == "stop", sent
+        commands.close()
         rewound = [i for i in range(1, len(toy.batches)) if toy.batches[i] <= toy.batches[i - 1]]
         assert len(rewound) >= 1, "the data rewound with the step (the restore undid those batches)"
         assert namespace["stop"] is True and step < 100, "the stop left the training loop long before 400 steps"
@@ -120,6 +120,25 @@ def test_the_readme_loop_rolls_back_skips_the_bad_data_and_stops(kafka, tmp_path
         ends = _lifecycles(events, RUN)
         assert "rolled_back" in ends and ends[-1] == "stopped" and "finished" not in ends, ends
         events.close()
+    finally:
+        worker.kill()
+
+
+def test_the_readme_loop_run_again_under_its_fixed_run_id_is_rolled_back_again(kafka, tmp_path, monkeypatch):
+    """The README's run id is fixed: a second run of the loop under it, NaN at the same step, gets
+    its own rollback (the first run's was acked; a copy of it would be dropped by the new
+    listener as already applied, and the second run would train on NaN weights)."""
+    _env(kafka, monkeypatch)
+    worker = WorkerProcess(kafka, tmp_path).start()
+    try:
+        worker.wait_ready()
+        loaded = []
+        for attempt in ("first", "second"):
+            toy = ToyTrainer(poisoned={30}, ckpt_dir=tmp_path / attempt)
+            namespace = run_readme_loop(toy.namespace(total_steps=60))
+            assert namespace["step"] == 60 and not namespace["stop"], attempt
+            loaded.append([Path(p).relative_to(tmp_path).as_posix() for p in toy.loaded])
+        assert loaded == [["first/global_step_30.json"], ["second/global_step_30.json"]], loaded
     finally:
         worker.kill()
 

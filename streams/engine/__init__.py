@@ -209,8 +209,16 @@ class Engine(Judging, OperatorActions):
             if run.finished:  # a new run under an id that ended: the old one's checkpoints are not its own
                 run.checkpoints.clear()
                 run.breaker = policy.BreakerState()
+            elif (event["source"].get("rank") in (None, 0) and run.breaker.epoch not in (None, repr(event["ts"]))
+                  and (run.checkpoints or run.breaker.attempt)):
+                # Its trainer started again (a crash, a resume): the new process's listener applies
+                # only checkpoints it reported itself, and the old process's ladder is not its own;
+                # the hour's rollbacks still count against max_rollbacks_per_hour.
+                run.checkpoints.clear()
+                old = run.breaker
+                run.breaker = policy.BreakerState(rollback_ts=old.rollback_ts, attempt=old.attempt)
             run.finished, run.finished_at, run.stopped = False, None, False
-            policy.on_started(run.breaker, event.get("detail"))
+            policy.on_started(run.breaker, event.get("detail"), event["ts"])
         return outputs
 
     def tick(self, now: float | None = None) -> list[Output]:
