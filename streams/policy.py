@@ -178,6 +178,7 @@ class BreakerState:
     verdict: str | None = None                           # numeric | hardware: the last rerun's answer
     suspect: str | None = None                           # the host the NaN step came from
     diagnosis: str = ""                                  # the incident's diagnosis, kept over a rerun
+    saved_step: int | None = None                        # the newest checkpoint reported since a (re)start or rollback
 
     def to_state(self) -> dict:
         return self.__dict__.copy()
@@ -240,6 +241,10 @@ def on_step(state: BreakerState, policy: Policy, *, run_id: str, step: int, ts: 
     ``host``: where the step's event came from, named when a rerun says the fault was the hardware's."""
     if state.status == STOPPED:
         return None
+    if state.saved_step is not None and step < state.saved_step:
+        # Behind a checkpoint the trainer reported: a straggler or a forgery. It counts as the run's
+        # next step, so it neither dates the incident back to an older checkpoint nor goes unjudged.
+        step = state.saved_step + 1
     if state.status == RERUN:
         if ts <= state.command_expires:
             return None  # the trainer is rerunning the step: its verdict decides
@@ -454,9 +459,16 @@ def on_rerun_verdict(state: BreakerState, policy: Policy, *, run_id: str, comman
 
 
 def on_started(state: BreakerState, detail: dict | None) -> None:
-    """The trainer's ``started`` event: what it says it can apply (``detail.can``), bounded."""
+    """The trainer's ``started`` event: what it says it can apply (``detail.can``), bounded; a
+    restarted trainer may resume from any checkpoint, so its steps are not held to the last one."""
     can = (detail or {}).get("can")
     state.can = [c for c in ANNOUNCED if isinstance(can, list) and c in can]
+    state.saved_step = None
+
+
+def on_checkpoint(state: BreakerState, step: int) -> None:
+    """The trainer reported a checkpoint: the run is past ``step``."""
+    state.saved_step = step if state.saved_step is None else max(state.saved_step, step)
 
 
 def on_command_refused(state: BreakerState, policy: Policy, *, run_id: str, command_id: str, status: str,
@@ -502,3 +514,4 @@ def on_rolled_back(state: BreakerState, restored_step: int | None) -> None:
     state.alert_ids, state.rules, state.began = [], [], None
     state.attempt += 1
     state.restored_step = restored_step
+    state.saved_step = None

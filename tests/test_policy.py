@@ -302,6 +302,40 @@ def test_an_event_stamped_with_an_old_step_chooses_no_checkpoint_and_cancels_no_
     assert rollback_target(3) == [("rollback", 400)], "not cancelled for want of a checkpoint before step 3"
 
 
+def test_a_critical_event_stamped_before_the_newest_checkpoint_does_not_roll_back_further():
+    """A NaN stamped with a step the trainer's own checkpoints are past is a straggler or a
+    forgery: it is judged as the run's next step, not as an incident that began 260 steps ago."""
+    def commands(forged_step):
+        engine, offset, t0 = Engine(ruleset()), [0], 1.7e9
+
+        def send(event):
+            offset[0] += 1
+            return [o.value for o in engine.handle(ev.encode(event), 0, offset[0]) if o.kind == "command"]
+
+        for s in range(1, 411):
+            if s % 100 == 0:
+                send(ev.checkpoint_event("r", s, f"/ck/{s}", ts=t0 + s - 0.5))
+            send(ev.metrics_event("r", s, {"actor/kl_loss": 0.01 + 0.0001 * (s % 7)}, src=TRAINER, ts=t0 + s))
+        out = send(ev.metrics_event("r", forged_step, {"actor/kl_loss": float("nan")}, src=TRAINER, ts=t0 + 410.5))
+        return [(c["action"], c["target"]["step"], c.get("skip_batches")) for c in out]
+
+    assert commands(410) == [("rollback", 400, 10)]
+    assert commands(150) == [("rollback", 400, 1)], "not steered back to step 100"
+    assert commands(3) == [("rollback", 400, 1)], "not a stop for want of a checkpoint before step 3"
+
+
+def test_after_a_rollback_or_a_restart_steps_behind_the_old_checkpoints_date_the_incident_again():
+    state = policy.BreakerState()
+    checkpoints = [{"step": s, "path": f"/c/{s}", "ts": 1.7e9 + s, "healthy": True} for s in (100, 200, 300, 400)]
+    for s in (100, 200, 300, 400):
+        policy.on_checkpoint(state, s)
+    policy.on_started(state, {})  # a restarted trainer resumed from step 100
+    decision = policy.on_step(state, policy.DEFAULTS, run_id="r", step=150, ts=1.7e9 + 150, critical=True,
+                              alert_ids=["a"], rules=["non_finite"], checkpoints=checkpoints, diagnosis="NaN",
+                              immediate=True)
+    assert decision.command["target"]["step"] == 100
+
+
 # -- the recovery ladder ------------------------------------------------------------------------
 
 

@@ -193,6 +193,7 @@ class Engine(Judging, OperatorActions):
             run.checkpoints.append({"step": event["step"], "path": event["path"], "ts": event["ts"],
                                     "healthy": not self._critical_open(run) and not self._paging(run)})
             del run.checkpoints[:-MAX_CHECKPOINTS]
+            policy.on_checkpoint(run.breaker, event["step"])
         elif event["event"] == "rolled_back":
             self._rolled_back(event, run, run_id, partition, outputs)
         elif event["event"] in ("finished", "stopped"):
