@@ -313,6 +313,14 @@ def _earlier_warning(state: BreakerState) -> tuple[int, str] | None:
     return int(began[0]), str(began[1])
 
 
+def _furthest(checkpoints: list[dict]) -> int:
+    """The furthest step the trainer's own checkpoints vouch for: two of its checkpoint intervals
+    past the newest. An event stamped with a later step (10**15) is no proof that the run got there,
+    so the batches an ``auto`` skip names stop here (the loop draws every one of them)."""
+    steps = sorted(int(c["step"]) for c in checkpoints)
+    return steps[-1] + 2 * max(max(b - a for a, b in zip([0, *steps], steps)), 1) if steps else 0
+
+
 def _recurred(state: BreakerState, policy: Policy) -> bool:
     """Whether the incident is the one the last rollback was for, back within recurrence_steps."""
     return bool(state.restored_step is not None and state.onset_step is not None
@@ -374,7 +382,8 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
     if _recurred(state, policy):
         rung, target, skip, adjust, why = _climb(state, policy, checkpoints, step)
     elif target is not None:
-        skip = step - target["step"] if policy.skip_batches == "auto" else int(policy.skip_batches)
+        skip = (min(step, _furthest(checkpoints)) - target["step"] if policy.skip_batches == "auto"
+                else int(policy.skip_batches))
         state.ladder = []
         plain = f"rung 1 of {policy.rungs}: rollback to step {target['step']}"
         why = f"{plain}, skipping {skip} batches; {why}" if skip and skip > 0 else f"{plain}; {why}"

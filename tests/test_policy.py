@@ -324,6 +324,22 @@ def test_a_critical_event_stamped_before_the_newest_checkpoint_does_not_roll_bac
     assert commands(3) == [("rollback", 400, 1)], "not a stop for want of a checkpoint before step 3"
 
 
+def test_a_nan_stamped_with_a_step_far_ahead_skips_no_more_than_an_honest_one_could():
+    """A NaN stamped with step 10**15 asked the trainer to draw and discard 10**15 batches: the
+    loop draws them for ever, or runs out of data; an HF run skips every update left."""
+    checkpoints = [{"step": s, "path": f"/c/{s}", "ts": 1.7e9 + s, "healthy": True} for s in (100, 200, 300, 400)]
+
+    def skip(step):
+        decision = policy.on_step(policy.BreakerState(), policy.DEFAULTS, run_id="r", step=step, ts=1.7e9 + 410,
+                                  critical=True, alert_ids=["a"], rules=["non_finite"], checkpoints=checkpoints,
+                                  diagnosis="NaN", immediate=True)
+        return decision.command["target"]["step"], decision.command.get("skip_batches")
+
+    assert skip(410) == (400, 10)
+    assert skip(599) == (400, 199), "a checkpoint missed: still the batches run since the last one"
+    assert skip(10**15) == (400, 200), "two checkpoint intervals at most"
+
+
 def test_after_a_rollback_or_a_restart_steps_behind_the_old_checkpoints_date_the_incident_again():
     state = policy.BreakerState()
     checkpoints = [{"step": s, "path": f"/c/{s}", "ts": 1.7e9 + s, "healthy": True} for s in (100, 200, 300, 400)]
