@@ -459,6 +459,34 @@ def test_outputs_are_checked_against_their_schema_when_made():
     assert Output(OutputKind.DLQ, "", {"reason": "not JSON"}).kind == "dlq"  # dead letters are free-form
 
 
+def test_a_flood_of_warnings_does_not_push_a_critical_alert_out_of_the_book():
+    """300 node events each opening a P2 warning pushed the run's open critical alert out of the
+    book (MAX_BOOK): `status` no longer listed it, an operator could not acknowledge it, and a
+    checkpoint saved during the incident counted as healthy to the breaker."""
+    import dataclasses
+
+    rules = rules_mod.load(None)
+    rules.policy = dataclasses.replace(rules.policy, consecutive_critical=50)
+    engine, offset = Engine(rules), [0]
+
+    def send(event):
+        offset[0] += 1
+        return engine.handle(ev.encode(event), 0, offset[0])
+
+    for s in range(1, 52):
+        send(ev.metrics_event("r", s, {"actor/kl_loss": 0.9 if s >= 50 else 0.01}, src=TRAINER, ts=1.7e9 + s))
+    critical = [aid for aid, e in engine._run(b"r").book.items() if e["critical"]]
+    assert critical, "kl_explosion is open"
+    for i in range(300):
+        send(ev.metrics_event("r", 52, {"response_length/clip_ratio": 1.0}, src=ev.source("node", f"n{i}"),
+                              ts=1.7e9 + 52))
+    run = engine._run(b"r")
+    assert len(run.book) == 256 and engine._critical_open(run)
+    assert critical[0] in [a["id"] for a in engine.status("r")["open_alerts"]]
+    send(ev.operator_event("r", "ack", alert_id=critical[0], by="ops", ts=1.7e9 + 53))
+    assert run.book[critical[0]]["acknowledged"]["by"] == "ops"
+
+
 def test_open_alerts_of_a_state_from_before_the_one_book_are_all_in_it():
     """tests/data/state-v1: a run's state as the previous release wrote it, with a NaN page an
     operator acknowledged, a command_failed notice and a trainer_hung alert, each in its own table."""
