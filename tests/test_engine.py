@@ -487,6 +487,23 @@ def test_a_flood_of_warnings_does_not_push_a_critical_alert_out_of_the_book():
     assert run.book[critical[0]]["acknowledged"]["by"] == "ops"
 
 
+@pytest.mark.parametrize("blob", [{"v": 1, "notices": {"k": {"rule": "command_failed"}}},
+                                  {"v": 1, "open_critical": ["a"]}, {"v": 1, "book": {"a": 3}},
+                                  {"v": 1, "acknowledged": ["a"]}, [1, 2]])
+def test_a_run_state_that_cannot_be_read_starts_afresh_and_stops_no_other_run(blob):
+    """A version-1 state of a shape the migration does not know made every event of its run a
+    dead letter, and every timer tick raise: no run of the worker was judged for silence."""
+    engine = Engine(rules_mod.default(), {b"bad": orjson.dumps(blob)})
+    t0 = 1.7e9
+    engine.clock = lambda: t0
+    engine.handle(ev.encode(ev.lifecycle_event("good", "started", step=0, ts=t0, src=TRAINER)), 0, 0)
+    engine.handle(ev.encode(ev.metrics_event("good", 1, {"actor/pg_loss": 0.1}, src=TRAINER, ts=t0)), 0, 1)
+    silent = engine.tick(t0 + 600)
+    assert [o.value["rule"] for o in silent if o.kind == "alert"] == ["trainer_hung"]
+    outs = engine.handle(ev.encode(ev.metrics_event("bad", 1, {"actor/pg_loss": 0.1}, src=TRAINER, ts=t0)), 0, 2)
+    assert [o.kind for o in outs if o.kind == "dlq"] == [] and engine.status("bad")["last_step"] == 1
+
+
 def test_open_alerts_of_a_state_from_before_the_one_book_are_all_in_it():
     """tests/data/state-v1: a run's state as the previous release wrote it, with a NaN page an
     operator acknowledged, a command_failed notice and a trainer_hung alert, each in its own table."""

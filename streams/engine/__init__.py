@@ -224,7 +224,7 @@ class Engine(Judging, OperatorActions):
         wall = time.time()
         for key in [k for k in list(self.store.keys()) if keys.is_run_key(k)]:
             if type(self.store[key]) is bytes and key not in self._parked:  # restored: parked if tiny
-                until = self._park_until(RunState.from_bytes(self.store[key]))
+                until = self._park_until(self._decoded(key, self.store[key]))
                 if until is not None:
                     self._parked[key] = until
             until = self._parked.get(key)

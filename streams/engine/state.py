@@ -342,13 +342,24 @@ class StateAccess:
         if keys.is_run_key(key):
             self.touched.add(key)
 
+    def _decoded(self, key: bytes, raw: bytes) -> RunState:
+        """A run's entry from its changelog bytes; one that cannot be read (a shape no release
+        wrote) starts the run afresh, said in the log, instead of failing each of its events and
+        every timer tick of the worker."""
+        try:
+            return RunState.from_bytes(raw)
+        except Exception as exc:
+            log.error("trainguard: run %s: its stored state cannot be read (%s: %s); it starts afresh",
+                      key.decode(errors="replace"), type(exc).__name__, str(exc)[:200])
+            return RunState(events=0)
+
     def _run(self, key: bytes) -> RunState:
         state = self.store.get(key)
         if state is None:
             state = RunState(events=0)
             self.store[key] = state
         elif type(state) is bytes:  # restored from the changelog (or parked): decode once, on first use
-            state = RunState.from_bytes(state)
+            state = self._decoded(key, state)
             self.store[key] = state
             if self._parked.pop(key, None) is None:
                 log.info("trainguard: restored run %s at offset %d", key.decode(errors="replace"), state.offset)
@@ -365,7 +376,7 @@ class StateAccess:
         """The run's state to read, not to change: a parked run stays parked."""
         state = self.store.get(key)
         if type(state) is bytes and key in self._parked:
-            return RunState.from_bytes(state)
+            return self._decoded(key, state)
         return self._run(key)
 
     def _tiny(self, run: RunState) -> bool:
