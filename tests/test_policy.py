@@ -515,7 +515,10 @@ def test_a_nan_that_does_not_reproduce_is_hardware_and_rolls_back_plainly_naming
     assert "a transient (hardware) fault on host h: cordon it" in report["checkpoint"]["why"]
     assert report["history"]["rung"] == 1
     again = _verdict(r, rerun, reproduced=False)
-    assert not [o for o in again if o.kind in ("command", "report")], "a second copy of the verdict decides nothing"
+    assert not again, "a second delivery of the verdict decides nothing, nor ends the verdict's alert"
+    assert [a["rule"] for a in r.engine.status("r")["open_alerts"]].count("rerun_verdict") == 1
+    done = r.engine.handle_ack(ev.encode(ev.ack_event(rollback["id"], "r", "applied", step=45, ts=r.ts + 2)), 0, 0)
+    assert [(o.value["rule"], o.value["status"]) for o in done] == [("rerun_verdict", "resolved")], "the next one does"
 
 
 def test_a_nan_that_reproduces_is_numeric_and_goes_on_the_ladder():

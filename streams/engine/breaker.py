@@ -143,9 +143,13 @@ class Breaker(AlertBook, StatusRoom):
             return rerun
         if ack["status"] == "applied":  # a later command worked: the refused one's alert is over
             self._changed(run_key, run.partition)
+            # Not a notice this very command raised: a second delivery of a rerun's ack would end
+            # the hardware verdict (cordon the host) it had just given.
             return [o for o in (self._resolve(run, alert, {"ts": ack["ts"], "step": ack.get("step")},
                                               resolution=f"the trainer applied command {ack['command_id']}")
-                                for alert in self._in_room(run, NOTICE).values()) if o is not None]
+                                for alert in self._in_room(run, NOTICE).values()
+                                if (alert.get("evidence") or {}).get("command_id") != ack["command_id"])
+                    if o is not None]
         handled, stop = policy.on_command_refused(run.breaker, self.rules.policy, run_id=ack["run_id"],
                                                   command_id=ack["command_id"], status=ack["status"],
                                                   detail=ack.get("detail", ""), ts=ack["ts"], now=self.clock(),
