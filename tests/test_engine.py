@@ -504,6 +504,30 @@ def test_a_run_state_that_cannot_be_read_starts_afresh_and_stops_no_other_run(bl
     assert [o.kind for o in outs if o.kind == "dlq"] == [] and engine.status("bad")["last_step"] == 1
 
 
+def test_one_alert_naming_a_thousand_metrics_is_written_once_in_its_sources_state():
+    """One event with 1,000 per-device names of a warning rule opens one alert naming them all;
+    the source's state wrote it again for each of its 1,000 slots: a 73 MB record, over a
+    broker's message limit (left out of the changelog) and serialised again on every flush."""
+    from trainguard.streams import keys
+    from trainguard.streams.engine.state import Limits
+
+    engine = Engine(rules_mod.default())
+    names = [f"response_length/clip_ratio[{i}]" for i in range(1000)]
+    outs = engine.handle(ev.encode(ev.metrics_event("r", 1, dict.fromkeys(names, 1.0), src=TRAINER, ts=1.7e9)), 0, 0)
+    [alert] = [o.value for o in outs if o.kind == "alert"]
+    assert len(alert["metrics"]) == 1000
+    saved = {k: engine.serialize(k) for k in list(engine.store)}
+    assert len(saved[keys.source_key("r", ev.source_id(TRAINER))]) < Limits().record_bytes
+    restored = Engine(rules_mod.default(), dict(saved))
+    assert [a["id"] for a in restored.status("r")["open_alerts"]] == [alert["id"]]
+    ended = []
+    for step in range(2, 40):
+        outs = restored.handle(ev.encode(ev.metrics_event("r", step, dict.fromkeys(names, 0.1), src=TRAINER,
+                                                          ts=1.7e9 + step)), 0, step)
+        ended += [o.value for o in outs if o.kind == "alert" and o.value["status"] == "resolved"]
+    assert [a["id"] for a in ended] == [alert["id"]], "restored as one alert, resolved once"
+
+
 def test_open_alerts_of_a_state_from_before_the_one_book_are_all_in_it():
     """tests/data/state-v1: a run's state as the previous release wrote it, with a NaN page an
     operator acknowledged, a command_failed notice and a trainer_hung alert, each in its own table."""
