@@ -528,6 +528,32 @@ def test_one_alert_naming_a_thousand_metrics_is_written_once_in_its_sources_stat
     assert [a["id"] for a in ended] == [alert["id"]], "restored as one alert, resolved once"
 
 
+def test_open_stragglers_keep_no_node_snapshot_in_the_runs_state():
+    """Each open alert kept the node snapshot it was published with (16 hosts of 256 metrics):
+    22 open stragglers made the run's record 3 MB, over a broker's message limit, so the run's
+    breaker and checkpoints were left out of the changelog."""
+    from trainguard.streams.engine.state import Limits
+
+    engine, offset, published = Engine(rules_mod.default()), [0], []
+
+    def send(event):
+        offset[0] += 1
+        published.extend(o.value for o in engine.handle(ev.encode(event), 0, offset[0]) if o.kind == "alert")
+
+    for step in range(1, 12):
+        for h in range(16):
+            send(ev.metrics_event("r", step, {f"gpu/utilization_pct[{i}]": 50.0 for i in range(300)},
+                                  src=ev.source("node", "h" * 200 + str(h)), ts=1.7e9 + step))
+        for rank in range(64):
+            send(ev.metrics_event("r", step, {"timing_s/update_actor": 10.0 if rank % 3 == 0 else 1.0},
+                                  src=ev.source("trainer", f"host{rank}", rank), ts=1.7e9 + step))
+    stragglers = [a for a in published if a["rule"] == "straggler_rank" and a["status"] == "firing"]
+    assert len(stragglers) > 20 and all(len(a["node_snapshot"]) == 16 for a in stragglers), "published with it"
+    raw = engine.serialize(b"r")
+    assert len(raw) < Limits().record_bytes
+    assert len(RunState.from_bytes(raw).book) == len(engine._run(b"r").book)
+
+
 def test_open_alerts_of_a_state_from_before_the_one_book_are_all_in_it():
     """tests/data/state-v1: a run's state as the previous release wrote it, with a NaN page an
     operator acknowledged, a command_failed notice and a trainer_hung alert, each in its own table."""

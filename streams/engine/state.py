@@ -45,6 +45,13 @@ SOURCE, STALE, CROSS, INCIDENT, NOTICE = "source", "stale", "cross", "incident",
 LISTED = ("rule", "severity", "id", "metric", "step", "ts", "value", "flapping", "eta")  # what `status` shows
 
 
+def _kept(alert: dict) -> dict:
+    """An open alert as its state record keeps it: without the node snapshot it was published
+    with (up to 16 hosts of 256 metrics, ~150 KB, that nothing reads back), so a few open
+    stragglers do not push a run's record past a broker's message limit."""
+    return {k: v for k, v in alert.items() if k != "node_snapshot"} if "node_snapshot" in alert else alert
+
+
 def book_entry(alert: dict, room: str = SOURCE, key: str | None = None) -> dict:
     """An open alert's entry in its run's book (``RunState.book``, by alert id)."""
     value = alert.get("value")
@@ -199,7 +206,7 @@ class SourceState:
         # a 1,000-metric alert, 73 MB, from one event).
         firing, written = [], set()
         for (r, w), a in self.firing.items():
-            firing.append([rnames[r], names[w], a["id"] if a["id"] in written else a])
+            firing.append([rnames[r], names[w], a["id"] if a["id"] in written else _kept(a)])
             written.add(a["id"])
         header = orjson.dumps({
             "kind": self.kind, "block": self.block.header(),
@@ -271,6 +278,8 @@ class RunState:
         d["v"] = STATE_VERSION
         d["breaker"] = self.breaker.to_state()
         d["cross"] = {k: v.to_state() for k, v in self.cross.items()}
+        d["book"] = {aid: {**e, "alert": _kept(e["alert"])} if "alert" in e else e for aid, e in self.book.items()}
+        d["recent_alerts"] = [_kept(a) for a in self.recent_alerts]
         # A copy of exactly its size: orjson's buffer of 8-16 KB would be held for each run's
         # record until the changelog's producer sent it (20,000 of them after a burst of runs).
         return bytes(memoryview(orjson.dumps(d)))
