@@ -26,6 +26,7 @@ stable ids (``ids``): the same across a replay, unpredictable to anyone without 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
@@ -313,12 +314,14 @@ def _earlier_warning(state: BreakerState) -> tuple[int, str] | None:
     return int(began[0]), str(began[1])
 
 
-def _furthest(checkpoints: list[dict]) -> int:
+def _furthest(checkpoints: list[dict]) -> float:
     """The furthest step the trainer's own checkpoints vouch for: two of its checkpoint intervals
     past the newest. An event stamped with a later step (10**15) is no proof that the run got there,
-    so the batches an ``auto`` skip names stop here (the loop draws every one of them)."""
-    steps = sorted(int(c["step"]) for c in checkpoints)
-    return steps[-1] + 2 * max(max(b - a for a, b in zip([0, *steps], steps)), 1) if steps else 0
+    so the batches an ``auto`` skip names stop here (the loop draws every one of them). Without a
+    known interval (one checkpoint, at step 0) there is no bound."""
+    steps = sorted({int(c["step"]) for c in checkpoints} | {0})
+    interval = max((b - a for a, b in zip(steps, steps[1:], strict=False)), default=0)
+    return steps[-1] + 2 * interval if interval > 0 else math.inf
 
 
 def _recurred(state: BreakerState, policy: Policy) -> bool:
@@ -382,7 +385,7 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
     if _recurred(state, policy):
         rung, target, skip, adjust, why = _climb(state, policy, checkpoints, step)
     elif target is not None:
-        skip = (min(step, _furthest(checkpoints)) - target["step"] if policy.skip_batches == "auto"
+        skip = (int(min(step, _furthest(checkpoints))) - target["step"] if policy.skip_batches == "auto"
                 else int(policy.skip_batches))
         state.ladder = []
         plain = f"rung 1 of {policy.rungs}: rollback to step {target['step']}"

@@ -338,6 +338,8 @@ def test_a_nan_stamped_with_a_step_far_ahead_skips_no_more_than_an_honest_one_co
     assert skip(410) == (400, 10)
     assert skip(599) == (400, 199), "a checkpoint missed: still the batches run since the last one"
     assert skip(10**15) == (400, 200), "two checkpoint intervals at most"
+    checkpoints[:] = [{"step": 0, "path": "/c/0", "ts": 1.7e9, "healthy": True}]
+    assert skip(45) == (0, 45), "no interval known: no bound"
 
 
 def test_after_a_rollback_or_a_restart_steps_behind_the_old_checkpoints_date_the_incident_again():
