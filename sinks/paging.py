@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainguard.core.settings import default, number, value
-from trainguard.sinks.base import Sink, csv_values, read_state, write_state
+from trainguard.sinks.base import Sink, csv_values, log, read_state, write_state
 
 PAGE = "page"
 DIGEST = "digest"
@@ -111,12 +111,28 @@ class Pager:
 
     def __init__(self, settings: PagingSettings | None = None, state: dict | None = None):
         self.settings = settings or PagingSettings()
-        state = state or {}
-        self._seen: OrderedDict[str, None] = OrderedDict.fromkeys(state.get("seen", ()))
-        self._paged: OrderedDict[str, None] = OrderedDict.fromkeys(state.get("paged", ()))
-        self._flapping: dict[str, str] = dict(state.get("flapping", {}))
-        self._digests: dict[str, dict] = dict(state.get("digests", {}))
         self.changed = False  # state changed since the owner last saved it
+        try:
+            self._restore(state or {})
+        except (TypeError, ValueError, AttributeError) as exc:  # a file edited or damaged
+            log.error("trainguard: paging state of an unknown shape, starting empty: %s: %s", type(exc).__name__, exc)
+            self._restore({})
+
+    def _restore(self, state: dict) -> None:
+        """The saved state, checked: a digest of another shape is dropped (said), never a crash
+        of every later batch."""
+        self._seen: OrderedDict[str, None] = OrderedDict.fromkeys(str(k) for k in state.get("seen", ()))
+        self._paged: OrderedDict[str, None] = OrderedDict.fromkeys(str(k) for k in state.get("paged", ()))
+        self._flapping: dict[str, str] = {str(k): str(v) for k, v in dict(state.get("flapping", {})).items()}
+        self._digests: dict[str, dict] = {}
+        for run_id, d in dict(state.get("digests", {})).items():
+            if (isinstance(d, dict) and all(_num(d.get(k)) is not None for k in ("since", "until"))
+                    and _num(d.get("opened", d["since"])) is not None
+                    and isinstance(d.get("entries"), dict) and isinstance(d.get("open", {}), dict)
+                    and all(isinstance(e, dict) and type(e.get("count")) is int for e in d["entries"].values())):
+                self._digests[str(run_id)] = d
+            else:
+                log.error("trainguard: paging state: the digest of run %r has an unknown shape; dropped", run_id)
 
     def state(self) -> dict:
         return {"seen": list(self._seen), "paged": list(self._paged), "flapping": self._flapping,

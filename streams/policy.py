@@ -26,6 +26,7 @@ stable ids (``ids``): the same across a replay, unpredictable to anyone without 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
@@ -182,6 +183,7 @@ class BreakerState:
     # id, so a run started again under the same id (or a restarted trainer, whose listener still
     # reads the old acks) never gets a command that is the copy of one acked before.
     epoch: str | None = None
+    saved_step: int | None = None                        # the newest checkpoint reported since a (re)start or rollback
 
     def to_state(self) -> dict:
         return self.__dict__.copy()
@@ -244,6 +246,10 @@ def on_step(state: BreakerState, policy: Policy, *, run_id: str, step: int, ts: 
     ``host``: where the step's event came from, named when a rerun says the fault was the hardware's."""
     if state.status == STOPPED:
         return None
+    if state.saved_step is not None and step < state.saved_step:
+        # Behind a checkpoint the trainer reported: a straggler or a forgery. It counts as the run's
+        # next step, so it neither dates the incident back to an older checkpoint nor goes unjudged.
+        step = state.saved_step + 1
     if state.status == RERUN:
         if ts <= state.command_expires:
             return None  # the trainer is rerunning the step: its verdict decides
@@ -312,6 +318,16 @@ def _earlier_warning(state: BreakerState) -> tuple[int, str] | None:
     return int(began[0]), str(began[1])
 
 
+def _furthest(checkpoints: list[dict]) -> float:
+    """The furthest step the trainer's own checkpoints vouch for: two of its checkpoint intervals
+    past the newest. An event stamped with a later step (10**15) is no proof that the run got there,
+    so the batches an ``auto`` skip names stop here (the loop draws every one of them). Without a
+    known interval (one checkpoint, at step 0) there is no bound."""
+    steps = sorted({int(c["step"]) for c in checkpoints} | {0})
+    interval = max((b - a for a, b in zip(steps, steps[1:], strict=False)), default=0)
+    return steps[-1] + 2 * interval if interval > 0 else math.inf
+
+
 def _recurred(state: BreakerState, policy: Policy) -> bool:
     """Whether the incident is the one the last rollback was for, back within recurrence_steps."""
     return bool(state.restored_step is not None and state.onset_step is not None
@@ -376,7 +392,8 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
     if _recurred(state, policy):
         rung, target, skip, adjust, why = _climb(state, policy, checkpoints, step)
     elif target is not None:
-        skip = step - target["step"] if policy.skip_batches == "auto" else int(policy.skip_batches)
+        skip = (int(min(step, _furthest(checkpoints))) - target["step"] if policy.skip_batches == "auto"
+                else int(policy.skip_batches))
         state.ladder = []
         plain = f"rung 1 of {policy.rungs}: rollback to step {target['step']}"
         why = f"{plain}, skipping {skip} batches; {why}" if skip and skip > 0 else f"{plain}; {why}"
@@ -468,11 +485,18 @@ def _command_key(state: BreakerState, run_id: str, action: str, onset) -> str:
 
 def on_started(state: BreakerState, detail: dict | None, ts: float | None = None) -> None:
     """The trainer's ``started`` event: what it says it can apply (``detail.can``), bounded, and
-    which trainer process this is (``ts``: the event's time)."""
+    which trainer process this is (``ts``: the event's time); a restarted trainer may resume from
+    any checkpoint, so its steps are not held to the last one."""
     can = (detail or {}).get("can")
     state.can = [c for c in ANNOUNCED if isinstance(can, list) and c in can]
+    state.saved_step = None
     if ts is not None:
         state.epoch = repr(ts)
+
+
+def on_checkpoint(state: BreakerState, step: int) -> None:
+    """The trainer reported a checkpoint: the run is past ``step``."""
+    state.saved_step = step if state.saved_step is None else max(state.saved_step, step)
 
 
 def on_command_refused(state: BreakerState, policy: Policy, *, run_id: str, command_id: str, status: str,
@@ -518,3 +542,4 @@ def on_rolled_back(state: BreakerState, restored_step: int | None) -> None:
     state.alert_ids, state.rules, state.began = [], [], None
     state.attempt += 1
     state.restored_step = restored_step
+    state.saved_step = None

@@ -461,6 +461,101 @@ def test_outputs_are_checked_against_their_schema_when_made():
     assert Output(OutputKind.DLQ, "", {"reason": "not JSON"}).kind == "dlq"  # dead letters are free-form
 
 
+def test_a_flood_of_warnings_does_not_push_a_critical_alert_out_of_the_book():
+    """300 node events each opening a P2 warning pushed the run's open critical alert out of the
+    book (MAX_BOOK): `status` no longer listed it, an operator could not acknowledge it, and a
+    checkpoint saved during the incident counted as healthy to the breaker."""
+    import dataclasses
+
+    rules = rules_mod.load(None)
+    rules.policy = dataclasses.replace(rules.policy, consecutive_critical=50)
+    engine, offset = Engine(rules), [0]
+
+    def send(event):
+        offset[0] += 1
+        return engine.handle(ev.encode(event), 0, offset[0])
+
+    for s in range(1, 52):
+        send(ev.metrics_event("r", s, {"actor/kl_loss": 0.9 if s >= 50 else 0.01}, src=TRAINER, ts=1.7e9 + s))
+    critical = [aid for aid, e in engine._run(b"r").book.items() if e["critical"]]
+    assert critical, "kl_explosion is open"
+    for i in range(300):
+        send(ev.metrics_event("r", 52, {"response_length/clip_ratio": 1.0}, src=ev.source("node", f"n{i}"),
+                              ts=1.7e9 + 52))
+    run = engine._run(b"r")
+    assert len(run.book) == 256 and engine._critical_open(run)
+    assert critical[0] in [a["id"] for a in engine.status("r")["open_alerts"]]
+    send(ev.operator_event("r", "ack", alert_id=critical[0], by="ops", ts=1.7e9 + 53))
+    assert run.book[critical[0]]["acknowledged"]["by"] == "ops"
+
+
+@pytest.mark.parametrize("blob", [{"v": 1, "notices": {"k": {"rule": "command_failed"}}},
+                                  {"v": 1, "open_critical": ["a"]}, {"v": 1, "book": {"a": 3}},
+                                  {"v": 1, "acknowledged": ["a"]}, [1, 2]])
+def test_a_run_state_that_cannot_be_read_starts_afresh_and_stops_no_other_run(blob):
+    """A version-1 state of a shape the migration does not know made every event of its run a
+    dead letter, and every timer tick raise: no run of the worker was judged for silence."""
+    engine = Engine(rules_mod.default(), {b"bad": orjson.dumps(blob)})
+    t0 = 1.7e9
+    engine.clock = lambda: t0
+    engine.handle(ev.encode(ev.lifecycle_event("good", "started", step=0, ts=t0, src=TRAINER)), 0, 0)
+    engine.handle(ev.encode(ev.metrics_event("good", 1, {"actor/pg_loss": 0.1}, src=TRAINER, ts=t0)), 0, 1)
+    silent = engine.tick(t0 + 600)
+    assert [o.value["rule"] for o in silent if o.kind == "alert"] == ["trainer_hung"]
+    outs = engine.handle(ev.encode(ev.metrics_event("bad", 1, {"actor/pg_loss": 0.1}, src=TRAINER, ts=t0)), 0, 2)
+    assert [o.kind for o in outs if o.kind == "dlq"] == [] and engine.status("bad")["last_step"] == 1
+
+
+def test_one_alert_naming_a_thousand_metrics_is_written_once_in_its_sources_state():
+    """One event with 1,000 per-device names of a warning rule opens one alert naming them all;
+    the source's state wrote it again for each of its 1,000 slots: a 73 MB record, over a
+    broker's message limit (left out of the changelog) and serialised again on every flush."""
+    from trainguard.streams import keys
+    from trainguard.streams.engine.state import Limits
+
+    engine = Engine(rules_mod.default())
+    names = [f"response_length/clip_ratio[{i}]" for i in range(1000)]
+    outs = engine.handle(ev.encode(ev.metrics_event("r", 1, dict.fromkeys(names, 1.0), src=TRAINER, ts=1.7e9)), 0, 0)
+    [alert] = [o.value for o in outs if o.kind == "alert"]
+    assert len(alert["metrics"]) == 1000
+    saved = {k: engine.serialize(k) for k in list(engine.store)}
+    assert len(saved[keys.source_key("r", ev.source_id(TRAINER))]) < Limits().record_bytes
+    restored = Engine(rules_mod.default(), dict(saved))
+    assert [a["id"] for a in restored.status("r")["open_alerts"]] == [alert["id"]]
+    ended = []
+    for step in range(2, 40):
+        outs = restored.handle(ev.encode(ev.metrics_event("r", step, dict.fromkeys(names, 0.1), src=TRAINER,
+                                                          ts=1.7e9 + step)), 0, step)
+        ended += [o.value for o in outs if o.kind == "alert" and o.value["status"] == "resolved"]
+    assert [a["id"] for a in ended] == [alert["id"]], "restored as one alert, resolved once"
+
+
+def test_open_stragglers_keep_no_node_snapshot_in_the_runs_state():
+    """Each open alert kept the node snapshot it was published with (16 hosts of 256 metrics):
+    22 open stragglers made the run's record 3 MB, over a broker's message limit, so the run's
+    breaker and checkpoints were left out of the changelog."""
+    from trainguard.streams.engine.state import Limits
+
+    engine, offset, published = Engine(rules_mod.default()), [0], []
+
+    def send(event):
+        offset[0] += 1
+        published.extend(o.value for o in engine.handle(ev.encode(event), 0, offset[0]) if o.kind == "alert")
+
+    for step in range(1, 12):
+        for h in range(16):
+            send(ev.metrics_event("r", step, {f"gpu/utilization_pct[{i}]": 50.0 for i in range(300)},
+                                  src=ev.source("node", "h" * 200 + str(h)), ts=1.7e9 + step))
+        for rank in range(64):
+            send(ev.metrics_event("r", step, {"timing_s/update_actor": 10.0 if rank % 3 == 0 else 1.0},
+                                  src=ev.source("trainer", f"host{rank}", rank), ts=1.7e9 + step))
+    stragglers = [a for a in published if a["rule"] == "straggler_rank" and a["status"] == "firing"]
+    assert len(stragglers) > 20 and all(len(a["node_snapshot"]) == 16 for a in stragglers), "published with it"
+    raw = engine.serialize(b"r")
+    assert len(raw) < Limits().record_bytes
+    assert len(RunState.from_bytes(raw).book) == len(engine._run(b"r").book)
+
+
 def test_open_alerts_of_a_state_from_before_the_one_book_are_all_in_it():
     """tests/data/state-v1: a run's state as the previous release wrote it, with a NaN page an
     operator acknowledged, a command_failed notice and a trainer_hung alert, each in its own table."""

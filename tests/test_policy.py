@@ -302,6 +302,58 @@ def test_an_event_stamped_with_an_old_step_chooses_no_checkpoint_and_cancels_no_
     assert rollback_target(3) == [("rollback", 400)], "not cancelled for want of a checkpoint before step 3"
 
 
+def test_a_critical_event_stamped_before_the_newest_checkpoint_does_not_roll_back_further():
+    """A NaN stamped with a step the trainer's own checkpoints are past is a straggler or a
+    forgery: it is judged as the run's next step, not as an incident that began 260 steps ago."""
+    def commands(forged_step):
+        engine, offset, t0 = Engine(ruleset()), [0], 1.7e9
+
+        def send(event):
+            offset[0] += 1
+            return [o.value for o in engine.handle(ev.encode(event), 0, offset[0]) if o.kind == "command"]
+
+        for s in range(1, 411):
+            if s % 100 == 0:
+                send(ev.checkpoint_event("r", s, f"/ck/{s}", ts=t0 + s - 0.5))
+            send(ev.metrics_event("r", s, {"actor/kl_loss": 0.01 + 0.0001 * (s % 7)}, src=TRAINER, ts=t0 + s))
+        out = send(ev.metrics_event("r", forged_step, {"actor/kl_loss": float("nan")}, src=TRAINER, ts=t0 + 410.5))
+        return [(c["action"], c["target"]["step"], c.get("skip_batches")) for c in out]
+
+    assert commands(410) == [("rollback", 400, 10)]
+    assert commands(150) == [("rollback", 400, 1)], "not steered back to step 100"
+    assert commands(3) == [("rollback", 400, 1)], "not a stop for want of a checkpoint before step 3"
+
+
+def test_a_nan_stamped_with_a_step_far_ahead_skips_no_more_than_an_honest_one_could():
+    """A NaN stamped with step 10**15 asked the trainer to draw and discard 10**15 batches: the
+    loop draws them for ever, or runs out of data; an HF run skips every update left."""
+    checkpoints = [{"step": s, "path": f"/c/{s}", "ts": 1.7e9 + s, "healthy": True} for s in (100, 200, 300, 400)]
+
+    def skip(step):
+        decision = policy.on_step(policy.BreakerState(), policy.DEFAULTS, run_id="r", step=step, ts=1.7e9 + 410,
+                                  critical=True, alert_ids=["a"], rules=["non_finite"], checkpoints=checkpoints,
+                                  diagnosis="NaN", immediate=True)
+        return decision.command["target"]["step"], decision.command.get("skip_batches")
+
+    assert skip(410) == (400, 10)
+    assert skip(599) == (400, 199), "a checkpoint missed: still the batches run since the last one"
+    assert skip(10**15) == (400, 200), "two checkpoint intervals at most"
+    checkpoints[:] = [{"step": 0, "path": "/c/0", "ts": 1.7e9, "healthy": True}]
+    assert skip(45) == (0, 45), "no interval known: no bound"
+
+
+def test_after_a_rollback_or_a_restart_steps_behind_the_old_checkpoints_date_the_incident_again():
+    state = policy.BreakerState()
+    checkpoints = [{"step": s, "path": f"/c/{s}", "ts": 1.7e9 + s, "healthy": True} for s in (100, 200, 300, 400)]
+    for s in (100, 200, 300, 400):
+        policy.on_checkpoint(state, s)
+    policy.on_started(state, {})  # a restarted trainer resumed from step 100
+    decision = policy.on_step(state, policy.DEFAULTS, run_id="r", step=150, ts=1.7e9 + 150, critical=True,
+                              alert_ids=["a"], rules=["non_finite"], checkpoints=checkpoints, diagnosis="NaN",
+                              immediate=True)
+    assert decision.command["target"]["step"] == 100
+
+
 # -- the recovery ladder ------------------------------------------------------------------------
 
 
@@ -470,8 +522,10 @@ def test_a_nan_that_does_not_reproduce_is_hardware_and_rolls_back_plainly_naming
     assert "a transient (hardware) fault on host h: cordon it" in report["checkpoint"]["why"]
     assert report["history"]["rung"] == 1
     again = _verdict(r, rerun, reproduced=False)
-    assert not [o for o in again if o.kind in ("command", "report")], "a second copy of the verdict decides nothing"
-    assert not [o for o in again if o.kind == "alert"], "nor does it end the verdict it raised"
+    assert not again, "a second delivery of the verdict decides nothing, nor ends the verdict's alert"
+    assert [a["rule"] for a in r.engine.status("r")["open_alerts"]].count("rerun_verdict") == 1
+    done = r.engine.handle_ack(ev.encode(ev.ack_event(rollback["id"], "r", "applied", step=45, ts=r.ts + 2)), 0, 0)
+    assert not [o for o in done if o.kind == "alert"], "the host to cordon is a person's to close, not the rollback's"
     assert [a["rule"] for a in r.engine.status("r")["open_alerts"]].count("rerun_verdict") == 1
 
 

@@ -151,3 +151,23 @@ def test_a_digest_saved_before_warnings_were_followed_is_still_sent():
                      "last_step": 2, "metric": "kl", "flapping": False}}}}}
     [digest] = Pager(PagingSettings(digest_interval_s=900), json.loads(json.dumps(state))).flush()
     assert digest.event["count"] == 2 and digest.event["open"] == 2
+
+
+def test_a_paging_state_of_another_shape_on_disk_starts_empty_or_drops_the_bad_digest(tmp_path):
+    """The pager's file, damaged or edited by hand, raised in the sinks process as it started
+    (a list, a number for ``seen``) or at every batch after (a digest without ``since``)."""
+    from trainguard.sinks.paging import PagingSink
+
+    path = tmp_path / "pager.json"
+    settings = PagingSettings(digest_interval_s=900)
+    for bad in ([1, 2], {"seen": 5}, {"flapping": [1]}, {"digests": [1]}):
+        path.write_text(json.dumps(bad))
+        pager = PagingSink([], settings, state_path=path).pager
+        assert pager.state() == {"seen": [], "paged": [], "flapping": {}, "digests": {}}
+        assert [m.kind for m in _run(pager, [_alert(0, "P0")])] == [PAGE]
+    good = {"opened": T0, "since": T0, "until": T0, "open": {"a": "kl_spike"}, "entries": {
+        "kl_spike": {"rule": "kl_spike", "severity": "P2", "count": 1, "first_step": 1, "last_step": 1}}}
+    path.write_text(json.dumps({"seen": ["x"], "digests": {"ok": good, "no-since": {"entries": {}},
+                                                           "odd": {**good, "entries": [1]}, "str": "x"}}))
+    pager = PagingSink([], settings, state_path=path).pager
+    assert [m.run_id for m in pager.flush(T0 + 1000)] == ["ok"]

@@ -193,6 +193,7 @@ class Engine(Judging, OperatorActions):
             run.checkpoints.append({"step": event["step"], "path": event["path"], "ts": event["ts"],
                                     "healthy": not self._critical_open(run) and not self._paging(run)})
             del run.checkpoints[:-MAX_CHECKPOINTS]
+            policy.on_checkpoint(run.breaker, event["step"])
         elif event["event"] == "rolled_back":
             self._rolled_back(event, run, run_id, partition, outputs)
         elif event["event"] in ("finished", "stopped"):
@@ -231,7 +232,7 @@ class Engine(Judging, OperatorActions):
         wall = time.time()
         for key in [k for k in list(self.store.keys()) if keys.is_run_key(k)]:
             if type(self.store[key]) is bytes and key not in self._parked:  # restored: parked if tiny
-                until = self._park_until(RunState.from_bytes(self.store[key]))
+                until = self._park_until(self._decoded(key, self.store[key]))
                 if until is not None:
                     self._parked[key] = until
             until = self._parked.get(key)

@@ -91,7 +91,10 @@ class AlertBook(StateAccess):
         itself under its key."""
         run.book[alert["id"]] = book_entry(alert, room, key)
         if len(run.book) > MAX_BOOK:  # the oldest source alerts leave the list; they stay open in their source
-            for aid in [aid for aid, e in run.book.items() if e["room"] == SOURCE][:len(run.book) - MAX_BOOK]:
+            # Warnings first: a flood of them must not push out the critical alert the breaker,
+            # the checkpoints' health, `status` and an operator's ack read here.
+            source = [(e["critical"], aid) for aid, e in run.book.items() if e["room"] == SOURCE]
+            for _, aid in sorted(source, key=lambda c: c[0])[:len(run.book) - MAX_BOOK]:
                 del run.book[aid]
 
     def _paging(self, run: RunState) -> bool:

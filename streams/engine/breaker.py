@@ -142,9 +142,11 @@ class Breaker(AlertBook, StatusRoom):
         if rerun is not None:
             return rerun
         if ack["status"] == "applied":  # a later command worked: the refused one's alert is over
-            # (not the notice its own ack raised: a second copy of that ack is no later command)
-            over = [a for a in self._in_room(run, NOTICE).values()
-                    if (a.get("evidence") or {}).get("command_id") != ack["command_id"]]
+            # Only a refused command's notice (command_failed) ends when a later command works; a
+            # rerun's verdict (cordon the host) is a person's to close, and a second delivery of
+            # the ack that raised a notice is no later command.
+            over = [a for a in self._in_room(run, NOTICE).values() if a.get("rule") == "command_failed"
+                    and (a.get("evidence") or {}).get("command_id") != ack["command_id"]]
             if over:
                 self._changed(run_key, run.partition)
             return [o for o in (self._resolve(run, alert, {"ts": ack["ts"], "step": ack.get("step")},

@@ -29,7 +29,7 @@ MAX_SNAPSHOT_HOSTS = 16
 MAX_RECENT_ALERTS = 32
 MAX_UNWATCHED = 50  # metric names no rule judges, kept per run for `trainguard status`
 MAX_SILENCES = 32  # per run: the newest are kept
-MAX_BOOK = 256  # open alerts listed per run: the newest are kept
+MAX_BOOK = 256  # open alerts listed per run: the newest are kept, critical ones before warnings
 MAX_SNAPSHOT_METRICS = 256  # per host in the node snapshot alerts carry
 _STATE_MAGIC = b"TGS1"  # source state: magic, header length, JSON header, raw float64 arrays
 STATE_VERSION = 2      # of the run state and the source state's header (0: before versions were written;
@@ -43,6 +43,13 @@ _SHARED_ROWS: dict[tuple, tuple] = {}  # interned rule-index tuples: a few shape
 # (stale: rule|source kind; cross: rule|metric|rank; incident: its name; notice: its id).
 SOURCE, STALE, CROSS, INCIDENT, NOTICE = "source", "stale", "cross", "incident", "notice"
 LISTED = ("rule", "severity", "id", "metric", "step", "ts", "value", "flapping", "eta")  # what `status` shows
+
+
+def _kept(alert: dict) -> dict:
+    """An open alert as its state record keeps it: without the node snapshot it was published
+    with (up to 16 hosts of 256 metrics, ~150 KB, that nothing reads back), so a few open
+    stragglers do not push a run's record past a broker's message limit."""
+    return {k: v for k, v in alert.items() if k != "node_snapshot"} if "node_snapshot" in alert else alert
 
 
 def book_entry(alert: dict, room: str = SOURCE, key: str | None = None) -> dict:
@@ -194,10 +201,17 @@ class SourceState:
     def to_bytes(self, rules: RuleSet) -> bytes:
         """A JSON header, then the baseline's arrays as raw bytes (no base64, no number parsing)."""
         names, rnames = self.block.names, [r.name for r in rules.rules]
+        # An alert that names many metrics (one rule opening on 1,000 of them in one step) is one
+        # object behind each of their slots: written once, then by its id (else 1,000 copies of
+        # a 1,000-metric alert, 73 MB, from one event).
+        firing, written = [], set()
+        for (r, w), a in self.firing.items():
+            firing.append([rnames[r], names[w], a["id"] if a["id"] in written else _kept(a)])
+            written.add(a["id"])
         header = orjson.dumps({
             "kind": self.kind, "block": self.block.header(),
             "streaks": [[rnames[r], names[w], v] for (r, w), v in self.streaks.items()],
-            "firing": [[rnames[r], names[w], a] for (r, w), a in self.firing.items()],
+            "firing": firing,
             "tracks": [[rnames[r], names[w], t.to_state()] for (r, w), t in self.tracks.items()],
             "points": self.points,
             "detectors": [[rnames[r], names[w], d.to_state()] for (r, w), d in self.detectors.items()],
@@ -222,7 +236,9 @@ class SourceState:
                     yield (rule_index[rname], rows[metric]), value
 
         state.streaks = dict(slots(d["streaks"]))
-        state.firing = dict(slots(d["firing"]))
+        alerts = {a["id"]: a for _, _, a in d["firing"] if type(a) is dict}
+        state.firing = {slot: alerts[a] if type(a) is str else a for slot, a in slots(d["firing"])
+                        if type(a) is dict or a in alerts}
         state.tracks = {slot: Track.from_state(v) for slot, v in slots(d.get("tracks", []))}
         state.points = int(d.get("points", 0))
         state.detectors = {slot: detector_from_state(v) for slot, v in slots(d["detectors"])}
@@ -262,6 +278,8 @@ class RunState:
         d["v"] = STATE_VERSION
         d["breaker"] = self.breaker.to_state()
         d["cross"] = {k: v.to_state() for k, v in self.cross.items()}
+        d["book"] = {aid: {**e, "alert": _kept(e["alert"])} if "alert" in e else e for aid, e in self.book.items()}
+        d["recent_alerts"] = [_kept(a) for a in self.recent_alerts]
         # A copy of exactly its size: orjson's buffer of 8-16 KB would be held for each run's
         # record until the changelog's producer sent it (20,000 of them after a burst of runs).
         return bytes(memoryview(orjson.dumps(d)))
@@ -342,13 +360,24 @@ class StateAccess:
         if keys.is_run_key(key):
             self.touched.add(key)
 
+    def _decoded(self, key: bytes, raw: bytes) -> RunState:
+        """A run's entry from its changelog bytes; one that cannot be read (a shape no release
+        wrote) starts the run afresh, said in the log, instead of failing each of its events and
+        every timer tick of the worker."""
+        try:
+            return RunState.from_bytes(raw)
+        except Exception as exc:
+            log.error("trainguard: run %s: its stored state cannot be read (%s: %s); it starts afresh",
+                      key.decode(errors="replace"), type(exc).__name__, str(exc)[:200])
+            return RunState(events=0)
+
     def _run(self, key: bytes) -> RunState:
         state = self.store.get(key)
         if state is None:
             state = RunState(events=0)
             self.store[key] = state
         elif type(state) is bytes:  # restored from the changelog (or parked): decode once, on first use
-            state = RunState.from_bytes(state)
+            state = self._decoded(key, state)
             self.store[key] = state
             if self._parked.pop(key, None) is None:
                 log.info("trainguard: restored run %s at offset %d", key.decode(errors="replace"), state.offset)
@@ -365,7 +394,7 @@ class StateAccess:
         """The run's state to read, not to change: a parked run stays parked."""
         state = self.store.get(key)
         if type(state) is bytes and key in self._parked:
-            return RunState.from_bytes(state)
+            return self._decoded(key, state)
         return self._run(key)
 
     def _tiny(self, run: RunState) -> bool:
