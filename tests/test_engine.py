@@ -623,3 +623,25 @@ def test_a_trainer_started_again_gets_its_own_checkpoints_ladder_and_command_ids
     run = engine.store[b"crash"]
     assert len(run.breaker.rollback_ts) == 2, "both rollbacks count against max_rollbacks_per_hour"
     assert [c["step"] for c in run.checkpoints] == [10]
+
+
+def test_a_hung_trainer_resolved_by_hand_stays_quiet_until_it_speaks_again():
+    """"Killed on purpose": a person resolves trainer_hung; it does not page again on the next
+    tick while the trainer stays silent, only after the trainer published and went silent again."""
+    engine, t0 = Engine(rules_mod.default()), 1.7e9
+    now = [t0]
+    engine.clock = lambda: now[0]
+    engine.handle(ev.encode(ev.lifecycle_event("gone", "started", step=0, ts=t0, src=TRAINER)), 0, 0)
+    engine.handle(ev.encode(ev.metrics_event("gone", 1, {"actor/pg_loss": 0.1}, src=TRAINER, ts=t0)), 0, 1)
+
+    def hung(at):
+        now[0] = at
+        return [o.value for o in engine.tick(at) if o.kind == "alert" and o.value["rule"] == "trainer_hung"]
+
+    [alert] = hung(t0 + 600)
+    out = engine.handle(ev.encode(ev.operator_event("gone", "resolve", alert_id=alert["id"], by="ops",
+                                                    reason="killed on purpose", ts=t0 + 601)), 0, 2)
+    assert [o.value["status"] for o in out if o.kind == "alert"] == ["resolved"]
+    assert hung(t0 + 610) == [] and hung(t0 + 3000) == [], "resolved by hand: not paged again while silent"
+    engine.handle(ev.encode(ev.metrics_event("gone", 2, {"actor/pg_loss": 0.1}, src=TRAINER, ts=t0 + 3001)), 0, 3)
+    assert [a["status"] for a in hung(t0 + 3600)] == ["firing"], "it spoke and went silent again: news"

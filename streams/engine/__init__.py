@@ -261,7 +261,8 @@ class Engine(Judging, OperatorActions):
             run_id = key.decode()
             for rule in stale_rules:
                 timeout = float(cast(dict, rule.detector).get("timeout_s", 300))  # kind "stale": it has one
-                already = {k.rsplit("|", 1)[1] for k in self._in_room(run, STALE) if k.startswith(rule.name + "|")}
+                already = {k.rsplit("|", 1)[1] for k in [*self._in_room(run, STALE), *run.dismissed]
+                           if k.startswith(rule.name + "|")}
                 for kind, silent, step, src in trackers.silent_sources(run.last_seen, timeout, rule.sources,
                                                                        already, now):
                     event = {"step": step or 0, "ts": now, "source": src}

@@ -44,6 +44,8 @@ class Correlation(AlertBook):
                                    "further ranks of folded events are not compared with their peers")
                     break
                 run.ranks[str(r)] = ev.source(kind, src.get("host", ""), r)
+        if run.dismissed:  # it speaks again: its next silence is news
+            run.dismissed = [k for k in run.dismissed if not k.endswith("|" + kind)]
         if run.book:
             for key, alert in self._in_room(run, STALE).items():
                 if key.endswith("|" + kind):

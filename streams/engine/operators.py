@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from trainguard.streams.engine.book import AlertBook
+from trainguard.streams.engine.book import STALE, AlertBook
 from trainguard.streams.engine.state import MAX_SILENCES, RunState
 
 log = logging.getLogger("trainguard.engine")
@@ -26,6 +26,9 @@ class OperatorActions(AlertBook):
             entry["acknowledged"] = {"by": event.get("by", ""), "reason": event.get("reason", ""), "ts": event["ts"]}
             return
         if event["action"] == "resolve":
+            entry = run.book.get(event["alert_id"])
+            if entry is not None and entry["room"] == STALE:  # "killed on purpose": not again until it speaks
+                run.dismissed = [*[k for k in run.dismissed if k != entry["key"]], entry["key"]][-MAX_SILENCES:]
             alert = self._open_alert(run, run_id, event["alert_id"], close=True)
             if alert is None:
                 log.warning("trainguard: run %s: no open alert %s to resolve", run_id, event["alert_id"])

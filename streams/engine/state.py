@@ -266,6 +266,7 @@ class RunState:
     stopped: bool = False                               # it ended on a stop (a command, or its trainer's own)
     dropped_events: float | None = None                 # the trainer client's own count, last reported
     silences: list = field(default_factory=list)        # {id, rule, until, reason, by}: an operator's
+    dismissed: list = field(default_factory=list)       # rule|kind of silences resolved by hand, till it speaks
     book: dict = field(default_factory=dict)            # alert id -> book_entry: every open alert of the run
     announced: bool = False                             # its trainer said it started (a signed lifecycle event)
     unwatched: list = field(default_factory=list)       # metric names no rule judges (MAX_UNWATCHED)
