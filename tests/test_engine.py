@@ -645,3 +645,22 @@ def test_a_hung_trainer_resolved_by_hand_stays_quiet_until_it_speaks_again():
     assert hung(t0 + 610) == [] and hung(t0 + 3000) == [], "resolved by hand: not paged again while silent"
     engine.handle(ev.encode(ev.metrics_event("gone", 2, {"actor/pg_loss": 0.1}, src=TRAINER, ts=t0 + 3001)), 0, 3)
     assert [a["status"] for a in hung(t0 + 3600)] == ["firing"], "it spoke and went silent again: news"
+
+
+def test_checkpoints_of_the_branch_a_rollback_abandoned_are_no_rollback_targets():
+    """Rolled back from step 105 to 30: the checkpoints of steps 40-100 hold the branch it left;
+    neither the breaker nor `trainguard command --to` may go forward onto them."""
+    engine, offset = Engine(rules_mod.default()), [0]
+
+    def feed(event):
+        offset[0] += 1
+        return engine.handle(ev.encode(event), 0, offset[0])
+
+    for step in range(1, 106):
+        feed(ev.metrics_event("branch", step, {"actor/pg_loss": -0.01}, src=TRAINER, ts=1.7e9 + step))
+        if step % 10 == 0:
+            feed(ev.checkpoint_event("branch", step, f"/ckpt/global_step_{step}", ts=1.7e9 + step))
+    feed(ev.lifecycle_event("branch", "rolled_back", step=30, ts=1.7e9 + 106, src=TRAINER))
+    status = engine.status("branch")
+    assert [c["step"] for c in status["saved_checkpoints"]] == [10, 20, 30]
+    assert status["last_healthy_checkpoint"]["step"] == 30

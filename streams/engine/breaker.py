@@ -226,6 +226,9 @@ class Breaker(AlertBook, StatusRoom):
 
     def _rolled_back(self, event: dict, run: RunState, run_id: str, partition: int, outputs: list) -> None:
         policy.on_rolled_back(run.breaker, event.get("step"))
+        restored = event.get("step")
+        if isinstance(restored, int):  # checkpoints past it belong to the branch the rollback abandoned
+            run.checkpoints = [c for c in run.checkpoints if c["step"] <= restored]
         for sid in run.sources:  # the restored model is not what the windows saw
             key = keys.source_key(run_id, sid)
             src = self._source(key, "") if key in self.store else None
