@@ -598,3 +598,11 @@ def test_a_rung_the_trainer_refused_is_not_climbed():
     handled, stop = policy.on_command_refused(state, policy.DEFAULTS, run_id="r", command_id=decision.command["id"],
                                               status="failed", detail="no such file", ts=1.7e9 + 531)
     assert handled and stop is None and [r["rung"] for r in state.ladder] == [1]
+
+
+def test_a_hardware_verdict_rolls_back_without_skipping_the_batch_it_reran():
+    r = _nan_run()
+    outs = _verdict(r, r.of("command")[0], reproduced=False)
+    [rollback] = [o.value for o in outs if o.kind == "command"]
+    assert "skip_batches" not in rollback, "the same batch came out finite on the rerun"
+    assert "no batch skipped" in rollback["detail"]

@@ -314,7 +314,8 @@ def command_text(command: dict, step: int | None = None) -> str:
     target = command.get("target")
     if command["action"] == "rollback" and target:
         where = f" ({target['path']})" if target.get("path") else ""
-        skip = f", skipping {command['skip_batches']} batches" if command.get("skip_batches") else ""
+        n = command.get("skip_batches")
+        skip = f", skipping {n} batch{'' if n == 1 else 'es'}" if n else ""
         return f"{at}would roll back to checkpoint at step {target['step']}{where}{skip}: {command.get('detail', '')}"
     return f"{at}would {command['action']}: {command.get('detail', '')}"
 
