@@ -664,3 +664,13 @@ def test_checkpoints_of_the_branch_a_rollback_abandoned_are_no_rollback_targets(
     status = engine.status("branch")
     assert [c["step"] for c in status["saved_checkpoints"]] == [10, 20, 30]
     assert status["last_healthy_checkpoint"]["step"] == 30
+
+
+def test_the_status_of_a_run_that_ended_says_its_breaker_is_off():
+    from trainguard.operate import format_status
+
+    engine = Engine(rules_mod.default())
+    engine.handle(ev.encode(ev.metrics_event("done", 1, {"actor/pg_loss": 0.1}, src=TRAINER, ts=1.7e9)), 0, 0)
+    engine.handle(ev.encode(ev.lifecycle_event("done", "stopped", step=1, ts=1.7e9, src=TRAINER)), 0, 1)
+    text = format_status(engine.status("done"), now=1.7e9)
+    assert "breaker off (the run stopped)" in text and "breaker armed" not in text, text

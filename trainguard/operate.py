@@ -329,7 +329,9 @@ def format_status(s: dict, now: float | None = None) -> str:
              f"{_shown(s.get('sources', 0))} source(s)"]
     rolled = f", the last to step {_shown(breaker['restored_step'])}" if breaker.get("restored_step") is not None \
         else ""
-    lines.append(f"  breaker {breaker['status']}; {breaker['rollbacks']} rollback(s){rolled}")
+    ended = s.get("finished") or s.get("state_freed") or s.get("outcome") in ("finished", "stopped")
+    state = f"off (the run {s.get('outcome') or 'ended'})" if ended else breaker["status"]
+    lines.append(f"  breaker {state}; {breaker['rollbacks']} rollback(s){rolled}")
     if s.get("state_freed"):
         lines.append(f"  ended {s.get('outcome') or '?'}; detection state freed, this summary kept until "
                      f"{_clock(s.get('retained_until'), '%Y-%m-%d %H:%M')}")
