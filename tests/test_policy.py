@@ -176,7 +176,9 @@ def test_a_failed_rollback_rearms_the_breaker_at_once_and_says_so():
     assert r.engine.handle_ack(ev.encode(ack)) == [], "an ack read twice changes nothing"
     r.outputs.clear()
     r.run(60, obey=False)   # still NaN: the re-armed breaker decides again, long before the command's expiry
-    assert [c["action"] for c in r.of("command")] == ["rollback"]
+    # the checkpoint that could not be loaded is no rollback target any more; it was the only one
+    assert [c["action"] for c in r.of("command")] == ["stop"]
+    assert r.engine.store[b"r"].checkpoints[0]["refused"].startswith("FileNotFoundError")
 
 
 def test_a_refusal_from_a_trainer_whose_clock_is_off_says_by_how_much():

@@ -176,3 +176,29 @@ def test_a_signed_adjust_with_an_absurd_value_is_refused_and_training_goes_on(ka
     assert got["fine"]["status"] == "applied"
     assert result["lr"] == pytest.approx(0.05), "only the sane adjust changed the learning rate"
     assert not result["stopped"] and result["step"] == 200, "training went on"
+
+
+def test_a_torn_checkpoint_is_refused_with_the_loaders_error_and_the_previous_one_restored(kafka, tmp_path):
+    """The checkpoint of step 20 is torn on disk (half its bytes) before the NaN of step 30: the
+    Guard's load fails and acks why, training goes on, and the worker's next rollback goes to the
+    checkpoint of step 10, which loads."""
+    worker = WorkerProcess(kafka, tmp_path).start()
+    try:
+        worker.wait_ready()
+        run_id = f"torn-{uuid.uuid4().hex[:6]}"
+        ckpt = tmp_path / "ckpt"
+
+        def tear(step):
+            if step == 25:
+                path = ckpt / "checkpoint-20.pt"
+                path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+        result = train(kafka, run_id, ckpt, steps=60, fault="transient", between=tear)
+        actions = [(h["action"], h["status"]) for h in result["history"]]
+        assert actions[:2] == [("rollback", "failed"), ("rollback", "applied")], result["history"]
+        assert "checkpoint-20.pt" in result["history"][0]["detail"], result["history"][0]
+        restored = [d for d in result["decisions"] if d.rolled_back]
+        assert restored and restored[0].resume_step == 10
+        assert not result["stopped"] and result["step"] == 60
+    finally:
+        worker.kill()

@@ -249,7 +249,10 @@ class Guard(GuardBase):
     # -- commands -------------------------------------------------------------------------------
 
     def _rollback(self, command: dict, target_step: int, path: str, step: int, decision: Decision) -> str:
-        state = self.load_checkpoint(path)
+        try:
+            state = self.load_checkpoint(path)
+        except Exception as exc:  # torn, deleted, another format: the ack says which file and why
+            raise RuntimeError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc})") from exc
         if int(state.get("step", target_step)) != target_step:
             raise ValueError(f"{path} holds step {state.get('step')}, not {target_step}")
         decision.extra["restored"] = {"step": target_step, "path": path, "extra": state.get("extra")}

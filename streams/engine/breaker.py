@@ -152,6 +152,13 @@ class Breaker(AlertBook, StatusRoom):
             return [o for o in (self._resolve(run, alert, {"ts": ack["ts"], "step": ack.get("step")},
                                               resolution=f"the trainer applied command {ack['command_id']}")
                                 for alert in over) if o is not None]
+        b = run.breaker
+        if b.status == policy.AWAITING and ack["command_id"] == b.command_id and b.ladder:
+            # The rollback's checkpoint could not be loaded (torn, deleted, not this trainer's):
+            # no longer a rollback target, so the next decision takes the one before it.
+            for c in run.checkpoints:
+                if c["step"] == b.ladder[-1]["step"] and c.get("healthy"):
+                    c["healthy"], c["refused"] = False, str(ack.get("detail") or ack["status"])[:200]
         handled, stop = policy.on_command_refused(run.breaker, self.rules.policy, run_id=ack["run_id"],
                                                   command_id=ack["command_id"], status=ack["status"],
                                                   detail=ack.get("detail", ""), ts=ack["ts"], now=self.clock(),
