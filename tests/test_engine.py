@@ -674,3 +674,12 @@ def test_the_status_of_a_run_that_ended_says_its_breaker_is_off():
     engine.handle(ev.encode(ev.lifecycle_event("done", "stopped", step=1, ts=1.7e9, src=TRAINER)), 0, 1)
     text = format_status(engine.status("done"), now=1.7e9)
     assert "breaker off (the run stopped)" in text and "breaker armed" not in text, text
+
+
+def test_a_started_event_without_a_source_is_applied_not_dead_lettered():
+    """The lifecycle schema makes the source optional; the restart check read it unguarded."""
+    engine = Engine(rules_mod.default())
+    for offset, ts in enumerate((1.7e9, 1.7e9 + 60)):  # the second: a trainer started again
+        raw = orjson.dumps({"schema": "lifecycle/1", "run_id": "bare", "event": "started", "ts": ts})
+        assert not [o for o in engine.handle(raw, 0, offset) if o.kind == "dlq"]
+    assert engine.store[b"bare"].breaker.epoch == repr(1.7e9 + 60)

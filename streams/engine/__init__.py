@@ -210,7 +210,8 @@ class Engine(Judging, OperatorActions):
             if run.finished:  # a new run under an id that ended: the old one's checkpoints are not its own
                 run.checkpoints.clear()
                 run.breaker = policy.BreakerState()
-            elif (event["source"].get("rank") in (None, 0) and run.breaker.epoch not in (None, repr(event["ts"]))
+            elif ((event.get("source") or {}).get("rank") in (None, 0)
+                  and run.breaker.epoch not in (None, repr(event["ts"]))
                   and (run.checkpoints or run.breaker.attempt)):
                 # Its trainer started again (a crash, a resume): the new process's listener applies
                 # only checkpoints it reported itself, and the old process's ladder is not its own;
