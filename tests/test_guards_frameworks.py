@@ -59,7 +59,9 @@ def test_grpo_trains_through_a_hung_reward_function_and_the_breaker_closes_again
     assert m[p + "short_circuited"] >= 1                  # open: steps scored without waiting at all
     assert m[p + "fallbacks"] == m[p + "timeouts"] + m[p + "short_circuited"]
     assert not set(answered) & set(HUNG)
-    assert set(range(HUNG.start)) | set(range(HUNG.stop + 1, STEPS)) <= set(answered)  # it scored again
+    # it scored again: the probe runs every 0.2 s in the background, and a tiny model's step may be
+    # shorter, so the first step after the service is back may still get the fallback
+    assert set(range(HUNG.start)) | set(range(HUNG.stop + 2, STEPS)) <= set(answered)
     # TRL logged our function under its own name, with finite rewards at every step
     logged = [h for h in trainer.state.log_history if "rewards/remote_reward/mean" in h]
     assert len(logged) == STEPS
