@@ -345,7 +345,8 @@ def _checkpoint_at(checkpoints: list[dict], step: int) -> dict | None:
     return next((c for c in reversed(checkpoints) if c["step"] == step and c.get("healthy", True)), None)
 
 
-def _batches(n: int) -> str:
+def skipping(n: int) -> str:
+    """"skipping 1 batch", "skipping 4 batches": how reports and replay say a skip."""
     return f"skipping {n} batch{'' if n == 1 else 'es'}"
 
 
@@ -369,7 +370,7 @@ def _climb(state: BreakerState, policy: Policy, checkpoints: list[dict], step: i
         older, _ = safe_checkpoint(checkpoints, int(last["step"]), None)
         if older is not None:
             return rung, older, skip, False, (f"rung {rung} of {policy.rungs}: wider rewind to step "
-                                              f"{older['step']}, {_batches(skip)}, because {came}")
+                                              f"{older['step']}, {skipping(skip)}, because {came}")
         if not policy.adjust:
             return rung, None, 0, False, (f"{came}, and no healthy checkpoint is older than step {last['step']}: "
                                           f"rolling back again would loop")
@@ -379,10 +380,10 @@ def _climb(state: BreakerState, policy: Policy, checkpoints: list[dict], step: i
         return rung, None, 0, False, f"{came}, and the checkpoint of step {last['step']} is gone: stopping"
     if state.epoch is not None and "adjust" not in state.can:  # it said what it applies: no adjust
         return rung, target, skip, False, (f"rung {rung} of {policy.rungs}: rollback to step {target['step']}, "
-                                           f"{_batches(skip)} (its trainer applies no adjust), because {came}")
+                                           f"{skipping(skip)} (its trainer applies no adjust), because {came}")
     scales = ", ".join(f"{k} {v:g}" for k, v in policy.adjust.items())
     return rung, target, skip, True, (f"rung {rung} of {policy.rungs}: adjust ({scales}) and rewind to step "
-                                      f"{target['step']}, {_batches(skip)}, because {came}")
+                                      f"{target['step']}, {skipping(skip)}, because {came}")
 
 
 def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoints, diagnosis, now,
@@ -402,7 +403,7 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
             skip = 0  # the same batch came out finite on the rerun: the data is not the cause
         state.ladder = []
         plain = f"rung 1 of {policy.rungs}: rollback to step {target['step']}"
-        why = f"{plain}, {_batches(skip)}; {why}" if skip and skip > 0 else f"{plain}; {why}"
+        why = f"{plain}, {skipping(skip)}; {why}" if skip and skip > 0 else f"{plain}; {why}"
     if verdict == HARDWARE:
         why += ("; the rerun did not reproduce the NaN: a transient (hardware) fault"
                 + (f" on host {state.suspect}: cordon it" if state.suspect else "")

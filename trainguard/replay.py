@@ -36,6 +36,7 @@ import orjson
 
 from trainguard.readers import ReadError, StepReader, formats_read, open_reader
 from trainguard.schemas import events as ev
+from trainguard.streams.policy import skipping
 from trainguard.streams.signals import recognise
 
 STEP_SECONDS = 60.0
@@ -314,8 +315,7 @@ def command_text(command: dict, step: int | None = None) -> str:
     target = command.get("target")
     if command["action"] == "rollback" and target:
         where = f" ({target['path']})" if target.get("path") else ""
-        n = command.get("skip_batches")
-        skip = f", skipping {n} batch{'' if n == 1 else 'es'}" if n else ""
+        skip = f", {skipping(command['skip_batches'])}" if command.get("skip_batches") else ""
         return f"{at}would roll back to checkpoint at step {target['step']}{where}{skip}: {command.get('detail', '')}"
     return f"{at}would {command['action']}: {command.get('detail', '')}"
 

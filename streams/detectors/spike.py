@@ -45,8 +45,7 @@ class Spike(Detector):
     """
 
     __slots__ = ("window", "ratio", "min_samples", "floor", "direction", "start", "repeats", "within", "at_once",
-                 "buf",
-                 "sorted", "last", "score", "seen", "spikes", "step")
+                 "buf", "sorted", "last", "score", "seen", "spikes", "step")
     kind = "spike"
     params = (Param("window", 40, int, "the previous samples whose median is the reference"),
               Param("ratio", 10.0, float, "flag a value more than this times the median (> 1)"),

@@ -221,7 +221,7 @@ class Breaker(AlertBook, StatusRoom):
                             f"plainly." if hardware and b.suspect else
                             "Check the GPUs of the run's nodes (ECC, XID errors); the run rolls back plainly."
                             if hardware else "The recovery ladder handles it: a rollback, wider rewinds, an adjust."))
-            self._book(run, alert, NOTICE, alert["id"])  # over once the trainer applies the next command
+            self._book(run, alert, NOTICE, alert["id"])  # open until a person resolves it or the run ends
             outputs.append(Output(OutputKind.ALERT, ack["run_id"], alert))
         if decision is not None:
             event = {"ts": ack["ts"], "step": b.last_step if b.last_step is not None else ack.get("step") or 0}

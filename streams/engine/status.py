@@ -8,9 +8,8 @@ from typing import Iterator
 
 from trainguard.schemas import events as ev
 from trainguard.streams import keys, policy
-from trainguard.streams.engine.book import LISTED
 from trainguard.streams.engine.outputs import Output, OutputKind
-from trainguard.streams.engine.state import RunState, StateAccess
+from trainguard.streams.engine.state import LISTED, RunState, StateAccess
 
 
 class StatusRoom(StateAccess):
