@@ -112,7 +112,7 @@ def render_text(report: dict) -> str:
         f"decision: {shown(action).upper()} (command {shown(report.get('command_id'))})",
         "",
         f"what happened: {shown(report.get('summary', ''))}",
-        f"incident: onset at step {shown(inc.get('onset_step'))}{_critical_from(inc)}, "
+        f"incident: onset at step {shown(inc.get('onset_step'))}{_critical_from(inc)}{_margin(inc)}, "
         f"rules {', '.join(shown(r) for r in _items(inc.get('rules')))}, "
         f"layers {', '.join(shown(la) for la in _items(inc.get('layers')))}",
         "",
@@ -177,6 +177,12 @@ def _critical_from(incident: dict) -> str:
     if type(critical) is not int or critical == incident.get("onset_step"):
         return ""
     return f" (critical from step {critical})"
+
+
+def _margin(incident: dict) -> str:
+    """The margin a checkpoint had to keep before the onset, where the rules file asks for one."""
+    margin = incident.get("margin_steps")
+    return f" (checkpoints at least {margin} steps before it)" if type(margin) is int and margin > 0 else ""
 
 
 def is_finite_number(v) -> TypeGuard[float]:

@@ -231,7 +231,8 @@ def on_step(state: BreakerState, policy: Policy, *, run_id: str, step: int, ts: 
             alert_ids: list[str], rules: list[str], checkpoints: list[dict], diagnosis: str,
             immediate: bool = False, now: float | None = None,
             ids: Callable[[str], str] = _plain, began: tuple[int, str] | None = None,
-            host: str | None = None) -> Decision | None:
+            host: str | None = None, changed: Callable[[int], tuple[int, str] | None] | None = None
+            ) -> Decision | None:
     """Feed one trainer step; return a decision (with an unsigned command) when the breaker trips.
 
     ``immediate``: a critical rule that cannot wait holds (a NaN loss, which the next optimiser
@@ -242,6 +243,10 @@ def on_step(state: BreakerState, policy: Policy, *, run_id: str, step: int, ts: 
     ``began``: the step (and rule) of the earliest alert still open on the critical alerts'
     metrics. The checkpoint must be older than it too: one saved after the warning and before
     the critical step already holds the change.
+
+    ``changed``: asked, with the critical onset, where the critical metrics began to move (a
+    change point in their history) when a checkpoint is chosen: one saved during a drift that
+    had begun before anything fired already holds it too.
 
     ``host``: where the step's event came from, named when a rerun says the fault was the hardware's."""
     if state.status == STOPPED:
@@ -290,25 +295,31 @@ def on_step(state: BreakerState, policy: Policy, *, run_id: str, step: int, ts: 
         return _ask_rerun(state, policy, run_id=run_id, step=step, ts=ts, checkpoints=checkpoints,
                           diagnosis=diagnosis, now=ts if now is None else now, ids=ids)
     return _decide(state, policy, run_id=run_id, step=step, ts=ts, checkpoints=checkpoints, diagnosis=diagnosis,
-                   now=ts if now is None else now, ids=ids)
+                   now=ts if now is None else now, ids=ids, changed=changed)
 
 
-def _safe(state: BreakerState, policy: Policy, checkpoints: list[dict]) -> tuple[dict | None, str, int]:
-    """The checkpoint to roll back to: before the critical onset, and before the first warning
-    on its metrics when one came earlier. A warning counts only within WARNING_LOOKBACK_STEPS of
-    the critical onset (an event stamped with an old step must not choose an old checkpoint), and
-    it never costs the rollback: with no checkpoint before it, the critical onset decides.
+def _safe(state: BreakerState, policy: Policy, checkpoints: list[dict],
+          changed: Callable[[int], tuple[int, str] | None] | None = None) -> tuple[dict | None, str, int]:
+    """The checkpoint to roll back to: before the critical onset, and before the incident's start
+    when it began earlier: the first warning on its metrics, or the change point of their history
+    (``changed``), whichever came first. A warning counts only within WARNING_LOOKBACK_STEPS of
+    the critical onset (an event stamped with an old step must not choose an old checkpoint), a
+    change point within the history kept (HISTORY_POINTS values); neither ever costs the
+    rollback: with no checkpoint before it, the next start, then the critical onset decides.
     Returns the target, why, and the onset it was chosen against."""
-    assert state.onset_step is not None
+    onset = state.onset_step
+    assert onset is not None
     min_before = policy.rollback_min_steps_before_onset
-    critical = safe_checkpoint(checkpoints, state.onset_step, state.onset_ts, min_before)
-    warned = _earlier_warning(state)
-    if warned is not None:
-        target, why = safe_checkpoint(checkpoints, warned[0], None, min_before)
+    critical = safe_checkpoint(checkpoints, onset, state.onset_ts, min_before)
+    moved = changed(onset) if changed is not None else None
+    # the earliest first; a warning before a change point of the same step (it names the rule)
+    starts = [s for s in (_earlier_warning(state), moved) if s is not None and s[0] < onset]
+    for began, what in sorted(starts, key=lambda s: s[0]):
+        target, why = safe_checkpoint(checkpoints, began, None, min_before)
         if target is not None:
-            return target, why + (f" (the change began with {warned[1]} at step {warned[0]}, before the critical "
-                                  f"step {state.onset_step})"), warned[0]
-    return critical[0], critical[1], state.onset_step
+            return target, why + (f" (the change began with {what} at step {began}, before the critical "
+                                  f"step {onset})"), began
+    return critical[0], critical[1], onset
 
 
 def _earlier_warning(state: BreakerState) -> tuple[int, str] | None:
@@ -387,11 +398,11 @@ def _climb(state: BreakerState, policy: Policy, checkpoints: list[dict], step: i
 
 
 def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoints, diagnosis, now,
-            ids) -> Decision:
+            ids, changed: Callable[[int], tuple[int, str] | None] | None = None) -> Decision:
     onset = state.onset_step
     assert onset is not None  # on_step set it with the streak's first step
     recent = [t for t in state.rollback_ts if ts - t < 3600]
-    target, why, began = _safe(state, policy, checkpoints)
+    target, why, began = _safe(state, policy, checkpoints, changed)
     verdict, state.verdict = state.verdict, None
     rung, skip, adjust = 1, None, False
     if _recurred(state, policy):

@@ -107,6 +107,67 @@ def test_the_checkpoint_is_older_than_the_first_warning_not_only_the_first_criti
     assert "history: rollback 1 of this run (1 in the last hour, this one included)" in text, text
 
 
+def test_a_checkpoint_saved_during_a_drift_that_began_before_any_alert_is_passed_over():
+    # KL leaves its level at step 100 and creeps up for 80 steps before it explodes at step 180.
+    # The creep warns (kl_spike at 110, kl_high at 144: both long before the critical step), but
+    # only the explosion feeds the breaker; the checkpoints of steps 120-180 already hold the
+    # drift. The breaker searches KL's history back from the critical onset for where it left
+    # its course, and rolls back before that, across a worker restart in between.
+    import random
+
+    rules = ruleset()
+    engines = [Engine(rules)]
+    sim, noise, ts, offset, outputs = SimulatedPPO(seed=3), random.Random(5), 1.7e9, 0, []
+    for step in range(1, 200):
+        ts += 10
+        m = sim.step()
+        kl = 0.02 + noise.gauss(0, 0.002) + (0.002 * (step - 100) if step > 100 else 0.0)
+        m["actor/kl_loss"] = kl * (10 if step >= 180 else 1)
+        events = [ev.metrics_event("r", step, m, src=TRAINER, ts=ts)]
+        if step % 20 == 0:
+            events.append(ev.checkpoint_event("r", step, f"/ckpt/{step}", ts=ts))
+        for event in events:
+            outputs += engines[-1].handle(ev.encode(event), 0, offset)
+            offset += 1
+        if step == 150:  # a worker restart: the next one reads the state back from its bytes
+            restarted = Engine(rules)
+            restarted.store = {k: engines[-1].serialize(k) for k in list(engines[-1].store)}
+            engines.append(restarted)
+        if any(o.kind == "command" for o in outputs):
+            break
+    command = next(o.value for o in outputs if o.kind == "command")
+    assert command["action"] == "rollback" and command["target"]["step"] == 100, command
+    report = next(o.value for o in outputs if o.kind == "report")
+    why = report["checkpoint"]["why"]
+    assert "the change began with a change point of actor/kl_loss" in why, why
+    assert 100 <= report["incident"]["onset_step"] <= 110 and report["incident"]["first_critical_step"] >= 180
+
+
+def test_a_run_whose_kl_creeps_steadily_from_the_start_is_no_earlier_onset():
+    # KL growing slowly from the first step is a healthy run's course, not a change: the explosion
+    # at step 180 dates the incident, not the creep. (kl_explosion holds for 2 points, so its first
+    # critical step is 181; the checkpoint saved at step 180 already holds the explosion.)
+    import random
+
+    engine = Engine(ruleset())
+    sim, noise, ts, offset, outputs = SimulatedPPO(seed=3), random.Random(5), 1.7e9, 0, []
+    for step in range(1, 200):
+        ts += 10
+        m = sim.step()
+        m["actor/kl_loss"] = (0.02 + 0.0005 * step + noise.gauss(0, 0.002)) * (10 if step >= 180 else 1)
+        events = [ev.metrics_event("r", step, m, src=TRAINER, ts=ts)]
+        if step % 20 == 0:
+            events.append(ev.checkpoint_event("r", step, f"/ckpt/{step}", ts=ts))
+        for event in events:
+            outputs += engine.handle(ev.encode(event), 0, offset)
+            offset += 1
+        if any(o.kind == "command" for o in outputs):
+            break
+    report = next(o.value for o in outputs if o.kind == "report")
+    assert 175 <= report["incident"]["onset_step"] <= 180 < report["incident"]["first_critical_step"], report
+    assert report["checkpoint"]["chosen"]["step"] == 160, report["checkpoint"]
+
+
 def test_rollbacks_can_be_asked_to_land_well_before_the_onset():
     r = Run(Engine(ruleset(rollback_min_steps_before_onset=25)))
     r.sim.inject("rollout_stall", at_step=70)

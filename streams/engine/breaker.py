@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
 
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import SigningKey, sign, verify, verify_trainer
 from trainguard.streams import keys, policy
+from trainguard.streams.detectors.changepoint import change_onset
 from trainguard.streams.engine.book import NOTICE, AlertBook
 from trainguard.streams.engine.outputs import Output, OutputKind, dead_letter
 from trainguard.streams.engine.state import RunState
@@ -96,6 +100,7 @@ class Breaker(AlertBook, StatusRoom):
                                   checkpoints=ctx.run.checkpoints, diagnosis=critical[0][2] if critical else "",
                                   now=self.clock(), ids=self._command_id,
                                   began=self._warned_since(ctx) if critical else None,
+                                  changed=self._change_point(ctx) if critical else None,
                                   host=(event.get("source") or {}).get("host"))
         if decision is not None:
             ctx.outputs += self._decided(ctx.run, ctx.run_id, decision, event)
@@ -120,6 +125,30 @@ class Breaker(AlertBook, StatusRoom):
         warned = [(_onset_step(a), a["rule"]) for a in ctx.state.firing.values()
                   if a.get("metric") in metrics and isinstance(a.get("step"), int)]
         return min(warned) if warned else None
+
+    @staticmethod
+    def _change_point(ctx: "EventContext") -> Callable[[int], tuple[int, str] | None]:
+        """Where the critical alerts' metrics began to move, searched back from the critical
+        onset over their kept history (``History``): a drift starts tens of steps before anything
+        fires. Called when the breaker chooses a checkpoint, not for every critical step."""
+        def before(onset: int) -> tuple[int, str] | None:
+            ids, found = {c[0] for c in ctx.critical}, []
+            history, index = ctx.state.history, ctx.state.block.index
+            for metric, value in {str(a.get("metric")): a.get("value") for a in ctx.state.firing.values()
+                                  if a["id"] in ids}.items():
+                steps, values = history.series(index.get(metric, -1))
+                kept = steps < onset
+                if not kept.any():
+                    continue
+                level = float(np.nanmedian(values[kept])) if np.isfinite(values[kept]).any() else math.nan
+                direction = (1 if value > level else -1) if type(value) is float and math.isfinite(value) \
+                    and math.isfinite(level) else 0
+                step = change_onset(steps[kept], values[kept], direction=direction)
+                if step is not None:
+                    found.append((step, f"a change point of {metric} (searched over its last {int(kept.sum())} "
+                                        f"values)"))
+            return min(found) if found else None
+        return before
 
     def _ack(self, ack: dict, raw: bytes, partition: int, offset: int, topic: str,
              appended_at: float | None = None) -> list[Output]:

@@ -108,6 +108,8 @@ class Judging(Correlation, Breaker):
         stats = block.update(rows, x)
         if state.given_rows:
             state.remember(rows, x)
+        if state.history.rows and type(event["step"]) is int:
+            state.history.record(rows, x, event["step"])
         if src["kind"] == "node":
             # The decoded dict as it is (NaN becomes null in JSON): no per-metric work per node event.
             if len(metrics) > MAX_SNAPSHOT_METRICS:

@@ -5,6 +5,7 @@ the store (decoded on first use, parked as bytes, serialized for the changelog).
 
 from __future__ import annotations
 
+import base64
 import logging
 import math
 from dataclasses import dataclass, field, fields
@@ -34,6 +35,10 @@ MAX_SNAPSHOT_METRICS = 256  # per host in the node snapshot alerts carry
 _STATE_MAGIC = b"TGS1"  # source state: magic, header length, JSON header, raw float64 arrays
 STATE_VERSION = 2      # of the run state and the source state's header (0: before versions were written;
                        # 1: a run's open alerts in eight tables, before the one book)
+# A source's last values of the metrics its critical rules watch, so the breaker can search back
+# for where an incident began (a drift starts tens of steps before anything fires).
+HISTORY_POINTS = 128
+MAX_HISTORY_ROWS = 16
 _SHARED_ROWS: dict[tuple, tuple] = {}  # interned rule-index tuples: a few shapes for millions of rows
 
 
@@ -86,6 +91,69 @@ def _one_book(d: dict) -> None:
             book[aid]["acknowledged"] = ack
 
 
+class History:
+    """The last HISTORY_POINTS ``(step, value)`` of a few metrics of one source, one ring for all
+    (an event that carries none of them takes no slot); a metric absent from an event is NaN there."""
+
+    __slots__ = ("rows", "steps", "values", "n", "_cache")
+
+    def __init__(self) -> None:
+        self.rows: dict[int, int] = {}  # baseline row -> this ring's row
+        self.steps = np.full(HISTORY_POINTS, np.nan)
+        self.values = np.full((0, HISTORY_POINTS), np.nan)
+        self.n = 0
+        self._cache: tuple | None = None
+
+    def track(self, row: int) -> None:
+        if row not in self.rows and len(self.rows) < MAX_HISTORY_ROWS:
+            self.rows[row] = len(self.rows)
+            self.values = np.vstack([self.values, np.full((1, HISTORY_POINTS), np.nan)])
+            self._cache = None
+
+    def record(self, rows: np.ndarray, x: np.ndarray, step: int) -> None:
+        cached = self._cache
+        if cached is None or cached[0] is not rows:  # the same rows object for events of one shape
+            pairs = [(j, self.rows[row]) for j, row in enumerate(rows.tolist()) if row in self.rows]
+            cached = self._cache = (rows, np.array([j for j, _ in pairs], np.intp),
+                                    np.array([h for _, h in pairs], np.intp))
+        if not len(cached[1]):
+            return
+        pos = self.n % HISTORY_POINTS
+        self.steps[pos] = step
+        self.values[:, pos] = np.nan
+        self.values[cached[2], pos] = x[cached[1]]
+        self.n += 1
+
+    def series(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """One metric's kept ``(steps, values)``, oldest first (empty if it is not kept)."""
+        filled = min(self.n, HISTORY_POINTS)
+        order = (np.arange(filled) + (self.n - filled)) % HISTORY_POINTS
+        if row not in self.rows:
+            return np.zeros(0), np.zeros(0)
+        return self.steps[order], self.values[self.rows[row], order]
+
+    def to_state(self, names: list[str]) -> dict:
+        by_index = sorted(self.rows.items(), key=lambda kv: kv[1])
+        return {"metrics": [names[row] for row, _ in by_index], "n": self.n,
+                "steps": base64.b64encode(self.steps.tobytes()).decode(),
+                "values": base64.b64encode(self.values.tobytes()).decode()}
+
+    def restore(self, d, index: dict[str, int]) -> None:
+        """What ``to_state`` wrote, for the metrics this ring still keeps (after ``bind``)."""
+        try:
+            steps = np.frombuffer(base64.b64decode(d["steps"]), float)
+            values = np.frombuffer(base64.b64decode(d["values"]), float).reshape(len(d["metrics"]), -1)
+        except (KeyError, TypeError, ValueError):
+            return  # an unreadable history is an empty one: it only dates incidents
+        if steps.shape != (HISTORY_POINTS,) or values.shape[1] != HISTORY_POINTS:
+            return
+        self.steps, self.n = steps.copy(), int(d.get("n", 0))
+        for i, metric in enumerate(d["metrics"]):
+            row = index.get(metric)
+            if row in self.rows:
+                self.values[self.rows[row]] = values[i]
+
+
 class SourceState:
     """Baselines, rule detectors and open alert episodes of one producer (a trainer rank, a node).
 
@@ -95,7 +163,7 @@ class SourceState:
 
     __slots__ = ("kind", "block", "rule_rows", "det_rows", "gate_hi", "gate_lo", "always", "streaks", "firing",
                  "detectors", "minute", "windows", "res_rows", "gate_cv", "any_cv", "gate_eq", "eq_tol", "any_eq",
-                 "given_rows", "known", "tracks", "points", "_det_cache", "_given_cache")
+                 "given_rows", "known", "tracks", "points", "history", "_det_cache", "_given_cache")
 
     def __init__(self, kind: str, block: BaselineBlock | None = None):
         self.kind = kind
@@ -120,6 +188,7 @@ class SourceState:
         self.detectors: dict[tuple[int, int], Any] = {}  # slot -> the rule's detector for that metric
         self.minute: float | None = None                 # start of the open per-minute window (resample_s)
         self.windows: list[float] = []                   # starts of the closed windows still held
+        self.history = History()                         # critical rules' metrics, for the incident's start
         self._det_cache: tuple | None = None
         self._given_cache: tuple | None = None
 
@@ -139,6 +208,9 @@ class SourceState:
                 self.det_rows[row] = shared.setdefault(per_sample, per_sample)
             if per_interval:
                 self.res_rows[row] = shared.setdefault(per_interval, per_interval)
+            if self.kind in rules.policy.step_sources and any(
+                    rules.rules[i].critical and not rules.rules[i].immediate for i in watching):
+                self.history.track(row)
         hi = np.full(len(names), np.inf)
         lo = np.full(len(names), -np.inf)
         always = np.zeros(len(names), bool)
@@ -216,6 +288,7 @@ class SourceState:
             "points": self.points,
             "detectors": [[rnames[r], names[w], d.to_state()] for (r, w), d in self.detectors.items()],
             "minute": self.minute, "windows": self.windows, "known": self.known, "v": STATE_VERSION,
+            **({"history": self.history.to_state(names)} if self.history.n else {}),
         })
         return _STATE_MAGIC + len(header).to_bytes(4, "little") + header + self.block.arrays()
 
@@ -245,6 +318,8 @@ class SourceState:
         state.minute = d.get("minute")
         state.windows = d.get("windows", [])
         state.known = {k: (math.nan if v is None else v) for k, v in d.get("known", {}).items()}
+        if isinstance(d.get("history"), dict):
+            state.history.restore(d["history"], rows)
         return state
 
 

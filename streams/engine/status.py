@@ -119,6 +119,7 @@ class StatusRoom(StateAccess):
             run_id, decision.command, ts=event["ts"], step=event["step"],
             incident={"onset_step": decision.onset if decision.onset is not None else event["step"],
                       "first_critical_step": b.onset_step if b.onset_step is not None else event["step"],
+                      "margin_steps": self.rules.policy.rollback_min_steps_before_onset,
                       "rules": sorted({a["rule"] for a in alerts}),
                       "layers": sorted({a.get("layer", "data") for a in alerts})},
             alerts=[{k: a[k] for k in ("id", "rule", "severity", "metric", "value", "step", "evidence",
