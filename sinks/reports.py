@@ -144,6 +144,10 @@ def render_text(report: dict) -> str:
     else:
         where = shown(chosen) if chosen else "none"
     lines += ["", f"checkpoint: {where}", f"  why: {shown(cp.get('why', ''))}"]
+    passed = [c for c in _items(cp.get("candidates")) if isinstance(c, dict) and c.get("passed_over")]
+    if passed:
+        lines.append("  passed over: " + "; ".join(f"step {shown(c.get('step'))} ({shown(c['passed_over'])})"
+                                                   for c in passed))
     windows = _mapping(report.get("windows"))
     if windows:
         lines += ["", "metric windows before the decision (oldest first):"]

@@ -207,17 +207,27 @@ class Decision:
     rung: int | None = None        # the recovery ladder's rung this rollback is
 
 
+def passed_over(c: dict, onset_step: int, onset_ts: float | None, min_steps_before: int = 0) -> str | None:
+    """Why a checkpoint is no target for an incident that began at ``onset_step`` (None: it is one)."""
+    if c["step"] >= onset_step or (onset_ts is not None and c["ts"] > onset_ts):
+        return "saved after the onset"
+    if c.get("refused"):
+        return f"the trainer could not load it ({c['refused']})"
+    if not c.get("healthy", True):
+        return "saved while a critical alert was open"
+    if c["step"] > onset_step - min_steps_before:
+        return f"closer than {min_steps_before} steps to the onset"
+    return None
+
+
 def safe_checkpoint(checkpoints: list[dict], onset_step: int, onset_ts: float | None,
                     min_steps_before: int = 0) -> tuple[dict | None, str]:
     """The newest checkpoint saved before the onset while the run was healthy, and why."""
     best, rejected = None, []
     for c in checkpoints:
-        if c["step"] >= onset_step or (onset_ts is not None and c["ts"] > onset_ts):
-            rejected.append(f"step {c['step']}: saved after the onset")
-        elif not c.get("healthy", True):
-            rejected.append(f"step {c['step']}: saved while a critical alert was open")
-        elif c["step"] > onset_step - min_steps_before:
-            rejected.append(f"step {c['step']}: closer than {min_steps_before} steps to the onset")
+        unsafe = passed_over(c, onset_step, onset_ts, min_steps_before)
+        if unsafe:
+            rejected.append(f"step {c['step']}: {unsafe}")
         elif best is None or c["step"] > best["step"]:
             best = c
     if best is None:
@@ -441,7 +451,10 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
             ttl_s=float(policy.command_ttl_s), reason=reason, params=dict(policy.adjust),
             detail=f"{why}; applied after the rollback to step {target['step'] if target else '?'}"))
         state.adjust_id = then[0]["id"]
-    candidates = [c for c in checkpoints][-10:]
+    # the newest checkpoints, each newer than the target saying why it was passed over
+    candidates = [{**c, "passed_over": passed_over(c, began, None, policy.rollback_min_steps_before_onset)
+                   or "older ones first: the recovery ladder's wider rewind"}
+                  if target is None or c["step"] > target["step"] else dict(c) for c in checkpoints[-10:]]
     state.command_id = command["id"]
     state.command_expires = ts + float(policy.command_ttl_s)  # event time: replays wait the same
     if action == "rollback":

@@ -141,6 +141,9 @@ def test_a_checkpoint_saved_during_a_drift_that_began_before_any_alert_is_passed
     why = report["checkpoint"]["why"]
     assert "the change began with a change point of actor/kl_loss" in why, why
     assert 100 <= report["incident"]["onset_step"] <= 110 and report["incident"]["first_critical_step"] >= 180
+    passed = {c["step"]: c.get("passed_over") for c in report["checkpoint"]["candidates"]}
+    assert passed[100] is None and all(passed[s] == "saved after the onset" for s in (120, 140, 160, 180)), passed
+    assert "passed over: step 120 (saved after the onset); step 140" in render_text(report)
 
 
 def test_a_run_whose_kl_creeps_steadily_from_the_start_is_no_earlier_onset():
