@@ -101,6 +101,6 @@ def test_a_format_reward_learned_at_accuracys_expense_raises_reward_component_ha
 
 def test_cooperating_rewards_that_rise_together_do_not(tmp_path):
     history, alerts = train(tmp_path, quoted())
-    assert mean(history, FORMAT, LAST) > mean(history, FORMAT, FIRST) + 0.1
-    assert mean(history, ACCURACY, LAST) > mean(history, ACCURACY, FIRST) + 0.2
+    assert mean(history, FORMAT, LAST) > mean(history, FORMAT, FIRST) + 0.05
+    assert mean(history, ACCURACY, LAST) > mean(history, ACCURACY, FIRST) + 0.1
     assert not [a for a in alerts if a["rule"] in ("reward_component_hacking", "reward_hacking")], alerts
