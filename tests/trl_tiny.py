@@ -35,6 +35,31 @@ def build_model(folder: Path) -> str:
     return str(folder)
 
 
+def warm_start(model_path: str, example, *, steps: int = 60, batch: int = 32, learning_rate: float = 1e-2,
+               seed: int = 0) -> str:
+    """Supervised steps on one-word answers (``example(rng)`` gives a prompt and its answer word), saved
+    over the model: a policy that already does the task some of the time, as an instruct model does
+    before RL. Returns ``model_path``."""
+    import random
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
+    for _ in range(steps):
+        pairs = [example(rng) for _ in range(batch)]
+        enc = tokenizer([f"{p} {a}" for p, a in pairs], return_tensors="pt", padding=True)  # padded on the left
+        loss = torch.nn.functional.cross_entropy(model(**enc).logits[:, -2, :], enc.input_ids[:, -1])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(model_path)
+    return model_path
+
+
 def toy_reward(completions, **kwargs) -> list[float]:
     """One point per rewarded word: spread within every group, most of the time."""
     return [float(sum(w in REWARDED for w in c.split())) for c in completions]
@@ -47,17 +72,21 @@ def prompts(n: int = 256):
 
 
 def grpo_trainer(model_path: str, out: Path, *, reward=toy_reward, max_steps: int = 16, callbacks=(),
-                 report_to=("tensorboard",), learning_rate: float = 1e-3, save_steps: int | None = None):
-    """A GRPOTrainer on the CPU: 4 completions of up to 32 tokens per prompt, logging every step."""
+                 report_to=("tensorboard",), learning_rate: float = 1e-3, save_steps: int | None = None,
+                 dataset=None, **config):
+    """A GRPOTrainer on the CPU: 4 completions of up to 32 tokens per prompt, logging every step.
+    ``reward``: one function or a list (TRL logs each as ``rewards/<name>/mean``); ``config``
+    overrides GRPOConfig's arguments."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_DISABLED", "true")
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(
+    args = GRPOConfig(**{**dict(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=32, logging_steps=1, report_to=list(report_to), use_cpu=True,
         learning_rate=learning_rate, seed=0, beta=0.04, disable_tqdm=True,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, save_only_model=False,
-        logging_dir=str(out / "tb"))
-    return GRPOTrainer(model=model_path, reward_funcs=reward, args=args, train_dataset=prompts(),
+        logging_dir=str(out / "tb")), **config})
+    return GRPOTrainer(model=model_path, reward_funcs=reward, args=args,
+                       train_dataset=prompts() if dataset is None else dataset,
                        callbacks=list(callbacks))
