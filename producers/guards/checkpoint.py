@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,19 +85,21 @@ def _checksum(data: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def write_manifest(checkpoint_dir, *, parts: dict[str, str | list[str]], meta: dict, versions: dict[str, str] | None = None,
-                   events: TrainerLogger | None = None) -> Path:
+def write_manifest(checkpoint_dir, *, parts: Mapping[str, str | list[str]], meta: dict,
+                   versions: dict[str, str] | None = None, events: TrainerLogger | None = None,
+                   require: tuple[str, ...] = REQUIRED_PARTS) -> Path:
     """Write the manifest of the checkpoint in ``checkpoint_dir`` (after its files are written).
 
     ``parts``: part name -> a file or folder relative to the checkpoint folder (or a list of
     them: a model's shards, every rank's RNG state). ``meta``: the
     meta-state, with at least ``step``, ``scheduler_step``, ``rng_seeds``, ``dataset_offset``.
-    ``versions``: part name -> the format version of that part (checked on load)."""
+    ``versions``: part name -> the format version of that part (checked on load). ``require``:
+    the parts a checkpoint must have (a weights-only save has no optimizer state)."""
     root = Path(checkpoint_dir)
     missing_meta = [k for k in REQUIRED_META if k not in meta]
     if missing_meta:
         raise CheckpointError(f"meta-state incomplete: {', '.join(missing_meta)} missing")
-    for name in REQUIRED_PARTS:
+    for name in require:
         if name not in parts:
             raise CheckpointError(f"{_part(name)} missing: no {name!r} in parts")
     listed: dict[str, dict] = {}
