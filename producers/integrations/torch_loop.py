@@ -55,17 +55,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainguard.core.kafka import KafkaSettings
+from trainguard.producers.guards.checkpoint import CheckpointError, check_checkpoint, newest_verified, write_manifest
 from trainguard.producers.integrations._core import (
+    STEP_TOLERANCE,
     Decision,
     GuardBase,
     Unsupported,
     finite,
     log,
-    STEP_TOLERANCE,
     same_step,
     scale_lr,
 )
-from trainguard.producers.guards.checkpoint import CheckpointError, check_checkpoint, newest_verified, write_manifest
 
 __all__ = ["Guard", "Decision"]
 
@@ -84,8 +84,8 @@ def _rng_state() -> dict:
         import numpy as np
     except ImportError:
         return state
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    state["numpy"] = (name, keys.tolist(), pos, has_gauss, gauss)  # plain values: torch.load(weights_only=True)
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    state["numpy"] = (name, np.asarray(keys).tolist(), pos, has_gauss, gauss)  # plain values: weights_only loads
     return state
 
 
