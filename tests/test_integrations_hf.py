@@ -302,7 +302,10 @@ def test_the_trainers_checkpoints_get_a_manifest_checked_by_a_rollback_and_a_res
     resume = verified(out)
     assert resume == str(out / "checkpoint-3"), "checkpoint-8 (no optimizer state) and checkpoint-6 are refused"
     (tmp_path / "fresh").mkdir()
-    assert verified(tmp_path / "fresh") is None, "a first start: nothing to resume from"
+    (tmp_path / "fresh" / "trainer_state.json").write_text("{}")  # trainer.save_state() writes one there
+    assert verified(tmp_path / "fresh") is None and verified(tmp_path / "not-yet") is None, "a first start"
+    with pytest.raises(CheckpointError, match="checkpoint manifest missing"):
+        verified(tmp_path / "fresh" / "checkpoint-9")
     resumed = trainer_for(4, [TrainguardCallback("r", logger=RecordingLogger(), listen=False)])
     resumed.train(resume_from_checkpoint=resume)
     assert resumed.state.global_step == 4

@@ -82,7 +82,6 @@ from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.guards.checkpoint import (
     MANIFEST,
     REQUIRED_PARTS,
-    CheckpointError,
     check_checkpoint,
     newest_verified,
     write_manifest,
@@ -248,23 +247,23 @@ def verified(path: str | os.PathLike, *, hashes: bool = True) -> str | None:
 
     ``path``: a ``checkpoint-N`` folder (returned when its manifest checks out), or the run's
     ``output_dir``: its newest ``checkpoint-N`` that checks out (each newer one refused is
-    logged), None when it holds no checkpoint yet (a first start). Raises
+    logged), None when it holds no checkpoint yet or does not exist (a first start). Raises
     :class:`CheckpointError` with the reason otherwise. ``hashes=False``: sizes only."""
     path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, "trainer_state.json")):
-        check_checkpoint(path, require=("parameters",), hashes=hashes)
-        return path
     found = []
     for name in os.listdir(path) if os.path.isdir(path) else ():
         step = name[len("checkpoint-"):]
         if name.startswith("checkpoint-") and step.isdigit() and os.path.isdir(os.path.join(path, name)):
             found.append((int(step), os.path.join(path, name)))
-    if not found:
-        if not os.path.isdir(path):
-            raise CheckpointError(f"no checkpoint at {path}")
-        return None
-    folder, _ = newest_verified([p for _, p in sorted(found, reverse=True)], require=("parameters",), hashes=hashes)
-    return str(folder)
+    if found:  # the run's output_dir (a checkpoint folder holds no checkpoint-N)
+        folder, _ = newest_verified([p for _, p in sorted(found, reverse=True)], require=("parameters",),
+                                    hashes=hashes)
+        return str(folder)
+    if os.path.basename(os.path.normpath(path)).startswith("checkpoint-") or (
+            os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))):
+        check_checkpoint(path, require=("parameters",), hashes=hashes)  # a missing one is said, not skipped
+        return path
+    return None  # an output_dir with no checkpoint yet, or none at all: a first start
 
 
 class _HFGuard(GuardBase):
