@@ -114,6 +114,7 @@ def test_failures_are_acked_never_raised(setup, tmp_path):
     d = guard.step_boundary(4)
     assert not d.rolled_back and d.errors
     assert [(i, s) for i, s, _ in listener.acks] == [("a", "failed"), ("b", "rejected"), ("c", "applied")]
+    assert f"no checkpoint at {tmp_path / 'missing.pt'}" in listener.acks[0][2]
     assert not any(e[:2] == ("lifecycle", "rolled_back") for e in logger.events)
     # A broken listener or publisher does not stop the loop either.
     listener.poll_all = lambda: 1 / 0

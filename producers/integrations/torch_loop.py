@@ -387,6 +387,8 @@ class Guard(GuardBase):
             except (StopIteration, AttributeError):
                 location = "cpu"
         path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"no checkpoint at {path}")
         if path.is_file():
             log.warning("trainguard: %s is a single-file checkpoint with no manifest (an earlier release's): "
                         "loaded unverified", path)
