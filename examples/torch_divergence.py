@@ -69,10 +69,11 @@ def make_model(seed: int = 0):
 
 
 def same_as_checkpoint(model, optimizer, path: str) -> bool:
-    """Whether the model's and the optimizer's state equal the checkpoint file's, exactly."""
+    """Whether the model's and the optimizer's state equal the checkpoint folder's, exactly."""
     import torch
 
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved = {part: torch.load(os.path.join(path, f"{part}.pt"), map_location="cpu", weights_only=True)
+             for part in ("model", "optimizer")}
     model_ok = all(torch.equal(v, saved["model"][k]) for k, v in model.state_dict().items())
     opt_now, opt_saved = optimizer.state_dict()["state"], saved["optimizer"]["state"]
     opt_ok = opt_now.keys() == opt_saved.keys() and all(

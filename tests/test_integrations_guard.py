@@ -96,7 +96,7 @@ def test_rollback_restores_model_and_optimizer_and_reports(setup, tmp_path):
     for _ in range(3):
         train_step(model, opt)
     assert not torch.equal(model.weight, saved["weight"])
-    listener.queue = [[cmd("rollback", target={"step": 5, "path": str(tmp_path / "checkpoint-5.pt")},
+    listener.queue = [[cmd("rollback", target={"step": 5, "path": str(tmp_path / "checkpoint-5")},
                            skip_batches=4)]]
     d = guard.step_boundary(8)
     assert d.rolled_back and d.resume_step == 5 and d.skip_batches == 4 and not d.stop
@@ -104,7 +104,7 @@ def test_rollback_restores_model_and_optimizer_and_reports(setup, tmp_path):
     assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], momentum)
     assert listener.acks[0][1] == "applied" and "skipping 4 batches" in listener.acks[0][2]
     assert ("lifecycle", "rolled_back", 5) in logger.events
-    assert ("checkpoint", 5, str(tmp_path / "checkpoint-5.pt")) in logger.events
+    assert ("checkpoint", 5, str(tmp_path / "checkpoint-5")) in logger.events
 
 
 def test_failures_are_acked_never_raised(setup, tmp_path):
@@ -114,6 +114,7 @@ def test_failures_are_acked_never_raised(setup, tmp_path):
     d = guard.step_boundary(4)
     assert not d.rolled_back and d.errors
     assert [(i, s) for i, s, _ in listener.acks] == [("a", "failed"), ("b", "rejected"), ("c", "applied")]
+    assert f"no checkpoint at {tmp_path / 'missing.pt'}" in listener.acks[0][2]
     assert not any(e[:2] == ("lifecycle", "rolled_back") for e in logger.events)
     # A broken listener or publisher does not stop the loop either.
     listener.poll_all = lambda: 1 / 0
@@ -202,7 +203,7 @@ def test_no_checkpoint_after_a_non_finite_step(setup, tmp_path):
     guard.log({"train/loss": float("nan")}, 5)
     assert guard.maybe_checkpoint(5) is None
     guard.log({"train/loss": torch.tensor(0.3)}, 10)
-    assert guard.maybe_checkpoint(10) == str(tmp_path / "checkpoint-10.pt")
+    assert guard.maybe_checkpoint(10) == str(tmp_path / "checkpoint-10")
 
 
 def test_pause_waits_for_resume_and_applies_commands_meanwhile(setup):
@@ -210,7 +211,7 @@ def test_pause_waits_for_resume_and_applies_commands_meanwhile(setup):
     listener.queue = [[cmd("pause", id="p")], [], [cmd("checkpoint_now", id="k")], [], [cmd("resume", id="r")]]
     d = guard.step_boundary(7)
     assert [(i, s) for i, s, _ in listener.acks] == [("p", "applied"), ("k", "applied"), ("r", "applied")]
-    assert d.checkpoint_now and d.extra["saved"].endswith("checkpoint-7.pt") and not d.stop
+    assert d.checkpoint_now and d.extra["saved"].endswith("checkpoint-7") and not d.stop
     whats = [e[1] for e in logger.events if e[0] == "lifecycle"]
     assert whats[-2:] == ["paused", "resumed"]
 
@@ -285,3 +286,199 @@ def test_the_verl_backend_scales_the_in_reward_kl_coefficient_and_refuses_the_lr
     assert [(i, s) for i, s, _ in listener.acks] == [("a", "applied"), ("b", "rejected"), ("c", "rejected")]
     assert ctrl.value == pytest.approx(0.04) and "cannot apply lr_scale" in listener.acks[1][2]
     assert VerlBackend("r2", trainer=SimpleNamespace(), logger=RecordingLogger(), listener=listener).can() == []
+
+
+# ------------------------------------------------------------------ checkpoints and their manifest
+
+
+def _saved_guard(tmp_path, **kw):
+    """A real model and optimizer (momentum) with a scheduler and a data position, checkpointed at
+    steps 5 and 10 through the Guard's loop."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    listener, logger = ScriptedListener(), RecordingLogger()
+    data = {"position": 0}
+    guard = Guard("r", model, opt, tmp_path / "ckpt", checkpoint_every=5, scheduler=sched, logger=logger,
+                  listener=listener, state_fn=lambda: {"position": data["position"]},
+                  load_state_fn=lambda extra: data.update(extra), **kw)
+    for step in range(1, 11):
+        data["position"] += 1
+        guard.log({"train/loss": train_step(model, opt)}, step)
+        sched.step()
+        guard.maybe_checkpoint(step)
+        guard.step_boundary(step)
+    return guard, model, opt, sched, listener, data
+
+
+def test_a_checkpoint_is_a_folder_whose_manifest_checks_out(tmp_path):
+    from trainguard.producers.guards.checkpoint import MANIFEST, check_checkpoint
+
+    guard, model, opt, sched, listener, data = _saved_guard(tmp_path)
+    folder = tmp_path / "ckpt" / "checkpoint-10"
+    assert guard.saved[-1] == (10, str(folder))
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["model.pt", "optimizer.pt", "scheduler.pt", "rng.pt", "extra.pt", MANIFEST])
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["checkpoint-10", "checkpoint-5"], \
+        "no temporary folder is left behind"
+    m = check_checkpoint(folder)
+    assert m.meta["step"] == 10 and m.meta["scheduler_step"] == 10 == sched.last_epoch
+    assert m.meta["rng_seeds"]["torch"] == torch.initial_seed()
+    assert m.meta["dataset_offset"] == 10 and m.meta["dataset_offset_from"] == "guard"
+    assert set(m.data["parts"]) == {"parameters", "optimizer", "scheduler", "rng", "extra"}
+    saved = torch.load(folder / "model.pt", weights_only=True)
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+
+
+def test_keep_prunes_whole_checkpoint_folders(tmp_path):
+    guard, *_ = _saved_guard(tmp_path, keep=1)
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["checkpoint-10"]
+    assert [s for s, _ in guard.saved] == [10]
+
+
+def _truncate(folder):
+    path = folder / "model.pt"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return "parameters corrupted: model.pt has"
+
+
+def _edit(folder):
+    path = folder / "optimizer.pt"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, one byte changed
+    path.write_bytes(bytes(raw))
+    return "optimizer state corrupted: optimizer.pt does not match its SHA-256 in the manifest"
+
+
+def _remove(folder):
+    (folder / "rng.pt").unlink()
+    return "RNG state missing: rng.pt is not in"
+
+
+def _edit_manifest(folder):
+    import json
+
+    from trainguard.producers.guards.checkpoint import MANIFEST
+
+    data = json.loads((folder / MANIFEST).read_text())
+    data["meta"]["step"] = 7
+    (folder / MANIFEST).write_text(json.dumps(data))
+    return "checkpoint manifest corrupted"
+
+
+@pytest.mark.parametrize("damage", [_truncate, _edit, _remove, _edit_manifest])
+def test_a_damaged_checkpoint_is_refused_before_loading_and_the_previous_one_loads(tmp_path, damage):
+    guard, model, opt, sched, listener, data = _saved_guard(tmp_path)
+    five, ten = tmp_path / "ckpt" / "checkpoint-5", tmp_path / "ckpt" / "checkpoint-10"
+    want = damage(ten)
+    before = model.weight.detach().clone()
+    listener.queue = [[cmd("rollback", id="a", target={"step": 10, "path": str(ten)})],
+                      [cmd("rollback", id="b", target={"step": 5, "path": str(five)})]]
+    d = guard.step_boundary(11)
+    assert listener.acks[0][1] == "failed" and want in listener.acks[0][2], listener.acks
+    assert str(ten) in listener.acks[0][2] and not d.rolled_back
+    assert torch.equal(model.weight, before), "nothing of the refused checkpoint was loaded"
+    d = guard.step_boundary(12)
+    assert listener.acks[1][1] == "applied" and d.rolled_back and d.resume_step == 5
+    saved = torch.load(five / "model.pt", weights_only=True)
+    assert torch.equal(model.weight, saved["weight"]) and sched.last_epoch == 5 and data["position"] == 5
+
+
+def test_a_save_that_fails_midway_leaves_no_checkpoint_that_looks_whole(tmp_path):
+    guard, model, opt, sched, listener, data = _saved_guard(tmp_path)
+    good = (tmp_path / "ckpt" / "checkpoint-10" / "model.pt").read_bytes()
+    guard.state_fn = lambda: {"position": lambda: 0}  # cannot be saved: fails after model and optimizer
+    assert guard.save_checkpoint(15) is None and guard.save_checkpoint(10) is None and guard.failures == 2
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["checkpoint-10", "checkpoint-5"]
+    assert (tmp_path / "ckpt" / "checkpoint-10" / "model.pt").read_bytes() == good, "the earlier save stays"
+    assert [s for s, _ in guard.saved] == [5, 10]
+
+
+def test_a_single_file_checkpoint_of_an_earlier_release_loads_unverified_with_a_warning(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_step(model, opt)
+    (tmp_path / "ckpt").mkdir()
+    old = tmp_path / "ckpt" / "checkpoint-3.pt"  # as the earlier release wrote it
+    torch.save({"step": 3, "model": model.state_dict(), "optimizer": opt.state_dict(), "saved_at": 0.0}, old)
+    saved = model.weight.detach().clone()
+    train_step(model, opt)
+    listener = ScriptedListener()
+    guard = Guard("r", model, opt, tmp_path / "ckpt", logger=RecordingLogger(), listener=listener)
+    listener.queue = [[cmd("rollback", target={"step": 3, "path": str(old)})]]
+    with caplog.at_level("WARNING", logger="trainguard.integrations"):
+        d = guard.step_boundary(4)
+    assert listener.acks[0][1] == "applied" and d.resume_step == 3 and torch.equal(model.weight, saved)
+    assert "single-file checkpoint with no manifest" in caplog.text and "loaded unverified" in caplog.text
+    train_step(model, opt)
+    assert guard.resume()["step"] == 3 and torch.equal(model.weight, saved), "resumed from it: no folder passes"
+
+
+def test_resume_loads_the_newest_checkpoint_that_checks_out(tmp_path, caplog):
+    from trainguard.producers.guards.checkpoint import CheckpointError
+
+    guard, model, opt, sched, listener, data = _saved_guard(tmp_path)
+    _truncate(tmp_path / "ckpt" / "checkpoint-10")
+    torch.manual_seed(0)
+    model2 = torch.nn.Linear(4, 1)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    logger = RecordingLogger()
+    fresh = Guard("r", model2, opt2, tmp_path / "ckpt", logger=logger, listener=ScriptedListener())
+    with caplog.at_level("WARNING"):
+        state = fresh.resume()
+    assert state["step"] == 5 and state["meta"]["dataset_offset"] == 5
+    assert "checkpoint-10 refused: parameters corrupted" in caplog.text
+    saved = torch.load(tmp_path / "ckpt" / "checkpoint-5" / "model.pt", weights_only=True)
+    assert torch.equal(model2.weight, saved["weight"])
+    assert ("checkpoint", 5, str(tmp_path / "ckpt" / "checkpoint-5")) in logger.events, "a rollback may go there"
+    with pytest.raises(CheckpointError, match="parameters corrupted: model.pt has"):
+        fresh.resume(tmp_path / "ckpt" / "checkpoint-10")
+    _remove(tmp_path / "ckpt" / "checkpoint-5")
+    with pytest.raises(CheckpointError, match="no checkpoint passes its manifest check: .*checkpoint-10: .*"
+                                              "checkpoint-5: RNG state missing"):
+        fresh.resume()
+    assert Guard("r", model2, opt2, tmp_path / "empty", logger=RecordingLogger(),
+                 listener=ScriptedListener()).resume() is None
+
+
+def test_a_nan_only_in_the_gradients_that_a_rerun_does_not_repeat_is_hardware(tmp_path):
+    """The first run of step 5 has its backward poisoned once (a hook turns one gradient NaN): its
+    loss is finite, its weights after the update are not. The rerun's backward is clean: not the
+    same step, whatever the loss says."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    listener = ScriptedListener()
+    guard = Guard("r", model, opt, tmp_path, logger=RecordingLogger(), listener=listener, rerun=True)
+    poison = {"left": 0}
+
+    def hook(grad):
+        if poison["left"]:
+            poison["left"] -= 1
+            return grad * float("nan")
+        return grad
+
+    model[0].weight.register_hook(hook)
+
+    def step_fn(x):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    losses = []
+    for step in range(1, 8):
+        poison["left"] = 1 if step == 5 else 0
+        losses.append(guard.run_step(step, torch.ones(8, 4) * step / 7, step_fn).item())
+    assert torch.isfinite(torch.tensor(losses[4])) and not torch.isfinite(torch.tensor(losses[5])), losses
+    listener.queue = [[cmd("rerun_step", params={"step": 5})]]
+    guard.step_boundary(7)
+    status, detail = listener.acks[0][1:]
+    result = listener.results[0]
+    assert status == "applied" and result["reproduced"] is False and result["step"] == 5, (detail, result)
+    assert "not reproduced (transient: hardware)" in detail and "grad norm nan then" in detail, detail
+    assert result["first"].startswith(f"loss {losses[4]:.6g}") and "grad norm nan" in result["first"]
+    assert "nan" not in result["again"], result

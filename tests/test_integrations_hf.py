@@ -21,7 +21,9 @@ import torch
 import transformers  # noqa: F401  (deliberately not importorskip: CI must have it)
 
 from tests.integration import TopicReader, WorkerProcess, produce, wait_until
+from tests.test_integrations_guard import RecordingLogger, ScriptedListener, cmd
 from trainguard.operate import read_statuses
+from trainguard.producers.guards.checkpoint import MANIFEST, CheckpointError, check_checkpoint
 from trainguard.schemas import events as ev
 
 pytestmark = pytest.mark.integration
@@ -142,7 +144,8 @@ def test_trainer_callback_publishes_reports_checkpoints_and_obeys_rollback_and_s
         assert guard_cb.guard.rollbacks == 1
         # A checkpoint that does not load: failed, with the reason, and the run trains on.
         assert to_5.returncode == 1, to_5.stdout + to_5.stderr
-        assert "failed" in to_5.stdout and "no model weights in" in to_5.stdout, to_5.stdout
+        assert "failed" in to_5.stdout and "parameters missing: model.safetensors is not in" in to_5.stdout, \
+            to_5.stdout
         assert trainer.state.global_step >= seen["failed_seen_at"] + 5  # not stopped by the failure
         assert guard_cb.skipped_batches == 2 and len(seen["skipping_steps"]) == 2, seen
         # Stop: the Trainer left its loop long before max_steps.
@@ -175,6 +178,7 @@ def test_trainer_callback_publishes_reports_checkpoints_and_obeys_rollback_and_s
         assert steps[:3] == [1, 2, 3]
         ckpts = {e["step"]: e["path"] for e in ours if e["schema"] == ev.CHECKPOINT}
         assert {5, 10}.issubset(ckpts) and ckpts[10].endswith("checkpoint-10")
+        assert check_checkpoint(ckpts[10]).step == 10, "the callback wrote a manifest into the Trainer's folder"
         lifecycle = [(e["event"], e.get("step")) for e in ours if e["schema"] == ev.LIFECYCLE]
         assert lifecycle[0][0] == "started" and ("rolled_back", 10) in lifecycle and lifecycle[-1][0] == "stopped"
         # The rolled_back report follows the metrics of the step in which the rollback happened.
@@ -244,3 +248,64 @@ def test_a_plain_trainers_diverging_loss_pages_live_and_from_its_console_log(kaf
         assert nan_steps and nan_steps[0] == 31, firing
     finally:
         worker.kill()
+
+
+def test_the_trainers_checkpoints_get_a_manifest_checked_by_a_rollback_and_a_resume(tmp_path, monkeypatch):
+    """No broker: a real tiny Trainer saves checkpoint-3, -6 and -8; the callback writes a manifest
+    of the Trainer's own files into each. checkpoint-6's weights are torn: a rollback to it is
+    refused with the manifest's error before anything loads, one to checkpoint-3 applies, and
+    verified(output_dir) hands the Trainer the newest checkpoint that checks out to resume from."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_DISABLED", "true")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from trainguard.producers.integrations.hf import TrainguardCallback, verified
+
+    out = tmp_path / "out"
+
+    def trainer_for(max_steps, callbacks):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32))
+        args = TrainingArguments(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
+                                 logging_steps=1, save_strategy="steps", save_steps=3, report_to=[], use_cpu=True,
+                                 disable_tqdm=True, dataloader_num_workers=0, seed=0)
+        return Trainer(model=model, args=args, train_dataset=RandomTokens(n=64), callbacks=callbacks)
+
+    listener = ScriptedListener()
+    cb = TrainguardCallback("r", logger=RecordingLogger(), listener=listener)
+    class Operator(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 7:
+                weights = out / "checkpoint-6" / "model.safetensors"
+                weights.write_bytes(weights.read_bytes()[:1000])
+                listener.queue = [[cmd("rollback", id="six", target={"step": 6, "path": str(out / "checkpoint-6")}),
+                                   cmd("rollback", id="three", target={"step": 3,
+                                                                       "path": str(out / "checkpoint-3")})]]
+
+    trainer_for(8, [Operator(), cb]).train()
+    for step in (3, 6):
+        files = sorted(p.name for p in (out / f"checkpoint-{step}").iterdir())
+        assert MANIFEST in files and {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+                                      "trainer_state.json"} <= set(files), files
+    m = check_checkpoint(out / "checkpoint-3")
+    assert m.meta["step"] == 3 and m.meta["scheduler_step"] == 3 and m.meta["rng_seeds"]["seed"] == 0
+    assert m.data["parts"]["parameters"]["path"] == ["model.safetensors"]
+    assert m.data["parts"]["rng"]["path"] == ["rng_state.pth"] and "trainer_state" in m.data["parts"]
+    assert [(i, s) for i, s, _ in listener.acks] == [("six", "failed"), ("three", "applied")], listener.acks
+    assert "parameters corrupted: model.safetensors has 1000 bytes" in listener.acks[0][2]
+
+    assert verified(out / "checkpoint-3") == str(out / "checkpoint-3")
+    with pytest.raises(CheckpointError, match="parameters corrupted: model.safetensors has 1000 bytes"):
+        verified(out / "checkpoint-6")
+    assert verified(out) == str(out / "checkpoint-8"), "the newest that checks out (the Trainer's last save)"
+    (out / "checkpoint-8" / "optimizer.pt").unlink()
+    resume = verified(out)
+    assert resume == str(out / "checkpoint-3"), "checkpoint-8 (no optimizer state) and checkpoint-6 are refused"
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "trainer_state.json").write_text("{}")  # trainer.save_state() writes one there
+    assert verified(tmp_path / "fresh") is None and verified(tmp_path / "not-yet") is None, "a first start"
+    with pytest.raises(CheckpointError, match="checkpoint manifest missing"):
+        verified(tmp_path / "fresh" / "checkpoint-9")
+    resumed = trainer_for(4, [TrainguardCallback("r", logger=RecordingLogger(), listen=False)])
+    resumed.train(resume_from_checkpoint=resume)
+    assert resumed.state.global_step == 4

@@ -32,6 +32,7 @@ import torch
 from verl.utils.tracking import Tracking  # deliberately not importorskip: CI must have it
 
 from tests.integration import TopicReader, WorkerProcess, produce, wait_until
+from tests.test_integrations_guard import RecordingLogger, ScriptedListener, cmd
 from trainguard.operate import read_statuses
 from trainguard.schemas import events as ev
 
@@ -44,8 +45,12 @@ def test_the_tracking_class_is_verls_own():
     assert set(tracking.logger) == {"console"}
 
 
+MODEL = "model_world_size_1_rank_0.pt"  # the file names of verl's FSDP checkpoint manager
+
+
 class WorkerGroup:
-    """A stand-in actor/critic worker group holding a policy vector, checkpointed to disk."""
+    """A stand-in actor/critic worker group holding a policy vector, checkpointed to disk under the
+    names verl's FSDP checkpoint manager gives its files (weights, optimizer, extra state)."""
 
     def __init__(self):
         self.weights = np.zeros(4)
@@ -53,10 +58,14 @@ class WorkerGroup:
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
         os.makedirs(local_path, exist_ok=True)
-        np.save(os.path.join(local_path, "model.npy"), self.weights)
+        for name, value in ((MODEL, self.weights), ("optim_world_size_1_rank_0.pt", self.weights * 0.1),
+                            ("extra_state_world_size_1_rank_0.pt", np.array([global_step]))):
+            with open(os.path.join(local_path, name), "wb") as f:
+                np.save(f, value)
 
     def load_checkpoint(self, local_path, del_local_after_load=False):
-        self.weights = np.load(os.path.join(local_path, "model.npy"))
+        with open(os.path.join(local_path, MODEL), "rb") as f:
+            self.weights = np.load(f)
         self.loads.append(local_path)
 
 
@@ -83,6 +92,8 @@ class FakeRayPPOTrainer:
         self.actor_rollout_wg.save_checkpoint(os.path.join(folder, "actor"), None, self.global_steps)
         if self.use_critic:
             self.critic_wg.save_checkpoint(os.path.join(folder, "critic"), None, self.global_steps)
+        with open(os.path.join(folder, "data.pt"), "wb") as f:  # verl: the dataloader's state_dict
+            np.save(f, np.array([self.batches_seen]))
 
     def fit(self):
         logger = Tracking(project_name="p", experiment_name="e", default_backend=["console"])
@@ -138,7 +149,8 @@ def test_verl_backend_publishes_verl_metrics_and_rolls_the_trainer_back(kafka, t
         assert trainer.actor_rollout_wg.loads == [os.path.join(target, "actor")]
         assert trainer.critic_wg.loads == [os.path.join(target, "critic")]
         (synced_step, synced_weights), = trainer.checkpoint_manager.synced
-        restored = np.load(os.path.join(target, "actor", "model.npy"))
+        with open(os.path.join(target, "actor", MODEL), "rb") as f:
+            restored = np.load(f)
         assert synced_step == 25 and np.array_equal(synced_weights, restored), \
             "the rollout engine got the restored weights, as verl's resume gives them"
         steps = [s for s, _ in trainer.logged]
@@ -152,7 +164,7 @@ def test_verl_backend_publishes_verl_metrics_and_rolls_the_trainer_back(kafka, t
                         timeout=15, what="finished")
         ours = [e for e in events.seen if e["run_id"] == run_id]
         events.close()
-        metrics = [e for e in ours if e["schema"] == ev.METRICS]
+        metrics = [e for e in ours if e["schema"] == ev.METRICS and e["source"]["kind"] != "guard"]  # not a manifest's
         first = metrics[0]["metrics"]
         # verl's keys as they are; numpy and torch scalars arrive as floats.
         assert first["actor/pg_loss"] == pytest.approx(-0.02) and first["actor/grad_norm"] == pytest.approx(0.5)
@@ -244,7 +256,8 @@ def test_a_rollback_by_hand_loads_verls_checkpoint_from_any_directory(kafka, tmp
         assert to_10.returncode == 0 and "applied" in to_10.stdout and target in to_10.stdout, \
             to_10.stdout + to_10.stderr
         assert trainer.actor_rollout_wg.loads == [os.path.join(target, "actor")]
-        assert to_5.returncode == 1 and "failed" in to_5.stdout and "no actor checkpoint in" in to_5.stdout, \
+        assert to_5.returncode == 1 and "failed" in to_5.stdout and "CheckpointError: " in to_5.stdout \
+            and "missing: actor/" in to_5.stdout, \
             to_5.stdout + to_5.stderr
         assert trainer.logged[-1][0] > results["failed_at"] + 5  # trained on after the failure
         events = TopicReader(kafka, kafka.topics.events)
@@ -300,7 +313,9 @@ def test_attaching_twice_installs_each_hook_once(kafka, tmp_path):
                     what="the finished report")
     seen = [e for e in events.drain(1.0) if e["run_id"] == run_id]
     events.close()
-    assert [e["step"] for e in seen if e["schema"] == ev.METRICS] == [1, 2, 3, 4]
+    assert [e["step"] for e in seen if e["schema"] == ev.METRICS and e["source"]["kind"] != "guard"] == [1, 2, 3, 4]
+    assert [e["step"] for e in seen if e["schema"] == ev.METRICS and e["source"]["kind"] == "guard"] == [2, 4], \
+        "each checkpoint's manifest said it was written"
     assert [e["step"] for e in seen if e["schema"] == ev.CHECKPOINT] == [2, 4]
     backend.detach()
     assert Tracking.__init__ is original_init
@@ -462,3 +477,77 @@ def test_the_launcher_in_the_docs_puts_trainguard_into_verls_own_runners(monkeyp
     exec(compile(code, "train_guarded.py", "exec"), {"__name__": "train_guarded"})
     assert main_ppo.TaskRunnerV1.__ray_actor_class__.__name__ == "TrainguardTaskRunnerV1"
     assert main_ppo_v0.TaskRunner.__ray_actor_class__.__name__ == "TrainguardTaskRunner"
+
+
+def test_verls_checkpoints_get_a_manifest_that_a_rollback_checks_first(tmp_path):
+    """No broker: every global_step_N the trainer saves gets a manifest of verl's files (the actor's
+    weights, optimizer and extra state, the critic, data.pt). A rollback to global_step_10, whose
+    actor weights were torn, is refused with the manifest's error before anything is loaded; the
+    one to global_step_5 loads."""
+    from trainguard.producers.guards.checkpoint import check_checkpoint
+    from trainguard.producers.integrations.verl import attach
+
+    trainer = FakeRayPPOTrainer(tmp_path / "ckpt", total_training_steps=16, fault_at=10**9, step_s=0.0)
+    folder = lambda n: str(tmp_path / "ckpt" / f"global_step_{n}")  # noqa: E731
+
+    class Operator(ScriptedListener):
+        def poll_all(self):
+            if trainer.global_steps != 12 or self.acks:
+                return []
+            weights = os.path.join(folder(10), "actor", MODEL)
+            with open(weights, "r+b") as f:
+                f.truncate(10)
+            return [cmd("rollback", id="ten", target={"step": 10, "path": folder(10)}),
+                    cmd("rollback", id="five", target={"step": 5, "path": folder(5)})]
+
+    listener = Operator()
+    backend = attach(trainer, "verl-manifest", tracking_cls=Tracking, logger=RecordingLogger(), listener=listener)
+    try:
+        trainer.fit()
+    finally:
+        backend.detach()
+    m = check_checkpoint(folder(15))
+    assert m.step == 15 and m.meta["dataset_offset"] == 15
+    parts = {k: v["path"] for k, v in m.data["parts"].items()}
+    assert parts == {"parameters": [f"actor/{MODEL}"], "optimizer": ["actor/optim_world_size_1_rank_0.pt"],
+                     "extra_state": ["actor/extra_state_world_size_1_rank_0.pt"], "critic": ["critic"],
+                     "dataloader": ["data.pt"]}, parts
+    assert [(i, st) for i, st, _ in listener.acks] == [("ten", "failed"), ("five", "applied")], listener.acks
+    assert f"parameters corrupted: actor/{MODEL} has 10 bytes" in listener.acks[0][2]
+    assert trainer.actor_rollout_wg.loads == [os.path.join(folder(5), "actor")], "the torn one was never loaded"
+
+
+def test_an_asynchronous_verl_save_gets_its_manifest_once_verl_records_it_whole(tmp_path):
+    """With async_save (Megatron) the files are still being written when _save_checkpoint returns:
+    the manifest waits until verl writes the step into latest_checkpointed_iteration.txt, and a
+    rollback to a checkpoint still being saved is refused, saying so."""
+    from trainguard.producers.guards.checkpoint import MANIFEST
+    from trainguard.producers.integrations.verl import attach
+
+    trainer = FakeRayPPOTrainer(tmp_path / "ckpt", total_training_steps=12, fault_at=10**9, step_s=0.0)
+    trainer.config.actor_rollout_ref = SimpleNamespace(actor=SimpleNamespace(checkpoint=SimpleNamespace(
+        async_save=True, save_contents=["model", "optimizer", "extra"])))
+    latest = tmp_path / "ckpt" / "latest_checkpointed_iteration.txt"
+    seen = {}
+
+    class Operator(ScriptedListener):
+        def poll_all(self):
+            if trainer.global_steps == 7 and not self.acks:
+                seen["manifest_at_7"] = os.path.exists(tmp_path / "ckpt" / "global_step_5" / MANIFEST)
+                five = str(tmp_path / "ckpt" / "global_step_5")
+                return [cmd("rollback", id="five", target={"step": 5, "path": five})]
+            if trainer.global_steps == 8:
+                latest.write_text("5")  # verl's finalize: step 5 is on disk whole
+            if trainer.global_steps == 9:
+                seen["manifest_at_9"] = os.path.exists(tmp_path / "ckpt" / "global_step_5" / MANIFEST)
+            return []
+
+    listener = Operator()
+    backend = attach(trainer, "verl-async", tracking_cls=Tracking, logger=RecordingLogger(), listener=listener)
+    try:
+        trainer.fit()
+    finally:
+        backend.detach()
+    assert seen == {"manifest_at_7": False, "manifest_at_9": True}, seen
+    assert listener.acks[0][1] == "failed" and "still being saved asynchronously" in listener.acks[0][2]
+    assert not os.path.exists(tmp_path / "ckpt" / "global_step_10" / MANIFEST), "never recorded whole: none"

@@ -178,10 +178,11 @@ def test_a_signed_adjust_with_an_absurd_value_is_refused_and_training_goes_on(ka
     assert not result["stopped"] and result["step"] == 200, "training went on"
 
 
-def test_a_torn_checkpoint_is_refused_with_the_loaders_error_and_the_previous_one_restored(kafka, tmp_path):
-    """The checkpoint of step 20 is torn on disk (half its bytes) before the NaN of step 30: the
-    Guard's load fails and acks why, training goes on, and the worker's next rollback goes to the
-    checkpoint of step 10, which loads."""
+def test_a_torn_checkpoint_is_refused_by_its_manifest_and_the_previous_one_restored(kafka, tmp_path):
+    """The weights of the checkpoint of step 20 are torn on disk (half their bytes) before the NaN
+    of step 30: its manifest check refuses it with the explicit error before anything is loaded,
+    the ack says so, training goes on, and the worker's next rollback goes to the checkpoint of
+    step 10, which checks out and loads."""
     worker = WorkerProcess(kafka, tmp_path).start()
     try:
         worker.wait_ready()
@@ -190,13 +191,15 @@ def test_a_torn_checkpoint_is_refused_with_the_loaders_error_and_the_previous_on
 
         def tear(step):
             if step == 25:
-                path = ckpt / "checkpoint-20.pt"
+                path = ckpt / "checkpoint-20" / "model.pt"
                 path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
         result = train(kafka, run_id, ckpt, steps=60, fault="transient", between=tear)
         actions = [(h["action"], h["status"]) for h in result["history"]]
         assert actions[:2] == [("rollback", "failed"), ("rollback", "applied")], result["history"]
-        assert "checkpoint-20.pt" in result["history"][0]["detail"], result["history"][0]
+        detail = result["history"][0]["detail"]
+        assert f"checkpoint {ckpt / 'checkpoint-20'} could not be loaded (CheckpointError: parameters corrupted: " \
+               f"model.pt has " in detail and "the manifest says" in detail, detail
         restored = [d for d in result["decisions"] if d.rolled_back]
         assert restored and restored[0].resume_step == 10
         assert not result["stopped"] and result["step"] == 60

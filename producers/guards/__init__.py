@@ -11,11 +11,11 @@ from trainguard.producers.guards.breaker import (
     trl_reward_func,
     verl_compute_score,
 )
-from trainguard.producers.guards.checkpoint import CheckpointError, check_checkpoint, write_manifest
+from trainguard.producers.guards.checkpoint import CheckpointError, check_checkpoint, newest_verified, write_manifest
 from trainguard.producers.guards.dedup import PromptDeduplicator
 from trainguard.producers.guards.reward_gate import RewardGate, Verdict
 from trainguard.producers.guards.validation import RolloutValidator
 
 __all__ = ["BreakerOpen", "CallTimeout", "CheckpointError", "CircuitBreaker", "PromptDeduplicator", "RewardGate",
-           "RolloutValidator", "ScoreCache", "Verdict", "check_checkpoint", "trl_reward_func", "verl_compute_score",
-           "write_manifest"]
+           "RolloutValidator", "ScoreCache", "Verdict", "check_checkpoint", "newest_verified", "trl_reward_func",
+           "verl_compute_score", "write_manifest"]

@@ -27,9 +27,12 @@ class GuardEvents:
         self._last_sent = float("-inf")
         self._out: TrainerLogger | None = None
         if logger is not None:
-            src = logger.source
-            self._out = TrainerLogger(logger.run_id, logger.settings, host=src["host"], rank=src["rank"],
-                                      kind="guard", publisher=logger.publisher)
+            try:
+                src = logger.source
+                self._out = TrainerLogger(logger.run_id, logger.settings, host=src["host"], rank=src["rank"],
+                                          kind="guard", publisher=logger.publisher)
+            except Exception as exc:  # a guard goes on counting without its events, never raises
+                log.warning("trainguard: guard %s publishes nothing: %s: %s", guard, type(exc).__name__, exc)
 
     def step(self, step: int | None) -> int:
         """The step to report: the one given, else the last one seen."""

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +35,9 @@ REQUIRED_PARTS = ("parameters", "optimizer")
 REQUIRED_META = ("step", "scheduler_step", "rng_seeds", "dataset_offset")
 # How errors name the parts (any other part is named by its key).
 PART_NAMES = {"parameters": "parameters", "optimizer": "optimizer state", "rollout_cache": "rollout cache",
-              "scheduler": "scheduler state"}
+              "scheduler": "scheduler state", "rng": "RNG state", "extra": "extra state"}
 _CHUNK = 8 << 20
+log = logging.getLogger("trainguard.guards")
 
 
 class CheckpointError(RuntimeError):
@@ -67,7 +70,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _files(root: Path, rel: str) -> list[str]:
+def _files(root: Path, rel: str | list[str]) -> list[str]:
+    """Every file of a part: a file, a folder (all files under it), or a list of either."""
+    if isinstance(rel, list):
+        return [f for one in rel for f in _files(root, one)]
     target = root / rel
     if target.is_dir():
         return sorted(str(p.relative_to(root)) for p in target.rglob("*") if p.is_file())
@@ -79,24 +85,28 @@ def _checksum(data: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def write_manifest(checkpoint_dir, *, parts: dict[str, str], meta: dict, versions: dict[str, str] | None = None,
-                   events: TrainerLogger | None = None) -> Path:
+def write_manifest(checkpoint_dir, *, parts: Mapping[str, str | list[str]], meta: dict,
+                   versions: dict[str, str] | None = None, events: TrainerLogger | None = None,
+                   require: tuple[str, ...] = REQUIRED_PARTS) -> Path:
     """Write the manifest of the checkpoint in ``checkpoint_dir`` (after its files are written).
 
-    ``parts``: part name -> a file or folder relative to the checkpoint folder. ``meta``: the
+    ``parts``: part name -> a file or folder relative to the checkpoint folder (or a list of
+    them: a model's shards, every rank's RNG state). ``meta``: the
     meta-state, with at least ``step``, ``scheduler_step``, ``rng_seeds``, ``dataset_offset``.
-    ``versions``: part name -> the format version of that part (checked on load)."""
+    ``versions``: part name -> the format version of that part (checked on load). ``require``:
+    the parts a checkpoint must have (a weights-only save has no optimizer state)."""
     root = Path(checkpoint_dir)
     missing_meta = [k for k in REQUIRED_META if k not in meta]
     if missing_meta:
         raise CheckpointError(f"meta-state incomplete: {', '.join(missing_meta)} missing")
-    for name in REQUIRED_PARTS:
+    for name in require:
         if name not in parts:
             raise CheckpointError(f"{_part(name)} missing: no {name!r} in parts")
     listed: dict[str, dict] = {}
     for name, rel in parts.items():
-        if not (root / rel).exists():
-            raise CheckpointError(f"{_part(name)} missing: {rel} is not in {root}")
+        for one in (rel if isinstance(rel, list) else [rel]):
+            if not (root / one).exists():
+                raise CheckpointError(f"{_part(name)} missing: {one} is not in {root}")
         files = {f: {"bytes": (root / f).stat().st_size, "sha256": _sha256(root / f)} for f in _files(root, rel)}
         if not files:
             raise CheckpointError(f"{_part(name)} missing: {rel} in {root} holds no files")
@@ -130,6 +140,22 @@ def check_checkpoint(checkpoint_dir, *, expect_versions: dict[str, str] | None =
         raise
     report.report({"guard/checkpoint/refused": 0.0}, step=step, decision="verified", reason=str(root))
     return manifest
+
+
+def newest_verified(folders, *, events: TrainerLogger | None = None, **check) -> tuple[Path, Manifest]:
+    """The first of ``folders`` (give them newest first) whose manifest checks out, with it; each
+    refused one is logged with its error. None passes: :class:`CheckpointError` saying why each was
+    refused. ``check``: :func:`check_checkpoint`'s other arguments."""
+    refused = []
+    for folder in folders:
+        try:
+            return Path(folder), check_checkpoint(folder, events=events, **check)
+        except CheckpointError as exc:
+            log.warning("trainguard: checkpoint %s refused: %s", folder, exc)
+            refused.append(f"{folder}: {exc}")
+    if not refused:
+        raise CheckpointError("no checkpoint to verify")
+    raise CheckpointError("no checkpoint passes its manifest check: " + "; ".join(refused))
 
 
 def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...], hashes: bool) -> Manifest:

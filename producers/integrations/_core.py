@@ -100,6 +100,20 @@ def same_result(first: float, again: float, rel: float = 1e-6) -> bool:
     return abs(first - again) <= rel * max(1.0, abs(first), abs(again))
 
 
+# What a rerun compares of a step, and how closely: the loss, and what the step did to the model
+# (the total gradient norm, a fingerprint of the weights after it), which sum many floats in an
+# order a GPU need not keep.
+STEP_TOLERANCE = {"loss": 1e-6, "grad_norm": 1e-4, "weights": 1e-4}
+
+
+def same_step(first: dict, again: dict) -> bool:
+    """Whether a rerun reproduced a step: every quantity of :data:`STEP_TOLERANCE` both runs
+    measured (None: not measured) is reproduced (:func:`same_result`). A finite loss with a NaN
+    gradient the first time and a clean rerun is not the same step."""
+    return all(same_result(first[k], again[k], rel) for k, rel in STEP_TOLERANCE.items()
+               if first.get(k) is not None and again.get(k) is not None)
+
+
 class GuardBase:
     """Publisher + control listener + the command protocol, for one run.
 

@@ -19,7 +19,14 @@ What it does, on the world's process zero only (other ranks do nothing):
   Trainer drops NaN/Inf losses from the logged mean by default (``logging_nan_inf_filter``);
   ``grad_norm`` still shows them. A value logged as ``None`` is published as NaN (TRL's way of logging an
   all-NaN metric).
-* ``on_save``: reports ``{output_dir}/checkpoint-{global_step}``.
+* ``on_save``: writes ``trainguard-manifest.json`` into the ``checkpoint-{global_step}`` folder
+  the Trainer just wrote (every file in it, by part: ``parameters`` model.safetensors, its shards
+  or adapter_model.safetensors; ``optimizer`` optimizer.pt or DeepSpeed's ``global_step*/``;
+  ``scheduler``, ``scaler``, ``rng``, ``trainer_state``, ``other``), on the processes that wrote
+  the files (``args.should_save``), and reports it. Of the RNG states it lists only its own
+  process's: other ranks write theirs with no barrier before ``on_save``. A rollback checks the
+  manifest before loading anything, and ``verified(path)`` checks it for a resume:
+  ``trainer.train(resume_from_checkpoint=verified(args.output_dir))``.
 * ``on_step_end``: applies ready commands.
 * ``on_pre_optimizer_step``: the local guard. Gradients holding NaN/Inf are discarded before
   the optimiser applies them (the next generation would otherwise crash on NaN weights, long
@@ -72,10 +79,19 @@ import time
 from transformers import TrainerCallback
 
 from trainguard.core.kafka import KafkaSettings
+from trainguard.producers.guards.checkpoint import (
+    MANIFEST,
+    REQUIRED_PARTS,
+    check_checkpoint,
+    newest_verified,
+    write_manifest,
+)
 from trainguard.producers.integrations._core import Decision, GuardBase, scale_lr
+from trainguard.producers.integrations._core import log as _log
 from trainguard.readers.hfconsole import PLAIN_LOSS
 
-__all__ = ["TrainguardCallback", "rewrite_logs", "load_model_weights", "is_rl_trainer"]
+__all__ = ["TrainguardCallback", "rewrite_logs", "load_model_weights", "is_rl_trainer", "verified",
+           "write_checkpoint_manifest"]
 
 
 # TRL's trainers whose ``loss`` is a policy-gradient loss (matched on the config's class names).
@@ -169,6 +185,87 @@ def load_model_weights(model, path: str) -> str:
     return source
 
 
+# What a Trainer checkpoint folder holds, by manifest part (transformers 4.5x's _save_checkpoint,
+# save_model and their DeepSpeed / FSDP / PEFT variants); any other file goes to "other".
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+            "adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")
+
+
+def _part_of(name: str, is_dir: bool) -> str:
+    if name in _WEIGHTS or (name.startswith(("model-", "pytorch_model-")) and "-of-" in name) \
+            or name.startswith("pytorch_model_fsdp"):
+        return "parameters"
+    if name == "optimizer.pt" or name.startswith("optimizer_") or (is_dir and name.startswith("global_step")) \
+            or name == "latest":  # DeepSpeed's engine state: optimizer (and ZeRO-3's weights)
+        return "optimizer"
+    if name == "scheduler.pt":
+        return "scheduler"
+    if name == "scaler.pt":
+        return "scaler"
+    if name.startswith("rng_state"):
+        return "rng"
+    if name == "trainer_state.json":
+        return "trainer_state"
+    return "other"
+
+
+def checkpoint_parts(path: str, process_index: int = 0) -> dict[str, list[str]]:
+    """The manifest's parts of the Trainer checkpoint in ``path``: every file in it, by what it is.
+    Of the RNG states only this process's own: other ranks write theirs at the same time, with no
+    barrier before ``on_save``."""
+    parts: dict[str, list[str]] = {}
+    for name in sorted(os.listdir(path)):
+        if name == MANIFEST or name.startswith(MANIFEST):
+            continue
+        part = _part_of(name, os.path.isdir(os.path.join(path, name)))
+        if part == "rng" and name not in ("rng_state.pth", f"rng_state_{process_index}.pth"):
+            continue
+        parts.setdefault(part, []).append(name)
+    engine = [n for n in parts.get("optimizer", []) if n.startswith("global_step")]
+    if "parameters" not in parts and engine:
+        parts["parameters"] = engine  # ZeRO-3 without gathered weights: they are sharded there
+    return parts
+
+
+def write_checkpoint_manifest(path: str, args, state, lr_scheduler=None, events=None) -> str:
+    """Write the manifest of the Trainer checkpoint just saved in ``path``; its path. Raises
+    :class:`CheckpointError` when the checkpoint lacks its weights (or its optimizer state, unless
+    ``save_only_model``)."""
+    accumulate = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    meta = {"step": int(state.global_step), "scheduler_step": getattr(lr_scheduler, "last_epoch", None),
+            "rng_seeds": {"seed": getattr(args, "seed", None), "data_seed": getattr(args, "data_seed", None)},
+            # what the Trainer skips on resume: batches per process since the start, every epoch's
+            "dataset_offset": int(state.global_step) * accumulate, "dataset_offset_unit": "batches per process",
+            "epoch": getattr(state, "epoch", None)}
+    require = ("parameters",) if getattr(args, "save_only_model", False) else REQUIRED_PARTS
+    parts = checkpoint_parts(path, int(getattr(args, "process_index", 0) or 0))
+    return str(write_manifest(path, parts=parts, meta=meta, require=require, events=events))
+
+
+def verified(path: str | os.PathLike, *, hashes: bool = True) -> str | None:
+    """A checkpoint to hand ``trainer.train(resume_from_checkpoint=...)``, checked first.
+
+    ``path``: a ``checkpoint-N`` folder (returned when its manifest checks out), or the run's
+    ``output_dir``: its newest ``checkpoint-N`` that checks out (each newer one refused is
+    logged), None when it holds no checkpoint yet or does not exist (a first start). Raises
+    :class:`CheckpointError` with the reason otherwise. ``hashes=False``: sizes only."""
+    path = os.fspath(path)
+    found = []
+    for name in os.listdir(path) if os.path.isdir(path) else ():
+        step = name[len("checkpoint-"):]
+        if name.startswith("checkpoint-") and step.isdigit() and os.path.isdir(os.path.join(path, name)):
+            found.append((int(step), os.path.join(path, name)))
+    if found:  # the run's output_dir (a checkpoint folder holds no checkpoint-N)
+        folder, _ = newest_verified([p for _, p in sorted(found, reverse=True)], require=("parameters",),
+                                    hashes=hashes)
+        return str(folder)
+    if os.path.basename(os.path.normpath(path)).startswith("checkpoint-") or (
+            os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))):
+        check_checkpoint(path, require=("parameters",), hashes=hashes)  # a missing one is said, not skipped
+        return path
+    return None  # an output_dir with no checkpoint yet, or none at all: a first start
+
+
 class _HFGuard(GuardBase):
     def __init__(self, callback: "TrainguardCallback", *args, **kwargs):
         self.callback = callback
@@ -201,6 +298,7 @@ class _HFGuard(GuardBase):
         model, optimizer, scheduler = ctx.get("model"), ctx.get("optimizer"), ctx.get("lr_scheduler")
         if model is None:
             raise RuntimeError("the Trainer passed no model to the callback")
+        check_checkpoint(path, require=("parameters",), events=self.logger, step=step)  # before any byte is loaded
         loaded = [os.path.basename(load_model_weights(model, path))]
         opt_file, sched_file = os.path.join(path, "optimizer.pt"), os.path.join(path, "scheduler.pt")
         if optimizer is not None and os.path.exists(opt_file):
@@ -290,10 +388,18 @@ class TrainguardCallback(TrainerCallback):
             self.guard.log({**rewrite_logs(logs, rl=self.rl is not False), **self._report}, state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
-        if self.guard is None:
-            return
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if os.path.isdir(path):
+        if not os.path.isdir(path):
+            return
+        if getattr(args, "should_save", state.is_world_process_zero):  # the process that wrote the files
+            try:
+                write_checkpoint_manifest(path, args, state, kwargs.get("lr_scheduler"),
+                                          self.guard.logger if self.guard is not None else None)
+            except Exception as exc:  # the run goes on; a rollback to this checkpoint is then refused
+                _log.warning("trainguard: no manifest for %s: %s: %s", path, type(exc).__name__, exc)
+                if self.guard is not None:
+                    self.guard.failures += 1
+        if self.guard is not None:
             self.guard.checkpoint_saved(state.global_step, os.path.abspath(path))
 
     # -- commands -------------------------------------------------------------------------

@@ -24,8 +24,16 @@ What :func:`attach` relies on (verl's ``RayPPOTrainer``, checked against its sou
   right after ``self.global_steps += 1``: that call is the step boundary where commands
   are applied (the checkpoint of the step, if any, is already saved).
 * ``_save_checkpoint()`` writes ``{trainer.default_local_dir}/global_step_{global_steps}``
-  with ``actor/`` (and ``critic/``) inside; ``attach`` wraps it to report each checkpoint.
-* a rollback does what verl's resume does (``_load_checkpoint()`` for
+  with ``actor/`` (and ``critic/``) and ``data.pt`` inside; ``attach`` wraps it to write
+  ``trainguard-manifest.json`` there once it returns (the actor's files by part: ``parameters``
+  ``model_*``, ``optimizer`` ``optim_*``, ``extra_state`` ``extra_*``; the critic; ``data.pt``)
+  and to report each checkpoint. The controller hashes what it sees under
+  ``default_local_dir``: the workers' files of every node on a shared filesystem. With
+  ``actor.checkpoint.async_save`` (Megatron) the files are still being written when it
+  returns, so the manifest waits until verl records the step in
+  ``latest_checkpointed_iteration.txt`` (checked at each step boundary); a rollback to a
+  checkpoint still being saved is refused.
+* a rollback checks the manifest first, then does what verl's resume does (``_load_checkpoint()`` for
   ``resume_mode=resume_path``, then ``checkpoint_manager.update_weights`` to push the weights
   to the rollout engine, verl 0.8+), minus the dataloader:
   ``actor_rollout_wg.load_checkpoint(path/actor)`` (weights, optimizer and LR scheduler, as
@@ -71,6 +79,7 @@ import weakref
 from contextvars import ContextVar
 
 from trainguard.core.kafka import KafkaSettings
+from trainguard.producers.guards.checkpoint import MANIFEST, CheckpointError, check_checkpoint, write_manifest
 from trainguard.producers.integrations._core import (
     _BACKEND,
     GuardBase,
@@ -113,6 +122,7 @@ class VerlBackend(GuardBase):
         self.on_stop = on_stop
         self.total_training_steps = total_training_steps
         self._started = False
+        self.pending_manifests: dict[int, str] = {}  # asynchronous saves not finished yet: step -> folder
 
     # -- verl's backend interface --------------------------------------------------------
 
@@ -122,6 +132,7 @@ class VerlBackend(GuardBase):
             self._started = True
             self.lifecycle("started", step=int(step))
         published = super().log(data, int(step))
+        self._write_finished_manifests()
         total = getattr(self.trainer, "total_training_steps", None) or self.total_training_steps
         if self.trainer is None or self.listener is None:
             if total is not None and int(step) >= int(total):
@@ -134,6 +145,25 @@ class VerlBackend(GuardBase):
         if total is not None and not decision.rolled_back and int(step) >= int(total):
             self.finish()  # verl's last step: fit() returns right after this call
         return published
+
+    def saved(self, step: int, folder: str) -> None:
+        """``_save_checkpoint`` returned: the manifest now, or, when verl saves asynchronously, once
+        verl records the step as saved whole. Never raises."""
+        if self.trainer is not None and _async_save(self.trainer):
+            self.pending_manifests[int(step)] = folder
+            self._write_finished_manifests()
+            return
+        with never_raises(f"no manifest for {folder}", owner=self):
+            write_verl_manifest(self.trainer, folder, step, events=self.logger)
+
+    def _write_finished_manifests(self) -> None:
+        if not self.pending_manifests:
+            return
+        latest = _latest_saved(self.trainer)
+        for step in sorted(s for s in self.pending_manifests if latest is not None and s <= latest):
+            folder = self.pending_manifests.pop(step)
+            with never_raises(f"no manifest for {folder}", owner=self):
+                write_verl_manifest(self.trainer, folder, step, events=self.logger)
 
     def finish(self) -> None:
         self.close("stopped" if self.stopped else "finished")
@@ -155,6 +185,11 @@ class VerlBackend(GuardBase):
 
     def _rollback(self, command, target_step, path, step, decision):
         t = self.trainer
+        self._write_finished_manifests()
+        if target_step in self.pending_manifests:
+            raise CheckpointError(f"checkpoint {path} is still being saved asynchronously (verl has not recorded "
+                                  f"step {target_step} in latest_checkpointed_iteration.txt): no manifest yet")
+        check_checkpoint(path, require=("parameters",), events=self.logger, step=step)  # before any byte is loaded
         actor = os.path.join(path, "actor")
         if not os.path.isdir(actor):
             raise FileNotFoundError(f"no actor checkpoint in {path}")
@@ -194,6 +229,76 @@ class VerlBackend(GuardBase):
     def _checkpoint_now(self, command, step, decision):
         self.trainer._save_checkpoint()
         return f"saved global_step_{self.trainer.global_steps}"
+
+
+# -- the manifest of a verl checkpoint ----------------------------------------------------------
+
+def _option(config, dotted: str, default=None):
+    """``config.a.b.c`` of an OmegaConf / dataclass / namespace config, or ``default``."""
+    node = config
+    for name in dotted.split("."):
+        try:
+            node = node.get(name) if hasattr(node, "get") and not hasattr(node, name) else getattr(node, name)
+        except Exception:
+            return default
+        if node is None:
+            return default
+    return node
+
+
+def _role_part(name: str) -> str:
+    """A file or folder of ``actor/`` by what it holds: verl's FSDP checkpoint manager writes
+    ``model_world_size_W_rank_R.pt``, ``optim_...``, ``extra_state_...`` (scheduler and RNG),
+    Megatron's ``model/``, ``optimizer/``, ``extra/``; the rest (``huggingface/``, configs) is other."""
+    if name.startswith("model"):
+        return "parameters"
+    if name.startswith("optim"):
+        return "optimizer"
+    if name.startswith("extra"):
+        return "extra_state"
+    return "actor_other"
+
+
+def verl_parts(folder: str) -> dict[str, list[str]]:
+    """The manifest's parts of ``global_step_N``: the actor's files by what they hold, the
+    critic's as one part, the dataloader state (``data.pt``), anything else verl put there."""
+    parts: dict[str, list[str]] = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith(MANIFEST):
+            continue
+        if name == "actor" and os.path.isdir(os.path.join(folder, name)):
+            for inner in sorted(os.listdir(os.path.join(folder, name))):
+                parts.setdefault(_role_part(inner), []).append(f"actor/{inner}")
+        else:
+            part = {"critic": "critic", "data.pt": "dataloader", "transfer_queue": "transfer_queue"}.get(name, "other")
+            parts.setdefault(part, []).append(name)
+    return parts
+
+
+def write_verl_manifest(trainer, folder: str, step: int, events=None) -> str:
+    """Write the manifest of verl's checkpoint ``folder`` (``global_step_{step}``); its path."""
+    contents = _option(trainer.config, "actor_rollout_ref.actor.checkpoint.save_contents",
+                       ["model", "optimizer", "extra"])
+    require = ("parameters", "optimizer") if "optimizer" in list(contents) else ("parameters",)
+    meta = {"step": int(step), "scheduler_step": None,  # in the workers' extra_state, out of the controller's reach
+            "rng_seeds": {"data": _option(trainer.config, "data.seed")},
+            # fit() draws one batch per step; the dataloader's own state is data.pt
+            "dataset_offset": int(step), "dataset_offset_unit": "batches"}
+    return str(write_manifest(folder, parts=verl_parts(folder), meta=meta, require=require, events=events))
+
+
+def _async_save(trainer) -> bool:
+    return bool(_option(trainer.config, "actor_rollout_ref.actor.checkpoint.async_save", False))
+
+
+def _latest_saved(trainer) -> int | None:
+    """The step verl last recorded as saved whole (``latest_checkpointed_iteration.txt``)."""
+    path = os.path.join(str(trainer.config.trainer.default_local_dir), "latest_checkpointed_iteration.txt")
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _load(worker_group, path: str) -> None:
@@ -239,9 +344,10 @@ def attach(trainer, run_id: str, settings: KafkaSettings | None = None, *, track
         def save_checkpoint(*args, **kw):
             result = original_save(*args, **kw)
             with never_raises("checkpoint report failed", owner=backend):
-                folder = os.path.join(str(trainer.config.trainer.default_local_dir),
-                                      f"global_step_{trainer.global_steps}")
-                backend.checkpoint_saved(int(trainer.global_steps), os.path.abspath(folder))
+                folder = os.path.abspath(os.path.join(str(trainer.config.trainer.default_local_dir),
+                                                      f"global_step_{trainer.global_steps}"))
+                backend.saved(int(trainer.global_steps), folder)
+                backend.checkpoint_saved(int(trainer.global_steps), folder)
             return result
 
         return save_checkpoint
