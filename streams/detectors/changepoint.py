@@ -213,10 +213,10 @@ def change_onset(steps, values, *, direction: int = 0, min_before: int = 12, min
 
     Least squares over every split: one line through all points against a line whose slope
     and level may change at one point (a drift that starts, a level that jumps). The change
-    must win by ``min_bic`` (BIC, three more parameters), move toward ``direction`` (+1 up,
-    -1 down, 0 either), and leave the series' end at least ``min_shift`` residual standard
-    deviations from where the first segment's line leads. A run's slow, steady course (KL
-    creeping up from the first step) is one line: no onset. Positive series are judged in
+    must win by ``min_bic`` (BIC, three more parameters), bend toward ``direction`` (+1 up,
+    -1 down, 0 either), and take the series' end at least ``min_shift`` residual standard
+    deviations that way from its level at the change. A run's slow, steady course (KL creeping
+    up from the first step) is one line, and a loss that stops falling has not risen: no onset. Positive series are judged in
     logs, so a gradient norm doubling is the same change at 1 or at 100. Non-finite points
     are left out. O(n^2) for n points: called when the breaker acts, not per event.
 
@@ -230,6 +230,9 @@ def change_onset(steps, values, *, direction: int = 0, min_before: int = 12, min
     >>> change_onset(range(100), [0.01 + 0.0001 * i + rng.gauss(0, 0.001) for i in range(100)]) is None
     True
     >>> change_onset(range(100), flat + drift, direction=-1) is None
+    True
+    >>> decay = [2.0 * math.exp(-i / 15) + 0.1 + rng.gauss(0, 0.01) for i in range(100)]
+    >>> change_onset(range(100), decay, direction=1) is None   # a loss levelling off
     True
     """
     s = np.asarray(list(steps), float)
@@ -258,8 +261,11 @@ def change_onset(steps, values, *, direction: int = 0, min_before: int = 12, min
     if sse0 <= 0 or n * math.log(max(sse0, 1e-300) / sse1) - 3 * math.log(n) < min_bic:
         return None
     tau = int(taus[best])
-    shift = beta[best, 2] * (n - 1 - tau) + beta[best, 3]
+    a, b, c, d = beta[best]
+    bend = c * (n - 1 - tau) + d             # the end against where the first line leads
+    move = b * (n - tau) + bend              # the end against the level just before the change
     sigma = math.sqrt(sse1 / max(n - 4, 1))
-    if (direction and shift * direction <= 0) or abs(shift) < min_shift * sigma:
+    side = direction or (1 if move > 0 else -1)
+    if bend * side <= 0 or move * side < min_shift * sigma:
         return None
     return int(s[tau])
