@@ -470,3 +470,28 @@ def test_a_deeply_nested_or_huge_manifest_is_refused_and_an_older_checkpoint_cho
     monkeypatch.setattr(ck, "MAX_MANIFEST_BYTES", 1000)  # the real bound is tens of MB: not written here
     with pytest.raises(CheckpointError, match=r"checkpoint manifest corrupted: .* is \d+ bytes, more than 1000"):
         check_checkpoint(tmp_path / "huge")
+
+
+def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path):
+    import hashlib
+    import os
+
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not this checkpoint's")
+    listed = {"bytes": outside.stat().st_size, "sha256": hashlib.sha256(outside.read_bytes()).hexdigest()}
+    for name, rel in [("dotdot", "../outside.bin"), ("absolute", str(outside))]:
+        d = tmp_path / name
+        save_checkpoint(d)
+        _forge(d, lambda m, rel=rel: m["parts"]["parameters"].update(path=rel, files={rel: listed}))
+        with pytest.raises(CheckpointError, match=f"checkpoint manifest corrupted: .*{rel}.* outside"):
+            check_checkpoint(d)
+    d = tmp_path / "symlink"
+    save_checkpoint(d)
+    (d / "model.safetensors").unlink()
+    os.symlink(outside, d / "model.safetensors")  # the loader would read the file it points to
+    _forge(d, lambda m: m["parts"]["parameters"]["files"].update({"model.safetensors": listed}))
+    with pytest.raises(CheckpointError, match="model.safetensors.* outside"):
+        check_checkpoint(d)
+    with pytest.raises(CheckpointError, match="model.safetensors.* outside"):
+        write_manifest(d, parts={"parameters": "model.safetensors", "optimizer": "optimizer.pt"},
+                       meta={"step": 1, "scheduler_step": 1, "rng_seeds": {}, "dataset_offset": 0})

@@ -110,6 +110,9 @@ def write_manifest(checkpoint_dir, *, parts: Mapping[str, str | list[str]], meta
         for one in (rel if isinstance(rel, list) else [rel]):
             if not (root / one).exists():
                 raise CheckpointError(f"{_part(name)} missing: {one} is not in {root}")
+        outside = [f for f in [*(rel if isinstance(rel, list) else [rel]), *_files(root, rel)] if _outside(root, f)]
+        if outside:
+            raise CheckpointError(f"{_part(name)} names {outside[0]}, outside {root}")
         files = {f: {"bytes": (root / f).stat().st_size, "sha256": _sha256(root / f)} for f in _files(root, rel)}
         if not files:
             raise CheckpointError(f"{_part(name)} missing: {rel} in {root} holds no files")
@@ -186,7 +189,7 @@ def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...]
     missing_meta = [k for k in REQUIRED_META if k not in meta]
     if missing_meta:
         raise CheckpointError(f"meta-state incomplete: {', '.join(missing_meta)} missing")
-    problem = _malformed(meta, parts)
+    problem = _malformed(root, meta, parts)
     if problem:
         raise CheckpointError(f"checkpoint manifest corrupted: {path}: {problem}")
     for name in require:
@@ -212,7 +215,7 @@ def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...]
     return Manifest(path, data)
 
 
-def _malformed(meta: dict, parts: dict) -> str | None:
+def _malformed(root: Path, meta: dict, parts: dict) -> str | None:
     """What in a manifest is not of the shape :func:`write_manifest` writes (None: nothing). A
     matching checksum proves a manifest whole, not written by trainguard."""
     if not _is_step(meta["step"]):
@@ -230,7 +233,17 @@ def _malformed(meta: dict, parts: dict) -> str | None:
         for f, info in files.items():
             if not (isinstance(info, dict) and _is_step(info.get("bytes")) and isinstance(info.get("sha256"), str)):
                 return f"file {f!r} of part {name!r} has no size and SHA-256"
+        for f in [*(rel if isinstance(rel, list) else [rel]), *files]:
+            if _outside(root, f):
+                return f"part {name!r} names {f}, outside {root}"
     return None
+
+
+def _outside(root: Path, rel: str) -> bool:
+    """Whether ``rel`` leads out of the checkpoint folder (``..``, an absolute path, a symlink):
+    the loader must read only what the folder holds."""
+    return Path(rel).is_absolute() or ".." in Path(rel).parts \
+        or not (root / rel).resolve().is_relative_to(root.resolve())
 
 
 def _is_step(value) -> bool:
