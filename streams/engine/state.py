@@ -141,14 +141,16 @@ class History:
     def restore(self, d, index: dict[str, int]) -> None:
         """What ``to_state`` wrote, for the metrics this ring still keeps (after ``bind``)."""
         try:
+            metrics, n = d["metrics"], d.get("n", 0)
             steps = np.frombuffer(base64.b64decode(d["steps"]), float)
-            values = np.frombuffer(base64.b64decode(d["values"]), float).reshape(len(d["metrics"]), -1)
+            values = np.frombuffer(base64.b64decode(d["values"]), float).reshape(len(metrics), -1)
         except (KeyError, TypeError, ValueError):
             return  # an unreadable history is an empty one: it only dates incidents
-        if steps.shape != (HISTORY_POINTS,) or values.shape[1] != HISTORY_POINTS:
+        if steps.shape != (HISTORY_POINTS,) or values.shape[1] != HISTORY_POINTS or type(n) is not int or n < 0 \
+                or type(metrics) is not list or not all(type(m) is str for m in metrics):
             return
-        self.steps, self.n = steps.copy(), int(d.get("n", 0))
-        for i, metric in enumerate(d["metrics"]):
+        self.steps, self.n = steps.copy(), n
+        for i, metric in enumerate(metrics):
             row = index.get(metric)
             if row in self.rows:
                 self.values[self.rows[row]] = values[i]
