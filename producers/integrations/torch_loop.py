@@ -142,11 +142,15 @@ def _bad(outcome: dict) -> bool:
     return any(v is not None and not math.isfinite(v) for v in outcome.values())
 
 
-def _loss(value) -> float:
+def _loss(value) -> float | None:
+    """A train step's loss; None when it returned no single number (None, a dict, a tensor of
+    several elements): not measured, so not a NaN that marks the step bad."""
     try:
         return float(value.item() if hasattr(value, "item") else value)
-    except (TypeError, ValueError, OverflowError):
-        return math.nan
+    except OverflowError:
+        return math.inf
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 class Guard(GuardBase):
@@ -195,7 +199,8 @@ class Guard(GuardBase):
 
     def run_step(self, step: int, batch, train_step: Callable[[Any], Any]):
         """``train_step(batch)`` (returns the loss), keeping what a ``rerun_step`` needs when
-        ``rerun`` is on. Returns what ``train_step`` returned; its exceptions are the loop's own."""
+        ``rerun`` is on. Returns what ``train_step`` returned; its exceptions are the loop's own.
+        A step that returns no single number is compared on its gradients and weights only."""
         if not self.rerun:
             return train_step(batch)
         before = None
