@@ -414,6 +414,18 @@ def test_a_save_that_fails_midway_leaves_no_checkpoint_that_looks_whole(tmp_path
     assert [s for s, _ in guard.saved] == [5, 10]
 
 
+def test_resume_passes_over_what_only_looks_like_a_checkpoint_folder(tmp_path, caplog):
+    guard, model, opt, sched, listener, data = _saved_guard(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "checkpoint-\u00b2").mkdir()                    # a digit to str.isdigit, not to int()
+    (ckpt / "checkpoint-99999999999999999999").mkdir()   # newer than any, and empty
+    (ckpt / "checkpoint-12").write_text("a file where a folder is expected")
+    with caplog.at_level("WARNING"):
+        state = guard.resume()
+    assert state["step"] == 10
+    assert "checkpoint-99999999999999999999 refused: checkpoint manifest missing" in caplog.text
+
+
 def test_a_single_file_checkpoint_of_an_earlier_release_loads_unverified_with_a_warning(tmp_path, caplog):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)

@@ -59,6 +59,13 @@ class Manifest:
         return self.data["meta"]["step"]
 
 
+def step_of(name: str, prefix: str, suffix: str = "") -> int | None:
+    """The step in a checkpoint's name (``checkpoint-500``, ``checkpoint-500.pt``), None when it
+    is not one: ASCII digits only (``str.isdigit`` takes "²", which ``int`` refuses)."""
+    digits = name[len(prefix):len(name) - len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
+    return int(digits) if digits.isascii() and digits.isdigit() else None
+
+
 def _part(name: str) -> str:
     return PART_NAMES.get(name, name)
 

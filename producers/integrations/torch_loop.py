@@ -55,7 +55,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainguard.core.kafka import KafkaSettings
-from trainguard.producers.guards.checkpoint import CheckpointError, check_checkpoint, newest_verified, write_manifest
+from trainguard.producers.guards.checkpoint import (
+    CheckpointError,
+    check_checkpoint,
+    newest_verified,
+    step_of,
+    write_manifest,
+)
 from trainguard.producers.integrations._core import (
     STEP_TOLERANCE,
     Decision,
@@ -121,11 +127,10 @@ def _checkpoints(folder: Path) -> tuple[list[tuple[int, Path]], list[tuple[int, 
     newest first."""
     folders, files = [], []
     for p in folder.glob("checkpoint-*") if folder.is_dir() else ():
-        name = p.name[len("checkpoint-"):]
-        if p.is_dir() and name.isdigit():
-            folders.append((int(name), p))
-        elif p.is_file() and name.endswith(".pt") and name[:-3].isdigit():
-            files.append((int(name[:-3]), p))
+        if p.is_dir() and (step := step_of(p.name, "checkpoint-")) is not None:
+            folders.append((step, p))
+        elif p.is_file() and (step := step_of(p.name, "checkpoint-", ".pt")) is not None:
+            files.append((step, p))
     return sorted(folders, reverse=True), sorted(files, reverse=True)
 
 
