@@ -39,6 +39,7 @@ STATE_VERSION = 2      # of the run state and the source state's header (0: befo
 # for where an incident began (a drift starts tens of steps before anything fires).
 HISTORY_POINTS = 128
 MAX_HISTORY_ROWS = 16
+EXACT_STEPS = 2**53  # the steps a float64 holds exactly
 _SHARED_ROWS: dict[tuple, tuple] = {}  # interned rule-index tuples: a few shapes for millions of rows
 
 
@@ -119,7 +120,7 @@ class History:
         if not len(cached[1]):
             return
         pos = self.n % HISTORY_POINTS
-        self.steps[pos] = step
+        self.steps[pos] = step if abs(step) <= EXACT_STEPS else np.nan  # a float rounds it: no step to date by
         self.values[:, pos] = np.nan
         self.values[cached[2], pos] = x[cached[1]]
         self.n += 1
