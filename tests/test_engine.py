@@ -683,3 +683,40 @@ def test_a_started_event_without_a_source_is_applied_not_dead_lettered():
         raw = orjson.dumps({"schema": "lifecycle/1", "run_id": "bare", "event": "started", "ts": ts})
         assert not [o for o in engine.handle(raw, 0, offset) if o.kind == "dlq"]
     assert engine.store[b"bare"].breaker.epoch == repr(1.7e9 + 60)
+
+
+def _with_history(raw: bytes, history) -> bytes:
+    """A source state's bytes with its ``history`` entry replaced."""
+    size = int.from_bytes(raw[4:8], "little")
+    header = orjson.loads(raw[8:8 + size])
+    header["history"] = history(header["history"])
+    body = orjson.dumps(header)
+    return raw[:4] + len(body).to_bytes(4, "little") + body + raw[8 + size:]
+
+
+@pytest.mark.parametrize("history", [
+    lambda h: {**h, "n": "abc"},
+    lambda h: {**h, "n": None},
+    lambda h: {**h, "n": [1]},
+    lambda h: {**h, "n": -5},
+    lambda h: {**h, "n": True},
+    lambda h: {**h, "metrics": [[1]] * len(h["metrics"])},
+    lambda h: {**h, "metrics": {"actor/kl_loss": 1}},
+    lambda h: [h],
+], ids=["n-str", "n-null", "n-list", "n-negative", "n-bool", "metrics-unhashable", "metrics-dict", "list"])
+def test_a_garbled_history_in_a_source_state_starts_empty_and_the_source_goes_on(history):
+    rules, sim = rules_mod.load(None), SimulatedPPO(seed=3)
+    engine = Engine(rules)
+    for step in range(1, 40):
+        engine.handle(ev.encode(ev.metrics_event("r", step, sim.step(), src=TRAINER, ts=1.7e9 + step)), 0, step)
+    key = next(k for k in engine.store if k != b"r")
+    assert engine._source(key, "trainer").history.n == 39
+    restarted = Engine(rules)
+    restarted.store = {k: engine.serialize(k) for k in engine.store}
+    restarted.store[key] = _with_history(restarted.store[key], history)
+    outputs = []
+    for step in range(40, 45):
+        outputs += restarted.handle(ev.encode(ev.metrics_event("r", step, sim.step(), src=TRAINER,
+                                                               ts=1.7e9 + step)), 0, step)
+    assert not [o for o in outputs if o.kind == "dlq"], outputs
+    assert restarted._source(key, "trainer").history.n == 5, "the garbled history is dropped, new steps kept"

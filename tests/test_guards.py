@@ -22,6 +22,7 @@ from trainguard.producers.guards import (
     RolloutValidator,
     ScoreCache,
     check_checkpoint,
+    newest_verified,
     verl_compute_score,
     write_manifest,
 )
@@ -417,3 +418,80 @@ def test_importing_the_guards_imports_no_framework():
             "print(sorted(m for m in ('torch', 'trl', 'transformers', 'verl', 'jsonschema') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def _forge(d, edit):
+    """Edit the manifest and write it back with a checksum that matches: the checksum proves a
+    manifest whole, not honest, so the check must survive any content behind a valid one."""
+    from trainguard.producers.guards.checkpoint import _checksum
+
+    path = d / MANIFEST
+    data = json.loads(path.read_text())
+    edit(data)
+    data["checksum"] = _checksum(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["parts"].__setitem__("parameters", "model.safetensors"),
+    lambda m: m["parts"]["parameters"].__setitem__("files", ["model.safetensors"]),
+    lambda m: m["parts"]["parameters"].pop("files"),
+    lambda m: m["parts"]["parameters"].__setitem__("files", {}),
+    lambda m: m["parts"]["parameters"]["files"].__setitem__("model.safetensors", "200000"),
+    lambda m: m["parts"]["parameters"]["files"]["model.safetensors"].__setitem__("bytes", "200000"),
+    lambda m: m["parts"]["parameters"]["files"]["model.safetensors"].__setitem__("sha256", None),
+    lambda m: m["parts"]["parameters"].__setitem__("path", {"a": 1}),
+    lambda m: m["parts"]["parameters"].__setitem__("version", ["v1"]),
+    lambda m: m["meta"].__setitem__("step", "500"),
+    lambda m: m["meta"].__setitem__("step", None),
+    lambda m: m["meta"].__setitem__("step", True),
+    lambda m: m["meta"].__setitem__("step", -1),
+], ids=["part-str", "files-list", "no-files", "files-empty", "info-str", "bytes-str", "sha-none", "path-dict",
+        "version-list", "step-str", "step-none", "step-bool", "step-negative"])
+def test_a_manifest_of_the_wrong_shape_is_refused_with_what_is_wrong(tmp_path, edit):
+    d = tmp_path / "ckpt"
+    save_checkpoint(d)
+    _forge(d, edit)
+    with pytest.raises(CheckpointError, match="checkpoint manifest corrupted: .*"):
+        check_checkpoint(d)
+
+
+def test_a_deeply_nested_or_huge_manifest_is_refused_and_an_older_checkpoint_chosen(tmp_path, monkeypatch):
+    from trainguard.producers.guards import checkpoint as ck
+
+    save_checkpoint(tmp_path / "old")
+    save_checkpoint(tmp_path / "nested")
+    (tmp_path / "nested" / MANIFEST).write_text("[" * 200_000 + "]" * 200_000)
+    save_checkpoint(tmp_path / "huge")
+    with pytest.raises(CheckpointError, match="checkpoint manifest corrupted: .* nested too deeply"):
+        check_checkpoint(tmp_path / "nested")
+    path, _ = newest_verified([tmp_path / "nested", tmp_path / "old"])
+    assert path == tmp_path / "old"
+    monkeypatch.setattr(ck, "MAX_MANIFEST_BYTES", 1000)  # the real bound is tens of MB: not written here
+    with pytest.raises(CheckpointError, match=r"checkpoint manifest corrupted: .* is \d+ bytes, more than 1000"):
+        check_checkpoint(tmp_path / "huge")
+
+
+def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path):
+    import hashlib
+    import os
+
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not this checkpoint's")
+    listed = {"bytes": outside.stat().st_size, "sha256": hashlib.sha256(outside.read_bytes()).hexdigest()}
+    for name, rel in [("dotdot", "../outside.bin"), ("absolute", str(outside))]:
+        d = tmp_path / name
+        save_checkpoint(d)
+        _forge(d, lambda m, rel=rel: m["parts"]["parameters"].update(path=rel, files={rel: listed}))
+        with pytest.raises(CheckpointError, match=f"checkpoint manifest corrupted: .*{rel}.* outside"):
+            check_checkpoint(d)
+    d = tmp_path / "symlink"
+    save_checkpoint(d)
+    (d / "model.safetensors").unlink()
+    os.symlink(outside, d / "model.safetensors")  # the loader would read the file it points to
+    _forge(d, lambda m: m["parts"]["parameters"]["files"].update({"model.safetensors": listed}))
+    with pytest.raises(CheckpointError, match="model.safetensors.* outside"):
+        check_checkpoint(d)
+    with pytest.raises(CheckpointError, match="model.safetensors.* outside"):
+        write_manifest(d, parts={"parameters": "model.safetensors", "optimizer": "optimizer.pt"},
+                       meta={"step": 1, "scheduler_step": 1, "rng_seeds": {}, "dataset_offset": 0})

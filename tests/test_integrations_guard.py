@@ -142,9 +142,10 @@ def test_adjust_scales_the_learning_rate_and_refuses_what_it_cannot_apply(tmp_pa
     assert d.extra["adjusted"] == {"lr_scale": 0.5}
 
 
-def _rerun_guard(tmp_path, flaky_at=None, poison_at=None):
+def _rerun_guard(tmp_path, flaky_at=None, poison_at=None, returns=lambda loss: loss):
     """A real model trained through run_step; ``flaky_at``: that step's first run turns NaN (a
-    transient fault); ``poison_at``: that step's batch always does (numeric)."""
+    transient fault); ``poison_at``: that step's batch always does (numeric); ``returns``: what
+    the train step returns, made of its loss."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -162,11 +163,13 @@ def _rerun_guard(tmp_path, flaky_at=None, poison_at=None):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        return loss
+        losses[step] = loss.item()
+        return returns(loss)
 
+    losses = {}
     for step in range(1, 8):
-        loss = guard.run_step(step, (step, torch.ones(8, 4)), step_fn)
-        guard.log({"train/loss": loss.item()}, step)
+        guard.run_step(step, (step, torch.ones(8, 4)), step_fn)
+        guard.log({"train/loss": losses[step]}, step)
     return guard, model, opt, listener
 
 
@@ -185,6 +188,22 @@ def test_a_rerun_repeats_the_kept_step_and_puts_the_run_back(tmp_path, fault, re
     assert ("not reproduced (transient: hardware)" if not reproduced else "reproduced (numeric)") in listener.acks[0][2]
     assert torch.equal(model.weight, weights) or not torch.isfinite(weights).all(), "the run is where it was"
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("returns", [lambda loss: None, lambda loss: {"loss": loss}, lambda loss: "done",
+                                     lambda loss: loss.expand(3)], ids=["none", "dict", "str", "tensor-of-3"])
+@pytest.mark.parametrize("fault, reproduced", [("flaky_at", False), (None, True)])
+def test_a_train_step_that_returns_no_loss_is_rerun_on_its_gradients_and_weights(tmp_path, returns, fault,
+                                                                                  reproduced):
+    # No loss to compare is not a NaN loss: the kept step is the faulty one (5), else the last.
+    guard, model, opt, listener = _rerun_guard(tmp_path, **({fault: 5} if fault else {}), returns=returns)
+    want = 5 if fault else 7
+    listener.queue = [[cmd("rerun_step", params={"step": want})]]
+    guard.step_boundary(7)
+    assert listener.acks[0][1] == "applied", listener.acks
+    result = listener.results[0]
+    assert result["reproduced"] is reproduced and result["step"] == want, result
+    assert "loss" not in result["first"] and "grad norm" in result["first"], result
 
 
 def test_a_rerun_of_a_step_that_is_not_kept_is_refused(setup, tmp_path):
@@ -393,6 +412,18 @@ def test_a_save_that_fails_midway_leaves_no_checkpoint_that_looks_whole(tmp_path
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["checkpoint-10", "checkpoint-5"]
     assert (tmp_path / "ckpt" / "checkpoint-10" / "model.pt").read_bytes() == good, "the earlier save stays"
     assert [s for s, _ in guard.saved] == [5, 10]
+
+
+def test_resume_passes_over_what_only_looks_like_a_checkpoint_folder(tmp_path, caplog):
+    guard, model, opt, sched, listener, data = _saved_guard(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "checkpoint-\u00b2").mkdir()                    # a digit to str.isdigit, not to int()
+    (ckpt / "checkpoint-99999999999999999999").mkdir()   # newer than any, and empty
+    (ckpt / "checkpoint-12").write_text("a file where a folder is expected")
+    with caplog.at_level("WARNING"):
+        state = guard.resume()
+    assert state["step"] == 10
+    assert "checkpoint-99999999999999999999 refused: checkpoint manifest missing" in caplog.text
 
 
 def test_a_single_file_checkpoint_of_an_earlier_release_loads_unverified_with_a_warning(tmp_path, caplog):

@@ -250,6 +250,21 @@ def test_a_plain_trainers_diverging_loss_pages_live_and_from_its_console_log(kaf
         worker.kill()
 
 
+
+def test_verified_passes_over_what_only_looks_like_a_checkpoint_folder(tmp_path):
+    from trainguard.producers.guards.checkpoint import write_manifest
+    from trainguard.producers.integrations.hf import verified
+
+    good = tmp_path / "checkpoint-4"
+    good.mkdir()
+    (good / "model.safetensors").write_bytes(b"w" * 64)
+    write_manifest(good, parts={"parameters": "model.safetensors"}, require=("parameters",),
+                   meta={"step": 4, "scheduler_step": 4, "rng_seeds": {}, "dataset_offset": 0})
+    (tmp_path / "checkpoint-\u00b2").mkdir()  # a digit to str.isdigit, not to int()
+    (tmp_path / "checkpoint-9").write_text("a file where a folder is expected")
+    assert verified(tmp_path) == str(good)
+
+
 def test_the_trainers_checkpoints_get_a_manifest_checked_by_a_rollback_and_a_resume(tmp_path, monkeypatch):
     """No broker: a real tiny Trainer saves checkpoint-3, -6 and -8; the callback writes a manifest
     of the Trainer's own files into each. checkpoint-6's weights are torn: a rollback to it is

@@ -146,6 +146,64 @@ def test_a_checkpoint_saved_during_a_drift_that_began_before_any_alert_is_passed
     assert "passed over: step 120 (saved after the onset); step 140" in render_text(report)
 
 
+def test_events_stamped_with_old_steps_in_a_drift_do_not_date_it_before_the_history_kept():
+    # Fourteen events at the drift's start claim steps 1-14: where the series left its course is
+    # then stamped step 7, long before the oldest of the values kept (step 56), and the checkpoint
+    # of step 5 was chosen. The history vouches for no change there, and the warnings carry the
+    # same old steps: the critical onset decides, as when no change is found.
+    import random
+
+    engine = Engine(ruleset())
+    sim, noise, ts, offset, outputs = SimulatedPPO(seed=3), random.Random(5), 1.7e9, 0, []
+    for i in range(1, 200):
+        ts += 10
+        m = sim.step()
+        step = i - 99 if 100 <= i < 114 else i
+        m["actor/kl_loss"] = (0.02 + noise.gauss(0, 0.002) + (0.002 * (i - 100) if i > 100 else 0.0)) * (
+            10 if i >= 180 else 1)
+        events = [ev.metrics_event("r", step, m, src=TRAINER, ts=ts)]
+        if i % 20 == 0 or i == 5:
+            events.append(ev.checkpoint_event("r", step, f"/ckpt/{step}", ts=ts))
+        for event in events:
+            outputs += engine.handle(ev.encode(event), 0, offset)
+            offset += 1
+        if any(o.kind == "command" for o in outputs):
+            break
+    command = next(o.value for o in outputs if o.kind == "command")
+    report = next(o.value for o in outputs if o.kind == "report")
+    assert command["action"] == "rollback" and command["target"]["step"] == 180, report["checkpoint"]["why"]
+    assert "change point" not in report["checkpoint"]["why"], report["checkpoint"]["why"]
+
+
+def test_steps_beyond_what_a_float_holds_exactly_date_no_change_point():
+    # Steps from 2**60 on, three apart: a float64 rounds them to multiples of 256, so a change
+    # point searched over them would name a step the trainer never sent, possibly after the
+    # change. The history keeps no such step: the critical onset, an exact step, decides.
+    import random
+
+    base, engine = 2**60, Engine(ruleset())
+    sim, noise, ts, offset, outputs = SimulatedPPO(seed=3), random.Random(5), 1.7e9, 0, []
+    sent = set()
+    for i in range(1, 200):
+        ts += 10
+        m = sim.step()
+        step = base + 3 * i
+        sent.add(step)
+        m["actor/kl_loss"] = (0.02 + noise.gauss(0, 0.002) + (0.002 * (i - 100) if i > 100 else 0.0)) * (
+            10 if i >= 180 else 1)
+        events = [ev.metrics_event("r", step, m, src=TRAINER, ts=ts)]
+        if i % 20 == 0:
+            events.append(ev.checkpoint_event("r", step, f"/ckpt/{step}", ts=ts))
+        for event in events:
+            outputs += engine.handle(ev.encode(event), 0, offset)
+            offset += 1
+        if any(o.kind == "command" for o in outputs):
+            break
+    report = next(o.value for o in outputs if o.kind == "report")
+    assert report["incident"]["onset_step"] in sent, report["incident"]
+    assert "change point" not in report["checkpoint"]["why"], report["checkpoint"]["why"]
+
+
 def test_a_run_whose_kl_creeps_steadily_from_the_start_is_no_earlier_onset():
     # KL growing slowly from the first step is a healthy run's course, not a change: the explosion
     # at step 180 dates the incident, not the creep. (kl_explosion holds for 2 points, so its first

@@ -37,6 +37,7 @@ REQUIRED_META = ("step", "scheduler_step", "rng_seeds", "dataset_offset")
 PART_NAMES = {"parameters": "parameters", "optimizer": "optimizer state", "rollout_cache": "rollout cache",
               "scheduler": "scheduler state", "rng": "RNG state", "extra": "extra state"}
 _CHUNK = 8 << 20
+MAX_MANIFEST_BYTES = 64 << 20  # about 400,000 files listed; a bigger one is not read into memory
 log = logging.getLogger("trainguard.guards")
 
 
@@ -56,6 +57,13 @@ class Manifest:
     @property
     def step(self) -> int:
         return self.data["meta"]["step"]
+
+
+def step_of(name: str, prefix: str, suffix: str = "") -> int | None:
+    """The step in a checkpoint's name (``checkpoint-500``, ``checkpoint-500.pt``), None when it
+    is not one: ASCII digits only (``str.isdigit`` takes "²", which ``int`` refuses)."""
+    digits = name[len(prefix):len(name) - len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
+    return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
 def _part(name: str) -> str:
@@ -99,6 +107,8 @@ def write_manifest(checkpoint_dir, *, parts: Mapping[str, str | list[str]], meta
     missing_meta = [k for k in REQUIRED_META if k not in meta]
     if missing_meta:
         raise CheckpointError(f"meta-state incomplete: {', '.join(missing_meta)} missing")
+    if not _is_step(meta["step"]):
+        raise CheckpointError(f"meta-state step is {meta['step']!r}, not a non-negative integer")
     for name in require:
         if name not in parts:
             raise CheckpointError(f"{_part(name)} missing: no {name!r} in parts")
@@ -107,6 +117,9 @@ def write_manifest(checkpoint_dir, *, parts: Mapping[str, str | list[str]], meta
         for one in (rel if isinstance(rel, list) else [rel]):
             if not (root / one).exists():
                 raise CheckpointError(f"{_part(name)} missing: {one} is not in {root}")
+        outside = [f for f in [*(rel if isinstance(rel, list) else [rel]), *_files(root, rel)] if _outside(root, f)]
+        if outside:
+            raise CheckpointError(f"{_part(name)} names {outside[0]}, outside {root}")
         files = {f: {"bytes": (root / f).stat().st_size, "sha256": _sha256(root / f)} for f in _files(root, rel)}
         if not files:
             raise CheckpointError(f"{_part(name)} missing: {rel} in {root} holds no files")
@@ -118,7 +131,7 @@ def write_manifest(checkpoint_dir, *, parts: Mapping[str, str | list[str]], meta
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(tmp, path)  # a crash mid-write leaves the old manifest or none, never half of one
     GuardEvents(events, "checkpoint").report({"guard/checkpoint/manifest_bytes": float(path.stat().st_size)},
-                                             step=meta["step"] if type(meta["step"]) is int else None,
+                                             step=meta["step"],
                                              decision="written", reason=str(root))
     return path
 
@@ -162,10 +175,15 @@ def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...]
     path = root / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"checkpoint manifest missing: {path}")
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"checkpoint manifest corrupted: {path} is {size} bytes, more than {MAX_MANIFEST_BYTES}")
     try:
         data = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"checkpoint manifest corrupted: {path} is not JSON ({exc})") from None
+    except RecursionError:
+        raise CheckpointError(f"checkpoint manifest corrupted: {path} is nested too deeply") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"checkpoint manifest corrupted: {path} is not a JSON object")
     if data.get("format") != FORMAT:
@@ -178,6 +196,9 @@ def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...]
     missing_meta = [k for k in REQUIRED_META if k not in meta]
     if missing_meta:
         raise CheckpointError(f"meta-state incomplete: {', '.join(missing_meta)} missing")
+    problem = _malformed(root, meta, parts)
+    if problem:
+        raise CheckpointError(f"checkpoint manifest corrupted: {path}: {problem}")
     for name in require:
         if name not in parts:
             raise CheckpointError(f"{_part(name)} missing: the manifest lists no {name!r}")
@@ -199,3 +220,38 @@ def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...]
             if hashes and _sha256(f) != info["sha256"]:
                 raise CheckpointError(f"{_part(name)} corrupted: {rel} does not match its SHA-256 in the manifest")
     return Manifest(path, data)
+
+
+def _malformed(root: Path, meta: dict, parts: dict) -> str | None:
+    """What in a manifest is not of the shape :func:`write_manifest` writes (None: nothing). A
+    matching checksum proves a manifest whole, not written by trainguard."""
+    if not _is_step(meta["step"]):
+        return f"its step is {meta['step']!r}, not a non-negative integer"
+    for name, part in parts.items():
+        if not isinstance(part, dict):
+            return f"part {name!r} is not an object"
+        rel, files, version = part.get("path"), part.get("files"), part.get("version")
+        if not (isinstance(rel, str) or isinstance(rel, list) and rel and all(isinstance(r, str) for r in rel)):
+            return f"part {name!r} has no path"
+        if version is not None and not isinstance(version, str):
+            return f"part {name!r} has version {version!r}, not a string"
+        if not isinstance(files, dict) or not files:
+            return f"part {name!r} lists no files"
+        for f, info in files.items():
+            if not (isinstance(info, dict) and _is_step(info.get("bytes")) and isinstance(info.get("sha256"), str)):
+                return f"file {f!r} of part {name!r} has no size and SHA-256"
+        for f in [*(rel if isinstance(rel, list) else [rel]), *files]:
+            if _outside(root, f):
+                return f"part {name!r} names {f}, outside {root}"
+    return None
+
+
+def _outside(root: Path, rel: str) -> bool:
+    """Whether ``rel`` leads out of the checkpoint folder (``..``, an absolute path, a symlink):
+    the loader must read only what the folder holds."""
+    return Path(rel).is_absolute() or ".." in Path(rel).parts \
+        or not (root / rel).resolve().is_relative_to(root.resolve())
+
+
+def _is_step(value) -> bool:
+    return type(value) is int and value >= 0

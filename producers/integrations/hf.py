@@ -84,6 +84,7 @@ from trainguard.producers.guards.checkpoint import (
     REQUIRED_PARTS,
     check_checkpoint,
     newest_verified,
+    step_of,
     write_manifest,
 )
 from trainguard.producers.integrations._core import Decision, GuardBase, scale_lr
@@ -252,9 +253,9 @@ def verified(path: str | os.PathLike, *, hashes: bool = True) -> str | None:
     path = os.fspath(path)
     found = []
     for name in os.listdir(path) if os.path.isdir(path) else ():
-        step = name[len("checkpoint-"):]
-        if name.startswith("checkpoint-") and step.isdigit() and os.path.isdir(os.path.join(path, name)):
-            found.append((int(step), os.path.join(path, name)))
+        step = step_of(name, "checkpoint-")
+        if step is not None and os.path.isdir(os.path.join(path, name)):
+            found.append((step, os.path.join(path, name)))
     if found:  # the run's output_dir (a checkpoint folder holds no checkpoint-N)
         folder, _ = newest_verified([p for _, p in sorted(found, reverse=True)], require=("parameters",),
                                     hashes=hashes)

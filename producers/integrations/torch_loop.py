@@ -55,7 +55,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainguard.core.kafka import KafkaSettings
-from trainguard.producers.guards.checkpoint import CheckpointError, check_checkpoint, newest_verified, write_manifest
+from trainguard.producers.guards.checkpoint import (
+    CheckpointError,
+    check_checkpoint,
+    newest_verified,
+    step_of,
+    write_manifest,
+)
 from trainguard.producers.integrations._core import (
     STEP_TOLERANCE,
     Decision,
@@ -121,11 +127,10 @@ def _checkpoints(folder: Path) -> tuple[list[tuple[int, Path]], list[tuple[int, 
     newest first."""
     folders, files = [], []
     for p in folder.glob("checkpoint-*") if folder.is_dir() else ():
-        name = p.name[len("checkpoint-"):]
-        if p.is_dir() and name.isdigit():
-            folders.append((int(name), p))
-        elif p.is_file() and name.endswith(".pt") and name[:-3].isdigit():
-            files.append((int(name[:-3]), p))
+        if p.is_dir() and (step := step_of(p.name, "checkpoint-")) is not None:
+            folders.append((step, p))
+        elif p.is_file() and (step := step_of(p.name, "checkpoint-", ".pt")) is not None:
+            files.append((step, p))
     return sorted(folders, reverse=True), sorted(files, reverse=True)
 
 
@@ -142,11 +147,15 @@ def _bad(outcome: dict) -> bool:
     return any(v is not None and not math.isfinite(v) for v in outcome.values())
 
 
-def _loss(value) -> float:
+def _loss(value) -> float | None:
+    """A train step's loss; None when it returned no single number (None, a dict, a tensor of
+    several elements): not measured, so not a NaN that marks the step bad."""
     try:
         return float(value.item() if hasattr(value, "item") else value)
-    except (TypeError, ValueError, OverflowError):
-        return math.nan
+    except OverflowError:
+        return math.inf
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 class Guard(GuardBase):
@@ -195,7 +204,8 @@ class Guard(GuardBase):
 
     def run_step(self, step: int, batch, train_step: Callable[[Any], Any]):
         """``train_step(batch)`` (returns the loss), keeping what a ``rerun_step`` needs when
-        ``rerun`` is on. Returns what ``train_step`` returned; its exceptions are the loop's own."""
+        ``rerun`` is on. Returns what ``train_step`` returned; its exceptions are the loop's own.
+        A step that returns no single number is compared on its gradients and weights only."""
         if not self.rerun:
             return train_step(batch)
         before = None

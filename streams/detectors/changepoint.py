@@ -218,7 +218,9 @@ def change_onset(steps, values, *, direction: int = 0, min_before: int = 12, min
     deviations that way from its level at the change. A run's slow, steady course (KL creeping
     up from the first step) is one line, and a loss that stops falling has not risen: no onset. Positive series are judged in
     logs, so a gradient norm doubling is the same change at 1 or at 100. Non-finite points
-    are left out. O(n^2) for n points: called when the breaker acts, not per event.
+    are left out. The points are taken in the order given; a split stamped with a step before
+    the first point's (events stamped with old steps) is no onset. O(n^2) for n points: called
+    when the breaker acts, not per event.
 
     >>> import random
     >>> rng = random.Random(1)
@@ -267,5 +269,7 @@ def change_onset(steps, values, *, direction: int = 0, min_before: int = 12, min
     sigma = math.sqrt(sse1 / max(n - 4, 1))
     side = direction or (1 if move > 0 else -1)
     if bend * side <= 0 or move * side < min_shift * sigma:
+        return None
+    if s[tau] < s[0]:  # stamped before the first point searched: the steps vouch for no change there
         return None
     return int(s[tau])

@@ -39,6 +39,7 @@ STATE_VERSION = 2      # of the run state and the source state's header (0: befo
 # for where an incident began (a drift starts tens of steps before anything fires).
 HISTORY_POINTS = 128
 MAX_HISTORY_ROWS = 16
+EXACT_STEPS = 2**53  # the steps a float64 holds exactly
 _SHARED_ROWS: dict[tuple, tuple] = {}  # interned rule-index tuples: a few shapes for millions of rows
 
 
@@ -119,7 +120,7 @@ class History:
         if not len(cached[1]):
             return
         pos = self.n % HISTORY_POINTS
-        self.steps[pos] = step
+        self.steps[pos] = step if abs(step) <= EXACT_STEPS else np.nan  # a float rounds it: no step to date by
         self.values[:, pos] = np.nan
         self.values[cached[2], pos] = x[cached[1]]
         self.n += 1
@@ -141,14 +142,16 @@ class History:
     def restore(self, d, index: dict[str, int]) -> None:
         """What ``to_state`` wrote, for the metrics this ring still keeps (after ``bind``)."""
         try:
+            metrics, n = d["metrics"], d.get("n", 0)
             steps = np.frombuffer(base64.b64decode(d["steps"]), float)
-            values = np.frombuffer(base64.b64decode(d["values"]), float).reshape(len(d["metrics"]), -1)
+            values = np.frombuffer(base64.b64decode(d["values"]), float).reshape(len(metrics), -1)
         except (KeyError, TypeError, ValueError):
             return  # an unreadable history is an empty one: it only dates incidents
-        if steps.shape != (HISTORY_POINTS,) or values.shape[1] != HISTORY_POINTS:
+        if steps.shape != (HISTORY_POINTS,) or values.shape[1] != HISTORY_POINTS or type(n) is not int or n < 0 \
+                or type(metrics) is not list or not all(type(m) is str for m in metrics):
             return
-        self.steps, self.n = steps.copy(), int(d.get("n", 0))
-        for i, metric in enumerate(d["metrics"]):
+        self.steps, self.n = steps.copy(), n
+        for i, metric in enumerate(metrics):
             row = index.get(metric)
             if row in self.rows:
                 self.values[self.rows[row]] = values[i]
