@@ -204,6 +204,21 @@ def test_steps_beyond_what_a_float_holds_exactly_date_no_change_point():
     assert "change point" not in report["checkpoint"]["why"], report["checkpoint"]["why"]
 
 
+def test_a_rollback_forgets_the_history_of_the_branch_it_abandoned():
+    # After a rollback to step 20 the trainer logs steps 21.. again; the values of the abandoned
+    # steps 21-60 must not date the next incident.
+    from trainguard.streams import keys
+
+    r = Run(Engine(ruleset()), checkpoint_every=20)
+    r.run(60)
+    source = r.engine._source(keys.source_key("r", ev.source_id(TRAINER)), "trainer")
+    row = source.block.index["actor/kl_loss"]
+    assert max(source.history.series(row)[0]) == 60
+    r.feed(ev.lifecycle_event("r", "rolled_back", step=20, ts=r.ts))
+    steps = source.history.series(row)[0]
+    assert list(steps[steps == steps]) == list(range(1, 21))
+
+
 def test_a_run_whose_kl_creeps_steadily_from_the_start_is_no_earlier_onset():
     # KL growing slowly from the first step is a healthy run's course, not a change: the explosion
     # at step 180 dates the incident, not the creep. (kl_explosion holds for 2 points, so its first

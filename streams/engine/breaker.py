@@ -272,6 +272,7 @@ class Breaker(AlertBook, StatusRoom):
                 for alert in {a["id"]: a for a in src.firing.values()}.values():
                     self._add(outputs, self._resolve(run, alert, event, resolution="the trainer rolled back"))
                 src.block.reset()
+                src.history.forget_after(restored if isinstance(restored, int) else None)
                 src.streaks.clear()
                 src.firing.clear()
                 src.tracks.clear()

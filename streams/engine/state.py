@@ -125,6 +125,13 @@ class History:
         self.values[cached[2], pos] = x[cached[1]]
         self.n += 1
 
+    def forget_after(self, step: int | None) -> None:
+        """Drop the values of steps past ``step`` (all, for None): after a rollback they belong to
+        the branch it abandoned, and the restored run logs those steps again."""
+        past = ~(self.steps <= step) if step is not None else np.ones(HISTORY_POINTS, bool)
+        self.steps[past] = np.nan
+        self.values[:, past] = np.nan
+
     def series(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         """One metric's kept ``(steps, values)``, oldest first (empty if it is not kept)."""
         filled = min(self.n, HISTORY_POINTS)
