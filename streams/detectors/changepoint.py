@@ -216,9 +216,9 @@ def change_onset(steps, values, *, direction: int = 0, min_before: int = 12, min
     must win by ``min_bic`` (BIC, three more parameters), bend toward ``direction`` (+1 up,
     -1 down, 0 either), and take the series' end at least ``min_shift`` residual standard
     deviations that way from its level at the change. A run's slow, steady course (KL creeping
-    up from the first step) is one line, and a loss that stops falling has not risen: no onset. Positive series are judged in
-    logs, so a gradient norm doubling is the same change at 1 or at 100. Non-finite points
-    are left out. The points are taken in the order given; a split stamped with a step before
+    up from the first step) is one line, and a loss that stops falling has not risen: no onset.
+    Positive series are judged in logs, so a gradient norm doubling is the same change at 1 or
+    at 100. Non-finite points are left out. The points are taken in the order given; a split stamped with a step before
     the first point's (events stamped with old steps) is no onset. O(n^2) for n points: called
     when the breaker acts, not per event.
 
