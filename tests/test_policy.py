@@ -107,8 +107,10 @@ def test_the_checkpoint_is_older_than_the_first_warning_not_only_the_first_criti
     assert "history: rollback 1 of this run (1 in the last hour, this one included)" in text, text
 
 
-def test_a_checkpoint_saved_during_a_drift_that_began_before_any_alert_is_passed_over():
-    # KL leaves its level at step 100 and creeps up for 80 steps before it explodes at step 180.
+@pytest.mark.parametrize("explosion", ["jump", "doubling"])
+def test_a_checkpoint_saved_during_a_drift_that_began_before_any_alert_is_passed_over(explosion):
+    # KL leaves its level at step 100 and creeps up for 80 steps before it explodes at step 180
+    # (at once, or doubling each step: a change of its own, after which the drift is searched for).
     # The creep warns (kl_spike at 110, kl_high at 144: both long before the critical step), but
     # only the explosion feeds the breaker; the checkpoints of steps 120-180 already hold the
     # drift. The breaker searches KL's history back from the critical onset for where it left
@@ -122,7 +124,9 @@ def test_a_checkpoint_saved_during_a_drift_that_began_before_any_alert_is_passed
         ts += 10
         m = sim.step()
         kl = 0.02 + noise.gauss(0, 0.002) + (0.002 * (step - 100) if step > 100 else 0.0)
-        m["actor/kl_loss"] = kl * (10 if step >= 180 else 1)
+        if step >= 180:
+            kl *= 10 if explosion == "jump" else 2 ** (step - 179)
+        m["actor/kl_loss"] = kl
         events = [ev.metrics_event("r", step, m, src=TRAINER, ts=ts)]
         if step % 20 == 0:
             events.append(ev.checkpoint_event("r", step, f"/ckpt/{step}", ts=ts))

@@ -233,6 +233,9 @@ def change_onset(steps, values, *, direction: int = 0, min_before: int = 12, min
     True
     >>> change_onset(range(100), flat + drift, direction=-1) is None
     True
+    >>> doubling = [drift[-1] * 2 ** k for k in range(1, 4)]   # the drift, then an explosion
+    >>> 55 <= change_onset(range(103), flat + drift + doubling, direction=1) <= 65
+    True
     >>> decay = [2.0 * math.exp(-i / 15) + 0.1 + rng.gauss(0, 0.01) for i in range(100)]
     >>> change_onset(range(100), decay, direction=1) is None   # a loss levelling off
     True
@@ -241,11 +244,24 @@ def change_onset(steps, values, *, direction: int = 0, min_before: int = 12, min
     y = np.asarray(list(values), float)
     keep = np.isfinite(y) & np.isfinite(s)
     s, y = s[keep], y[keep]
+    if len(y) and (y > 0).all():
+        y = np.log(y)
+    # The change nearest the incident explains most; a drift that led into it (a KL creeping for
+    # 80 steps, then doubling each step) is a change of the points before that one: search again.
+    onset, end = None, len(y)
+    while (tau := _split(y[:end], direction, min_before, min_after, min_bic, min_shift)) is not None:
+        onset, end = tau, tau
+    if onset is None or s[onset] < s[0]:  # stamped before the first point searched: no change there
+        return None
+    return int(s[onset])
+
+
+def _split(y: np.ndarray, direction: int, min_before: int, min_after: int, min_bic: float,
+           min_shift: float) -> int | None:
+    """The index of the one change ``change_onset`` accepts in ``y``, or None."""
     n = len(y)
     if n < min_before + min_after + 2:
         return None
-    if (y > 0).all():
-        y = np.log(y)
     t = np.arange(n, dtype=float)
     null = np.vstack([np.ones(n), t]).T
     resid0 = y - null @ np.linalg.lstsq(null, y, rcond=None)[0]
@@ -270,6 +286,4 @@ def change_onset(steps, values, *, direction: int = 0, min_before: int = 12, min
     side = direction or (1 if move > 0 else -1)
     if bend * side <= 0 or move * side < min_shift * sigma:
         return None
-    if s[tau] < s[0]:  # stamped before the first point searched: the steps vouch for no change there
-        return None
-    return int(s[tau])
+    return tau
