@@ -146,8 +146,10 @@ def render_text(report: dict) -> str:
     lines += ["", f"checkpoint: {where}", f"  why: {shown(cp.get('why', ''))}"]
     passed = [c for c in _items(cp.get("candidates")) if isinstance(c, dict) and c.get("passed_over")]
     if passed:
+        more = cp.get("passed_over")
+        more = more - len(passed) if type(more) is int and more > len(passed) else 0
         lines.append("  passed over: " + "; ".join(f"step {shown(c.get('step'))} ({shown(c['passed_over'])})"
-                                                   for c in passed))
+                                                   for c in passed) + (f"; and {more} older ones" if more else ""))
     windows = _mapping(report.get("windows"))
     if windows:
         lines += ["", "metric windows before the decision (oldest first):"]

@@ -3,7 +3,7 @@
 Pure decisions, no I/O. After ``consecutive_critical`` critical steps in a row (3 in the
 seed) it asks for a rollback to the newest *safe* checkpoint: saved before the incident's
 onset (its first critical step, or the first warning still open on the same metrics when
-that came earlier), while no critical alert was open, and (optionally) at least
+that came earlier), while no P0/P1 alert was open, and (optionally) at least
 ``rollback_min_steps_before_onset`` steps before it. It asks to skip the batches that led
 into the failure (``skip_batches``: a number, or ``auto`` for the ones between the
 checkpoint and the last critical step). With no safe checkpoint or with more than
@@ -205,6 +205,7 @@ class Decision:
     then: list[dict] = field(default_factory=list)  # commands that follow it (the ladder's adjust)
     verdict: str | None = None     # numeric | hardware: what a rerun of the NaN step said
     rung: int | None = None        # the recovery ladder's rung this rollback is
+    passed_over: int = 0           # checkpoints newer than the target (the candidates list the last 10)
 
 
 def passed_over(c: dict, onset_step: int, onset_ts: float | None, min_steps_before: int = 0) -> str | None:
@@ -214,7 +215,7 @@ def passed_over(c: dict, onset_step: int, onset_ts: float | None, min_steps_befo
     if c.get("refused"):
         return f"the trainer could not load it ({c['refused']})"
     if not c.get("healthy", True):
-        return "saved while a critical alert was open"
+        return "saved while a P0/P1 alert was open"
     if c["step"] > onset_step - min_steps_before:
         return f"closer than {min_steps_before} steps to the onset"
     return None
@@ -233,7 +234,7 @@ def safe_checkpoint(checkpoints: list[dict], onset_step: int, onset_ts: float | 
     if best is None:
         return None, "no checkpoint was saved before the onset while the run was healthy" + (
             f" ({'; '.join(rejected[-5:])})" if rejected else "")
-    return best, (f"newest checkpoint saved before the onset at step {onset_step} while no critical alert "
+    return best, (f"newest checkpoint saved before the onset at step {onset_step} while no P0/P1 alert "
                   f"was open: step {best['step']}")
 
 
@@ -453,8 +454,9 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
         state.adjust_id = then[0]["id"]
     # the newest checkpoints, each newer than the target saying why it was passed over
     candidates = [{**c, "passed_over": passed_over(c, began, None, policy.rollback_min_steps_before_onset)
-                   or "older ones first: the recovery ladder's wider rewind"}
+                   or "the recovery ladder rewinds further back this time"}
                   if target is None or c["step"] > target["step"] else dict(c) for c in checkpoints[-10:]]
+    newer = sum(1 for c in checkpoints if target is None or c["step"] > target["step"])
     state.command_id = command["id"]
     state.command_expires = ts + float(policy.command_ttl_s)  # event time: replays wait the same
     if action == "rollback":
@@ -468,7 +470,7 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
         state.status = STOPPED
     state.streak, state.alert_ids, state.began = 0, [], None
     return Decision(command, why, target, candidates, onset=began, then=then, verdict=verdict,
-                    rung=rung if action == "rollback" else None)
+                    rung=rung if action == "rollback" else None, passed_over=newer)
 
 
 def _ask_rerun(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoints, diagnosis, now,

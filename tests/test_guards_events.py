@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from tests.integration import TopicReader
-from trainguard.producers.guards import CheckpointError, CircuitBreaker, RewardGate, RolloutValidator, check_checkpoint
+from trainguard.producers.guards import (
+    CheckpointError,
+    CircuitBreaker,
+    RewardGate,
+    RolloutValidator,
+    check_checkpoint,
+    write_manifest,
+)
 from trainguard.producers.trainer import TrainerLogger
 from trainguard.schemas import events as ev
 from trainguard.streams import rules as rules_mod
@@ -45,6 +52,13 @@ def test_guard_decisions_reach_the_topic_and_the_default_rules_alert_on_them(kaf
             rollouts.filter(["fine", "", "\x00"] if step == 15 else ["fine", "also fine"], step=step)
         with pytest.raises(CheckpointError, match="checkpoint manifest missing"):
             check_checkpoint(tmp_path, events=logger, step=20)
+        logger.log({"actor/pg_loss": 0.1, "critic/score/mean": 0.4}, step=21)
+        whole = tmp_path / "checkpoint-21"
+        whole.mkdir()
+        for part in ("model.pt", "optimizer.pt"):
+            (whole / part).write_bytes(b"weights")
+        write_manifest(whole, parts={"parameters": "model.pt", "optimizer": "optimizer.pt"}, events=logger,
+                       meta={"step": 21, "scheduler_step": 21, "rng_seeds": {}, "dataset_offset": 21})
     finally:
         release.set()
     stats = logger.close()
@@ -63,7 +77,7 @@ def test_guard_decisions_reach_the_topic_and_the_default_rules_alert_on_them(kaf
     assert held["tags"]["reason"] == "variance,extremes" and held["metrics"]["guard/reward_gate/held"] == 1.0
     # the trainer's own steps are untouched: one event per step from the trainer
     assert [e["step"] for e in reader.seen if e["schema"] == ev.METRICS
-            and e["source"]["kind"] == "trainer"] == list(range(1, 21))
+            and e["source"]["kind"] == "trainer"] == list(range(1, 22))
 
     engine = Engine(rules_mod.default())
     alerts = [o.value for raw in raws for o in engine.handle(raw) if o.kind is OutputKind.ALERT]
@@ -71,4 +85,6 @@ def test_guard_decisions_reach_the_topic_and_the_default_rules_alert_on_them(kaf
     assert ("guard_breaker_open", "firing", 9) in seen and ("guard_breaker_open", "resolved", 10) in seen
     assert ("guard_reward_batch_held", "firing", 13) in seen and ("guard_reward_batch_held", "resolved", 14) in seen
     assert ("guard_checkpoint_refused", "firing", 20) in seen
+    # a checkpoint written whole afterwards ends it: later checkpoints are rollback targets again
+    assert ("guard_checkpoint_refused", "resolved", 21) in seen
     assert not [a for a in alerts if a["rule"] == "guard_rollouts_dropped"]    # one batch: not yet

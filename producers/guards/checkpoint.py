@@ -130,7 +130,9 @@ def write_manifest(checkpoint_dir, *, parts: Mapping[str, str | list[str]], meta
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(tmp, path)  # a crash mid-write leaves the old manifest or none, never half of one
-    GuardEvents(events, "checkpoint").report({"guard/checkpoint/manifest_bytes": float(path.stat().st_size)},
+    # a checkpoint written whole ends the alert of one refused before (refused 0)
+    GuardEvents(events, "checkpoint").report({"guard/checkpoint/manifest_bytes": float(path.stat().st_size),
+                                              "guard/checkpoint/refused": 0.0},
                                              step=meta["step"],
                                              decision="written", reason=str(root))
     return path

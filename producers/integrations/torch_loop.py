@@ -406,7 +406,8 @@ class Guard(GuardBase):
             self._restore(state.get("model"), state.get("optimizer"), state.get("scheduler"), None,
                           state.get("extra"), "extra" in state)
             return {"step": state.get("step"), "meta": None, "extra": state.get("extra"), "path": str(path)}
-        manifest = check_checkpoint(path, events=self.logger, step=None)
+        # the refusal's event carries the step the loop is at (the logger's last), not 0
+        manifest = check_checkpoint(path, events=self.logger, step=self.logger.last_step)
         files = {name: path / part["path"] for name, part in manifest.data["parts"].items()}
 
         def load(name, where=location):
