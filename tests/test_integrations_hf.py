@@ -263,6 +263,10 @@ def test_verified_passes_over_what_only_looks_like_a_checkpoint_folder(tmp_path)
     (tmp_path / "checkpoint-\u00b2").mkdir()  # a digit to str.isdigit, not to int()
     (tmp_path / "checkpoint-9").write_text("a file where a folder is expected")
     assert verified(tmp_path) == str(good)
+    from trainguard.producers.guards import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no checkpoint at .*checkpoint-400: the folder does not exist"):
+        verified(tmp_path / "checkpoint-400")   # a mistyped step is said, not a missing manifest
 
 
 def test_the_trainers_checkpoints_get_a_manifest_checked_by_a_rollback_and_a_resume(tmp_path, monkeypatch):
@@ -319,7 +323,7 @@ def test_the_trainers_checkpoints_get_a_manifest_checked_by_a_rollback_and_a_res
     (tmp_path / "fresh").mkdir()
     (tmp_path / "fresh" / "trainer_state.json").write_text("{}")  # trainer.save_state() writes one there
     assert verified(tmp_path / "fresh") is None and verified(tmp_path / "not-yet") is None, "a first start"
-    with pytest.raises(CheckpointError, match="checkpoint manifest missing"):
+    with pytest.raises(CheckpointError, match="no checkpoint at .*checkpoint-9: the folder does not exist"):
         verified(tmp_path / "fresh" / "checkpoint-9")
     resumed = trainer_for(4, [TrainguardCallback("r", logger=RecordingLogger(), listen=False)])
     resumed.train(resume_from_checkpoint=resume)

@@ -82,6 +82,7 @@ from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.guards.checkpoint import (
     MANIFEST,
     REQUIRED_PARTS,
+    CheckpointError,
     check_checkpoint,
     newest_verified,
     step_of,
@@ -262,9 +263,14 @@ def verified(path: str | os.PathLike, *, hashes: bool = True) -> str | None:
         return str(folder)
     if os.path.basename(os.path.normpath(path)).startswith("checkpoint-") or (
             os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))):
+        if not os.path.isdir(path):
+            raise CheckpointError(f"no checkpoint at {path}: the folder does not exist")
         check_checkpoint(path, require=("parameters",), hashes=hashes)  # a missing one is said, not skipped
         return path
-    return None  # an output_dir with no checkpoint yet, or none at all: a first start
+    # an output_dir with no checkpoint yet, or none at all: a first start (said, in case of a typo)
+    _log.info("trainguard: no checkpoint in %s%s: training starts from the beginning", path,
+             "" if os.path.isdir(path) else " (no such folder)")
+    return None
 
 
 class _HFGuard(GuardBase):
