@@ -169,7 +169,8 @@ def render_text(report: dict) -> str:
         before, hour = history.get("rollbacks", 0), history.get("rollbacks_last_hour", 0)
         if action == "rollback":
             said = f"rollback {format_value(before + 1 if type(before) is int else before)} of this run " \
-                   f"({format_value(hour)} in the last hour, this one included)"
+                   f"({format_value(hour)} asked for in the last hour, this one and any the trainer could not " \
+                   f"apply included)"
         else:
             said = f"{format_value(before)} rollback(s) of this run before this decision, " \
                    f"{format_value(hour)} in the last hour"

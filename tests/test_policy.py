@@ -104,7 +104,8 @@ def test_the_checkpoint_is_older_than_the_first_warning_not_only_the_first_criti
     assert report["incident"]["onset_step"] == 60 < report["incident"]["first_critical_step"]
     text = render_text(report)
     assert f"onset at step 60 (critical from step {report['incident']['first_critical_step']})" in text, text
-    assert "history: rollback 1 of this run (1 in the last hour, this one included)" in text, text
+    assert ("history: rollback 1 of this run (1 asked for in the last hour, this one and any the trainer could "
+            "not apply included)") in text, text
 
 
 @pytest.mark.parametrize("explosion", ["jump", "doubling"])
