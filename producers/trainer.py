@@ -68,11 +68,6 @@ class TrainerLogger:
         # from invented run ids), at its first step unless an integration said so before.
         self._announce = kind == "trainer"
 
-    @property
-    def last_step(self) -> int | None:
-        """The step of the last metrics logged (None before any)."""
-        return self._last_step
-
     def _failed(self, what: str, exc: BaseException) -> None:
         """An event that could not be made (never_raises reports here): counted as dropped."""
         self.publisher.dropped += 1

@@ -186,6 +186,7 @@ class Guard(GuardBase):
         self.saved: list[tuple[int, str]] = []
         self.batches_drawn = 0  # batches the loop drew, as far as the Guard sees (the manifest's dataset_offset)
         self._last_finite = True
+        self._logged_step: int | None = None  # the loop's step as last logged (a refusal's event says it)
         self.rerun = bool(rerun)
         self._kept: dict | None = None  # the step a rerun repeats: its batch, function, state before it, loss
         if announce:
@@ -194,6 +195,7 @@ class Guard(GuardBase):
     # -- metrics ------------------------------------------------------------------------------
 
     def log(self, metrics: dict, step: int, *, tags: dict | None = None) -> bool:
+        self._logged_step = step if type(step) is int else self._logged_step
         try:
             self._last_finite = all(finite(v) for v in metrics.values())
         except Exception:
@@ -406,8 +408,8 @@ class Guard(GuardBase):
             self._restore(state.get("model"), state.get("optimizer"), state.get("scheduler"), None,
                           state.get("extra"), "extra" in state)
             return {"step": state.get("step"), "meta": None, "extra": state.get("extra"), "path": str(path)}
-        # the refusal's event carries the step the loop is at (the logger's last), not 0
-        manifest = check_checkpoint(path, events=self.logger, step=self.logger.last_step)
+        # the refusal's event carries the step the loop is at, not 0
+        manifest = check_checkpoint(path, events=self.logger, step=self._logged_step)
         files = {name: path / part["path"] for name, part in manifest.data["parts"].items()}
 
         def load(name, where=location):
