@@ -479,13 +479,23 @@ def test_the_launcher_in_the_docs_puts_trainguard_into_verls_own_runners(monkeyp
     assert main_ppo_v0.TaskRunner.__ray_actor_class__.__name__ == "TrainguardTaskRunner"
 
 
+def fit_offline(trainer, run_id: str, listener) -> None:
+    """``fit()`` with trainguard attached and no broker: a recording logger, the scripted listener."""
+    from trainguard.producers.integrations.verl import attach
+
+    backend = attach(trainer, run_id, tracking_cls=Tracking, logger=RecordingLogger(), listener=listener)
+    try:
+        trainer.fit()
+    finally:
+        backend.detach()
+
+
 def test_verls_checkpoints_get_a_manifest_that_a_rollback_checks_first(tmp_path):
     """No broker: every global_step_N the trainer saves gets a manifest of verl's files (the actor's
     weights, optimizer and extra state, the critic, data.pt). A rollback to global_step_10, whose
     actor weights were torn, is refused with the manifest's error before anything is loaded; the
     one to global_step_5 loads."""
     from trainguard.producers.guards.checkpoint import check_checkpoint
-    from trainguard.producers.integrations.verl import attach
 
     trainer = FakeRayPPOTrainer(tmp_path / "ckpt", total_training_steps=16, fault_at=10**9, step_s=0.0)
     folder = lambda n: str(tmp_path / "ckpt" / f"global_step_{n}")  # noqa: E731
@@ -501,11 +511,7 @@ def test_verls_checkpoints_get_a_manifest_that_a_rollback_checks_first(tmp_path)
                     cmd("rollback", id="five", target={"step": 5, "path": folder(5)})]
 
     listener = Operator()
-    backend = attach(trainer, "verl-manifest", tracking_cls=Tracking, logger=RecordingLogger(), listener=listener)
-    try:
-        trainer.fit()
-    finally:
-        backend.detach()
+    fit_offline(trainer, "verl-manifest", listener)
     m = check_checkpoint(folder(15))
     assert m.step == 15 and m.meta["dataset_offset"] == 15
     parts = {k: v["path"] for k, v in m.data["parts"].items()}
@@ -522,7 +528,6 @@ def test_an_asynchronous_verl_save_gets_its_manifest_once_verl_records_it_whole(
     the manifest waits until verl writes the step into latest_checkpointed_iteration.txt, and a
     rollback to a checkpoint still being saved is refused, saying so."""
     from trainguard.producers.guards.checkpoint import MANIFEST
-    from trainguard.producers.integrations.verl import attach
 
     trainer = FakeRayPPOTrainer(tmp_path / "ckpt", total_training_steps=12, fault_at=10**9, step_s=0.0)
     trainer.config.actor_rollout_ref = SimpleNamespace(actor=SimpleNamespace(checkpoint=SimpleNamespace(
@@ -543,11 +548,7 @@ def test_an_asynchronous_verl_save_gets_its_manifest_once_verl_records_it_whole(
             return []
 
     listener = Operator()
-    backend = attach(trainer, "verl-async", tracking_cls=Tracking, logger=RecordingLogger(), listener=listener)
-    try:
-        trainer.fit()
-    finally:
-        backend.detach()
+    fit_offline(trainer, "verl-async", listener)
     assert seen == {"manifest_at_7": False, "manifest_at_9": True}, seen
     assert listener.acks[0][1] == "failed" and "still being saved asynchronously" in listener.acks[0][2]
     assert not os.path.exists(tmp_path / "ckpt" / "global_step_10" / MANIFEST), "never recorded whole: none"

@@ -108,6 +108,44 @@ def test_the_checkpoint_is_older_than_the_first_warning_not_only_the_first_criti
             "not apply included)") in text, text
 
 
+def drifting_kl(i: int, noise, explosion: str = "jump") -> float:
+    """KL at 0.02 that leaves its level at event 100, creeps up, and explodes at event 180 (at once
+    or doubling each event)."""
+    kl = 0.02 + noise.gauss(0, 0.002) + (0.002 * (i - 100) if i > 100 else 0.0)
+    if i >= 180:
+        kl *= 10 if explosion == "jump" else 2 ** (i - 179)
+    return kl
+
+
+def feed_until_command(kl_at, *, step_at=lambda i: i, saves=lambda i: i % 20 == 0, restart_at=None) -> list:
+    """The simulated trainer on a real engine, its KL ``kl_at(i, noise)`` at its i-th event, stamped
+    ``step_at(i)``, a checkpoint where ``saves(i)``, until the first command; the outputs. With
+    ``restart_at``, the worker restarts after that event (the next engine reads the state's bytes)."""
+    import random
+
+    rules = ruleset()
+    engine = Engine(rules)
+    sim, noise, ts, offset, outputs = SimulatedPPO(seed=3), random.Random(5), 1.7e9, 0, []
+    for i in range(1, 200):
+        ts += 10
+        step = step_at(i)
+        m = sim.step()
+        m["actor/kl_loss"] = kl_at(i, noise)
+        events = [ev.metrics_event("r", step, m, src=TRAINER, ts=ts)]
+        if saves(i):
+            events.append(ev.checkpoint_event("r", step, f"/ckpt/{step}", ts=ts))
+        for event in events:
+            outputs += engine.handle(ev.encode(event), 0, offset)
+            offset += 1
+        if i == restart_at:
+            restarted = Engine(rules)
+            restarted.store = {k: engine.serialize(k) for k in list(engine.store)}
+            engine = restarted
+        if any(o.kind == "command" for o in outputs):
+            break
+    return outputs
+
+
 @pytest.mark.parametrize("explosion", ["jump", "doubling"])
 def test_a_checkpoint_saved_during_a_drift_that_began_before_any_alert_is_passed_over(explosion):
     # KL leaves its level at step 100 and creeps up for 80 steps before it explodes at step 180
@@ -116,30 +154,7 @@ def test_a_checkpoint_saved_during_a_drift_that_began_before_any_alert_is_passed
     # only the explosion feeds the breaker; the checkpoints of steps 120-180 already hold the
     # drift. The breaker searches KL's history back from the critical onset for where it left
     # its course, and rolls back before that, across a worker restart in between.
-    import random
-
-    rules = ruleset()
-    engines = [Engine(rules)]
-    sim, noise, ts, offset, outputs = SimulatedPPO(seed=3), random.Random(5), 1.7e9, 0, []
-    for step in range(1, 200):
-        ts += 10
-        m = sim.step()
-        kl = 0.02 + noise.gauss(0, 0.002) + (0.002 * (step - 100) if step > 100 else 0.0)
-        if step >= 180:
-            kl *= 10 if explosion == "jump" else 2 ** (step - 179)
-        m["actor/kl_loss"] = kl
-        events = [ev.metrics_event("r", step, m, src=TRAINER, ts=ts)]
-        if step % 20 == 0:
-            events.append(ev.checkpoint_event("r", step, f"/ckpt/{step}", ts=ts))
-        for event in events:
-            outputs += engines[-1].handle(ev.encode(event), 0, offset)
-            offset += 1
-        if step == 150:  # a worker restart: the next one reads the state back from its bytes
-            restarted = Engine(rules)
-            restarted.store = {k: engines[-1].serialize(k) for k in list(engines[-1].store)}
-            engines.append(restarted)
-        if any(o.kind == "command" for o in outputs):
-            break
+    outputs = feed_until_command(lambda i, noise: drifting_kl(i, noise, explosion), restart_at=150)
     command = next(o.value for o in outputs if o.kind == "command")
     assert command["action"] == "rollback" and command["target"]["step"] == 100, command
     report = next(o.value for o in outputs if o.kind == "report")
@@ -156,24 +171,8 @@ def test_events_stamped_with_old_steps_in_a_drift_do_not_date_it_before_the_hist
     # then stamped step 7, long before the oldest of the values kept (step 56), and the checkpoint
     # of step 5 was chosen. The history vouches for no change there, and the warnings carry the
     # same old steps: the critical onset decides, as when no change is found.
-    import random
-
-    engine = Engine(ruleset())
-    sim, noise, ts, offset, outputs = SimulatedPPO(seed=3), random.Random(5), 1.7e9, 0, []
-    for i in range(1, 200):
-        ts += 10
-        m = sim.step()
-        step = i - 99 if 100 <= i < 114 else i
-        m["actor/kl_loss"] = (0.02 + noise.gauss(0, 0.002) + (0.002 * (i - 100) if i > 100 else 0.0)) * (
-            10 if i >= 180 else 1)
-        events = [ev.metrics_event("r", step, m, src=TRAINER, ts=ts)]
-        if i % 20 == 0 or i == 5:
-            events.append(ev.checkpoint_event("r", step, f"/ckpt/{step}", ts=ts))
-        for event in events:
-            outputs += engine.handle(ev.encode(event), 0, offset)
-            offset += 1
-        if any(o.kind == "command" for o in outputs):
-            break
+    outputs = feed_until_command(drifting_kl, step_at=lambda i: i - 99 if 100 <= i < 114 else i,
+                                 saves=lambda i: i % 20 == 0 or i == 5)
     command = next(o.value for o in outputs if o.kind == "command")
     report = next(o.value for o in outputs if o.kind == "report")
     assert command["action"] == "rollback" and command["target"]["step"] == 180, report["checkpoint"]["why"]
@@ -184,28 +183,10 @@ def test_steps_beyond_what_a_float_holds_exactly_date_no_change_point():
     # Steps from 2**60 on, three apart: a float64 rounds them to multiples of 256, so a change
     # point searched over them would name a step the trainer never sent, possibly after the
     # change. The history keeps no such step: the critical onset, an exact step, decides.
-    import random
-
-    base, engine = 2**60, Engine(ruleset())
-    sim, noise, ts, offset, outputs = SimulatedPPO(seed=3), random.Random(5), 1.7e9, 0, []
-    sent = set()
-    for i in range(1, 200):
-        ts += 10
-        m = sim.step()
-        step = base + 3 * i
-        sent.add(step)
-        m["actor/kl_loss"] = (0.02 + noise.gauss(0, 0.002) + (0.002 * (i - 100) if i > 100 else 0.0)) * (
-            10 if i >= 180 else 1)
-        events = [ev.metrics_event("r", step, m, src=TRAINER, ts=ts)]
-        if i % 20 == 0:
-            events.append(ev.checkpoint_event("r", step, f"/ckpt/{step}", ts=ts))
-        for event in events:
-            outputs += engine.handle(ev.encode(event), 0, offset)
-            offset += 1
-        if any(o.kind == "command" for o in outputs):
-            break
+    base = 2**60
+    outputs = feed_until_command(drifting_kl, step_at=lambda i: base + 3 * i)
     report = next(o.value for o in outputs if o.kind == "report")
-    assert report["incident"]["onset_step"] in sent, report["incident"]
+    assert report["incident"]["onset_step"] in {base + 3 * i for i in range(1, 200)}, report["incident"]
     assert "change point" not in report["checkpoint"]["why"], report["checkpoint"]["why"]
 
 
@@ -228,22 +209,8 @@ def test_a_run_whose_kl_creeps_steadily_from_the_start_is_no_earlier_onset():
     # KL growing slowly from the first step is a healthy run's course, not a change: the explosion
     # at step 180 dates the incident, not the creep. (kl_explosion holds for 2 points, so its first
     # critical step is 181; the checkpoint saved at step 180 already holds the explosion.)
-    import random
-
-    engine = Engine(ruleset())
-    sim, noise, ts, offset, outputs = SimulatedPPO(seed=3), random.Random(5), 1.7e9, 0, []
-    for step in range(1, 200):
-        ts += 10
-        m = sim.step()
-        m["actor/kl_loss"] = (0.02 + 0.0005 * step + noise.gauss(0, 0.002)) * (10 if step >= 180 else 1)
-        events = [ev.metrics_event("r", step, m, src=TRAINER, ts=ts)]
-        if step % 20 == 0:
-            events.append(ev.checkpoint_event("r", step, f"/ckpt/{step}", ts=ts))
-        for event in events:
-            outputs += engine.handle(ev.encode(event), 0, offset)
-            offset += 1
-        if any(o.kind == "command" for o in outputs):
-            break
+    outputs = feed_until_command(
+        lambda i, noise: (0.02 + 0.0005 * i + noise.gauss(0, 0.002)) * (10 if i >= 180 else 1))
     report = next(o.value for o in outputs if o.kind == "report")
     assert 175 <= report["incident"]["onset_step"] <= 180 < report["incident"]["first_critical_step"], report
     assert report["checkpoint"]["chosen"]["step"] == 160, report["checkpoint"]
