@@ -66,6 +66,15 @@ def step_of(name: str, prefix: str, suffix: str = "") -> int | None:
     return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
+def checkpoint_folders(root, prefix: str = "checkpoint-") -> list[tuple[int, Path]]:
+    """The ``{prefix}{step}`` folders in ``root`` with their steps, newest first (none when ``root``
+    is not a folder)."""
+    root = Path(root)
+    found = [(step, p) for p in (root.iterdir() if root.is_dir() else ())
+             if p.is_dir() and (step := step_of(p.name, prefix)) is not None]
+    return sorted(found, reverse=True)
+
+
 def _part(name: str) -> str:
     return PART_NAMES.get(name, name)
 

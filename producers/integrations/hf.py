@@ -84,8 +84,8 @@ from trainguard.producers.guards.checkpoint import (
     REQUIRED_PARTS,
     CheckpointError,
     check_checkpoint,
+    checkpoint_folders,
     newest_verified,
-    step_of,
     write_manifest,
 )
 from trainguard.producers.integrations._core import Decision, GuardBase, scale_lr
@@ -252,14 +252,9 @@ def verified(path: str | os.PathLike, *, hashes: bool = True) -> str | None:
     logged), None when it holds no checkpoint yet or does not exist (a first start). Raises
     :class:`CheckpointError` with the reason otherwise. ``hashes=False``: sizes only."""
     path = os.fspath(path)
-    found = []
-    for name in os.listdir(path) if os.path.isdir(path) else ():
-        step = step_of(name, "checkpoint-")
-        if step is not None and os.path.isdir(os.path.join(path, name)):
-            found.append((step, os.path.join(path, name)))
+    found = checkpoint_folders(path)
     if found:  # the run's output_dir (a checkpoint folder holds no checkpoint-N)
-        folder, _ = newest_verified([p for _, p in sorted(found, reverse=True)], require=("parameters",),
-                                    hashes=hashes)
+        folder, _ = newest_verified([p for _, p in found], require=("parameters",), hashes=hashes)
         return str(folder)
     if os.path.basename(os.path.normpath(path)).startswith("checkpoint-") or (
             os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))):

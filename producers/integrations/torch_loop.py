@@ -58,6 +58,7 @@ from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.guards.checkpoint import (
     CheckpointError,
     check_checkpoint,
+    checkpoint_folders,
     newest_verified,
     step_of,
     write_manifest,
@@ -125,13 +126,9 @@ def _swap_in(tmp: Path, path: Path) -> None:
 def _checkpoints(folder: Path) -> tuple[list[tuple[int, Path]], list[tuple[int, Path]]]:
     """The checkpoint folders and the single-file checkpoints (an earlier release's) in ``folder``,
     newest first."""
-    folders, files = [], []
-    for p in folder.glob("checkpoint-*") if folder.is_dir() else ():
-        if p.is_dir() and (step := step_of(p.name, "checkpoint-")) is not None:
-            folders.append((step, p))
-        elif p.is_file() and (step := step_of(p.name, "checkpoint-", ".pt")) is not None:
-            files.append((step, p))
-    return sorted(folders, reverse=True), sorted(files, reverse=True)
+    files = [(step, p) for p in (folder.glob("checkpoint-*.pt") if folder.is_dir() else ())
+             if p.is_file() and (step := step_of(p.name, "checkpoint-", ".pt")) is not None]
+    return checkpoint_folders(folder), sorted(files, reverse=True)
 
 
 def _num(value) -> str:
