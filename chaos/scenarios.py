@@ -1241,12 +1241,20 @@ def chat_texts(path: str, body) -> list[tuple[str, str]]:
     return [("webhook.text", body["text"])]
 
 
+CHAT_UI_URL = "http://tg.example:8321"  # where the chat scenarios say `trainguard ui` is served
+
+
 def chat_injections_in(text: str) -> list[str]:
     """What in ``text`` a hostile field made live: a markdown link or image, a Slack link or
-    mention, raw angle brackets (HTML, autolinks), a forged line."""
+    mention, raw angle brackets (HTML, autolinks), a bare URL (a link in every chat client), a
+    forged line. Slack's links to our own pages (``<{CHAT_UI_URL}/run/...>``, the run id quoted)
+    are ours, not a field's."""
     import re
 
+    text = re.sub(re.escape(f"<{CHAT_UI_URL}/") + r"[^<>|\s]*>", "", text)
     found = []
+    if re.search(r"(?i)\b[a-z][a-z0-9+.-]*://|\bwww\.", text.replace(CHAT_UI_URL, "")):
+        found.append("bare URL")
     if re.search(r"\[[^\]\n]*\]\s*\(", text):
         found.append("markdown link")
     if re.search(r"<[!@#]|<https?:|\|[^>\n]*>", text):
@@ -1317,7 +1325,7 @@ def chat_injections(settings: KafkaSettings | None = None, log_dir=None) -> dict
     receiver = Receiver(ok_body=b'{"errcode":0,"errmsg":"ok"}')
     env = sinks_env(receiver.url, log_dir, TRAINGUARD_DINGTALK_WEBHOOK=receiver.url + "?access_token=chaos",
                      TRAINGUARD_DINGTALK_SECRET="SECchaos", TRAINGUARD_WECOM_WEBHOOK=receiver.url,
-                     TRAINGUARD_SLACK_WEBHOOK=receiver.url, TRAINGUARD_UI_URL="http://tg.example:8321",
+                     TRAINGUARD_SLACK_WEBHOOK=receiver.url, TRAINGUARD_UI_URL=CHAT_UI_URL,
                      TRAINGUARD_ALERTMANAGER_URL=f"http://127.0.0.1:{receiver.port}",
                      TRAINGUARD_DIGEST_INTERVAL_S="2")
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
 import os
 import random
 import socket
@@ -22,13 +23,19 @@ from pathlib import Path
 from trainguard.core.settings import value
 from trainguard.sinks.base import Sink, read_state, write_state
 from trainguard.sinks.paging import DIGEST_SCHEMA, delivery_key
-from trainguard.sinks.webhooks.messages import Templates
+from trainguard.sinks.webhooks.messages import Templates, plain_form
 
 log = logging.getLogger("trainguard.sinks.webhooks")
 
 
 class PermanentError(Exception):
     """The receiver refused the message for good (bad request, wrong token ...)."""
+
+
+class Unrenderable(PermanentError):
+    """Neither an alert's message nor its plain form could be made: it is given up with this
+    reason at once, never retried (retrying cannot render it, and it would hold every alert
+    behind it)."""
 
 
 @dataclass
@@ -235,11 +242,29 @@ class WebhookSink(Sink):
 
     # -- delivery
 
+    def render(self, alert: dict) -> bytes:
+        """The request body for ``alert``: its :meth:`payload`, else (a field no template could
+        show, a value JSON cannot hold) the payload of its :func:`plain_form`, said in the log;
+        :class:`Unrenderable` when neither can be made."""
+        try:
+            return _json_body(self.payload(alert))
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"[:300]
+        log.error("trainguard: %s could not render alert %s (%s); sending its plain form", self.name,
+                  str(alert.get("id"))[:80], problem)
+        try:
+            return _json_body(self.payload(plain_form(alert, problem)))
+        except Exception as exc:
+            raise Unrenderable(f"could not be rendered ({problem}), nor its plain form "
+                               f"({type(exc).__name__}: {exc})"[:600]) from None
+
     def _post(self, alert: dict) -> None:
-        self._post_json(self.payload(alert))
+        self._post_body(self.render(alert))
 
     def _post_json(self, payload) -> None:
-        data = json.dumps(payload, ensure_ascii=False, default=str).encode()
+        self._post_body(_json_body(payload))
+
+    def _post_body(self, data: bytes) -> None:
         status, body = post(self.url(), data, self.headers, self.timeout_s)
         if 300 <= status < 400:  # followed, a POST can become a GET that delivers nothing
             raise PermanentError(f"HTTP {status}: the receiver redirects; configure the URL it redirects to")
@@ -281,8 +306,10 @@ class WebhookSink(Sink):
             try:
                 self._post(item.alert)
                 error = None
+            except Unrenderable as exc:
+                error, permanent, why = str(exc), True, str(exc)
             except PermanentError as exc:
-                error, permanent = str(exc), True
+                error, permanent, why = str(exc), True, "refused by the receiver"
             except Exception as exc:  # connection refused, timeout, 5xx, errcode != 0
                 error, permanent = f"{type(exc).__name__}: {exc}", False
             with self._cond:
@@ -297,7 +324,7 @@ class WebhookSink(Sink):
                 elif permanent:
                     item.last_error = error
                     before = self.outbox.undelivered_count
-                    self.outbox.give_up(item, "refused by the receiver")
+                    self.outbox.give_up(item, why)
                     self._report_given_up(before)
                     next_try = 0.0
                 else:
@@ -321,6 +348,27 @@ class WebhookSink(Sink):
         for entry in list(self.outbox.undelivered)[-n:]:
             log.error("trainguard: %s gave up on alert %s after %d attempt(s): %s (last error: %s)",
                       self.name, entry["key"], entry["attempts"], entry["reason"], entry["last_error"])
+
+
+def _finite(value):
+    """``value`` with every non-finite float as the schema writes it (``"NaN"``, ``"Infinity"``):
+    receivers parse strict JSON, which has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _json_body(payload) -> bytes:
+    """``payload`` as strict JSON (UTF-8); a NaN or an infinity in it as a string."""
+    try:
+        text = json.dumps(payload, ensure_ascii=False, allow_nan=False, default=str)
+    except ValueError:
+        text = json.dumps(_finite(payload), ensure_ascii=False, allow_nan=False, default=str)
+    return text.encode()
 
 
 def outbox_dir(env=None, group: str = "trainguard-sinks") -> tuple[Path, bool]:
