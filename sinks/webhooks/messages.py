@@ -27,9 +27,9 @@ TEMPLATES_DIR = Path(__file__).parent.parent / "templates"
 # end up in receivers we do not know): the characters that open links, images, HTML, autolinks,
 # emphasis and code become look-alikes, inert in every renderer (DingTalk and WeCom honour no
 # backslash escapes). Underscores stay: metric names are full of them and CommonMark leaves
-# intraword ones alone.
+# intraword ones alone. "@" too: a field names nobody (DingTalk's own @ come from its settings).
 _MARKDOWN = str.maketrans({"[": "\uff3b", "]": "\uff3d", "<": "\uff1c", ">": "\uff1e", "*": "\u2217",
-                           "`": "\u02cb", "~": "\uff5e", "|": "\uff5c", "#": "\uff03"})
+                           "`": "\u02cb", "~": "\uff5e", "|": "\uff5c", "#": "\uff03", "@": "\uff20"})
 # Slack mrkdwn: &, < and > as entities (Slack's own rule: no <!channel>, no <url|text>), and the
 # look-alikes for the characters that would close our code spans, add emphasis, make a markdown
 # link of what a client or a bridge might render as one, or name a channel or a person
@@ -194,11 +194,12 @@ def plain_form(event: dict, problem: str) -> dict:
         return v[:256] if isinstance(v, str) else ""
 
     digest = event.get("schema") == DIGEST_SCHEMA
+    what = "digest" if digest else "alert"
     return {"schema": "alert/1", "id": text("id") or "?", "run_id": text("run_id") or "?",
             "rule": "digest" if digest else text("rule") or "?", "summary": "" if digest else text("summary"),
             "severity": text("severity"), "status": "resolved" if event.get("status") == "resolved" else "firing",
-            "diagnosis": f"this {'digest' if digest else 'alert'} could not be rendered whole ({problem[:300]}); "
-                         f"see it in trainguard", "unrendered": True}
+            "diagnosis": f"this {what} could not be rendered whole ({problem[:300]}); see {what} "
+                         f"{text('id') or '?'} in trainguard", "unrendered": True}
 
 
 # The template a digest is rendered with instead of an alert's, and its per-rule line.
