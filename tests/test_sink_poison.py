@@ -144,6 +144,99 @@ def test_poisoned_alerts_kept_in_an_outbox_hold_nothing_after_a_restart(receiver
     assert json.loads(path.read_text())["pending"] == []
 
 
+class Picky:
+    """A real HTTP receiver that refuses every message holding ``marker`` (``status``, or 200 with
+    ``body``: DingTalk's and WeCom's errcode) and takes every other: a message it cannot take."""
+
+    def __init__(self, marker: str | None, status: int = 500, body: bytes = b"down"):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.marker, self.taken, self.refused = marker, [], 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                refuse = outer.marker is not None and outer.marker in raw.decode()
+                if refuse:
+                    outer.refused += 1
+                else:
+                    outer.taken.append(json.loads(raw))
+                self.send_response(status if refuse else 200)
+                self.end_headers()
+                self.wfile.write(body if refuse else b'{"errcode":0,"errmsg":"ok"}')
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def ids(self) -> list[str]:
+        return [_sent_id("", b) for b in self.taken]
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+ISOLATE = dict(FAST, isolate_after_s=0.5)
+
+
+def test_a_message_the_receiver_refuses_is_set_apart_and_the_p0s_behind_it_go_on():
+    picky = Picky("poison-refused")  # HTTP 500 for that one, as a receiver whose parser chokes on it
+    sink = GenericWebhookSink(picky.url, **ISOLATE)
+    try:
+        bad, reals = _alert("poison-refused"), [_alert("real") for _ in range(3)]
+        started = time.monotonic()
+        sink.deliver([bad, *reals])
+        wait_until(lambda: len(picky.taken) == 3, 10, "the P0s behind the refused alert")
+        took = time.monotonic() - started
+        assert took <= ISOLATE["isolate_after_s"] + USUAL_LATENCY_S, took
+        assert picky.ids() == [a["id"] for a in reals]  # in order among themselves
+        assert sink.pending() == 1 and picky.refused >= 2
+        refused_before = picky.refused
+        more = _alert("real")
+        sink.deliver([more])  # set apart: a later P0 does not wait behind it either
+        wait_until(lambda: more["id"] in picky.ids(), USUAL_LATENCY_S, "a later P0")
+        wait_until(lambda: picky.refused > refused_before, 10, "the refused alert retried apart")
+        picky.marker = None  # the receiver takes it now: it is delivered, once
+        wait_until(lambda: bad["id"] in picky.ids(), 10, "the alert set apart, once it is taken")
+        assert sink.flush(timeout=5) and sink.undelivered() == []
+        assert sorted(picky.ids()) == sorted(a["id"] for a in [bad, *reals, more])
+    finally:
+        sink.close(timeout=1)
+        picky.stop()
+
+
+def test_a_message_refused_by_errcode_stays_apart_across_a_restart(tmp_path):
+    picky = Picky("poison-errcode", 200, b'{"errcode":40035,"errmsg":"invalid parameter"}')
+    path = tmp_path / "dingtalk.json"
+    first = DingTalkSink(picky.url + "?access_token=t", outbox_path=path, **ISOLATE)
+    bad, real = _alert("poison-errcode"), _alert("real")
+    try:
+        first.deliver([bad, real])
+        wait_until(lambda: real["id"] in picky.ids(), 10, "the P0 behind the refused alert")
+    finally:
+        first.close(timeout=0.2)
+    [kept] = json.loads(path.read_text())["pending"]
+    assert kept["alert"]["id"] == bad["id"] and kept["held_until"] > time.time() - 1
+    second = DingTalkSink(picky.url + "?access_token=t", outbox_path=path, **ISOLATE)
+    try:
+        after = _alert("real")
+        started = time.monotonic()
+        second.deliver([after])
+        wait_until(lambda: after["id"] in picky.ids(), 10, "the P0 after the restart")
+        assert time.monotonic() - started <= USUAL_LATENCY_S
+        assert second.pending() == 1
+    finally:
+        second.close(timeout=0.2)
+        picky.stop()
+
+
 def test_the_console_writes_every_line_of_a_batch_with_poisoned_alerts():
     out = io.StringIO()
     console = ConsoleSink(out, colour=False)
