@@ -5,7 +5,7 @@ Each trainguard alert becomes one Alertmanager alert:
 
 - labels (they identify the alert, so a resolution matches its firing): ``alertname`` and
   ``rule`` (the rule), ``run``, ``severity``, ``host``, and where the alert has them
-  ``metric``, ``layer``, ``rank``, ``gpu``;
+  ``metric``, ``layer``, ``rank``, ``gpu``, escaped like the annotations;
 - annotations: ``summary`` (the ``title.txt`` template), ``root_cause`` (the diagnosis),
   ``suggestion``, ``report``, ``incident``, ``value``, ``step``, ``alert_id``;
 - ``startsAt`` = onset time; a resolved alert carries ``endsAt`` = its time.
