@@ -66,6 +66,11 @@ On the embedded broker or the cluster:
   which one came out live.
 - ``sinks_restart``: a sinks process stopped while its webhook receiver refuses, restarted once
   it is up: alerts never received, alerts received twice.
+- ``ts_poison``: NaN losses stamped by a millisecond, microsecond and nanosecond clock and 1e308
+  written to the events topic, alerts so stamped to the alerts topic, then real runs' NaNs through
+  a real worker and a sinks process with every chat sink and Alertmanager (restarted once):
+  ``ts_poison_delayed_alerts``, real P0s a sink did not page within twice the latency of a P0
+  sent before any poison (5 s at least).
 - ``tiny_runs``: 20,000 invented run ids of one tiny event each through a real worker whose tiny
   runs live 20 s, twice: its RSS settled, at the peak, and once they are forgotten, per 1,000 runs.
 - ``many_metrics``: a trainer logging 5,000 metric names per step for 200 steps, the worker then
@@ -118,6 +123,7 @@ TARGETS = {
     "chat_injections": (0, "le"),
     "sinks_restart_lost_alerts": (0, "le"),
     "sinks_restart_duplicate_alerts": (0, "le"),
+    "ts_poison_delayed_alerts": (0, "le"),
     "broker_kill_delivered_after_ratio": (0.99, "ge"),
     "broker_kill_lost_uncounted": (0, "le"),
     "broker_kill_missed_alerts": (0, "le"),
@@ -232,6 +238,10 @@ def run_on_broker(only: set[str], quick: bool) -> dict:
     if "sinks_restart" in only:
         print("sinks_restart: stop the sinks while the receiver is down, restart ...", file=sys.stderr, flush=True)
         out["sinks_restart"] = scenarios.sinks_restart_lost_alerts()
+    if "ts_poison" in only:
+        print("ts_poison: time stamps of other clocks and 1e308 ahead of real NaNs, every sink ...", file=sys.stderr,
+              flush=True)
+        out["ts_poison"] = scenarios.ts_poison(victims=3 if quick else 5)
     return out
 
 
@@ -282,6 +292,9 @@ def summary(results: dict, where: dict) -> dict:
     if "sinks_restart" in results:
         for k in ("sinks_restart_lost_alerts", "sinks_restart_duplicate_alerts"):
             s[k] = results["sinks_restart"][k]
+    if "ts_poison" in results:
+        s["ts_poison_delayed_alerts"] = results["ts_poison"]["ts_poison_delayed_alerts"]
+        s["ts_poison_usual_latency_s"] = results["ts_poison"]["usual_latency_s"]
     if "broker_kill" in results:
         r = results["broker_kill"]
         for k in ("broker_kill_delivered_after_ratio", "broker_kill_lost_uncounted", "broker_kill_missed_alerts",
@@ -325,7 +338,7 @@ def main(argv=None) -> int:
                                                          "5,000 tiny runs instead of 20,000, 50 steps instead of 200")
     ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener, lifecycle, "
                                                "shutdown, hostile, worker_kill, forged, listener_reset, "
-                                               "chat_injections, sinks_restart, ui, "
+                                               "chat_injections, sinks_restart, ts_poison, ui, "
                                                "tiny_runs, many_metrics, hostile_crash_loops, "
                                                "broker_kill, cluster_restart, election, exactly_once, refused_outputs")
     ap.add_argument("--broker", choices=("apache-kafka", "tansu"), default=None,
@@ -334,7 +347,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     only = set(filter(None, args.only.split(","))) or {"broker_restart", "close", "listener", "lifecycle", "shutdown",
                                                        "hostile", "worker_kill", "forged", "listener_reset",
-                                                       "chat_injections", "sinks_restart", "ui"}
+                                                       "chat_injections", "sinks_restart", "ts_poison", "ui"}
     if not args.only:
         only |= {"tiny_runs", "many_metrics", "hostile_crash_loops", *CLUSTER_ONLY}
     broker = args.broker or ("apache-kafka" if kafka_cluster.available() else "tansu")

@@ -1241,12 +1241,20 @@ def chat_texts(path: str, body) -> list[tuple[str, str]]:
     return [("webhook.text", body["text"])]
 
 
+CHAT_UI_URL = "http://tg.example:8321"  # where the chat scenarios say `trainguard ui` is served
+
+
 def chat_injections_in(text: str) -> list[str]:
     """What in ``text`` a hostile field made live: a markdown link or image, a Slack link or
-    mention, raw angle brackets (HTML, autolinks), a forged line."""
+    mention, raw angle brackets (HTML, autolinks), a bare URL (a link in every chat client), a
+    forged line. Slack's links to our own pages (``<{CHAT_UI_URL}/run/...>``, the run id quoted)
+    are ours, not a field's."""
     import re
 
+    text = re.sub(re.escape(f"<{CHAT_UI_URL}/") + r"[^<>|\s]*>", "", text)
     found = []
+    if re.search(r"(?i)\b[a-z][a-z0-9+.-]*://|\bwww\.", text.replace(CHAT_UI_URL, "")):
+        found.append("bare URL")
     if re.search(r"\[[^\]\n]*\]\s*\(", text):
         found.append("markdown link")
     if re.search(r"<[!@#]|<https?:|\|[^>\n]*>", text):
@@ -1317,7 +1325,7 @@ def chat_injections(settings: KafkaSettings | None = None, log_dir=None) -> dict
     receiver = Receiver(ok_body=b'{"errcode":0,"errmsg":"ok"}')
     env = sinks_env(receiver.url, log_dir, TRAINGUARD_DINGTALK_WEBHOOK=receiver.url + "?access_token=chaos",
                      TRAINGUARD_DINGTALK_SECRET="SECchaos", TRAINGUARD_WECOM_WEBHOOK=receiver.url,
-                     TRAINGUARD_SLACK_WEBHOOK=receiver.url, TRAINGUARD_UI_URL="http://tg.example:8321",
+                     TRAINGUARD_SLACK_WEBHOOK=receiver.url, TRAINGUARD_UI_URL=CHAT_UI_URL,
                      TRAINGUARD_ALERTMANAGER_URL=f"http://127.0.0.1:{receiver.port}",
                      TRAINGUARD_DIGEST_INTERVAL_S="2")
     try:
@@ -1427,3 +1435,140 @@ def _offset_of(settings: KafkaSettings, topic: str, partition: int, wanted, time
         return -1
     finally:
         c.close()
+
+
+# --------------------------------------------------------------------------- time stamps that poison a page
+
+POISON_CLOCKS = ("ms", "us", "ns", "1e308")
+
+
+def _poison_stamp(clock: str, now: float):
+    """A time stamp as a producer on another clock writes it (integers, as they do), or 1e308."""
+    return {"ms": int(now * 1e3), "us": int(now * 1e6), "ns": int(now * 1e9)}.get(clock, 1e308)
+
+
+def _sink_of(path: str, body) -> str:
+    """Which sink made a request to the shared receiver (by the shape of its body)."""
+    return chat_texts(path, body)[0][0].split(".")[0]
+
+
+def ts_poison(victims: int = 5, settings: KafkaSettings | None = None, log_dir=None) -> dict:
+    """Someone with write access to the events topic stamps NaN losses with a millisecond,
+    microsecond and nanosecond clock and with 1e308, and writes alerts so stamped to the alerts
+    topic (what an older worker, or anyone, could); then real runs' losses turn NaN. A real worker
+    judges them; a real sinks process with every chat sink (DingTalk, WeCom, Slack, the generic
+    webhook) and Alertmanager pages a real HTTP receiver, and is restarted once in between (its
+    outboxes kept). The usual latency is that of a P0 sent before any poison (twice it, 5 s at
+    least). Figures: ``ts_poison_delayed_alerts``, the (real P0, sink) pairs not received within
+    it (target 0); the latencies; what the poisoned records became."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from tests.integration import Receiver, SinksProcess, TopicReader, WorkerProcess
+
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-poison-"))
+    receiver = Receiver(ok_body=b'{"errcode":0,"errmsg":"ok"}')
+    env = sinks_env(receiver.url, log_dir, TRAINGUARD_DINGTALK_WEBHOOK=receiver.url + "?access_token=chaos",
+                     TRAINGUARD_WECOM_WEBHOOK=receiver.url, TRAINGUARD_SLACK_WEBHOOK=receiver.url,
+                     TRAINGUARD_ALERTMANAGER_URL=f"http://127.0.0.1:{receiver.port}")
+    kinds = ("dingtalk", "wecom", "slack", "webhook", "alertmanager")
+    tag = uuid.uuid4().hex[:6]
+    control = f"chaos-poison-control-{tag}"
+    real = [f"chaos-poison-real-{tag}-{i}" for i in range(victims)]
+    attackers = {clock: f"chaos-poison-{clock}-{tag}" for clock in POISON_CLOCKS}
+    written = {clock: f"chaos-poisoned-alert-{clock}-{tag}" for clock in POISON_CLOCKS}  # on the alerts topic
+    everyone = [control, *real, *attackers.values(), *written.values()]
+    seen_at: dict[tuple[str, str], float] = {}  # (run, sink) -> when its first message arrived
+    read = [0]  # requests looked at so far
+
+    def look() -> None:
+        requests = list(receiver.requests)
+        for path, body in requests[read[0]:]:
+            text = json.dumps(body, ensure_ascii=False)
+            for run in everyone:
+                if run in text:
+                    seen_at.setdefault((run, _sink_of(path, body)), time.monotonic())
+        read[0] = len(requests)
+
+    def paged(run: str, sent: float, timeout: float = 60.0) -> dict[str, float | None]:
+        """Seconds from ``sent`` until each sink's first message about ``run`` (None: not in ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all((run, k) in seen_at for k in kinds):
+            look()
+            time.sleep(0.05)
+        look()
+        return {k: round(seen_at[(run, k)] - sent, 2) if (run, k) in seen_at else None for k in kinds}
+
+    def nan_run(run: str) -> float:
+        """A real run logs three healthy steps, then a NaN loss: when the NaN was sent."""
+        logger = TrainerLogger(run, settings, host="chaos")
+        for step in range(1, 4):
+            logger.log({"actor/pg_loss": -0.01}, step)
+        logger.publisher.flush(5)
+        logger.log({"actor/pg_loss": float("nan")}, 4)
+        logger.publisher.flush(5)
+        sent = time.monotonic()
+        logger.close(5, quiet=True)
+        return sent
+
+    try:
+        with _sinks_topics(settings) as settings:
+            worker = WorkerProcess(settings, log_dir).start()
+            sinks = sinks_started(SinksProcess(settings, log_dir, env).start())
+            dlq = TopicReader(settings, settings.topics.dlq, decode=orjson.loads)
+            alerts = TopicReader(settings, settings.topics.alerts, decode=orjson.loads)
+            try:
+                worker.wait_ready()
+                usual = paged(control, nan_run(control))
+                now, src = time.time(), ev.source("trainer", "chaos", 0)
+                for clock, run in attackers.items():
+                    stamp = _poison_stamp(clock, now)
+                    event = {**ev.metrics_event(run, 1, {"actor/pg_loss": None}, src=src), "ts": stamp}
+                    alert = {"schema": ev.ALERT, "id": written[clock], "run_id": written[clock],
+                             "rule": "non_finite", "severity": "P0", "status": "firing", "metric": "actor/pg_loss",
+                             "value": "NaN", "step": 1, "ts": stamp, "onset": {"step": 1, "ts": stamp},
+                             "source": src, "evidence": {"detector": "non_finite"}, "diagnosis": "NaN loss",
+                             "suggestion": "roll back"}
+                    _produce_raw(settings, settings.topics.events, run, [json.dumps(event).encode()])
+                    _produce_raw(settings, settings.topics.alerts, alert["run_id"], [json.dumps(alert).encode()])
+                latencies = {run: paged(run, nan_run(run)) for run in real[:-1]}
+                sinks.stop()  # its outboxes kept: what is pending there goes first in the next one
+                sinks = sinks_started(SinksProcess(settings, log_dir, env, group=sinks.group).start())
+                latencies[real[-1]] = paged(real[-1], nan_run(real[-1]))
+                time.sleep(2.0)
+                look()
+                dead = [r for r in dlq.drain() if "ahead of this reader's clock" in str(r.get("reason", ""))]
+                alerts.drain()
+                said = sinks.log()
+            finally:
+                alerts.close()
+                dlq.close()
+                sinks.stop()
+                worker.kill()
+    finally:
+        receiver.stop()
+        (log_dir / "received.json").write_text(json.dumps(receiver.requests, ensure_ascii=False, indent=1))
+    slowest = max((v for v in usual.values() if v is not None), default=None)
+    bound = max(5.0, 2 * slowest) if slowest is not None else 5.0
+    delayed = sum(1 for per_sink in latencies.values() for v in per_sink.values() if v is None or v > bound)
+    return {"ts_poison_delayed_alerts": delayed, "usual_latency_s": slowest, "latency_bound_s": round(bound, 2),
+            "control_latency_s": usual, "real_p0_latency_s": latencies, "poisoned_events_dead_lettered": len(dead),
+            # alerts written stamped so: a time the sinks convert (paged by every sink) or refuse (1e308)
+            "poisoned_alerts_paged_by": {clock: sorted(k for k in kinds if (run, k) in seen_at)
+                                         for clock, run in written.items()},
+            # the worker's alerts on the runs whose events were stamped so: how far their time is from
+            # the moment the events were written (converted where it was decoded: about 0)
+            "poisoned_event_alert_ts_off_s": {clock: round(a["ts"] - now, 1) for clock, run in attackers.items()
+                                              for a in alerts.seen if a.get("run_id") == run},
+            "sinks_render_errors": said.count("could not render"), "sinks_delivery_retries": said.count("delivery of")}
+
+
+def _produce_raw(settings: KafkaSettings, topic: str, key: str, values: list[bytes]) -> None:
+    """``values`` as they are (no schema check: what any producer can write), keyed by ``key``."""
+    from confluent_kafka import Producer
+
+    p = Producer(settings.confluent(**{"partitioner": "murmur2_random", "log_level": 0}))
+    for v in values:
+        p.produce(topic, v, key)
+    assert p.flush(15) == 0

@@ -293,11 +293,45 @@ def _int(obj: dict, field: str, *, required: bool = True, minimum: int | None = 
     return v
 
 
+# An event's own time stamp (``ts``, an alert's onset, a command's ``issued``) is seconds since
+# the epoch, at most MAX_CLOCK_SKEW_S ahead of the reader's clock (a host whose clock is set in
+# local time is at most 14 h ahead). The usual mistake of a producer in another language, a
+# millisecond, microsecond or nanosecond clock (Java's currentTimeMillis(), JS's Date.now(),
+# Go's UnixNano()), is recognised by its size and converted where it is decoded; anything else
+# ahead of the clock is refused, never kept: every later use (rendering, eviction) trusts it.
+MAX_CLOCK_SKEW_S = 86_400.0
+CLOCK_UNITS = ((1e3, "milliseconds"), (1e6, "microseconds"), (1e9, "nanoseconds"))
+EARLIEST_CONVERTED = 946_684_800.0  # 2000-01-01: a converted time before it was no such clock
+
+
+def clock_seconds(v: float, now: float | None = None) -> tuple[float, str | None]:
+    """``v`` (a finite, non-negative time stamp) as seconds since the epoch, and the unit it was
+    converted from (None: it was seconds); SchemaError-free: raises ValueError saying why when
+    ``v`` is further ahead of ``now`` than :data:`MAX_CLOCK_SKEW_S` in every unit."""
+    now = time.time() if now is None else now
+    horizon = now + MAX_CLOCK_SKEW_S
+    if v <= horizon:
+        return v, None
+    for scale, unit in CLOCK_UNITS:
+        seconds = v / scale
+        if EARLIEST_CONVERTED <= seconds <= horizon:
+            return seconds, unit
+    raise ValueError(f"{v:.6g} is {v - now:.3g} s ahead of this reader's clock, more than the "
+                     f"{MAX_CLOCK_SKEW_S:.0f} s allowed, and no millisecond, microsecond or nanosecond clock "
+                     f"either: send seconds since the epoch")
+
+
 @overload
-def _time(obj: dict, field: str, *, required: Literal[True] = ..., prefix: str = "") -> float: ...
+def _time(obj: dict, field: str, *, required: Literal[True] = ..., prefix: str = "", stamp: bool = False,
+          along: tuple[str, ...] = ()) -> float: ...
 @overload
-def _time(obj: dict, field: str, *, required: bool, prefix: str = "") -> float | None: ...
-def _time(obj: dict, field: str, *, required: bool = True, prefix: str = "") -> float | None:
+def _time(obj: dict, field: str, *, required: bool, prefix: str = "", stamp: bool = False,
+          along: tuple[str, ...] = ()) -> float | None: ...
+def _time(obj: dict, field: str, *, required: bool = True, prefix: str = "", stamp: bool = False,
+          along: tuple[str, ...] = ()) -> float | None:
+    """A time field; ``stamp``: the event's own time stamp, bounded by the clock (see
+    :data:`MAX_CLOCK_SKEW_S`), converted to seconds in ``obj`` where it was another unit, and
+    with it the fields ``along`` it written by the same clock (a command's ``expires``)."""
     v = obj.get(field)
     if v is None:
         if required:
@@ -308,7 +342,21 @@ def _time(obj: dict, field: str, *, required: bool = True, prefix: str = "") -> 
         raise _fail(prefix + field, f"must be a number (seconds since the epoch), got {t.__name__}")
     if not math.isfinite(v) or v < 0:
         raise _fail(prefix + field, f"must be a finite, non-negative number, got {v}")
-    return float(v)
+    if not stamp:
+        return float(v)
+    try:
+        seconds, unit = clock_seconds(v)
+    except ValueError as exc:
+        raise _fail(prefix + field, str(exc)) from None
+    if unit is not None:
+        if "signature" in obj:  # its MAC covers the value as sent: converting it would break the MAC
+            raise _fail(prefix + field, f"{v:.6g} looks like {unit} since the epoch; a signed event must carry "
+                                        f"seconds (its signature covers the value as sent)")
+        obj[field] = seconds
+        for other in along:
+            if type(obj.get(other)) in (int, float):
+                obj[other] = obj[other] * (seconds / v)
+    return seconds
 
 
 def _enum(obj: dict, field: str, allowed: tuple, *, required: bool = True) -> str | None:
@@ -413,7 +461,7 @@ def _validate_metrics(event: dict) -> None:
     _check_run(event)
     _check_source(event.get("source"))
     _int(event, "step")
-    _time(event, "ts")
+    _time(event, "ts", stamp=True)
     if "layer" in event:
         _enum(event, "layer", LAYERS)
     _check_metrics(event)
@@ -433,7 +481,7 @@ def _validate_checkpoint(event: dict) -> None:
     _check_run(event)
     _int(event, "step")
     _str(event, "path")
-    _time(event, "ts")
+    _time(event, "ts", stamp=True)
     if event.get("source") is not None:
         _check_source(event["source"])
 
@@ -442,7 +490,7 @@ def _validate_lifecycle(event: dict) -> None:
     _check_run(event)
     _enum(event, "event", LIFECYCLE_EVENTS)
     _int(event, "step", required=False)
-    _time(event, "ts")
+    _time(event, "ts", stamp=True)
     if event.get("source") is not None:
         _check_source(event["source"])
     _dict(event, "detail")
@@ -455,10 +503,10 @@ def _validate_alert(event: dict) -> None:
     _enum(event, "severity", SEVERITIES)
     _enum(event, "status", ALERT_STATUSES)
     _int(event, "step", required=False)
-    _time(event, "ts")
+    _time(event, "ts", stamp=True)
     onset = _dict(event, "onset", required=True)
     _int(onset, "step", required=False, prefix="onset.")
-    _time(onset, "ts", prefix="onset.")
+    _time(onset, "ts", prefix="onset.", stamp=True)
     _dict(event, "evidence", required=True)
     _str(event, "diagnosis", required=False)
     _str(event, "suggestion", required=False)
@@ -475,7 +523,7 @@ def _validate_command(event: dict) -> None:
     reason = event.get("reason", [])
     if type(reason) is not list or any(type(r) is not str for r in reason):
         raise _fail("reason", "must be a list of alert ids (strings)")
-    issued = _time(event, "issued")
+    issued = _time(event, "issued", stamp=True, along=("expires",))
     expires = _time(event, "expires")
     if expires < issued:
         raise _fail("expires", "is earlier than issued")
@@ -494,7 +542,7 @@ def _validate_ack(event: dict) -> None:
     _check_run(event)
     _enum(event, "status", ACK_STATUSES)
     _str(event, "detail", required=False)
-    _time(event, "ts")
+    _time(event, "ts", stamp=True)
     _int(event, "step", required=False)
     _check_result(event)
 
@@ -519,7 +567,7 @@ def _validate_report(event: dict) -> None:
     _check_run(event)
     _enum(event, "action", ACTIONS)
     _str(event, "command_id")
-    _time(event, "ts")
+    _time(event, "ts", stamp=True)
     _str(event, "summary", required=False)
     _dict(event, "incident", required=True)
     _dict(event, "checkpoint", required=True)
@@ -529,9 +577,9 @@ def _validate_report(event: dict) -> None:
 
 def _validate_status(event: dict) -> None:
     _check_run(event)
-    _time(event, "ts")
+    _time(event, "ts", stamp=True)
     _int(event, "last_step", required=False)
-    _time(event, "last_event_ts", required=False)
+    _time(event, "last_event_ts", required=False, stamp=True)
     breaker = _dict(event, "breaker", required=True)
     _str(breaker, "status", prefix="breaker.")
     _int(breaker, "rollbacks", prefix="breaker.")
@@ -549,7 +597,7 @@ def _validate_operator(event: dict) -> None:
     _str(event, "rule", required=False, max_len=MAX_NAME_LEN)
     _str(event, "reason", required=False)
     _str(event, "by", required=False, max_len=256)
-    _time(event, "ts")
+    _time(event, "ts", stamp=True, along=("until",))
     _str(event, "alert_id", required=action in ("ack", "resolve"), max_len=256)
     until = _time(event, "until", required=action == "silence")
     if until is not None and until <= event["ts"]:

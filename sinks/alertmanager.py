@@ -5,7 +5,7 @@ Each trainguard alert becomes one Alertmanager alert:
 
 - labels (they identify the alert, so a resolution matches its firing): ``alertname`` and
   ``rule`` (the rule), ``run``, ``severity``, ``host``, and where the alert has them
-  ``metric``, ``layer``, ``rank``, ``gpu``;
+  ``metric``, ``layer``, ``rank``, ``gpu``, escaped like the annotations;
 - annotations: ``summary`` (the ``title.txt`` template), ``root_cause`` (the diagnosis),
   ``suggestion``, ``report``, ``incident``, ``value``, ``step``, ``alert_id``;
 - ``startsAt`` = onset time; a resolved alert carries ``endsAt`` = its time.
@@ -29,8 +29,9 @@ from collections import OrderedDict
 from datetime import datetime, timezone
 
 from trainguard.sinks.paging import muted
+from trainguard.sinks.reports import shown_time
 from trainguard.sinks.webhooks.delivery import WebhookSink
-from trainguard.sinks.webhooks.messages import alert_fields
+from trainguard.sinks.webhooks.messages import alert_fields, escape_annotation
 
 log = logging.getLogger("trainguard.sinks.alertmanager")
 
@@ -40,7 +41,18 @@ def _iso(ts: float) -> str:
 
 
 def _num(ts, default: float) -> float:
-    return float(ts) if isinstance(ts, (int, float)) and ts == ts else default
+    """``ts`` where a date can hold it (no NaN, no infinity, no year past 9999), else ``default``."""
+    when = shown_time(ts)
+    return default if when is None or when < 0 else when
+
+
+def _report_url(alert: dict) -> str:
+    """The alert's report where it is one http(s) URL, else ""."""
+    report = alert.get("report")
+    if isinstance(report, str) and report.startswith(("http://", "https://")) and report.isprintable() \
+            and " " not in report:
+        return report
+    return ""
 
 
 class AlertmanagerSink(WebhookSink):
@@ -66,15 +78,18 @@ class AlertmanagerSink(WebhookSink):
         super().__init__(base + "/api/v2/alerts", **kwargs)
 
     def labels(self, alert: dict) -> dict[str, str]:
+        """The labels, escaped like the annotations (Alertmanager's templates put them into messages
+        too: a label holds no newline, no ``<!channel>``); the same for a firing and its resolution."""
         src = alert.get("source") or {}
-        labels = {"alertname": str(alert.get("rule", "")), "rule": str(alert.get("rule", "")),
-                  "run": str(alert.get("run_id", "")), "severity": str(alert.get("severity", "")),
-                  "host": str(src.get("host") or "")}
+        if not isinstance(src, dict):
+            src = {}
+        labels = {"alertname": alert.get("rule", ""), "rule": alert.get("rule", ""), "run": alert.get("run_id", ""),
+                  "severity": alert.get("severity", ""), "host": src.get("host") or ""}
         for name, value in (("metric", alert.get("metric")), ("layer", alert.get("layer")),
                             ("rank", src.get("rank")), ("gpu", src.get("gpu"))):
             if value not in (None, ""):
-                labels[name] = str(value)
-        return labels
+                labels[name] = value
+        return {k: escape_annotation(v) for k, v in labels.items()}
 
     def accepts(self, event: dict) -> bool:
         # every alert (Alertmanager groups and routes itself), but not those the engine muted
@@ -84,8 +99,11 @@ class AlertmanagerSink(WebhookSink):
     def annotations(self, alert: dict) -> dict[str, str]:
         # Alertmanager's templates put these into messages we do not see: escaped like markdown
         fields = alert_fields(alert)
+        # a report that is a URL is the generatorURL too, a link by design: the one field left one
+        report = escape_annotation(_report_url(alert)) or fields["report"]
         notes = {"summary": self.templates.render("title.txt", alert), "root_cause": fields["root_cause"],
-                 "suggestion": fields["suggestion"], "report": fields["report"], "incident": fields["incident"],
+                 "suggestion": fields["suggestion"], "report": report,
+                 "incident": fields["incident"],
                  "value": fields["value"], "step": fields["step"], "alert_id": fields["id"]}
         return {k: v for k, v in notes.items() if v}
 
@@ -98,8 +116,8 @@ class AlertmanagerSink(WebhookSink):
             out["endsAt"] = _iso(max(starts, min(ts, now)))
         else:
             out["endsAt"] = _iso(now + 4 * self.resend_s)
-        report = str(alert.get("report") or "")
-        if report.startswith(("http://", "https://")):
+        report = _report_url(alert)
+        if report:
             out["generatorURL"] = report
         return out
 
@@ -140,7 +158,18 @@ class AlertmanagerSink(WebhookSink):
             alerts = list(self._active.values())
         if not alerts:
             return
+        postable = []
+        for alert in alerts:  # it was delivered, so it renders; one that does not is dropped alone
+            try:
+                postable.append(self.postable(alert, now))
+            except Exception as exc:
+                log.error("trainguard: alertmanager stops re-sending alert %s, which no longer renders: %s",
+                          str(alert.get("id"))[:80], exc)
+                with self._active_lock:
+                    self._active.pop(str(alert.get("id")), None)
+        if not postable:
+            return
         try:
-            self._post_json([self.postable(a, now) for a in alerts])
+            self._post_json(postable)
         except Exception as exc:  # the next tick tries again; the alerts stay active until endsAt
             log.warning("trainguard: alertmanager re-send of %d firing alert(s) failed: %s", len(alerts), exc)

@@ -9,8 +9,8 @@ from typing import TextIO
 import orjson
 
 from trainguard.sinks.base import Sink
-from trainguard.sinks.reports import forecast_text, format_value
-from trainguard.terminal import safe_event
+from trainguard.sinks.reports import forecast_text, format_time, format_value
+from trainguard.terminal import safe, safe_event
 
 _SEVERITY_COLOUR = {"P0": "\033[1;97;41m", "P1": "\033[1;31m", "P2": "\033[33m", "P3": "\033[36m"}
 _RESET = "\033[0m"
@@ -21,7 +21,7 @@ _MAGENTA = "\033[1;35m"
 
 
 def _clock(ts: float | None) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(ts or time.time()))
+    return format_time(ts if type(ts) in (int, float) and ts else time.time(), "%H:%M:%S")
 
 
 class ConsoleSink(Sink):
@@ -88,6 +88,17 @@ class ConsoleSink(Sink):
             line += "\n    " + orjson.dumps(alert, option=orjson.OPT_INDENT_2).decode().replace("\n", "\n    ")
         return line
 
+    def line(self, event: dict) -> str:
+        """:meth:`format`, or for an event it cannot format (a field of a shape no event has) a
+        plain line that says so: one bad event never costs the rest of its batch."""
+        try:
+            return self.format(event)
+        except Exception as exc:
+            self.failed += 1
+            shown = {k: event.get(k) for k in ("schema", "id", "run_id", "rule", "severity", "status")
+                     if isinstance(event.get(k), str)}
+            return safe(f"{shown} (not shown whole: {type(exc).__name__}: {exc})"[:1000])
+
     def write(self, batch: list[dict]) -> None:
-        self.stream.write("".join(self.format(e) + "\n" for e in batch))
+        self.stream.write("".join(self.line(e) + "\n" for e in batch))
         self.stream.flush()

@@ -31,7 +31,33 @@ def format_value(v) -> str:
     """A number as reports and pages show it: 4 significant digits, NaN/Inf spelled out."""
     if isinstance(v, float):
         return f"{v:.4g}" if math.isfinite(v) else str(v)
+    if type(v) is int and v.bit_length() > 64:  # str() refuses past 4,300 digits: no one reads them anyway
+        return f"an integer of {v.bit_length()} bits"
     return str(v)
+
+
+LATEST_SHOWN_TIME = 253_402_300_799.0  # 9999-12-31 23:59:59 UTC: the last second a date format holds
+
+
+def shown_time(ts) -> float | None:
+    """``ts`` as a time a clock can show (a finite number of seconds, 0001..9999), else None."""
+    if type(ts) not in (int, float) or not -62_135_596_800 <= ts <= LATEST_SHOWN_TIME:  # NaN fails it too
+        return None
+    return float(ts)
+
+
+def format_time(ts, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
+    """``ts`` (seconds since the epoch) in local time, for any value: nothing for a field that is
+    not a number, the number itself (``1.8e+18 (not a time)``) for one no clock shows."""
+    if type(ts) not in (int, float):
+        return ""
+    when = shown_time(ts)
+    if when is not None:
+        try:
+            return time.strftime(fmt, time.localtime(when))
+        except (ValueError, OverflowError, OSError):  # the platform's own limits
+            pass
+    return f"{format_value(ts)} (not a time)"
 
 
 def _duration(seconds: float) -> str:
@@ -92,11 +118,10 @@ def _items(v) -> list:
     return v if isinstance(v, list) else []
 
 
+
+
 def _when(ts) -> str:
-    try:
-        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
-    except (TypeError, ValueError, OverflowError, OSError):
-        return shown(ts)
+    return format_time(ts) or shown(ts)
 
 
 def render_text(report: dict) -> str:

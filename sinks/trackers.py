@@ -42,6 +42,13 @@ MAX_WANDB_RUNS = 8  # W&B companion runs open at once
 WEIGHT = {"P0": 4.0, "P1": 3.0, "P2": 2.0, "P3": 1.0}  # the marker's height: worse is higher
 
 
+def _step(v) -> int | None:
+    """``v`` as a step a chart can place (an integer, or a float that is one), else None."""
+    if type(v) is int:
+        return v
+    return int(v) if type(v) is float and v.is_integer() else None  # NaN and infinities are no integer
+
+
 def _line(event: dict, step: int | None) -> str:
     """One line for a person: what happened, at which step."""
     at = f" at step {step}" if step is not None else ""
@@ -77,23 +84,29 @@ class TrackerSink(Sink):
             key = f"{event.get('id')}:{event.get('status', '')}"
             if key in self._seen:
                 continue
-            run = str(event["run_id"])
-            if kind == ev.ALERT:
-                step = event.get("step")
-                if step is None:
-                    step = (event.get("onset") or {}).get("step")
-                if step is not None:
-                    self._last_step[run] = int(step)
-                    self._last_step.move_to_end(run)
-                    if len(self._last_step) > MAX_RUNS:
-                        self._last_step.popitem(last=False)
-                self._alert(run, event, None if step is None else int(step))
-            else:
-                step = self._last_step.get(run, ((event.get("target") or {}).get("step")))
-                self._command(run, event, step)
+            try:
+                self._write_one(kind, str(event["run_id"]), event)
+            except Exception as exc:  # one event a writer cannot take never costs the rest of the batch
+                self.failed += 1
+                log.error("trainguard: %s could not write %s %s: %s: %s", self.name, kind,
+                          str(event.get("id"))[:80], type(exc).__name__, exc)
             self._seen[key] = None
             if len(self._seen) > MAX_IDS:
                 self._seen.popitem(last=False)
+
+    def _write_one(self, kind: str, run: str, event: dict) -> None:
+        if kind == ev.ALERT:
+            step = _step(event.get("step"))
+            if step is None:
+                step = _step((event.get("onset") or {}).get("step"))
+            if step is not None:
+                self._last_step[run] = step
+                self._last_step.move_to_end(run)
+                if len(self._last_step) > MAX_RUNS:
+                    self._last_step.popitem(last=False)
+            self._alert(run, event, step)
+        else:
+            self._command(run, event, self._last_step.get(run, _step((event.get("target") or {}).get("step"))))
 
     def _alert(self, run: str, alert: dict, step: int | None) -> None:
         raise NotImplementedError

@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import time
 from importlib import resources
 
 import jsonschema
@@ -270,3 +271,79 @@ def test_a_command_the_trainer_must_refuse_cannot_be_built_and_is_named(action, 
     command = {**ev.command_event("r", "adjust", params={"lr_scale": 0.5}), "action": action, "params": params}
     assert problem in ev.command_problem(command)
     assert ev.command_problem(ev.command_event("r", "adjust", params={"lr_scale": 0.5, "kl_coef_scale": 2})) is None
+
+
+# --------------------------------------------------------------------------- an event's time and the clock
+
+CLOCKS = {"milliseconds": 1e3, "microseconds": 1e6, "nanoseconds": 1e9}
+
+
+def _stamped(kind: str, ts) -> bytes:
+    """A valid event of ``kind`` whose own time stamp is ``ts`` (as raw JSON: ints stay ints)."""
+    now = time.time()
+    events = {
+        "metrics": ev.metrics_event("run-1", 1, {"loss": 1.0}, src=SRC, ts=now),
+        "checkpoint": ev.checkpoint_event("run-1", 2, "/c/2", ts=now),
+        "lifecycle": ev.lifecycle_event("run-1", "started", ts=now),
+        "ack": ev.ack_event("c1", "run-1", "applied", ts=now),
+        "alert": VALID[6],
+    }
+    event = json.loads(ev.encode(events[kind]))
+    event["ts"] = ts
+    if kind == "alert":
+        event["onset"] = {"step": 3, "ts": ts}
+    return json.dumps(event).encode()
+
+
+@pytest.mark.parametrize("kind", ["metrics", "checkpoint", "lifecycle", "ack", "alert"])
+@pytest.mark.parametrize("unit", list(CLOCKS))
+def test_a_millisecond_microsecond_or_nanosecond_clock_is_converted_where_it_is_decoded(kind, unit):
+    now = time.time()
+    stamp = int(now * CLOCKS[unit])  # as Java's currentTimeMillis(), Go's UnixMicro(), UnixNano() write it
+    event = ev.decode(_stamped(kind, stamp))
+    assert abs(event["ts"] - now) < 1.0 and type(event["ts"]) is float
+    if kind == "alert":
+        assert abs(event["onset"]["ts"] - now) < 1.0
+
+
+@pytest.mark.parametrize("ts", [1e308, 2**63 - 1, time.time() + 3 * 86_400, 5e12, 1e21])
+def test_a_time_ahead_of_the_clock_in_every_unit_is_refused_with_the_reason(ts):
+    with pytest.raises(ev.SchemaError, match=r"ts: .* ahead of this reader's clock.*send seconds since the epoch"):
+        ev.decode(_stamped("metrics", ts))
+
+
+def test_a_bounded_skew_and_any_past_time_are_kept_as_they_are():
+    now = time.time()
+    for ts in (now + ev.MAX_CLOCK_SKEW_S - 60, now, 1.5e9, 1.0, 0):
+        assert ev.decode(_stamped("metrics", ts))["ts"] == ts
+
+
+def test_a_commands_expiry_and_a_silences_end_follow_their_stamps_clock():
+    now = time.time()
+    command = json.loads(ev.encode(ev.command_event("run-1", "pause", issued=now, ttl_s=300)))
+    command.update(issued=now * 1e3, expires=(now + 300) * 1e3)
+    back = ev.decode(json.dumps(command).encode())
+    assert abs(back["issued"] - now) < 1e-3 and abs(back["expires"] - back["issued"] - 300) < 1e-3
+    silence = {"schema": "operator/1", "run_id": "r", "action": "silence", "id": "s1", "ts": now * 1e9,
+               "until": (now + 3600) * 1e9}
+    back = ev.decode(json.dumps(silence).encode())
+    assert abs(back["until"] - back["ts"] - 3600) < 1e-3
+
+
+def test_a_signed_event_stamped_by_another_clock_is_refused_not_converted():
+    now = time.time()
+    event = {**ev.lifecycle_event("run-1", "finished", ts=now * 1e3), "signature": {"key_id": "k", "mac": "00"}}
+    with pytest.raises(ev.SchemaError, match="looks like milliseconds.*signed event must carry seconds"):
+        ev.decode(json.dumps(event).encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(ts=st.one_of(st.floats(), st.integers(-2**63, 2**63 - 1)))
+def test_any_time_stamp_decodes_to_a_time_within_the_skew_or_is_refused(ts):
+    raw = json.dumps({**json.loads(_stamped("metrics", 0)), "ts": ts}, allow_nan=True).encode()
+    try:
+        event = ev.decode(raw)
+    except ev.SchemaError as exc:
+        assert str(exc).startswith("ts: ") or "not valid JSON" in str(exc), exc
+        return
+    assert 0 <= event["ts"] <= time.time() + ev.MAX_CLOCK_SKEW_S

@@ -161,3 +161,52 @@ def test_alerts_wait_in_the_outbox_while_alertmanager_is_down(tmp_path):
         assert sink.pending() == 1 and sink.undelivered() == []
     finally:
         sink.close(timeout=0.1)
+
+
+def test_a_p0_behind_alerts_stamped_by_other_clocks_reaches_a_real_alertmanager_at_once(alertmanager):
+    """Alerts whose times are a millisecond, microsecond or nanosecond clock, or 1e308 (a date
+    cannot hold them), go out with the time of posting; the P0 behind them is in Alertmanager
+    within the usual latency, and every one of them is there."""
+    base, hook = alertmanager
+    run = f"poison-{uuid.uuid4().hex[:6]}"
+    sink = AlertmanagerSink(base, resend_s=30, backoff_s=0.05, max_backoff_s=0.5)
+    try:
+        now = time.time()
+        poisoned = [{**_alert(run, aid=f"poison-{name}"), "rule": f"poison_{name}", "ts": ts,
+                     "onset": {"step": 1, "ts": ts}, "value": ts}
+                    for name, ts in (("ms", now * 1e3), ("us", now * 1e6), ("ns", now * 1e9), ("1e308", 1e308),
+                                     ("inf", float("inf")))]
+        real = {**_alert(run, aid="real-p0"), "rule": "non_finite", "severity": "P0"}
+        started = time.monotonic()
+        sink.deliver([*poisoned, real])
+        wait_until(lambda: [a for a in _am_alerts(base, run) if a["labels"]["rule"] == "non_finite"], 10,
+                   "the real P0 in Alertmanager")
+        took = time.monotonic() - started
+        assert took <= 3.0, f"the P0 took {took:.2f} s behind {len(poisoned)} poisoned alerts"
+        assert sink.flush(timeout=10) and sink.retries == 0 and sink.undelivered() == []
+        stored = wait_until(lambda: (lambda got: got if len(got) == len(poisoned) + 1 else None)(_am_alerts(base, run)),
+                            10, "every alert in Alertmanager")
+        for am in stored:
+            assert am["startsAt"][:4] == time.strftime("%Y", time.gmtime()), am  # the time of posting, a real date
+        values = {a["labels"]["rule"]: a["annotations"].get("value") for a in stored}
+        assert values["poison_1e308"] == "1e+308" and values["poison_inf"] == "inf"
+    finally:
+        sink.close(timeout=1)
+
+
+def test_labels_hold_no_newline_and_no_mention_in_a_real_alertmanager(alertmanager):
+    base, hook = alertmanager
+    run = f"labels-{uuid.uuid4().hex[:6]}"
+    hostile = "gpu-08\n<!channel> [x](http://evil.example)"
+    sink = AlertmanagerSink(base, backoff_s=0.05, max_backoff_s=0.5)
+    try:
+        sink.deliver([{**_alert(run), "metric": hostile, "source": {"kind": "trainer", "host": hostile, "rank": 0}}])
+        assert sink.flush(timeout=30)
+        [am] = wait_until(lambda: _am_alerts(base, run), what="the alert in GET /api/v2/alerts")
+        [note] = wait_until(lambda: hook.alerts(run, "firing"), what="the notification at the webhook")
+        for labels in (am["labels"], note["labels"]):
+            for name in ("host", "metric"):
+                assert "\n" not in labels[name] and "<" not in labels[name] and "[" not in labels[name], labels
+                assert "gpu-08" in labels[name] and "channel" in labels[name]  # shown, harmless
+    finally:
+        sink.close(timeout=1)

@@ -215,3 +215,23 @@ def test_swanlab_opens_each_runs_experiment_once_for_a_batch_that_alternates(mon
     assert fake.inits == ["b trainguard", "a trainguard"] and len(fake.finished) == 1
     a_steps = [row["trainguard/step"] for row in fake.logged[21:]]
     assert a_steps == list(range(1, 41, 2))  # each run's events in their order
+
+
+def test_alerts_whose_step_no_chart_places_cost_the_rest_of_their_batch_nothing(tmp_path):
+    """Steps and times of any size (what a writer of the alerts topic chooses) are written without
+    a step, and the real alert behind them is on the chart at its step."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainguard.sinks.trackers import TensorBoardSink
+
+    alert = _events()[0]
+    poisoned = [{**alert, "id": f"poison-{i}", "step": v, "ts": 1.8e18, "onset": {"step": v, "ts": 1e308}}
+                for i, v in enumerate([float("inf"), float("nan"), 1e308, 2.5, 2**70])]
+    sink = TensorBoardSink(str(tmp_path / "{run_id}"))
+    sink.deliver([*poisoned, alert])
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / RUN), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    assert 42 in [e.step for e in acc.Scalars("trainguard/alert/kl_spike")]
+    assert sink.written == len(poisoned) + 1

@@ -25,6 +25,10 @@ Guarantees:
   Whatever could not be delivered is logged, counted (``undelivered_count`` and
   ``trainguard_notifications_total{outcome="undelivered"}``) and listed by
   :meth:`WebhookSink.undelivered`.
+- **One alert never holds another.** Every renderer takes any time and value; an alert no
+  template renders is sent in a plain form, or given up at once with the reason when even that
+  fails; a message the receiver keeps refusing while it takes others is set apart and retried
+  alone (``isolate_after_s``), across restarts too.
 
 Message text comes from the editable templates in ``sinks/templates/`` (see its README)."""
 

@@ -107,4 +107,5 @@ class SlackSink(WebhookSink):
         body = self.templates.render("slack.md", alert, escape_slack)
         return {"text": self.templates.render("title.txt", alert, escape_slack),
                 "blocks": [{"type": "header", "text": {"type": "plain_text", "text": header[:150]}},
-                           {"type": "section", "text": {"type": "mrkdwn", "text": body[:3000]}}]}
+                           # verbatim: Slack links no URL, channel or mention in it; ours are <url>
+                           {"type": "section", "text": {"type": "mrkdwn", "text": body[:3000], "verbatim": True}}]}

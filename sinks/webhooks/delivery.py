@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
 import os
 import random
 import socket
@@ -22,13 +23,24 @@ from pathlib import Path
 from trainguard.core.settings import value
 from trainguard.sinks.base import Sink, read_state, write_state
 from trainguard.sinks.paging import DIGEST_SCHEMA, delivery_key
-from trainguard.sinks.webhooks.messages import Templates
+from trainguard.sinks.webhooks.messages import Templates, plain_form
 
 log = logging.getLogger("trainguard.sinks.webhooks")
 
 
 class PermanentError(Exception):
     """The receiver refused the message for good (bad request, wrong token ...)."""
+
+
+class Unrenderable(PermanentError):
+    """Neither an alert's message nor its plain form could be made: it is given up with this
+    reason at once, never retried (retrying cannot render it, and it would hold every alert
+    behind it)."""
+
+
+class Refused(OSError):
+    """The receiver answered and did not take the message (HTTP 5xx, 408, 429, an errcode): a
+    fault of the receiver, or of this one message; :meth:`WebhookSink._choose` tells which."""
 
 
 @dataclass
@@ -38,6 +50,12 @@ class Item:
     queued: float = field(default_factory=time.time)
     attempts: int = 0
     last_error: str = ""
+    refused_since: float = 0.0  # wall clock of the first of its refusals in a row (0: none)
+    held_until: float = 0.0  # wall clock: set apart, retried alone, while others are delivered
+
+    @property
+    def alert_id(self) -> str:
+        return self.key.split(":", 1)[0]
 
 
 class Outbox:
@@ -62,7 +80,8 @@ class Outbox:
         for key in state.get("delivered", []):
             self.delivered[key] = None
         for raw in state.get("pending", []):
-            item = Item(raw["key"], raw["alert"], raw.get("queued", time.time()), raw.get("attempts", 0))
+            item = Item(raw["key"], raw["alert"], raw.get("queued", time.time()), raw.get("attempts", 0),
+                        refused_since=raw.get("refused_since", 0.0), held_until=raw.get("held_until", 0.0))
             self.pending.append(item)
             self._keys.add(item.key)
 
@@ -70,7 +89,8 @@ class Outbox:
         if not self.path:
             return
         write_state(self.path, {"pending": [{"key": i.key, "alert": i.alert, "queued": i.queued,
-                                             "attempts": i.attempts} for i in self.pending],
+                                             "attempts": i.attempts, "refused_since": i.refused_since,
+                                             "held_until": i.held_until} for i in self.pending],
                                 "delivered": list(self.delivered)})
 
     def add(self, alert: dict) -> bool:
@@ -138,8 +158,10 @@ class WebhookSink(Sink):
 
     def __init__(self, url: str, *, timeout_s: float = 10.0, backoff_s: float = 0.5, max_backoff_s: float = 60.0,
                  max_items: int = 1000, max_age_s: float = 86_400.0, outbox_path: str | Path | None = None,
-                 templates: Templates | str | Path | None = None, headers: dict | None = None):
+                 templates: Templates | str | Path | None = None, headers: dict | None = None,
+                 isolate_after_s: float = 5.0):
         super().__init__()
+        self.isolate_after_s = isolate_after_s
         if not url:
             raise ValueError(f"{self.name}: a webhook URL is required")
         self.webhook = url
@@ -154,6 +176,7 @@ class WebhookSink(Sink):
         self._cond = threading.Condition()
         self._stop = False
         self._busy = False
+        self._probed_for: Item | None = None  # the head whose refusals the item being tried tests
         self._metric = _counter()
         self._thread = threading.Thread(target=self._loop, name=f"trainguard-{self.name}", daemon=True)
         self._thread.start()
@@ -235,11 +258,29 @@ class WebhookSink(Sink):
 
     # -- delivery
 
+    def render(self, alert: dict) -> bytes:
+        """The request body for ``alert``: its :meth:`payload`, else (a field no template could
+        show, a value JSON cannot hold) the payload of its :func:`plain_form`, said in the log;
+        :class:`Unrenderable` when neither can be made."""
+        try:
+            return _json_body(self.payload(alert))
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"[:300]
+        log.error("trainguard: %s could not render alert %s (%s); sending its plain form", self.name,
+                  str(alert.get("id"))[:80], problem)
+        try:
+            return _json_body(self.payload(plain_form(alert, problem)))
+        except Exception as exc:
+            raise Unrenderable(f"could not be rendered ({problem}), nor its plain form "
+                               f"({type(exc).__name__}: {exc})"[:600]) from None
+
     def _post(self, alert: dict) -> None:
-        self._post_json(self.payload(alert))
+        self._post_body(self.render(alert))
 
     def _post_json(self, payload) -> None:
-        data = json.dumps(payload, ensure_ascii=False, default=str).encode()
+        self._post_body(_json_body(payload))
+
+    def _post_body(self, data: bytes) -> None:
         status, body = post(self.url(), data, self.headers, self.timeout_s)
         if 300 <= status < 400:  # followed, a POST can become a GET that delivers nothing
             raise PermanentError(f"HTTP {status}: the receiver redirects; configure the URL it redirects to")
@@ -247,12 +288,55 @@ class WebhookSink(Sink):
             detail = f"HTTP {status}: {body[:200]!r}"
             if status < 500 and status not in self.retry_statuses:
                 raise PermanentError(detail)
-            raise OSError(detail)
-        self.check_response(status, body)
+            raise Refused(detail)
+        try:
+            self.check_response(status, body)
+        except PermanentError:
+            raise
+        except OSError as exc:  # an errcode: the receiver answered
+            raise Refused(str(exc)) from None
 
     def _count(self, outcome: str, n: int = 1) -> None:
         if self._metric is not None:
             self._metric.labels(self.name, outcome).inc(n)
+
+    def _ready_in(self) -> float | None:
+        """Seconds until a pending item may be tried (0: now), None when none is pending."""
+        if not self.outbox.pending:
+            return None
+        return max(0.0, min(i.held_until for i in self.outbox.pending) - time.time())
+
+    def _choose(self) -> Item | None:
+        """The item to try now: the oldest not set apart, in order. Once the receiver has refused
+        that one for ``isolate_after_s``, every other attempt tries the oldest item of another
+        alert instead: if the receiver takes it, the refusals were the head's own (a message it
+        cannot take), so the head is set apart and retried alone with its own backoff while the
+        rest flow (:meth:`_set_apart`); if not, the receiver is down for all, and order is kept."""
+        now = time.time()
+        ready = [i for i in self.outbox.pending if i.held_until <= now]
+        if not ready:
+            return None
+        head, tested = ready[0], self._probed_for
+        self._probed_for = None
+        if tested is None and head.refused_since and now - head.refused_since >= self.isolate_after_s:
+            probe = next((i for i in ready[1:] if i.alert_id != head.alert_id), None)
+            if probe is not None:
+                self._probed_for = head
+                return probe
+        return head
+
+    def _set_apart(self, head: Item) -> None:
+        """``head`` (and what is pending of the same alert, which must follow it) retried alone."""
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** min(head.attempts, 30))
+        until = time.time() + max(delay, self.isolate_after_s)
+        first = not head.held_until
+        for item in self.outbox.pending:
+            if item.alert_id == head.alert_id:
+                item.held_until = until
+        (log.error if first else log.debug)(
+            "trainguard: %s receiver refuses alert %s (for %.0f s, %d attempt(s): %s) and takes others: it is "
+            "retried apart, the others go on", self.name, head.key, time.time() - head.refused_since, head.attempts,
+            head.last_error)
 
     def _loop(self) -> None:
         next_try = 0.0  # monotonic time of the next attempt (backoff after a failure)
@@ -260,8 +344,10 @@ class WebhookSink(Sink):
             with self._cond:
                 while not self._stop:
                     wait = next_try - time.monotonic()
-                    if self.outbox.pending and wait <= 0:
+                    ready_in = self._ready_in()
+                    if ready_in is not None and wait <= 0 and ready_in <= 0:
                         break
+                    wait = max(wait, ready_in or 0.0)
                     self._cond.wait(min(wait, 1.0) if wait > 0 else 1.0)
                     if self.tick_due():
                         break
@@ -274,20 +360,30 @@ class WebhookSink(Sink):
                 before = self.outbox.undelivered_count
                 self.outbox.expire()
                 self._report_given_up(before)
-                if not self.outbox.pending:
+                item = self._choose()
+                if item is None:
                     continue
-                item = self.outbox.pending[0]
+                tested = self._probed_for
                 self._busy = True
             try:
                 self._post(item.alert)
                 error = None
+            except Unrenderable as exc:
+                error, permanent, why = str(exc), True, str(exc)
             except PermanentError as exc:
-                error, permanent = str(exc), True
+                error, permanent, why = str(exc), True, "refused by the receiver"
             except Exception as exc:  # connection refused, timeout, 5xx, errcode != 0
                 error, permanent = f"{type(exc).__name__}: {exc}", False
+                refused = isinstance(exc, Refused)
+                if refused:  # answered: the receiver is up, this message was not taken
+                    item.refused_since = item.refused_since or time.time()
+                else:  # no answer: the receiver's fault, not the message's
+                    item.refused_since = 0.0
             with self._cond:
                 self._busy = False
                 item.attempts += 1
+                if tested is not None and error is None and tested in self.outbox.pending:
+                    self._set_apart(tested)
                 if error is None:
                     self.delivered(item.alert)
                     self.outbox.done(item)
@@ -297,8 +393,14 @@ class WebhookSink(Sink):
                 elif permanent:
                     item.last_error = error
                     before = self.outbox.undelivered_count
-                    self.outbox.give_up(item, "refused by the receiver")
+                    self.outbox.give_up(item, why)
                     self._report_given_up(before)
+                    next_try = 0.0
+                elif item.held_until and refused:  # set apart before, refused again: apart again, the
+                    item.last_error = error          # others not made to wait for it
+                    self.retries += 1
+                    self._count("retried")
+                    self._set_apart(item)
                     next_try = 0.0
                 else:
                     item.last_error = error
@@ -321,6 +423,27 @@ class WebhookSink(Sink):
         for entry in list(self.outbox.undelivered)[-n:]:
             log.error("trainguard: %s gave up on alert %s after %d attempt(s): %s (last error: %s)",
                       self.name, entry["key"], entry["attempts"], entry["reason"], entry["last_error"])
+
+
+def _finite(value):
+    """``value`` with every non-finite float as the schema writes it (``"NaN"``, ``"Infinity"``):
+    receivers parse strict JSON, which has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _json_body(payload) -> bytes:
+    """``payload`` as strict JSON (UTF-8); a NaN or an infinity in it as a string."""
+    try:
+        text = json.dumps(payload, ensure_ascii=False, allow_nan=False, default=str)
+    except ValueError:
+        text = json.dumps(_finite(payload), ensure_ascii=False, allow_nan=False, default=str)
+    return text.encode()
 
 
 def outbox_dir(env=None, group: str = "trainguard-sinks") -> tuple[Path, bool]:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import string
-import time
 from importlib import resources
 from pathlib import Path
 
 from trainguard.core.settings import value
 from trainguard.sinks.paging import DIGEST_SCHEMA
-from trainguard.sinks.reports import format_value, page_url
+from trainguard.sinks.reports import format_time, format_value, page_url
 from trainguard.terminal import safe
 
 log = logging.getLogger("trainguard.sinks.webhooks")
@@ -27,14 +27,22 @@ TEMPLATES_DIR = Path(__file__).parent.parent / "templates"
 # end up in receivers we do not know): the characters that open links, images, HTML, autolinks,
 # emphasis and code become look-alikes, inert in every renderer (DingTalk and WeCom honour no
 # backslash escapes). Underscores stay: metric names are full of them and CommonMark leaves
-# intraword ones alone.
+# intraword ones alone. "@" too: a field names nobody (DingTalk's own @ come from its settings).
 _MARKDOWN = str.maketrans({"[": "\uff3b", "]": "\uff3d", "<": "\uff1c", ">": "\uff1e", "*": "\u2217",
-                           "`": "\u02cb", "~": "\uff5e", "|": "\uff5c", "#": "\uff03"})
+                           "`": "\u02cb", "~": "\uff5e", "|": "\uff5c", "#": "\uff03", "@": "\uff20"})
 # Slack mrkdwn: &, < and > as entities (Slack's own rule: no <!channel>, no <url|text>), and the
-# look-alikes for the characters that would close our code spans, add emphasis, or make a
-# markdown link of what a client or a bridge might render as one.
+# look-alikes for the characters that would close our code spans, add emphasis, make a markdown
+# link of what a client or a bridge might render as one, or name a channel or a person
+# (#general, @here: Slack links them in text outside ``verbatim``).
 _SLACK = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", "`": "\u02cb", "*": "\u2217", "~": "\uff5e",
-                        "[": "\uff3b", "]": "\uff3d"})
+                        "[": "\uff3b", "]": "\uff3d", "#": "\uff03", "@": "\uff20"})
+# A bare URL is a link in every chat client (Slack's text, DingTalk's and WeCom's markdown): its
+# "://" and "www." as look-alikes keep it readable and make it none.
+_BARE_URL = re.compile(r"://|(?i:www)\.")
+
+
+def _unlinked(text: str) -> str:
+    return _BARE_URL.sub(lambda m: ":\u2215\u2215" if m.group() == "://" else m.group()[:-1] + "\u2024", text)
 
 
 def escape_plain(text) -> str:
@@ -42,20 +50,30 @@ def escape_plain(text) -> str:
     return safe("" if text is None else str(text))
 
 
-def escape_markdown(text) -> str:
-    """One line for DingTalk/WeCom markdown (see ``_MARKDOWN``)."""
+def escape_annotation(text) -> str:
+    """One line for Alertmanager's labels and annotations, which its own templates put into
+    messages we do not see: control characters out, the markdown look-alikes of ``_MARKDOWN``."""
     return escape_plain(text).translate(_MARKDOWN)
 
 
+def escape_markdown(text) -> str:
+    """One line for DingTalk/WeCom markdown (see ``_MARKDOWN``), bare URLs unlinked."""
+    return _unlinked(escape_annotation(text))
+
+
 def escape_slack(text) -> str:
-    """One line for Slack mrkdwn (see ``_SLACK``)."""
-    return escape_plain(text).translate(_SLACK)
+    """One line for Slack mrkdwn (see ``_SLACK``), bare URLs unlinked."""
+    return _unlinked(escape_plain(text).translate(_SLACK))
+
+
+def _links(escape):
+    """How our own page links are written in ``escape``'s markup: Slack's ``<url>`` (a section is
+    ``verbatim``: no bare URL in it is a link), as they are elsewhere."""
+    return (lambda url: f"<{url}>" if url else "") if escape is escape_slack else escape_annotation
 
 
 def _clock(ts) -> str:
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
-        return ""
-    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(ts))
+    return format_time(ts, "%Y-%m-%d %H:%M:%S %Z")
 
 
 def _fmt(v) -> str:
@@ -132,10 +150,11 @@ def alert_fields(alert: dict, ui_url: str | None = None, escape=escape_markdown)
         "source": source,
         "host": _fmt(src.get("host")),
         "layer": _fmt(alert.get("layer")),
-        "run_page": page_url(ui_url, alert.get("run_id")),
-        "report_page": page_url(ui_url, alert.get("run_id"), alert.get("report")) if alert.get("report") else "",
     }
-    return {k: escape(v) for k, v in fields.items()}
+    link = _links(escape)
+    pages = {"run_page": page_url(ui_url, alert.get("run_id")),
+             "report_page": page_url(ui_url, alert.get("run_id"), alert.get("report")) if alert.get("report") else ""}
+    return {**{k: escape(v) for k, v in fields.items()}, **{k: link(v) for k, v in pages.items()}}
 
 
 def _steps(first, last) -> str:
@@ -161,9 +180,26 @@ def digest_fields(digest: dict, ui_url: str | None, escape, line: string.Templat
         entries.append(render(line, {k: escape(v) for k, v in values.items()}))
     fields = {"severity": _fmt(digest.get("severity")), "run": _fmt(digest.get("run_id")),
               "count": _fmt(digest.get("count")), "rules": _fmt(len(entries)),
-              "since": _clock(digest.get("since")), "until": _clock(digest.get("until")),
-              "run_page": page_url(ui_url, digest.get("run_id"))}
-    return {**{k: escape(v) for k, v in fields.items()}, "entries": "\n".join(entries)}
+              "since": _clock(digest.get("since")), "until": _clock(digest.get("until"))}
+    run_page = _links(escape)(page_url(ui_url, digest.get("run_id")))
+    return {**{k: escape(v) for k, v in fields.items()}, "run_page": run_page, "entries": "\n".join(entries)}
+
+
+def plain_form(event: dict, problem: str) -> dict:
+    """What a sink sends for an alert (or digest) that could not be rendered whole (``problem``
+    says why): an alert of the fields that identify it, each a short string, with a diagnosis
+    that says what happened. Nothing in it can fail to render."""
+    def text(key: str) -> str:
+        v = event.get(key)
+        return v[:256] if isinstance(v, str) else ""
+
+    digest = event.get("schema") == DIGEST_SCHEMA
+    what = "digest" if digest else "alert"
+    return {"schema": "alert/1", "id": text("id") or "?", "run_id": text("run_id") or "?",
+            "rule": "digest" if digest else text("rule") or "?", "summary": "" if digest else text("summary"),
+            "severity": text("severity"), "status": "resolved" if event.get("status") == "resolved" else "firing",
+            "diagnosis": f"this {what} could not be rendered whole ({problem[:300]}); see {what} "
+                         f"{text('id') or '?'} in trainguard", "unrendered": True}
 
 
 # The template a digest is rendered with instead of an alert's, and its per-rule line.
