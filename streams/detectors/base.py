@@ -38,15 +38,18 @@ from typing import Any, ClassVar
 from sortedcontainers import SortedList
 
 __all__ = ["Param", "Stateful", "Detector", "detector_from_state", "is_finite", "saturating", "REGISTRY", "BOUND",
-           "WINSOR", "bounded", "winsorised", "robust_limits"]
+           "WINSOR", "WINSOR_KEPT", "bounded", "winsorised", "robust_limits"]
 
 _INF = math.inf
 
 # The largest magnitude a detector's sums take in: squares of it, summed over any window, stay finite.
 BOUND = 1e100
 # How many robust scales a learned value may stand from the centre before it is learned at that distance:
-# far past any real tail, so normal data is learned as it came.
+# far past any real tail, so normal data is learned as it came. What decays (an EWMA) forgets the rest in a
+# few hundred samples; what is kept for good (a reference, a warm-up's baseline) takes a tighter bound, or
+# a value at the bound would still widen it for good (10 robust standard deviations: p < 1e-20 for a normal).
 WINSOR = 1000.0
+WINSOR_KEPT = 10.0
 
 REGISTRY: dict[str, type["Stateful"]] = {}  # kind -> class
 # State saved before kinds were the keys named the class; those blobs still restore.
@@ -81,18 +84,18 @@ def bounded(x: float) -> float:
     return BOUND if x > BOUND else -BOUND if x < -BOUND else x
 
 
-def robust_limits(centre: float, scale: float) -> tuple[float, float] | None:
-    """centre ± WINSOR·scale; a scale of 0 (every value so far equal) falls back on the centre's magnitude
+def robust_limits(centre: float, scale: float, scales: float = WINSOR) -> tuple[float, float] | None:
+    """centre ± scales·scale; a scale of 0 (every value so far equal) falls back on the centre's magnitude
     (a 3.4e38 after a constant 1.0 is still clipped); None when there is no scale at all."""
     scale = scale if scale > 0 else abs(centre)
     if not scale > 0 or not math.isfinite(scale):
         return None
-    return centre - WINSOR * scale, centre + WINSOR * scale
+    return centre - scales * scale, centre + scales * scale
 
 
-def winsorised(values) -> list[float] | None:
-    """``values`` clipped to their median ± WINSOR robust scales (1.4826 MAD), or None when none lies past
-    them (then they are learned exactly as they came: a warm-up of normal data is not touched)."""
+def winsorised(values, scales: float = WINSOR) -> list[float] | None:
+    """``values`` clipped to their median ± ``scales`` robust scales (1.4826 MAD), or None when none lies
+    past them (then they are learned exactly as they came: a warm-up of normal data is not touched)."""
     s = sorted(values)
     n = len(s)
     if n < 3:
@@ -101,7 +104,7 @@ def winsorised(values) -> list[float] | None:
     med = s[h] if n % 2 else (s[h - 1] + s[h]) / 2.0
     dev = sorted(abs(v - med) for v in s)
     mad = dev[h] if n % 2 else (dev[h - 1] + dev[h]) / 2.0
-    limits = robust_limits(med, 1.4826 * mad)
+    limits = robust_limits(med, 1.4826 * mad, scales)
     if limits is None or limits[0] <= s[0] and s[-1] <= limits[1]:
         return None
     lo, hi = limits

@@ -8,7 +8,7 @@ from array import array
 
 import numpy as np
 
-from .base import WINSOR, Detector, Param, bounded, saturating, winsorised
+from .base import WINSOR, WINSOR_KEPT, Detector, Param, bounded, saturating, winsorised
 
 __all__ = ["CUSUM", "PageHinkley", "change_onset"]
 
@@ -78,7 +78,7 @@ class CUSUM(Detector):
             self.warm.append(x)
             self._welford(x)
             if self.n == self.warmup:
-                if len(self.warm) == self.n and (clipped := winsorised(self.warm)) is not None:
+                if len(self.warm) == self.n and (clipped := winsorised(self.warm, WINSOR_KEPT)) is not None:
                     self.n, self.mean, self.m2 = 0, 0.0, 0.0
                     for v in clipped:
                         self._welford(v)

@@ -6,7 +6,7 @@ import math
 from array import array
 from collections import deque
 
-from .base import WINSOR, Detector, Param, SlidingMoments, bounded, saturating, winsorised
+from .base import WINSOR, WINSOR_KEPT, Detector, Param, SlidingMoments, bounded, saturating, winsorised
 
 __all__ = ["Collapse"]
 
@@ -80,7 +80,7 @@ class Collapse(SlidingMoments, Detector):
         """Take the current window as the new healthy reference."""
         n = len(self.buf)
         self.rn, self.rmean, self.rm2 = n, self.mean, self.m2
-        if (clipped := winsorised(self.buf)) is not None:
+        if (clipped := winsorised(self.buf, WINSOR_KEPT)) is not None:
             self._reference_of(clipped)
 
     def learn(self, x: float, t: float | None) -> None:
@@ -90,7 +90,7 @@ class Collapse(SlidingMoments, Detector):
             self.warm.append(x)
             self._welford(x)
             if self.rn == self.reference:
-                if len(self.warm) == self.rn and (clipped := winsorised(self.warm)) is not None:
+                if len(self.warm) == self.rn and (clipped := winsorised(self.warm, WINSOR_KEPT)) is not None:
                     self._reference_of(clipped)
                 self.warm = array("d")
         else:
