@@ -1,0 +1,188 @@
+"""No single finite value blinds a detector: after one astronomic value (a loss of 3.4e38, fp32's
+maximum, or 1e308), every registered detector still catches its own kind of anomaly later, with its
+state finite all along and across a restart through its saved state."""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+import sys
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.test_detectors import factories
+from trainguard.streams.detectors import EWMA, REGISTRY, CrossRank, detector_from_state, series_kinds
+
+FP32_MAX = 3.4028234663852886e38
+EXTREMES = (FP32_MAX, -FP32_MAX, 1e308, -1e308, sys.float_info.max)
+LEVEL, NOISE = 0.5, 0.05
+PREFIX = 60   # normal samples; the extreme value replaces one of them
+GAP = 200     # normal samples between it and the anomaly: "later", well past every test window
+SHAPE_LEN = 40
+
+
+def _normal(rng: random.Random) -> float:
+    return LEVEL * (1 + rng.gauss(0, NOISE))
+
+
+# The kinds of anomaly the detectors catch: (values, paired values) for SHAPE_LEN samples. A detector's
+# own kinds are those it catches on normal data (calibrated below), so a new detector needs no entry here.
+SHAPES = {
+    "spike": lambda rng, i: (1000 * LEVEL if i == 0 else _normal(rng), None),
+    "level_up": lambda rng, i: (1000 * _normal(rng), None),
+    "level_down": lambda rng, i: (_normal(rng) / 1000, None),
+    "collapse": lambda rng, i: (0.2 * LEVEL * (1 + rng.gauss(0, 0.001)), None),
+    "climb": lambda rng, i: (LEVEL * (1 + 0.1 * i) + rng.gauss(0, 0.005), None),
+    "decay": lambda rng, i: (LEVEL * math.exp(-0.05 * i) * (1 + rng.gauss(0, 0.005)), None),
+    "dead": lambda rng, i: (0.0, None),
+    "proxy_rises": lambda rng, i: (_normal(rng), 2.0 * (1 + 0.1 * i)),
+}
+
+
+def _feed(det, x: float, t: float, proxy: float | None, rng: random.Random) -> bool:
+    if hasattr(det, "pair"):  # judged against a second signal: flat but for the shape that moves it
+        det.pair(proxy if proxy is not None else 2.0 * (1 + rng.gauss(0, NOISE)))
+    return det.update(x, t=t)
+
+
+def _restart(det):
+    return detector_from_state(orjson.loads(orjson.dumps(det.to_state())))
+
+
+def _bad_numbers(state, path="") -> list[str]:
+    """Non-finite numbers in a saved state, but for the last verdict's evidence (an infinite z) and an
+    unset running maximum (-inf)."""
+    if isinstance(state, dict):
+        if "__float__" in state:
+            return [] if path.endswith(".peak") and state["__float__"] == "-inf" else [path]
+        return [p for k, v in state.items() if k != "last" for p in _bad_numbers(v, f"{path}.{k}")]
+    if isinstance(state, list):
+        return [p for i, v in enumerate(state) for p in _bad_numbers(v, f"{path}[{i}]")]
+    return [path] if isinstance(state, float) and not math.isfinite(state) else []
+
+
+def _caught(name: str, shape: str, seed: int, extreme: float | None = None, position: int = 0,
+            restart_at: int | None = None) -> bool:
+    """Whether the detector flags ``shape`` after PREFIX + GAP normal samples, one of which (``position``)
+    is ``extreme``; restarted from its saved state ``restart_at`` samples after it."""
+    rng = random.Random(seed)
+    det = factories()[name]()
+    t = 0.0
+    for i in range(PREFIX + GAP):
+        x = _normal(rng)
+        if extreme is not None and i == position:
+            x = extreme
+        _feed(det, x, t, None, rng)
+        t += 1.0
+        if extreme is not None and i >= position:
+            bad = _bad_numbers(det.to_state())
+            assert not bad, f"{name}: {bad} not finite {i - position} samples after {extreme!r}"
+            if restart_at is not None and i == position + restart_at:
+                det = _restart(det)
+    hits = []
+    for i in range(SHAPE_LEN):
+        x, proxy = SHAPES[shape](rng, i)
+        hits.append(_feed(det, x, t, proxy, rng))
+        t += 1.0
+    return any(hits)
+
+
+@functools.lru_cache(maxsize=None)
+def own_kinds(name: str, seed: int) -> tuple[str, ...]:
+    """The shapes a detector catches after normal data alone."""
+    return tuple(shape for shape in SHAPES if _caught(name, shape, seed))
+
+
+@pytest.mark.parametrize("name", sorted(factories()))
+def test_every_detector_catches_some_kind_of_anomaly_on_normal_data(name):
+    # Otherwise the tests below would hold for it without saying anything.
+    assert own_kinds(name, 0), f"{name} catches none of {sorted(SHAPES)}: give it a shape of its own"
+
+
+@pytest.mark.parametrize("extreme", [FP32_MAX, 1e308, -1e308])
+@pytest.mark.parametrize("position", [0, PREFIX - 1])
+@pytest.mark.parametrize("name", sorted(factories()))
+def test_one_extreme_value_does_not_blind_any_detector(name, position, extreme):
+    """In the first sample (a warm-up, a reference) or once the detector is ready; saved and restored
+    right after it, as a restarted worker restores it from its changelog."""
+    missed = [shape for shape in own_kinds(name, 0) if not _caught(name, shape, 0, extreme, position, 0)]
+    assert not missed, f"{name}: blind to {missed} {GAP} samples after one {extreme!r} at sample {position}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(factories())),
+       st.one_of(st.sampled_from(EXTREMES), st.floats(1e12, sys.float_info.max), st.floats(-sys.float_info.max, -1e12)),
+       st.integers(0, PREFIX - 1), st.integers(0, 2), st.one_of(st.none(), st.integers(0, GAP)))
+def test_any_extreme_value_anywhere_leaves_every_detector_seeing(name, extreme, position, seed, restart_at):
+    for shape in own_kinds(name, seed):
+        assert _caught(name, shape, seed, extreme, position, restart_at), (
+            f"{name}: blind to {shape} after {extreme!r} at sample {position} (seed {seed}, restart {restart_at})")
+
+
+def test_every_registered_kind_is_judged_here_or_holds_no_values():
+    # Series kinds run through the tests above; cross_rank judges each step afresh (below); stale holds
+    # no values at all.
+    others = set(REGISTRY) - set(series_kinds())
+    assert others == {"cross_rank", "stale"}
+    assert not REGISTRY["stale"]._fields
+
+
+@pytest.mark.parametrize("extreme", EXTREMES)
+def test_cross_rank_still_finds_a_straggler_after_an_extreme_step(extreme):
+    cr = CrossRank(min_peers=4, ratio=2.0)
+    for rank, v in enumerate([1.0, 1.02, extreme, 1.01, 0.99]):
+        cr.add(1, rank, v)
+    cr.complete(1)
+    cr = detector_from_state(orjson.loads(orjson.dumps(cr.to_state())))
+    for rank, v in enumerate([1.0, 1.02, 0.98, 1.01, 2.6, 0.99]):
+        cr.add(2, rank, v)
+    assert [r for r, *_ in cr.complete(2)] == [4]
+
+
+def _spike_caught_after(det, rng: random.Random, samples: int) -> bool:
+    for _ in range(samples):
+        det.update(1.0 + rng.gauss(0, 0.05))
+    return det.update(1000.0)
+
+
+@pytest.mark.parametrize("extreme", [FP32_MAX, 1e308])
+def test_loss_spike_chart_catches_a_1000x_loss_after_an_overflowed_loss(extreme):
+    """The loss_spike rule's chart (alpha 0.02, k 8): a 1000x loss explosion 500 steps after a loss of
+    fp32's maximum, or of 1e308, pages; its spread is back near the noise's within a few hundred steps."""
+    rng = random.Random(7)
+    det = EWMA(alpha=0.02, k=8.0, min_samples=30, min_std=0.01)
+    for _ in range(100):
+        det.update(1.0 + rng.gauss(0, 0.05))
+    det.update(extreme)
+    assert _spike_caught_after(det, rng, 500)
+    for _ in range(1000):
+        det.update(1.0 + rng.gauss(0, 0.05))
+    assert math.sqrt(det.var) < 0.2
+
+
+@pytest.mark.parametrize("var,mean", [(5.8e75, 1.7e37), (math.inf, 2e306), (math.nan, 1.0)])
+def test_a_chart_saved_blind_is_learned_again_when_restored(var, mean):
+    """A record written before values were winsorised (the variance a 3.4e38 loss left, an overflowed
+    one): the restored chart warms up again instead of staying blind for thousands of steps."""
+    rng = random.Random(8)
+    det = EWMA(alpha=0.02, k=8.0, min_samples=30, min_std=0.01)
+    for _ in range(100):
+        det.update(1.0 + rng.gauss(0, 0.05))
+    det.var, det.mean = var, mean
+    det.update(1.0)  # judged by the blind chart: its evidence is what the record holds
+    restored = detector_from_state(orjson.loads(orjson.dumps(det.to_state())))
+    assert restored.count == 0 and math.isfinite(restored.var)
+    assert _spike_caught_after(restored, rng, 40)
+
+
+def test_a_healthy_chart_restores_exactly():
+    rng = random.Random(9)
+    det = EWMA(alpha=0.02, k=8.0, min_samples=30, min_std=0.01)
+    for _ in range(100):
+        det.update(1.0 + rng.gauss(0, 0.05))
+    assert detector_from_state(orjson.loads(orjson.dumps(det.to_state()))).to_state() == orjson.loads(
+        orjson.dumps(det.to_state()))
