@@ -9,12 +9,14 @@ import math
 import random
 import sys
 
+import numpy as np
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_detectors import factories
+from trainguard.streams.baseline import BaselineBlock
 from trainguard.streams.detectors import EWMA, REGISTRY, CrossRank, detector_from_state, series_kinds
 
 FP32_MAX = 3.4028234663852886e38
@@ -186,3 +188,47 @@ def test_a_healthy_chart_restores_exactly():
         det.update(1.0 + rng.gauss(0, 0.05))
     assert detector_from_state(orjson.loads(orjson.dumps(det.to_state()))).to_state() == orjson.loads(
         orjson.dumps(det.to_state()))
+
+
+def _baseline_after(extreme: float, position: int, restore: bool):
+    """A rolling baseline (the rules' ``baseline:``) fed normal losses with one extreme value, then
+    restored from its saved state or not: (flags on normal data well after it, the verdict on a 1000x loss)."""
+    block = BaselineBlock()
+    rows = block.rows(["loss", "kl"], lambda name: (20, 3.0, True))
+    rng = random.Random(10)
+    late_flags = 0
+    for i in range(200):
+        loss = extreme if i == position else 1.0 + rng.gauss(0, 0.05)
+        anomalous, *_ = block.update(rows, np.array([loss, 0.1 + rng.gauss(0, 0.01)]))
+        late_flags += int(i > position + 40 and anomalous[0])
+    if restore:
+        block = BaselineBlock.from_state(orjson.loads(orjson.dumps(block.to_state())))
+    anomalous, finite, mean, std, *_ = block.update(rows, np.array([1000.0, 0.1]))
+    return late_flags, bool(anomalous[0]), float(std[0])
+
+
+@pytest.mark.filterwarnings("error")  # no overflow on the way either
+@pytest.mark.parametrize("restore", [False, True])
+@pytest.mark.parametrize("position", [0, 7])
+@pytest.mark.parametrize("extreme", [FP32_MAX, 1e308, -1e308])
+def test_one_extreme_value_does_not_blind_a_rolling_baseline(extreme, position, restore):
+    """The first value of a metric anchors its row: a first value of 3.4e38 used to store every later
+    loss as a rounding of minus it, blind for good."""
+    late_flags, caught, std = _baseline_after(extreme, position, restore)
+    assert caught and late_flags <= 2 and math.isfinite(std)
+
+
+def test_a_baseline_saved_with_an_astronomic_anchor_is_re_anchored_when_restored():
+    block = BaselineBlock()
+    rows = block.rows(["loss"], lambda name: (20, 3.0, True))
+    rng = random.Random(11)
+    for _ in range(30):
+        block.update(rows, np.array([1.0 + rng.gauss(0, 0.05)]))
+    # as a worker that did not bound values wrote it: anchored at 3.4e38, every value lost in its rounding
+    block.shift[0] = FP32_MAX
+    block.buf[0, :] = 1.0 - FP32_MAX
+    restored = BaselineBlock.from_state(orjson.loads(orjson.dumps(block.to_state())))
+    for _ in range(20):
+        restored.update(rows, np.array([1.0 + rng.gauss(0, 0.05)]))
+    anomalous, *_ = restored.update(rows, np.array([1000.0]))
+    assert anomalous[0]
