@@ -31,24 +31,35 @@ def _normal(rng: random.Random) -> float:
     return LEVEL * (1 + rng.gauss(0, NOISE))
 
 
-# The kinds of anomaly the detectors catch: (values, paired values) for SHAPE_LEN samples. A detector's
-# own kinds are those it catches on normal data (calibrated below), so a new detector needs no entry here.
+# The kinds of anomaly the detectors catch, one value at a time over SHAPE_LEN samples. A detector's own
+# kinds are those it catches on normal data (calibrated below), so a new detector needs no entry here.
 SHAPES = {
-    "spike": lambda rng, i: (1000 * LEVEL if i == 0 else _normal(rng), None),
-    "level_up": lambda rng, i: (1000 * _normal(rng), None),
-    "level_down": lambda rng, i: (_normal(rng) / 1000, None),
-    "collapse": lambda rng, i: (0.2 * LEVEL * (1 + rng.gauss(0, 0.001)), None),
-    "climb": lambda rng, i: (LEVEL * (1 + 0.1 * i) + rng.gauss(0, 0.005), None),
-    "decay": lambda rng, i: (LEVEL * math.exp(-0.05 * i) * (1 + rng.gauss(0, 0.005)), None),
-    "dead": lambda rng, i: (0.0, None),
-    "proxy_rises": lambda rng, i: (_normal(rng), 2.0 * (1 + 0.1 * i)),
+    "spike": lambda rng, i: 1000 * LEVEL if i == 0 else _normal(rng),
+    "level_up": lambda rng, i: 1000 * _normal(rng),
+    "level_down": lambda rng, i: _normal(rng) / 1000,
+    "collapse": lambda rng, i: 0.2 * LEVEL * (1 + rng.gauss(0, 0.001)),
+    "climb": lambda rng, i: LEVEL * (1 + 0.1 * i) + rng.gauss(0, 0.005),
+    "decay": lambda rng, i: LEVEL * math.exp(-0.05 * i) * (1 + rng.gauss(0, 0.005)),
+    "dead": lambda rng, i: 0.0,
 }
+ONSET = PREFIX + GAP  # the anomaly's first sample
 
 
-def _feed(det, x: float, t: float, proxy: float | None, rng: random.Random) -> bool:
-    if hasattr(det, "pair"):  # judged against a second signal: flat but for the shape that moves it
-        det.pair(proxy if proxy is not None else 2.0 * (1 + rng.gauss(0, NOISE)))
-    return det.update(x, t=t)
+def sequence(shape: str, seed: int, extreme: float | None = None, position: int = 0) -> list[tuple[float, float]]:
+    """(value, proxy) per sample: PREFIX + GAP normal values, one of which (``position``) is ``extreme``,
+    then ``shape``. The proxy (the trained-on reward a detector of two signals reads beside each value)
+    is flat, and rises from the onset on, whatever the shape: a gold signal that falls, or stays, while
+    it rises is reward hacking's kind of anomaly."""
+    rng, proxies = random.Random(seed), random.Random(seed + 1000)
+    out = []
+    for i in range(ONSET + SHAPE_LEN):
+        if i < ONSET:
+            x = extreme if extreme is not None and i == position else _normal(rng)
+        else:
+            x = SHAPES[shape](rng, i - ONSET)
+        proxy = 2.0 * (1 + proxies.gauss(0, NOISE)) if i < ONSET else 2.0 * (1 + 0.1 * (i - ONSET))
+        out.append((x, proxy))
+    return out
 
 
 def _restart(det):
@@ -69,27 +80,21 @@ def _bad_numbers(state, path="") -> list[str]:
 
 def _caught(name: str, shape: str, seed: int, extreme: float | None = None, position: int = 0,
             restart_at: int | None = None) -> bool:
-    """Whether the detector flags ``shape`` after PREFIX + GAP normal samples, one of which (``position``)
-    is ``extreme``; restarted from its saved state ``restart_at`` samples after it."""
-    rng = random.Random(seed)
+    """Whether the detector flags ``shape`` after ``sequence``'s normal samples, with ``extreme`` among
+    them; restarted from its saved state ``restart_at`` samples after it."""
     det = factories()[name]()
-    t = 0.0
-    for i in range(PREFIX + GAP):
-        x = _normal(rng)
-        if extreme is not None and i == position:
-            x = extreme
-        _feed(det, x, t, None, rng)
-        t += 1.0
-        if extreme is not None and i >= position:
+    hits = []
+    for i, (x, proxy) in enumerate(sequence(shape, seed, extreme, position)):
+        if hasattr(det, "pair"):
+            det.pair(proxy)
+        flagged = det.update(x, t=float(i))
+        if i >= ONSET:
+            hits.append(flagged)
+        elif extreme is not None and i >= position:
             bad = _bad_numbers(det.to_state())
             assert not bad, f"{name}: {bad} not finite {i - position} samples after {extreme!r}"
             if restart_at is not None and i == position + restart_at:
                 det = _restart(det)
-    hits = []
-    for i in range(SHAPE_LEN):
-        x, proxy = SHAPES[shape](rng, i)
-        hits.append(_feed(det, x, t, proxy, rng))
-        t += 1.0
     return any(hits)
 
 
