@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 from array import array
 
 from .base import WINSOR, Detector, Param, bounded, robust_limits, saturating, winsorised
