@@ -237,3 +237,16 @@ def test_a_baseline_saved_with_an_astronomic_anchor_is_re_anchored_when_restored
         restored.update(rows, np.array([1.0 + rng.gauss(0, 0.05)]))
     anomalous, *_ = restored.update(rows, np.array([1000.0]))
     assert anomalous[0]
+
+
+@pytest.mark.filterwarnings("error")  # no overflow in any evidence either
+def test_no_detector_is_blinded_through_the_engine_and_a_restart():
+    """``make chaos``'s extreme_values, through the worker's engine without a broker: one rule per
+    detector setting, every metric of three runs with one extreme value, the engine restored from
+    what it writes to its changelog after them."""
+    from chaos.extreme import blinded_through_engine
+
+    figures = blinded_through_engine()
+    assert figures["extreme_value_detectors_checked"] == figures["extreme_value_detectors"] == len(factories()), (
+        figures["extreme_value_detectors_unchecked"])
+    assert figures["extreme_value_blinded_detectors"] == 0, figures["extreme_value_blinded"]
