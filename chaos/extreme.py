@@ -142,7 +142,7 @@ def extreme_values(log_dir=None) -> dict:
         try:
             worker.wait_ready()
             send(range(RESTART_AT))
-            _wait_committed(settings, app_id, Consumer, TopicPartition)
+            committed = _wait_committed(settings, app_id, Consumer, TopicPartition)
             worker.kill(signal.SIGKILL)
             worker = WorkerProcess(settings, log_dir, app_id=app_id, rules_path=rules_path).start()
             worker.wait_ready()
@@ -159,11 +159,12 @@ def extreme_values(log_dir=None) -> dict:
         finally:
             alerts.close()
             worker.kill()
-    return verdict(seen, prefix)
+    return {**verdict(seen, prefix), "extreme_value_restart_after_commit": committed}
 
 
-def _wait_committed(settings, group: str, Consumer, TopicPartition, timeout: float = 90.0) -> None:
-    """Until the worker's group has committed every event sent so far (its state then in the changelog)."""
+def _wait_committed(settings, group: str, Consumer, TopicPartition, timeout: float = 90.0) -> bool:
+    """Until the worker's group has committed every event sent so far (its state then in the changelog):
+    whether it did within ``timeout``."""
     from chaos.scenarios import _committed
 
     c = Consumer(settings.confluent(**{"group.id": uuid.uuid4().hex, "log_level": 0}))
@@ -175,5 +176,6 @@ def _wait_committed(settings, group: str, Consumer, TopicPartition, timeout: flo
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if all(_committed(settings, group, settings.topics.events, p) >= end for p, end in ends.items() if end > 0):
-            return
+            return True
         time.sleep(1.0)
+    return False
