@@ -263,10 +263,8 @@ class Stateful:
     def forget(self) -> None:
         """Back to a fresh warm-up, parameters kept (a state that overflowed learns the run again)."""
         fresh = type(self)(**{p: getattr(self, p) for p in self._params})
-        for f in self._fields:
+        for f in (*self._fields, *(("score",) if hasattr(fresh, "score") else ())):
             setattr(self, f, getattr(fresh, f))
-        if hasattr(fresh, "score"):
-            self.score = fresh.score
 
     def __repr__(self) -> str:
         args = ", ".join(f"{p}={getattr(self, p)!r}" for p in self._params)
