@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from array import array
 
-from .base import WINSOR, Detector, Param, bounded, robust_limits, saturating, winsorised
+from .base import BOUND, WINSOR, Detector, Param, bounded, robust_limits, saturating, winsorised
 
 __all__ = ["EWMA"]
 
@@ -92,11 +92,16 @@ class EWMA(Detector):
         self.count += 1
         if self.freeze_on_alarm and self.last is not None and self.last[4]:
             return
-        x = bounded(x)
+        if x > BOUND or x < -BOUND:
+            x = bounded(x)
         if self.count <= self.min_samples:
             self.warm.append(x)
-        elif (limits := robust_limits(self.mean, max(math.sqrt(self.var), self.min_std))) is not None:
-            x = min(max(x, limits[0]), limits[1])
+        else:  # winsorised: at most WINSOR standard deviations (squared: no root per sample)
+            d = x - self.mean
+            floor = self.min_std * self.min_std
+            var = self.var if self.var > floor else floor
+            if d * d > WINSOR * WINSOR * var and (limits := robust_limits(self.mean, math.sqrt(var))) is not None:
+                x = min(max(x, limits[0]), limits[1])
         self._step(x, self.count)
         if self.count == self.min_samples:
             self._end_warmup()
