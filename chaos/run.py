@@ -75,6 +75,10 @@ On the embedded broker or the cluster:
   runs live 20 s, twice: its RSS settled, at the peak, and once they are forgotten, per 1,000 runs.
 - ``many_metrics``: a trainer logging 5,000 metric names per step for 200 steps, the worker then
   restarted: worker crashes, and the NaN at the last step still paged.
+- ``extreme_values``: one rule per registered value detector setting; a control run and three runs
+  with one astronomic value (fp32's maximum, ±1e308) in every detector's metric, then each detector's
+  own kind of anomaly 200 steps later, the worker killed with -9 and restarted in between
+  (``chaos/extreme.py``): detectors that page the control's anomaly and not another run's.
 - ``hostile_crash_loops``: each record that once crashed the worker on every restart (lone
   surrogates in a checkpoint path, a metric name, a silence reason, a source host; 2,500
   per-layer names; 11,500 sources of one run), the worker then killed and restarted twice:
@@ -94,7 +98,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chaos import cluster, scenarios  # noqa: E402
+from chaos import cluster, extreme, scenarios  # noqa: E402
 from trainguard import kafka_cluster  # noqa: E402
 from trainguard.schemas.signing import ensure_key  # noqa: E402
 
@@ -117,6 +121,7 @@ TARGETS = {
     "worker_rss_mb_per_1000_tiny_runs": (5.0, "le"),
     "many_metrics_crashes": (0, "le"),
     "hostile_crash_loops": (0, "le"),
+    "extreme_value_blinded_detectors": (0, "le"),
     "ui_injections": (0, "le"),
     "forged_inputs_applied": (0, "le"),
     "listener_reset_lost_commands": (0, "le"),
@@ -221,6 +226,10 @@ def run_on_broker(only: set[str], quick: bool) -> dict:
         print("hostile_crash_loops: the records that crashed workers, and two restarts ...", file=sys.stderr,
               flush=True)
         out["hostile_crash_loops"] = scenarios.hostile_crash_loops()
+    if "extreme_values" in only:
+        print("extreme_values: one astronomic value in every detector's metric, a worker restart ...", file=sys.stderr,
+              flush=True)
+        out["extreme_values"] = extreme.extreme_values()
     if "ui" in only:
         print("ui: hostile records on every topic, every page of trainguard ui in chromium ...", file=sys.stderr,
               flush=True)
@@ -281,6 +290,10 @@ def summary(results: dict, where: dict) -> dict:
         s["many_metrics_crashes"] = results["many_metrics"]["many_metrics_crashes"]
     if "hostile_crash_loops" in results:
         s["hostile_crash_loops"] = results["hostile_crash_loops"]["hostile_crash_loops"]
+    if "extreme_values" in results:
+        for k in ("extreme_value_blinded_detectors", "extreme_value_detectors", "extreme_value_detectors_checked",
+                  "extreme_value_restart_after_commit"):
+            s[k] = results["extreme_values"][k]
     if "ui" in results:
         s["ui_injections"] = results["ui"]["ui_injections"]
     if "forged" in results:
@@ -339,7 +352,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener, lifecycle, "
                                                "shutdown, hostile, worker_kill, forged, listener_reset, "
                                                "chat_injections, sinks_restart, ts_poison, ui, "
-                                               "tiny_runs, many_metrics, hostile_crash_loops, "
+                                               "tiny_runs, many_metrics, hostile_crash_loops, extreme_values, "
                                                "broker_kill, cluster_restart, election, exactly_once, refused_outputs")
     ap.add_argument("--broker", choices=("apache-kafka", "tansu"), default=None,
                     help="apache-kafka (default where `make kafka` resolved its jars): a three-node cluster for "
@@ -349,7 +362,7 @@ def main(argv=None) -> int:
                                                        "hostile", "worker_kill", "forged", "listener_reset",
                                                        "chat_injections", "sinks_restart", "ts_poison", "ui"}
     if not args.only:
-        only |= {"tiny_runs", "many_metrics", "hostile_crash_loops", *CLUSTER_ONLY}
+        only |= {"tiny_runs", "many_metrics", "hostile_crash_loops", "extreme_values", *CLUSTER_ONLY}
     broker = args.broker or ("apache-kafka" if kafka_cluster.available() else "tansu")
     if broker == "tansu":
         if not kafka_cluster.available() and only & set(CLUSTER_ONLY):

@@ -8,7 +8,10 @@ the buffer once per window to stop floating-point drift, and values are stored r
 to the metric's first value so that a large mean does not swallow a small variance.
 
 Non-finite values never enter a window: they are reported, and the baseline stays as it
-was (one NaN must not blind the detector or freeze its baseline at NaN).
+was (one NaN must not blind the detector or freeze its baseline at NaN). Nor does one huge
+finite value blind a row for longer than it stays in the window: a row whose first value was
+astronomic (every later value then a rounding of minus it) or whose sums overflowed is
+re-anchored at its window's median when its sums are recomputed, and on restore.
 
 >>> import numpy as np
 >>> block = BaselineBlock()
@@ -22,9 +25,12 @@ True
 from __future__ import annotations
 
 import base64
+import math
 from typing import Callable
 
 import numpy as np
+
+from trainguard.streams.detectors.base import BOUND
 
 
 class BaselineBlock:
@@ -108,13 +114,14 @@ class BaselineBlock:
         Returns ``(anomalous, finite, mean, std, lower, upper, ready)``, arrays aligned with
         ``rows``; for non-finite samples the statistics are those of the untouched window.
         """
+        tame = np.abs(x) <= BOUND  # finite, and its square summed over a window is too
+        if rows is self.all_rows and tame.all() and (self._full or self.count.all()):
+            return self._update_all(x, tame)
         finite = np.isfinite(x)
-        if rows is self.all_rows and finite.all() and (self._full or self.count.all()):
-            return self._update_all(x, finite)
         if not finite.all():
-            rows_f, x_f = rows[finite], x[finite]
+            rows_f, x_f = rows[finite], np.clip(x[finite], -BOUND, BOUND)
         else:
-            rows_f, x_f = rows, x
+            rows_f, x_f = rows, np.clip(x, -BOUND, BOUND)  # learned bounded, judged as it came
         shift = self.shift[rows_f]
         unset = np.isnan(shift)
         if unset.any():
@@ -134,9 +141,7 @@ class BaselineBlock:
         self.count[rows_f] = count
         cycle = rows_f[count % window == 0]
         if cycle.size:  # once per window: exact sums, no drift
-            b = self.buf[cycle]
-            self.s1[cycle] = b.sum(axis=1)
-            self.s2[cycle] = (b * b).sum(axis=1)
+            self._exact(cycle)
 
         n = np.minimum(self.count[rows], self.window[rows])
         nz = np.maximum(n, 1)
@@ -171,10 +176,7 @@ class BaselineBlock:
         count += 1
         cycle = pos == self._last_pos
         if cycle.any():  # once per window: exact sums, no drift
-            cycle = np.flatnonzero(cycle)
-            b = self.buf[cycle]
-            s1[cycle] = b.sum(axis=1)
-            s2[cycle] = (b * b).sum(axis=1)
+            self._exact(np.flatnonzero(cycle))
         if full:
             n, ready = window, self._all_ready
         else:
@@ -195,6 +197,31 @@ class BaselineBlock:
         if not full:
             anomalous &= ready
         return anomalous, finite, mean, std, lower, upper, ready
+
+    def _exact(self, rows: np.ndarray) -> None:
+        """The sums of ``rows`` from their windows; a row whose values sit astronomically far from its
+        anchor (its first value was 3.4e38: each later one is stored as a rounding of minus it, and its
+        spread is lost) or whose sums overflowed is re-anchored at its window's median first."""
+        b = self.buf[rows]
+        with np.errstate(over="ignore", invalid="ignore"):
+            s1, s2 = b.sum(axis=1), (b * b).sum(axis=1)
+            n = np.maximum(np.minimum(self.count[rows], self.window[rows]), 1)
+            mean_s = s1 / n
+            dev = np.where(np.arange(b.shape[1]) < n[:, None], b - mean_s[:, None], 0.0)
+            spread = np.sqrt((dev * dev).sum(axis=1) / n)
+            lost = ~np.isfinite(spread) | (np.abs(mean_s) > 1e8 * np.maximum(spread, np.abs(mean_s + self.shift[rows])))
+        for i in np.flatnonzero(lost):
+            row, filled = rows[i], int(n[i])
+            med = float(np.median(self.buf[row, :filled]))
+            if math.isfinite(med):
+                self.shift[row] += med
+                self.buf[row, :filled] -= med
+                b[i] = self.buf[row]
+        if lost.any():
+            with np.errstate(over="ignore", invalid="ignore"):
+                s1, s2 = b.sum(axis=1), (b * b).sum(axis=1)
+        self.s1[rows] = s1
+        self.s2[rows] = s2
 
     def reset(self) -> None:
         """Forget every window (after a rollback the run is no longer what the windows saw)."""
@@ -239,8 +266,14 @@ class BaselineBlock:
         m = len(block.names)
         width = int(block.window.max()) if m else 0
         block.buf = np.array(buf, float).reshape(m, width)
-        block.s1 = block.buf.sum(axis=1)
-        block.s2 = (block.buf * block.buf).sum(axis=1)
+        # A damaged row (a value or its anchor not finite) starts again; the others are recomputed.
+        damaged = ~np.isfinite(block.buf).all(axis=1) | ((block.count > 0) & ~np.isfinite(block.shift))
+        block.buf[damaged] = 0.0
+        block.count[damaged] = 0
+        block.shift[damaged] = np.nan
+        block.s1 = np.zeros(m)
+        block.s2 = np.zeros(m)
+        block._exact(np.arange(m, dtype=np.int64))
         block._derive()
         return block
 

@@ -34,14 +34,16 @@ from trainguard.streams.detectors.mad import mad_of_sorted, median_of_sorted
 NAN, INF = float("nan"), float("inf")
 
 
+def detector_settings() -> dict[str, tuple[type, dict]]:
+    """Every value detector in the registry, once per setting it declares for tests (``test_params``),
+    by name: a detector in a new file is run through every property test without being listed."""
+    return {kind if i == 0 else f"{kind}-{i + 1}": (cls, params)
+            for kind, cls in sorted(series_kinds().items()) for i, params in enumerate(cls.test_params)}
+
+
 def factories():
-    """Every value detector in the registry, once per setting it declares for tests (``test_params``):
-    a detector in a new file is run through every property test below without being listed here."""
-    out = {}
-    for kind, cls in sorted(series_kinds().items()):
-        for i, params in enumerate(cls.test_params):
-            out[kind if i == 0 else f"{kind}-{i + 1}"] = lambda cls=cls, params=params: cls(**params)
-    return out
+    """A maker of a fresh detector per setting of ``detector_settings``."""
+    return {name: lambda cls=cls, params=params: cls(**params) for name, (cls, params) in detector_settings().items()}
 
 
 def test_every_value_detector_declares_settings_for_the_property_tests():

@@ -14,6 +14,13 @@ the order the class declares: ``judge`` (is x anomalous? sets ``score`` and the 
 ``learn`` (x enters the window or baseline). ``judges_first = True``: x is judged against what came
 before it (a spike cannot widen its own band); False: x is learned, then judged with itself inside.
 
+No single finite value may blind a detector either. Sums of squares take values bounded to ``BOUND``
+(``bounded``), so they never overflow; what a detector learns from for good (an EWMA, a warm-up's
+baseline, a kept reference) is winsorised against a robust scale (``winsorised``), so one 3.4e38
+moves it by a bounded amount that decays in a few hundred samples, not forever; a state restored
+from a record that says otherwise is made sane again (``restored``: recomputed, or reset to a
+fresh warm-up). A value is always judged as it came.
+
 Each kind declares its parameters (``params``: name, default, type, meaning), which rules read to
 check a rule's ``detector:`` mapping and the docs print (``markdown()``), and the small settings
 the property tests run it with (``test_params``). ``REGISTRY`` maps kinds to classes.
@@ -30,9 +37,19 @@ from typing import Any, ClassVar
 
 from sortedcontainers import SortedList
 
-__all__ = ["Param", "Stateful", "Detector", "detector_from_state", "is_finite", "saturating", "REGISTRY"]
+__all__ = ["Param", "Stateful", "Detector", "detector_from_state", "is_finite", "saturating", "REGISTRY", "BOUND",
+           "WINSOR", "WINSOR_KEPT", "bounded", "winsorised", "robust_limits"]
 
 _INF = math.inf
+
+# The largest magnitude a detector's sums take in: squares of it, summed over any window, stay finite.
+BOUND = 1e100
+# How many robust scales a learned value may stand from the centre before it is learned at that distance:
+# far past any real tail, so normal data is learned as it came. What decays (an EWMA) forgets the rest in a
+# few hundred samples; what is kept for good (a reference, a warm-up's baseline) takes a tighter bound, or
+# a value at the bound would still widen it for good (10 robust standard deviations: p < 1e-20 for a normal).
+WINSOR = 1000.0
+WINSOR_KEPT = 10.0
 
 REGISTRY: dict[str, type["Stateful"]] = {}  # kind -> class
 # State saved before kinds were the keys named the class; those blobs still restore.
@@ -60,6 +77,38 @@ def saturating(z: float, k: float) -> float:
     if math.isnan(z):
         return 0.0
     return z / (z + k) if k > 0 else (1.0 if z > 0 else 0.0)
+
+
+def bounded(x: float) -> float:
+    """x within ±BOUND (what sums of squares take in)."""
+    return BOUND if x > BOUND else -BOUND if x < -BOUND else x
+
+
+def robust_limits(centre: float, scale: float, scales: float = WINSOR) -> tuple[float, float] | None:
+    """centre ± scales·scale; a scale of 0 (every value so far equal) falls back on the centre's magnitude
+    (a 3.4e38 after a constant 1.0 is still clipped); None when there is no scale at all."""
+    scale = scale if scale > 0 else abs(centre)
+    if not scale > 0 or not math.isfinite(scale):
+        return None
+    return centre - scales * scale, centre + scales * scale
+
+
+def winsorised(values, scales: float = WINSOR) -> list[float] | None:
+    """``values`` clipped to their median ± ``scales`` robust scales (1.4826 MAD), or None when none lies
+    past them (then they are learned exactly as they came: a warm-up of normal data is not touched)."""
+    s = sorted(values)
+    n = len(s)
+    if n < 3:
+        return None
+    h = n // 2
+    med = s[h] if n % 2 else (s[h - 1] + s[h]) / 2.0
+    dev = sorted(abs(v - med) for v in s)
+    mad = dev[h] if n % 2 else (dev[h - 1] + dev[h]) / 2.0
+    limits = robust_limits(med, 1.4826 * mad, scales)
+    if limits is None or limits[0] <= s[0] and s[-1] <= limits[1]:
+        return None
+    lo, hi = limits
+    return [lo if v < lo else hi if v > hi else v for v in values]
 
 
 def _plain(items: list) -> bool:
@@ -204,7 +253,18 @@ class Stateful:
         obj = cls(**{k: _decode(v) for k, v in d["params"].items()})
         for f, v in d["state"].items():
             setattr(obj, f, _decode(v))
+        obj.restored()
         return obj
+
+    def restored(self) -> None:
+        """Make a state read back from a record sane (a record written before values were bounded, or
+        a damaged one): a kind whose state could overflow recomputes it, or calls ``forget``."""
+
+    def forget(self) -> None:
+        """Back to a fresh warm-up, parameters kept (a state that overflowed learns the run again)."""
+        fresh = type(self)(**{p: getattr(self, p) for p in self._params})
+        for f in (*self._fields, *(("score",) if hasattr(fresh, "score") else ())):
+            setattr(self, f, getattr(fresh, f))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{p}={getattr(self, p)!r}" for p in self._params)
@@ -296,14 +356,18 @@ class SlidingMoments:
     since: int
 
     def _push(self, x: float) -> None:
+        """Take in ``x`` (``bounded`` by the caller)."""
         buf = self.buf
         if len(buf) == self.window:
             old = buf[0]
             buf.append(x)
             n = len(buf)
             mean_new = self.mean + (x - old) / n
-            self.m2 += (x - old) * (x - mean_new + old - self.mean)
+            gone = old - self.mean
+            self.m2 += (x - old) * (x - mean_new + gone)
             self.mean = mean_new
+            if gone * gone > 1e6 * self.m2:  # a value far out left: what the sums kept of it is rounding
+                self.since = self.window
         else:
             buf.append(x)
             d = x - self.mean
@@ -311,7 +375,21 @@ class SlidingMoments:
             self.m2 += d * (x - self.mean)
         self.since += 1
         if self.since >= self.window:
-            n = len(buf)
-            self.mean = math.fsum(buf) / n
-            self.m2 = math.fsum((v - self.mean) ** 2 for v in buf)
-            self.since = 0
+            self._exact()
+
+    def _exact(self) -> None:
+        buf = self.buf
+        n = len(buf)
+        self.mean = math.fsum(buf) / n if n else 0.0
+        self.m2 = math.fsum((v - self.mean) ** 2 for v in buf)
+        self.since = 0
+
+    def _sane_window(self) -> None:
+        """A restored window with a value past ``BOUND`` (or not finite), or sums that are not finite:
+        values bounded, non-finite ones dropped, sums recomputed."""
+        if all(-BOUND <= v <= BOUND for v in self.buf) and math.isfinite(self.mean) and math.isfinite(self.m2):
+            return
+        kept = [bounded(v) for v in self.buf if math.isfinite(v)]
+        self.buf.clear()
+        self.buf.extend(kept)
+        self._exact()

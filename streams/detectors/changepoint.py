@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import math
+from array import array
 
 import numpy as np
 
-from .base import Detector, Param, saturating
+from .base import WINSOR, WINSOR_KEPT, Detector, Param, bounded, saturating, winsorised
 
 __all__ = ["CUSUM", "PageHinkley", "change_onset"]
 
@@ -19,7 +20,9 @@ class CUSUM(Detector):
     Then z = (x - mean) / std accumulates into g+ = max(0, g+ + z - drift) and
     g- = max(0, g- - z - drift); an alarm fires when either exceeds ``threshold``.
     After an alarm both sums and the baseline reset, and the detector learns the new
-    level during another warm-up, so one shift raises one alarm.
+    level during another warm-up, so one shift raises one alarm. A warm-up value far out (a loss of
+    3.4e38) does not make the baseline's std astronomic: the warm-up is learned again from its values
+    winsorised against their median and MAD.
 
     Cost: O(1) per sample.
 
@@ -39,7 +42,7 @@ class CUSUM(Detector):
     test_params = ({"warmup": 10, "drift": 0.5, "threshold": 5.0},)
     judges_first = True  # against the warm-up's baseline; after an alarm it learns a new one
     cost = "O(1)"
-    _fields = ("n", "mean", "m2", "gpos", "gneg", "count", "alarms", "last")
+    _fields = ("n", "mean", "m2", "gpos", "gneg", "count", "alarms", "last", "warm")
 
     def __init__(self, warmup: int = 30, drift: float = 0.5, threshold: float = 5.0,
                  direction: str = "both"):
@@ -58,6 +61,7 @@ class CUSUM(Detector):
         self.alarms = 0
         self.last: list | None = None  # [value, mean, std, z, gpos, gneg, side, anomalous]
         self.score = 0.0
+        self.warm = array("d")  # the warm-up's values, until it ends
 
     @property
     def ready(self) -> bool:
@@ -65,14 +69,34 @@ class CUSUM(Detector):
 
     def reset(self) -> None:
         self.n, self.mean, self.m2, self.gpos, self.gneg = 0, 0.0, 0.0, 0.0, 0.0
+        self.warm = array("d")
 
     def learn(self, x: float, t: float | None) -> None:
         self.count += 1
         if self.last is None:  # judged while warming up: x belongs to the baseline
-            self.n += 1
-            d = x - self.mean
-            self.mean += d / self.n
-            self.m2 += d * (x - self.mean)
+            x = bounded(x)
+            self.warm.append(x)
+            self._welford(x)
+            if self.n == self.warmup:
+                if len(self.warm) == self.n and (clipped := winsorised(self.warm, WINSOR_KEPT)) is not None:
+                    self.n, self.mean, self.m2 = 0, 0.0, 0.0
+                    for v in clipped:
+                        self._welford(v)
+                self.warm = array("d")
+
+    def _welford(self, x: float) -> None:
+        self.n += 1
+        d = x - self.mean
+        self.mean += d / self.n
+        self.m2 += d * (x - self.mean)
+
+    def restored(self) -> None:
+        # A baseline that overflowed, or whose std dwarfs the values it judges (a record written before
+        # the warm-up was winsorised): learned again.
+        std = math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 and self.m2 >= 0 else 0.0
+        if not all(math.isfinite(v) for v in (self.mean, self.m2, self.gpos, self.gneg)) or (
+                self.last is not None and self.last[0] and std > WINSOR * WINSOR * abs(self.last[0])):
+            self.reset()
 
     def judge(self, x: float, t: float | None) -> bool:
         if not self.ready:
@@ -168,11 +192,16 @@ class PageHinkley(Detector):
     def learn(self, x: float, t: float | None) -> None:
         self.count += 1
         self.n += 1
+        x = bounded(x)  # one value far out raises an alarm, and the test restarts without it
         self.mean += (x - self.mean) / self.n
         self.up = self.alpha * self.up + (x - self.mean - self.delta)
         self.down = self.alpha * self.down + (self.mean - x - self.delta)
         self.up_min = min(self.up_min, self.up)
         self.down_min = min(self.down_min, self.down)
+
+    def restored(self) -> None:
+        if not all(math.isfinite(v) for v in (self.mean, self.up, self.up_min, self.down, self.down_min)):
+            self.reset()
 
     def judge(self, x: float, t: float | None) -> bool:
         if not self.ready:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from array import array
 from collections import deque
 
-from .base import Detector, Param, SlidingMoments, saturating
+from .base import WINSOR, WINSOR_KEPT, Detector, Param, SlidingMoments, bounded, saturating, winsorised
 
 __all__ = ["Collapse"]
 
@@ -19,7 +20,9 @@ class Collapse(SlidingMoments, Detector):
     mean_drop_z = (ref_mean - mean) / ref_std ≥ ``mean_drop`` *and* std / ref_std ≤
     ``spread_ratio``; with ``mode="either"`` one of them is enough (e.g. for a reward-std
     stream, where the spread alone collapsing to 0 means every sample gets one reward).
-    ``direction="down"`` watches a falling mean; ``"up"`` a rising one (e.g. a loss).
+    ``direction="down"`` watches a falling mean; ``"up"`` a rising one (e.g. a loss). The reference is
+    kept for good, so a value far out in it (a reward of 3.4e38) is winsorised against the reference's
+    median and MAD once the reference is complete; one in the window counts only while it is there.
 
     Cost: O(1) per sample.
 
@@ -43,7 +46,7 @@ class Collapse(SlidingMoments, Detector):
               Param("direction", "down", str, "a falling mean, or a rising one (a loss)", choices=("down", "up")))
     test_params = ({"reference": 20, "window": 10},)
     cost = "O(1)"
-    _fields = ("rn", "rmean", "rm2", "buf", "mean", "m2", "since", "count", "last")
+    _fields = ("rn", "rmean", "rm2", "buf", "mean", "m2", "since", "count", "last", "warm")
 
     def __init__(self, reference: int = 100, window: int = 50, mean_drop: float = 1.0,
                  spread_ratio: float = 0.5, mode: str = "both", direction: str = "down"):
@@ -67,6 +70,7 @@ class Collapse(SlidingMoments, Detector):
         self.count = 0
         self.last: list | None = None  # [value, drop_z, ratio, mean_ok, spread_ok, anomalous]
         self.score = 0.0
+        self.warm = array("d")  # the reference's values, until it is complete
 
     @property
     def ready(self) -> bool:
@@ -76,16 +80,41 @@ class Collapse(SlidingMoments, Detector):
         """Take the current window as the new healthy reference."""
         n = len(self.buf)
         self.rn, self.rmean, self.rm2 = n, self.mean, self.m2
+        if (clipped := winsorised(self.buf, WINSOR_KEPT)) is not None:
+            self._reference_of(clipped)
 
     def learn(self, x: float, t: float | None) -> None:
         self.count += 1
+        x = bounded(x)
         if self.rn < self.reference:
-            self.rn += 1
-            d = x - self.rmean
-            self.rmean += d / self.rn
-            self.rm2 += d * (x - self.rmean)
+            self.warm.append(x)
+            self._welford(x)
+            if self.rn == self.reference:
+                if len(self.warm) == self.rn and (clipped := winsorised(self.warm, WINSOR_KEPT)) is not None:
+                    self._reference_of(clipped)
+                self.warm = array("d")
         else:
             self._push(x)
+
+    def _welford(self, x: float) -> None:
+        self.rn += 1
+        d = x - self.rmean
+        self.rmean += d / self.rn
+        self.rm2 += d * (x - self.rmean)
+
+    def _reference_of(self, values) -> None:
+        self.rn, self.rmean, self.rm2 = 0, 0.0, 0.0
+        for v in values:
+            self._welford(v)
+
+    def restored(self) -> None:
+        self._sane_window()
+        # A reference that overflowed, or whose spread dwarfs every value of the window (a record written
+        # before the reference was winsorised): learned again from the values to come.
+        rstd = math.sqrt(self.rm2 / self.rn) if self.rn and self.rm2 >= 0 else 0.0
+        top = max((abs(v) for v in self.buf), default=0.0)
+        if not (math.isfinite(self.rmean) and math.isfinite(self.rm2)) or (top and rstd > WINSOR * WINSOR * top):
+            self.rn, self.rmean, self.rm2, self.warm = 0, 0.0, 0.0, array("d")
 
     def judge(self, x: float, t: float | None) -> bool:
         if not self.ready:  # also while x went to the reference

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
-from .base import Detector, Param, saturating
+from .base import BOUND, Detector, Param, bounded, saturating
 
 __all__ = ["Leak"]
 
@@ -73,6 +74,13 @@ class Leak(Detector):
         self.sums = [st, sx, stt, stx, sxx]
         self.since = 0
 
+    def restored(self) -> None:
+        if all(-BOUND <= v <= BOUND for v in self.xs) and all(math.isfinite(v) for v in self.sums):
+            return
+        kept = [(bounded(x), t) for x, t in zip(self.xs, self.ts, strict=True) if math.isfinite(x)]
+        self.xs, self.ts = deque(x for x, _ in kept), deque(t for _, t in kept)
+        self._recompute()
+
     def fit(self) -> tuple[float, float, float]:
         """(slope per second, intercept at t0, R²) of the window."""
         n = len(self.xs)
@@ -91,6 +99,7 @@ class Leak(Detector):
 
     def learn(self, x: float, t: float | None) -> None:
         t = t if t is not None else float(self.count)
+        x = bounded(x)  # the sums stay finite; a value far out spoils the fit only while it is in the window
         if not self.xs:
             self.t0 = t
         if len(self.xs) >= self.window:
@@ -102,6 +111,8 @@ class Leak(Detector):
             s[2] -= u * u
             s[3] -= u * ox
             s[4] -= ox * ox
+            if ox * ox > 1e6 * s[4]:  # what the sums kept of a value far out is rounding
+                self.since = self.window
         self.xs.append(x)
         self.ts.append(t)
         u = t - self.t0

@@ -7,7 +7,7 @@ from collections import deque
 
 from sortedcontainers import SortedList
 
-from .base import Detector, Param, saturating
+from .base import BOUND, Detector, Param, bounded, saturating
 
 __all__ = ["RobustMAD", "median_of_sorted", "mad_of_sorted"]
 
@@ -155,19 +155,34 @@ class RobustMAD(Detector):
         return anomalous
 
     def learn(self, x: float, t: float | None) -> None:
+        x = bounded(x)  # the sums of the fallback scale stay finite
+        far = False
         if len(self.buf) == self.window:
             old = self.buf[0]
             self.sorted.remove(old)
             self.s1 -= old
             self.s2 -= old * old
+            far = old * old > 1e6 * self.s2  # what the sums kept of a value far out is rounding
         self.buf.append(x)
         self.sorted.add(x)
         self.s1 += x
         self.s2 += x * x
         self.count += 1
-        if self.count % self.window == 0:  # refresh the running sums exactly
-            self.s1 = math.fsum(self.buf)
-            self.s2 = math.fsum(v * v for v in self.buf)
+        if far or self.count % self.window == 0:  # refresh the running sums exactly
+            self._refresh()
+
+    def _refresh(self) -> None:
+        self.s1 = math.fsum(self.buf)
+        self.s2 = math.fsum(v * v for v in self.buf)
+
+    def restored(self) -> None:
+        if all(-BOUND <= v <= BOUND for v in self.buf) and math.isfinite(self.s1) and math.isfinite(self.s2):
+            return
+        kept = [bounded(v) for v in self.buf if math.isfinite(v)]
+        self.buf.clear()
+        self.buf.extend(kept)
+        self.sorted = SortedList(kept)
+        self._refresh()
 
     def evidence(self) -> dict:
         if self.last is None:

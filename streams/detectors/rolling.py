@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from .base import Detector, Param, SlidingMoments, saturating
+from .base import Detector, Param, SlidingMoments, bounded, saturating
 
 __all__ = ["RollingZ"]
 
@@ -61,8 +61,11 @@ class RollingZ(SlidingMoments, Detector):
         return len(self.buf) >= self.window // 2
 
     def learn(self, x: float, t: float | None) -> None:
-        self._push(x)
+        self._push(bounded(x))  # a value far out widens the band only while it is in the window
         self.count += 1
+
+    def restored(self) -> None:
+        self._sane_window()
 
     def judge(self, x: float, t: float | None) -> bool:
         if not self.ready:
