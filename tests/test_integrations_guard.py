@@ -41,14 +41,17 @@ class ScriptedListener:
 class RecordingLogger:
     def __init__(self):
         self.events: list[tuple] = []
+        self.health: dict[int, tuple] = {}   # step -> (healthy, why) of each checkpoint reported with a verdict
         self.ended = None
 
     def log(self, metrics, step, tags=None):
         self.events.append(("metrics", step, dict(metrics)))
         return True
 
-    def checkpoint_saved(self, step, path):
+    def checkpoint_saved(self, step, path, healthy=None, why=None):
         self.events.append(("checkpoint", step, path))
+        if healthy is not None:
+            self.health[step] = (healthy, why)
         return True
 
     def lifecycle(self, what, step=None, detail=None):
