@@ -9,6 +9,7 @@ torch and transformers are test requirements: a missing one fails this module lo
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -328,3 +329,93 @@ def test_the_trainers_checkpoints_get_a_manifest_checked_by_a_rollback_and_a_res
     resumed = trainer_for(4, [TrainguardCallback("r", logger=RecordingLogger(), listen=False)])
     resumed.train(resume_from_checkpoint=resume)
     assert resumed.state.global_step == 4
+
+
+def _tiny_gpt2(n_embd=32):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=n_embd, vocab_size=100, n_positions=32))
+
+
+def test_save_total_limit_keeps_the_last_healthy_checkpoint_through_a_nan_run_and_the_rollback_lands_on_it(
+        kafka, tmp_path, monkeypatch, caplog):
+    """save_total_limit=2, the local NaN guard off: the weights turn NaN at step 12 and the run trains
+    on, saving checkpoint-15, -20, -25 ... (each called suspect by the callback's weights check) before
+    a worker starts and acts on the NaN. The Trainer's own rotation would have deleted checkpoint-10
+    at the save of step 20; the callback kept it out of the rotation, so the worker's rollback to it
+    applies, the loss logged after it is finite again (the Trainer's NaN loss accumulator was reset),
+    and the next healthy checkpoint releases checkpoint-10 to the rotation."""
+    import logging
+
+    from safetensors.torch import load_file
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from trainguard.producers.integrations.hf import TrainguardCallback
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_DISABLED", "true")
+    caplog.set_level(logging.INFO, logger="trainguard.integrations")
+    run_id = f"hf-rot-{uuid.uuid4().hex[:6]}"
+    out = tmp_path / "out"
+    worker = WorkerProcess(kafka, tmp_path)
+    guard_cb = TrainguardCallback(run_id, kafka, ready_timeout_s=10, nonfinite_guard=False)
+    seen: dict = {"on_disk_at_rollback": None, "restored_equal": None}
+
+    class Driver(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step == 12:
+                with torch.no_grad():
+                    next(model.parameters()).fill_(float("nan"))
+            if state.global_step == 26:  # past two more saves on NaN weights: now someone acts
+                seen["on_disk_before_worker"] = sorted(p.name for p in out.iterdir() if p.name.startswith("checkp"))
+                worker.start()
+            if state.global_step > 26:
+                time.sleep(0.1)
+            if guard_cb.guard.rollbacks == 1 and seen["restored_equal"] is None:
+                saved = load_file(str(out / "checkpoint-10" / "model.safetensors"))
+                now = model.state_dict()
+                seen["restored_equal"] = all(torch.equal(now[k], v) for k, v in saved.items())
+                seen["rolled_back_at"] = state.global_step
+                seen["health_10"] = check_checkpoint(out / "checkpoint-10", require=("parameters",)).health
+            if "rolled_back_at" in seen and state.global_step >= seen["rolled_back_at"] + 12:
+                control.should_training_stop = True
+
+    try:
+        args = TrainingArguments(output_dir=str(out), max_steps=700, per_device_train_batch_size=8, logging_steps=1,
+                                 save_strategy="steps", save_steps=5, save_total_limit=2, report_to=[], use_cpu=True,
+                                 learning_rate=1e-3, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+                                 logging_nan_inf_filter=False)
+        trainer = Trainer(model=_tiny_gpt2(), args=args, train_dataset=RandomTokens(n=512),
+                          callbacks=[guard_cb, Driver()])
+        trainer.train()
+
+        # Before the worker came: 10 (healthy) kept beside the two newest, 15 rotated away.
+        assert seen["on_disk_before_worker"] == ["checkpoint-10", "checkpoint-20", "checkpoint-25"], seen
+        rollbacks = [h for h in guard_cb.guard.history if h["action"] == "rollback"]
+        assert rollbacks and rollbacks[0]["status"] == "applied", guard_cb.guard.history
+        assert str(out / "checkpoint-10") in rollbacks[0]["detail"], rollbacks[0]
+        assert seen["restored_equal"] is True, seen
+        assert "checkpoint-10 kept out of save_total_limit's rotation" in caplog.text
+
+        events = TopicReader(kafka, kafka.topics.events)
+        events.wait_for(lambda e: e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE and e["event"] == "finished",
+                        timeout=20, what="the finished report")
+        ours = [e for e in events.seen if e["run_id"] == run_id]
+        events.close()
+        verdicts = {e["step"]: (e["healthy"], e["why"]) for e in ours if e["schema"] == ev.CHECKPOINT}
+        assert verdicts[5][0] is True and verdicts[10][0] is True, verdicts
+        for step in (15, 20, 25):
+            assert verdicts[step][0] is False and "holds NaN/Inf" in verdicts[step][1], verdicts
+        assert seen["health_10"]["healthy"] is True, seen
+        # After the rollback the logged loss is the restored model's own again, not the NaN accumulator's.
+        rb = next(i for i, e in enumerate(ours) if e["schema"] == ev.LIFECYCLE and e["event"] == "rolled_back")
+        after = [e["metrics"]["train/total_loss"] for e in ours[rb:] if e["schema"] == ev.METRICS
+                 and "train/total_loss" in e["metrics"]]
+        assert len(after) >= 5 and all(math.isfinite(v) and v < 10 for v in after[1:]), after
+        # A healthy save after the rollback released checkpoint-10 to the rotation.
+        healthy_after = [s for s, (h, _) in verdicts.items() if h and s > seen["rolled_back_at"]]
+        assert healthy_after and max(verdicts) > min(healthy_after), verdicts
+        assert not (out / "checkpoint-10").exists(), sorted(p.name for p in out.iterdir())
+    finally:
+        worker.kill()
