@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -417,5 +418,70 @@ def test_save_total_limit_keeps_the_last_healthy_checkpoint_through_a_nan_run_an
         healthy_after = [s for s, (h, _) in verdicts.items() if h and s > seen["rolled_back_at"]]
         assert healthy_after and max(verdicts) > min(healthy_after), verdicts
         assert not (out / "checkpoint-10").exists(), sorted(p.name for p in out.iterdir())
+    finally:
+        worker.kill()
+
+
+def test_a_loss_that_diverges_and_stays_up_is_paged_and_rolled_back_by_the_callback(kafka, tmp_path, monkeypatch):
+    """A plain Trainer (tiny GPT-2, real transformers) at a learning rate 500x too high for steps
+    16-19: its loss jumps from ~4.6 to tens and stays far above its healthy level. The worker pages
+    it and its breaker rolls the run back to a checkpoint saved before the divergence; the callback
+    applies the rollback and the loss is back at its healthy level after it."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from trainguard.producers.integrations.hf import TrainguardCallback
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_DISABLED", "true")
+    run_id = f"sft-div-{uuid.uuid4().hex[:6]}"
+    out = tmp_path / "out"
+    guard_cb = TrainguardCallback(run_id, kafka, ready_timeout_s=10)
+    seen: dict = {}
+
+    class TooHighLearningRate(TrainerCallback):
+        def on_step_begin(self, args, state, control, optimizer=None, **kw):
+            if 15 <= state.global_step < 19:  # steps 16..19; the constant schedule puts it back each step
+                for group in optimizer.param_groups:
+                    group["lr"] = 0.5
+
+        def on_step_end(self, args, state, control, **kw):
+            time.sleep(0.1)  # a real step takes far longer: let the worker answer within the run
+            if guard_cb.guard.rollbacks and "rolled_back_at" not in seen:
+                seen["rolled_back_at"] = state.global_step
+            if "rolled_back_at" in seen and state.global_step >= seen["rolled_back_at"] + 10:
+                control.should_training_stop = True
+
+    worker = WorkerProcess(kafka, tmp_path).start()
+    try:
+        worker.wait_ready()
+        args = TrainingArguments(output_dir=str(out), max_steps=260, per_device_train_batch_size=8, logging_steps=1,
+                                 learning_rate=1e-3, lr_scheduler_type="constant", save_strategy="steps", save_steps=5,
+                                 report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+                                 logging_nan_inf_filter=False)
+        trainer = Trainer(model=_tiny_gpt2(), args=args, train_dataset=RandomTokens(n=2048),
+                          callbacks=[guard_cb, TooHighLearningRate()])
+        trainer.train()
+
+        events = TopicReader(kafka, kafka.topics.events)
+        events.wait_for(lambda e: e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE
+                        and e["event"] in ("finished", "stopped"), timeout=20, what="the run's end")
+        losses = {e["step"]: e["metrics"]["train/total_loss"] for e in events.seen
+                  if e["run_id"] == run_id and e["schema"] == ev.METRICS and "train/total_loss" in e["metrics"]}
+        events.close()
+        healthy = max(losses[s] for s in range(10, 16))
+        assert min(losses[s] for s in range(20, 26)) > 3 * healthy, losses  # diverged and stayed up
+
+        alerts = TopicReader(kafka, kafka.topics.alerts)
+        page = alerts.wait_for(lambda a: a["run_id"] == run_id and a["status"] == "firing"
+                               and a["severity"] in ("P0", "P1"), timeout=30, what="a page for the divergence",
+                               worker=worker)
+        alerts.close()
+        assert 16 <= page["step"] <= 24, page
+        rollbacks = [h for h in guard_cb.guard.history if h["action"] == "rollback"]
+        assert rollbacks and rollbacks[0]["status"] == "applied", guard_cb.guard.history
+        target = re.search(r"\(step (\d+)\)", rollbacks[0]["detail"])
+        assert target and int(target.group(1)) <= 15, rollbacks[0]
+        after = [losses[s] for s in sorted(losses) if s > seen["rolled_back_at"] + 1]
+        assert after and max(after) < 1.5 * healthy, (healthy, after)
     finally:
         worker.kill()
