@@ -277,9 +277,6 @@ def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...]
         if got != want:
             raise CheckpointError(f"{_part(name)} version mismatch: expected {want}, got {got}")
     _refuse_unlisted(root, data)
-    # the files a loader reads are hashed as they are read (_read_verified), not twice
-    manifest = Manifest(path, data)
-    manifest.loading = dict(loading(manifest)) if loading is not None else {}
     for name, part in parts.items():
         for rel, info in part["files"].items():
             f = root / rel
@@ -289,7 +286,12 @@ def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...]
             if size != info["bytes"]:
                 raise CheckpointError(f"{_part(name)} corrupted: {rel} has {size} bytes, "
                                       f"the manifest says {info['bytes']}")
-            if hashes and rel not in manifest.loading and _sha256(f) != info["sha256"]:
+    # the files a loader reads are hashed as they are read (_read_verified), not twice
+    manifest = Manifest(path, data)
+    manifest.loading = dict(loading(manifest)) if loading is not None else {}
+    for name, part in parts.items():
+        for rel, info in part["files"].items():
+            if hashes and rel not in manifest.loading and _sha256(root / rel) != info["sha256"]:
                 raise CheckpointError(f"{_part(name)} corrupted: {rel} does not match its SHA-256 in the manifest")
     return manifest
 
