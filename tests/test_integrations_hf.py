@@ -485,3 +485,24 @@ def test_a_loss_that_diverges_and_stays_up_is_paged_and_rolled_back_by_the_callb
         assert after and max(after) < 1.5 * healthy, (healthy, after)
     finally:
         worker.kill()
+
+
+def test_the_manifest_waits_a_bounded_time_for_every_ranks_rng_state(tmp_path, monkeypatch):
+    """Process zero lists every rank's rng_state_{rank}.pth: it waits for one still being written (a
+    wait, never a barrier), and gives up on one that never comes (another node's disk) in bounded time."""
+    from types import SimpleNamespace
+
+    from trainguard.producers.integrations import hf
+
+    monkeypatch.setattr(hf, "RNG_WAIT_S", 2.0)
+    args = SimpleNamespace(world_size=3, save_only_model=False)
+    for rank in (0, 1):
+        (tmp_path / f"rng_state_{rank}.pth").write_bytes(b"r")
+    late = threading.Timer(0.3, lambda: (tmp_path / "rng_state_2.pth").write_bytes(b"r"))
+    late.start()
+    assert hf._wait_for_rng_states(str(tmp_path), args) == []
+    (tmp_path / "rng_state_2.pth").unlink()
+    started = time.monotonic()
+    assert hf._wait_for_rng_states(str(tmp_path), args) == ["rng_state_2.pth"]
+    assert 1.9 <= time.monotonic() - started < 4
+    assert hf._wait_for_rng_states(str(tmp_path), SimpleNamespace(world_size=1)) == []

@@ -62,7 +62,8 @@ def test_a_gradient_explosion_then_an_entropy_collapse_is_rolled_back(kafka, tmp
             with torch.no_grad():
                 entropy = _entropy(policy(torch.randn(256, FEATURES)))
             entropies[step] = entropy
-            guard.log({"actor/pg_loss": float(loss.detach()), "actor/grad_norm": grad_norm, "actor/entropy": entropy}, step)
+            guard.log({"actor/pg_loss": float(loss.detach()), "actor/grad_norm": grad_norm,
+                       "actor/entropy": entropy}, step)
             guard.maybe_checkpoint(step)
             decision = guard.step_boundary(step)
             time.sleep(0.05)

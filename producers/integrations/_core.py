@@ -345,6 +345,7 @@ class GuardBase:
         decision.rolled_back = True
         decision.resume_step = int(target["step"])
         decision.checkpoint_path = str(target["path"])
+        self.newest_healthy = (int(target["step"]), str(target["path"]))  # the run goes on from it: keep it
         n = int(command.get("skip_batches") or 0)
         if n:
             self._skip(n, command, step, decision)

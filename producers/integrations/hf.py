@@ -23,9 +23,10 @@ What it does, on the world's process zero only (other ranks do nothing):
   the Trainer just wrote (every file in it, by part: ``parameters`` model.safetensors, its shards
   or adapter_model.safetensors; ``optimizer`` optimizer.pt or DeepSpeed's ``global_step*/``;
   ``scheduler``, ``scaler``, ``rng``, ``trainer_state``, ``other``), on the processes that wrote
-  the files (``args.should_save``), and reports it. Of the RNG states it lists only its own
-  process's: other ranks write theirs with no barrier before ``on_save``. A rollback checks the
-  manifest before loading anything, and ``verified(path)`` checks it for a resume:
+  the files (``args.should_save``), once every rank's RNG state is there (a bounded wait, never a
+  barrier), and reports it with its verdict (finite weights, finite logs since the checkpoint
+  before). A rollback checks the manifest before loading anything, loads from the bytes it
+  checked, and ``verified(path)`` checks it for a resume:
   ``trainer.train(resume_from_checkpoint=verified(args.output_dir))``.
 * ``on_step_end``: applies ready commands.
 * ``on_pre_optimizer_step``: the local guard. Gradients holding NaN/Inf are discarded before
@@ -316,15 +317,26 @@ def _running_trainer(callback):
     return None
 
 
-def _every_rank_saved(args) -> None:
-    """Wait until every process is in ``on_save`` (so has written its RNG state); one process: nothing.
-    Every process calls ``on_save`` at the same save, as the Trainer's own collectives require."""
-    if int(getattr(args, "world_size", 1) or 1) <= 1:
-        return
-    import torch.distributed as dist
+# How long the process writing a manifest waits for the other ranks' RNG states to appear.
+RNG_WAIT_S = 10.0
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+
+def _wait_for_rng_states(path: str, args) -> list[str]:
+    """Wait (at most :data:`RNG_WAIT_S`) until every rank's ``rng_state_{rank}.pth`` is in ``path``,
+    so the manifest lists them all; the ones still missing. Every rank writes its own right after
+    the weights, with no barrier before ``on_save``, and the process writing the manifest wrote the
+    weights: the others' are there, or nearly. A wait, never a barrier: a rank without this
+    callback must not hang the run. One process, or ``save_only_model`` (no RNG states): nothing."""
+    world = int(getattr(args, "world_size", 1) or 1)
+    if world <= 1 or getattr(args, "save_only_model", False):
+        return []
+    deadline = time.monotonic() + RNG_WAIT_S
+    while True:
+        missing = [name for name in (f"rng_state_{r}.pth" for r in range(world))
+                   if not os.path.isfile(os.path.join(path, name))]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.05)
 
 
 class _HFGuard(GuardBase):
@@ -428,6 +440,7 @@ class TrainguardCallback(TrainerCallback):
         self._pending_rolled_back = None
         self._hooked = None  # the Trainer whose rotation and loss accumulator this callback hooked
         self._said_loss_reset = False
+        self._wait_for_ranks = True  # for every rank's RNG state before a manifest (until one never comes)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -527,7 +540,6 @@ class TrainguardCallback(TrainerCallback):
             self.guard.log({**rewrite_logs(logs, rl=self.rl is not False), **self._report}, state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
-        _every_rank_saved(args)  # every process runs on_save: their RNG states are written when it returns
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if not os.path.isdir(path):
             return
@@ -537,6 +549,12 @@ class TrainguardCallback(TrainerCallback):
             health = self.guard.certify(state.global_step, weights=model.named_parameters() if model is not None
                                         else None)
         if getattr(args, "should_save", state.is_world_process_zero):  # the process that wrote the files
+            if self._wait_for_ranks:
+                missing = _wait_for_rng_states(path, args)
+                if missing:  # on another node's disk: not waited for again
+                    self._wait_for_ranks = False
+                    _log.warning("trainguard: %s not in %s after %.0f s (written on another node?): the manifest "
+                                 "lists the RNG states there", ", ".join(missing[:4]), path, RNG_WAIT_S)
             try:
                 write_checkpoint_manifest(path, args, state, kwargs.get("lr_scheduler"),
                                           self.guard.logger if self.guard is not None else None, health=health)
