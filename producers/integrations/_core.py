@@ -98,6 +98,15 @@ def nonfinite_parameter(named_parameters) -> str | None:
         return named[int(bad.nonzero()[0])][0]
 
 
+def torch_load_bytes(data: bytes, where=None):
+    """``torch.load`` (weights only) of a checkpoint file's bytes, as read and verified once."""
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), map_location=where, weights_only=True)
+
+
 def verdict(healthy: bool, why: str) -> dict:
     """The trainer's verdict on a checkpoint, as the manifest and the checkpoint event carry it."""
     return {"healthy": bool(healthy), "why": why}

@@ -93,7 +93,7 @@ from trainguard.producers.guards.checkpoint import (
     newest_verified,
     write_manifest,
 )
-from trainguard.producers.integrations._core import Decision, GuardBase, hook, scale_lr, unhook
+from trainguard.producers.integrations._core import Decision, GuardBase, hook, scale_lr, torch_load_bytes, unhook
 from trainguard.producers.integrations._core import log as _log
 from trainguard.producers.never_raise import never_raises
 from trainguard.readers.hfconsole import PLAIN_LOSS
@@ -180,26 +180,13 @@ def weight_files(path: str, read=None) -> list[str]:
     raise FileNotFoundError(f"no model weights in {path}")
 
 
-def _torch_state(data: bytes, where=None):
-    """An optimizer's or scheduler's state from the bytes of its file."""
-    import io
-
-    import torch
-
-    return torch.load(io.BytesIO(data), map_location=where, weights_only=True)
-
-
 def _tensors(name: str, data: bytes) -> dict:
     """One weights file's tensors, from its bytes."""
-    import io
-
-    import torch
-
     if name.endswith(".safetensors"):
         from safetensors.torch import load
 
         return load(data)
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return torch_load_bytes(data, "cpu")
 
 
 def load_model_weights(model, path: str, loaded: dict | None = None) -> str:
@@ -379,7 +366,7 @@ class _HFGuard(GuardBase):
             found.update({index: bytes for index in listed if index.endswith(".index.json")})
             for name, wanted in (("optimizer.pt", optimizer), ("scheduler.pt", scheduler)):
                 if wanted is not None and name in listed:
-                    found[name] = functools.partial(_torch_state, where=device if name == "optimizer.pt" else None)
+                    found[name] = functools.partial(torch_load_bytes, where=device if name == "optimizer.pt" else None)
             return found
 
         # every file checked (the loaded ones as they are read) before anything changes

@@ -73,6 +73,7 @@ from trainguard.producers.integrations._core import (
     log,
     same_step,
     scale_lr,
+    torch_load_bytes,
 )
 
 __all__ = ["Guard", "Decision"]
@@ -109,15 +110,6 @@ def _set_rng_state(state: dict) -> None:
 
         name, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-
-
-def _torch_load(data: bytes, where):
-    """A Guard checkpoint file from the bytes its manifest check read (never the file again)."""
-    import io
-
-    import torch
-
-    return torch.load(io.BytesIO(data), map_location=where, weights_only=True)
 
 
 def _swap_in(tmp: Path, path: Path) -> None:
@@ -428,7 +420,7 @@ class Guard(GuardBase):
             several = next((name for name, part in parts.items() if part["path"] not in part["files"]), None)
             if several is not None:
                 raise CheckpointError(f"part {several!r} of {path} is not one file, as the Guard writes them")
-            return {part["path"]: functools.partial(_torch_load, where="cpu" if name == "rng" else location)
+            return {part["path"]: functools.partial(torch_load_bytes, where="cpu" if name == "rng" else location)
                     for name, part in parts.items()}
 
         manifest, loaded = load_verified(path, loaders, events=self.logger, step=self._logged_step)
