@@ -454,7 +454,7 @@ def test_a_loss_that_diverges_and_stays_up_is_paged_and_rolled_back_by_the_callb
     worker = WorkerProcess(kafka, tmp_path).start()
     try:
         worker.wait_ready()
-        args = TrainingArguments(output_dir=str(out), max_steps=260, per_device_train_batch_size=8, logging_steps=1,
+        args = TrainingArguments(output_dir=str(out), max_steps=120, per_device_train_batch_size=8, logging_steps=1,
                                  learning_rate=1e-3, lr_scheduler_type="constant", save_strategy="steps", save_steps=5,
                                  report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
                                  logging_nan_inf_filter=False)
