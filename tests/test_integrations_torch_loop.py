@@ -41,6 +41,7 @@ def test_a_gradient_explosion_then_an_entropy_collapse_is_rolled_back(kafka, tmp
     run_id = f"torch-collapse-{uuid.uuid4().hex[:6]}"
     worker = WorkerProcess(kafka, tmp_path).start()
     guard = None
+    # entropy by batch drawn (steps repeat after a rollback; the data goes on)
     fault_at, entropies, rolled_back_at, restored_step = 60, {}, None, None
     try:
         worker.wait_ready()
@@ -61,7 +62,7 @@ def test_a_gradient_explosion_then_an_entropy_collapse_is_rolled_back(kafka, tmp
             optimizer.step()
             with torch.no_grad():
                 entropy = _entropy(policy(torch.randn(256, FEATURES)))
-            entropies[step] = entropy
+            entropies[drawn] = entropy
             guard.log({"actor/pg_loss": float(loss.detach()), "actor/grad_norm": grad_norm,
                        "actor/entropy": entropy}, step)
             guard.maybe_checkpoint(step)
@@ -84,7 +85,7 @@ def test_a_gradient_explosion_then_an_entropy_collapse_is_rolled_back(kafka, tmp
         applied = [h for h in guard.history if h["action"] == "rollback" and h["status"] == "applied"]
         assert applied, f"no rollback applied by step 400: {guard.history}"
         assert restored_step is not None and restored_step < fault_at, (restored_step, guard.history)
-        assert entropies[step] > 0.7 * entropies[fault_at - 1] and math.isfinite(entropies[step]), entropies
+        assert entropies[drawn] > 0.7 * entropies[fault_at - 1] and math.isfinite(entropies[drawn]), entropies
     finally:
         if guard is not None:
             guard.close()
