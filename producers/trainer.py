@@ -120,10 +120,11 @@ class TrainerLogger:
     # -- checkpoints and lifecycle ------------------------------------------------------
 
     @never_raises("checkpoint_saved() dropped a checkpoint", fallback=False)
-    def checkpoint_saved(self, step: int, path: str) -> bool:
-        """Report a checkpoint the trainer can roll back to. Never raises."""
+    def checkpoint_saved(self, step: int, path: str, *, healthy: bool | None = None, why: str | None = None) -> bool:
+        """Report a checkpoint the trainer can roll back to; ``healthy``/``why``: the trainer's own
+        verdict on it (None: not checked). Never raises."""
         self.flush_step()
-        event = ev.checkpoint_event(self.run_id, int(step), str(path), src=self.source)
+        event = ev.checkpoint_event(self.run_id, int(step), str(path), src=self.source, healthy=healthy, why=why)
         # Signed, and recorded as a rollback target for this process's listeners.
         return self.publisher.publish(self._topic, self.run_id, authored(event))
 

@@ -108,12 +108,20 @@ def metrics_event(run_id: str, step: int, metrics: dict[str, float], *, src: dic
     return event
 
 
+CHECKPOINT_WHY_MAX = 1024  # the trainer's reason for its checkpoint verdict, in characters
+
+
 def checkpoint_event(run_id: str, step: int, path: str, *, ts: float | None = None,
-                     src: dict | None = None) -> dict:
-    event = {"schema": CHECKPOINT, "run_id": run_id, "step": step, "path": path,
-             "ts": time.time() if ts is None else ts}
+                     src: dict | None = None, healthy: bool | None = None, why: str | None = None) -> dict:
+    """``healthy``/``why``: the trainer's own verdict on what it saved (finite weights, finite
+    metrics since the checkpoint before); absent when it did not check."""
+    event: dict[str, Any] = {"schema": CHECKPOINT, "run_id": run_id, "step": step, "path": path,
+                             "ts": time.time() if ts is None else ts}
     if src is not None:
         event["source"] = src
+    if healthy is not None:
+        event["healthy"] = bool(healthy)
+        event["why"] = (why or "")[:CHECKPOINT_WHY_MAX]
     return event
 
 
@@ -482,6 +490,9 @@ def _validate_checkpoint(event: dict) -> None:
     _int(event, "step")
     _str(event, "path")
     _time(event, "ts", stamp=True)
+    if "healthy" in event and type(event["healthy"]) is not bool:
+        raise _fail("healthy", f"must be a boolean, got {type(event['healthy']).__name__}")
+    _str(event, "why", required=False, max_len=CHECKPOINT_WHY_MAX)
     if event.get("source") is not None:
         _check_source(event["source"])
 

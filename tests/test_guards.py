@@ -26,7 +26,7 @@ from trainguard.producers.guards import (
     verl_compute_score,
     write_manifest,
 )
-from trainguard.producers.guards.checkpoint import MANIFEST
+from trainguard.producers.guards.checkpoint import MANIFEST, _checksum
 
 # ------------------------------------------------------------------------------ breaker
 
@@ -423,7 +423,6 @@ def test_importing_the_guards_imports_no_framework():
 def _forge(d, edit):
     """Edit the manifest and write it back with a checksum that matches: the checksum proves a
     manifest whole, not honest, so the check must survive any content behind a valid one."""
-    from trainguard.producers.guards.checkpoint import _checksum
 
     path = d / MANIFEST
     data = json.loads(path.read_text())
@@ -495,3 +494,96 @@ def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="model.safetensors.* outside"):
         write_manifest(d, parts={"parameters": "model.safetensors", "optimizer": "optimizer.pt"},
                        meta={"step": 1, "scheduler_step": 1, "rng_seeds": {}, "dataset_offset": 0})
+
+
+# -- manifests cover what is loaded ------------------------------------------------------------
+
+def test_a_file_added_to_a_folder_part_after_the_manifest_is_refused(tmp_path):
+    save_checkpoint(tmp_path / "step_500")
+    _forge(tmp_path / "step_500", lambda data: data.update(whole_folder=False))  # files beside the parts allowed
+    (tmp_path / "step_500" / "notes.txt").write_text("beside the parts: not loaded, allowed")
+    check_checkpoint(tmp_path / "step_500")
+    (tmp_path / "step_500" / "rollout" / "part-9.arrow").write_bytes(b"planted")
+    with pytest.raises(CheckpointError, match="does not list: rollout/part-9.arrow in a folder part"):
+        check_checkpoint(tmp_path / "step_500")
+
+
+def test_a_manifest_that_listed_the_whole_folder_refuses_any_file_added_to_it(tmp_path):
+    d = tmp_path / "checkpoint-7"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"w" * 64)
+    write_manifest(d, parts={"parameters": "model.safetensors"}, require=("parameters",),
+                   meta={"step": 7, "scheduler_step": 7, "rng_seeds": {}, "dataset_offset": 0})
+    assert check_checkpoint(d, require=("parameters",)).data["whole_folder"] is True
+    (d / "model.safetensors.index.json").write_text('{"weight_map": {}}')  # would be loaded before the file
+    with pytest.raises(CheckpointError, match="does not list: model.safetensors.index.json in .*checkpoint-7"):
+        check_checkpoint(d, require=("parameters",))
+
+
+def test_a_manifest_that_did_not_list_the_whole_folder_tolerates_files_beside_its_parts(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"w" * 64)
+    (d / "notes.txt").write_text("the user's own")
+    write_manifest(d, parts={"parameters": "model.safetensors"}, require=("parameters",),
+                   meta={"step": 7, "scheduler_step": 7, "rng_seeds": {}, "dataset_offset": 0})
+    (d / "later.txt").write_text("also the user's")
+    assert check_checkpoint(d, require=("parameters",)).data["whole_folder"] is False
+
+
+def test_what_is_loaded_is_the_bytes_that_were_verified(tmp_path):
+    """load_verified reads each file once and hands its loader the bytes it checked: a file swapped
+    on disk after the manifest check of the others (between two loads) is refused, never loaded,
+    and a refused checkpoint returns nothing at all."""
+    from trainguard.producers.guards.checkpoint import load_verified
+
+    save_checkpoint(tmp_path / "step_500")
+    d = tmp_path / "step_500"
+    original = (d / "optimizer.pt").read_bytes()
+    got = {}
+
+    def swap_the_optimizer_then_keep(data):
+        (d / "optimizer.pt").write_bytes(b"x" * len(original))  # same size: only the bytes tell
+        got["parameters"] = data
+        return len(data)
+
+    def loaders(manifest):
+        return {"model.safetensors": swap_the_optimizer_then_keep, "optimizer.pt": lambda data: data}
+
+    with pytest.raises(CheckpointError, match="optimizer state corrupted: optimizer.pt does not match its SHA-256"):
+        load_verified(d, loaders, require=("parameters", "optimizer"))
+    assert got["parameters"] == (d / "model.safetensors").read_bytes()
+
+    (d / "optimizer.pt").write_bytes(original)
+    manifest, loaded = load_verified(d, lambda m: {"optimizer.pt": lambda data: data})
+    assert loaded == {"optimizer.pt": original} and manifest.step == 500
+    with pytest.raises(CheckpointError, match="rollout/extra.bin is not listed in the manifest"):
+        load_verified(d, lambda m: {"rollout/extra.bin": bytes})
+
+
+def test_the_trainers_verdict_travels_in_the_manifest_and_is_checked(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"w" * 64)
+    write_manifest(d, parts={"parameters": "model.safetensors"}, require=("parameters",),
+                   meta={"step": 7, "scheduler_step": 7, "rng_seeds": {}, "dataset_offset": 0},
+                   health={"healthy": False, "why": "parameter w holds NaN/Inf at step 7"})
+    assert check_checkpoint(d, require=("parameters",)).health == {"healthy": False,
+                                                                     "why": "parameter w holds NaN/Inf at step 7"}
+    manifest = d / MANIFEST
+    data = json.loads(manifest.read_text())
+    data["health"] = {"healthy": "yes"}
+    data["checksum"] = _checksum(data)
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="its health is not"):
+        check_checkpoint(d, require=("parameters",))
+
+
+def test_every_ranks_rng_state_is_listed_in_a_trainer_checkpoint(tmp_path):
+    from trainguard.producers.integrations.hf import checkpoint_parts
+
+    d = tmp_path / "checkpoint-4"
+    d.mkdir()
+    for name in ("model.safetensors", "optimizer.pt", "rng_state_0.pth", "rng_state_1.pth", "rng_state_2.pth"):
+        (d / name).write_bytes(b"x")
+    assert checkpoint_parts(str(d))["rng"] == ["rng_state_0.pth", "rng_state_1.pth", "rng_state_2.pth"]

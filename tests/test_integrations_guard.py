@@ -41,14 +41,17 @@ class ScriptedListener:
 class RecordingLogger:
     def __init__(self):
         self.events: list[tuple] = []
+        self.health: dict[int, tuple] = {}   # step -> (healthy, why) of each checkpoint reported with a verdict
         self.ended = None
 
     def log(self, metrics, step, tags=None):
         self.events.append(("metrics", step, dict(metrics)))
         return True
 
-    def checkpoint_saved(self, step, path):
+    def checkpoint_saved(self, step, path, healthy=None, why=None):
         self.events.append(("checkpoint", step, path))
+        if healthy is not None:
+            self.health[step] = (healthy, why)
         return True
 
     def lifecycle(self, what, step=None, detail=None):
@@ -513,3 +516,42 @@ def test_a_nan_only_in_the_gradients_that_a_rerun_does_not_repeat_is_hardware(tm
     assert "not reproduced (transient: hardware)" in detail and "grad norm nan then" in detail, detail
     assert result["first"].startswith(f"loss {losses[4]:.6g}") and "grad norm nan" in result["first"]
     assert "nan" not in result["again"], result
+
+
+def test_the_guards_rotation_keeps_the_newest_healthy_checkpoint_until_a_newer_healthy_one(setup, tmp_path, caplog):
+    """keep=1: checkpoints saved on NaN weights are called suspect (in the manifest and the event),
+    and the rotation keeps checkpoint-10, the last healthy one, which a rollback then restores; the
+    first healthy checkpoint after it releases it."""
+    import logging
+
+    from trainguard.producers.guards.checkpoint import check_checkpoint
+
+    guard, model, opt, listener, logger = setup
+    guard.keep = 1
+    caplog.set_level(logging.INFO, logger="trainguard.integrations")
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in (5, 10):
+        guard.log({"loss": 0.5}, step)
+        guard.save_checkpoint(step)
+    with torch.no_grad():
+        model.weight.fill_(float("nan"))
+    for step in (15, 20):
+        guard.save_checkpoint(step)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint")) == \
+        ["checkpoint-10", "checkpoint-20"]
+    assert logger.health[10] == (True, "finite parameters and finite metrics since the checkpoint before")
+    assert logger.health[20] == (False, "parameter weight holds NaN/Inf at step 20"), logger.health
+    assert check_checkpoint(tmp_path / "checkpoint-20").health["healthy"] is False
+    assert "checkpoint-10 kept out of the rotation (keep=1)" in caplog.text
+    assert "checkpoint-10, the newest certified-healthy checkpoint, is kept out of the rotation" in caplog.text
+
+    listener.queue = [[cmd("rollback", target={"step": 10, "path": str(tmp_path / "checkpoint-10")})]]
+    assert guard.step_boundary(21).rolled_back
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in good.items())
+    guard.log({"loss": float("nan")}, 22)  # a NaN logged since: the next checkpoint is suspect
+    guard.save_checkpoint(25)
+    assert logger.health[25] == (False, "step 22 logged a non-finite loss since the checkpoint before")
+    guard.log({"loss": 0.4}, 29)
+    guard.save_checkpoint(30)
+    assert logger.health[30][0] is True
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-30"]

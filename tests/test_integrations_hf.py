@@ -9,7 +9,9 @@ torch and transformers are test requirements: a missing one fails this module lo
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -328,3 +330,179 @@ def test_the_trainers_checkpoints_get_a_manifest_checked_by_a_rollback_and_a_res
     resumed = trainer_for(4, [TrainguardCallback("r", logger=RecordingLogger(), listen=False)])
     resumed.train(resume_from_checkpoint=resume)
     assert resumed.state.global_step == 4
+
+
+def _tiny_gpt2(n_embd=32):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=n_embd, vocab_size=100, n_positions=32))
+
+
+def test_save_total_limit_keeps_the_last_healthy_checkpoint_through_a_nan_run_and_the_rollback_lands_on_it(
+        kafka, tmp_path, monkeypatch, caplog):
+    """save_total_limit=2, the local NaN guard off: the weights turn NaN at step 12 and the run trains
+    on, saving checkpoint-15, -20, -25 ... (each called suspect by the callback's weights check) before
+    a worker starts and acts on the NaN. The Trainer's own rotation would have deleted checkpoint-10
+    at the save of step 20; the callback kept it out of the rotation, so the worker's rollback to it
+    applies, the loss logged after it is finite again (the Trainer's NaN loss accumulator was reset),
+    and the next healthy checkpoint releases checkpoint-10 to the rotation."""
+    import logging
+
+    from safetensors.torch import load_file
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from trainguard.producers.integrations.hf import TrainguardCallback
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_DISABLED", "true")
+    caplog.set_level(logging.INFO, logger="trainguard.integrations")
+    run_id = f"hf-rot-{uuid.uuid4().hex[:6]}"
+    out = tmp_path / "out"
+    worker = WorkerProcess(kafka, tmp_path)
+    guard_cb = TrainguardCallback(run_id, kafka, ready_timeout_s=10, nonfinite_guard=False)
+    seen: dict = {"on_disk_at_rollback": None, "restored_equal": None}
+
+    class Driver(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step == 12:
+                with torch.no_grad():
+                    next(model.parameters()).fill_(float("nan"))
+            if state.global_step == 26:  # past two more saves on NaN weights: now someone acts
+                seen["on_disk_before_worker"] = sorted(p.name for p in out.iterdir() if p.name.startswith("checkp"))
+                worker.start()
+            if state.global_step > 26:
+                time.sleep(0.1)
+            if guard_cb.guard.rollbacks == 1 and seen["restored_equal"] is None:
+                saved = load_file(str(out / "checkpoint-10" / "model.safetensors"))
+                now = model.state_dict()
+                seen["restored_equal"] = all(torch.equal(now[k], v) for k, v in saved.items())
+                seen["rolled_back_at"] = state.global_step
+                seen["health_10"] = check_checkpoint(out / "checkpoint-10", require=("parameters",)).health
+            if "rolled_back_at" in seen and state.global_step >= seen["rolled_back_at"] + 12:
+                control.should_training_stop = True
+
+    try:
+        args = TrainingArguments(output_dir=str(out), max_steps=700, per_device_train_batch_size=8, logging_steps=1,
+                                 save_strategy="steps", save_steps=5, save_total_limit=2, report_to=[], use_cpu=True,
+                                 learning_rate=1e-3, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+                                 logging_nan_inf_filter=False)
+        trainer = Trainer(model=_tiny_gpt2(), args=args, train_dataset=RandomTokens(n=512),
+                          callbacks=[guard_cb, Driver()])
+        trainer.train()
+
+        # Before the worker came: 10 (healthy) kept beside the two newest, 15 rotated away.
+        assert seen["on_disk_before_worker"] == ["checkpoint-10", "checkpoint-20", "checkpoint-25"], seen
+        rollbacks = [h for h in guard_cb.guard.history if h["action"] == "rollback"]
+        assert rollbacks and rollbacks[0]["status"] == "applied", guard_cb.guard.history
+        assert str(out / "checkpoint-10") in rollbacks[0]["detail"], rollbacks[0]
+        assert seen["restored_equal"] is True, seen
+        assert "checkpoint-10 kept out of save_total_limit's rotation" in caplog.text
+
+        events = TopicReader(kafka, kafka.topics.events)
+        events.wait_for(lambda e: e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE and e["event"] == "finished",
+                        timeout=20, what="the finished report")
+        ours = [e for e in events.seen if e["run_id"] == run_id]
+        events.close()
+        verdicts = {e["step"]: (e["healthy"], e["why"]) for e in ours if e["schema"] == ev.CHECKPOINT}
+        assert verdicts[5][0] is True and verdicts[10][0] is True, verdicts
+        for step in (15, 20, 25):
+            assert verdicts[step][0] is False and "holds NaN/Inf" in verdicts[step][1], verdicts
+        assert seen["health_10"]["healthy"] is True, seen
+        # After the rollback the logged loss is the restored model's own again, not the NaN accumulator's.
+        rb = next(i for i, e in enumerate(ours) if e["schema"] == ev.LIFECYCLE and e["event"] == "rolled_back")
+        after = [e["metrics"]["train/total_loss"] for e in ours[rb:] if e["schema"] == ev.METRICS
+                 and "train/total_loss" in e["metrics"]]
+        assert len(after) >= 5 and all(math.isfinite(v) and v < 10 for v in after[1:]), after
+        # A healthy save after the rollback released checkpoint-10 to the rotation.
+        healthy_after = [s for s, (h, _) in verdicts.items() if h and s > seen["rolled_back_at"]]
+        assert healthy_after and max(verdicts) > min(healthy_after), verdicts
+        assert not (out / "checkpoint-10").exists(), sorted(p.name for p in out.iterdir())
+    finally:
+        worker.kill()
+
+
+def test_a_loss_that_diverges_and_stays_up_is_paged_and_rolled_back_by_the_callback(kafka, tmp_path, monkeypatch):
+    """A plain Trainer (tiny GPT-2, real transformers) at a learning rate 2000x too high for steps
+    16-17: its loss goes from ~4.3 to ~28 and stays about 24, far above its healthy level. The worker pages
+    it and its breaker rolls the run back to a checkpoint saved before the divergence; the callback
+    applies the rollback and the loss is back at its healthy level after it."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from trainguard.producers.integrations.hf import TrainguardCallback
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_DISABLED", "true")
+    run_id = f"sft-div-{uuid.uuid4().hex[:6]}"
+    out = tmp_path / "out"
+    guard_cb = TrainguardCallback(run_id, kafka, ready_timeout_s=10)
+    seen: dict = {}
+
+    class TooHighLearningRate(TrainerCallback):
+        def on_step_begin(self, args, state, control, optimizer=None, **kw):
+            if 15 <= state.global_step < 17:  # steps 16 and 17; the constant schedule puts it back each step
+                for group in optimizer.param_groups:
+                    group["lr"] = 2.0
+
+        def on_step_end(self, args, state, control, **kw):
+            time.sleep(0.1)  # a real step takes far longer: let the worker answer within the run
+            if guard_cb.guard.rollbacks and "rolled_back_at" not in seen:
+                seen["rolled_back_at"] = state.global_step
+            if "rolled_back_at" in seen and state.global_step >= seen["rolled_back_at"] + 10:
+                control.should_training_stop = True
+
+    worker = WorkerProcess(kafka, tmp_path).start()
+    try:
+        worker.wait_ready()
+        args = TrainingArguments(output_dir=str(out), max_steps=120, per_device_train_batch_size=8, logging_steps=1,
+                                 learning_rate=1e-3, lr_scheduler_type="constant", save_strategy="steps", save_steps=5,
+                                 report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+                                 logging_nan_inf_filter=False)
+        trainer = Trainer(model=_tiny_gpt2(), args=args, train_dataset=RandomTokens(n=2048),
+                          callbacks=[guard_cb, TooHighLearningRate()])
+        trainer.train()
+
+        events = TopicReader(kafka, kafka.topics.events)
+        events.wait_for(lambda e: e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE
+                        and e["event"] in ("finished", "stopped"), timeout=20, what="the run's end")
+        losses = {e["step"]: e["metrics"]["train/total_loss"] for e in events.seen
+                  if e["run_id"] == run_id and e["schema"] == ev.METRICS and "train/total_loss" in e["metrics"]}
+        events.close()
+        healthy = max(losses[s] for s in range(10, 16))
+        assert min(losses[s] for s in range(20, 26)) > 3 * healthy, losses  # diverged and stayed up
+
+        alerts = TopicReader(kafka, kafka.topics.alerts)
+        page = alerts.wait_for(lambda a: a["run_id"] == run_id and a["status"] == "firing"
+                               and a["severity"] in ("P0", "P1"), timeout=30, what="a page for the divergence",
+                               worker=worker)
+        alerts.close()
+        assert 16 <= page["step"] <= 24, page
+        rollbacks = [h for h in guard_cb.guard.history if h["action"] == "rollback"]
+        assert rollbacks and rollbacks[0]["status"] == "applied", guard_cb.guard.history
+        target = re.search(r"\(step (\d+)\)", rollbacks[0]["detail"])
+        assert target and int(target.group(1)) <= 15, rollbacks[0]
+        after = [losses[s] for s in sorted(losses) if s > seen["rolled_back_at"] + 1]
+        assert after and max(after) < 1.5 * healthy, (healthy, after)
+    finally:
+        worker.kill()
+
+
+def test_the_manifest_waits_a_bounded_time_for_every_ranks_rng_state(tmp_path, monkeypatch):
+    """Process zero lists every rank's rng_state_{rank}.pth: it waits for one still being written (a
+    wait, never a barrier), and gives up on one that never comes (another node's disk) in bounded time."""
+    from types import SimpleNamespace
+
+    from trainguard.producers.integrations import hf
+
+    monkeypatch.setattr(hf, "RNG_WAIT_S", 2.0)
+    args = SimpleNamespace(world_size=3, save_only_model=False)
+    for rank in (0, 1):
+        (tmp_path / f"rng_state_{rank}.pth").write_bytes(b"r")
+    late = threading.Timer(0.3, lambda: (tmp_path / "rng_state_2.pth").write_bytes(b"r"))
+    late.start()
+    assert hf._wait_for_rng_states(str(tmp_path), args) == []
+    (tmp_path / "rng_state_2.pth").unlink()
+    started = time.monotonic()
+    assert hf._wait_for_rng_states(str(tmp_path), args) == ["rng_state_2.pth"]
+    assert 1.9 <= time.monotonic() - started < 4
+    assert hf._wait_for_rng_states(str(tmp_path), SimpleNamespace(world_size=1)) == []

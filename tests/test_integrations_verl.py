@@ -552,3 +552,60 @@ def test_an_asynchronous_verl_save_gets_its_manifest_once_verl_records_it_whole(
     assert seen == {"manifest_at_7": False, "manifest_at_9": True}, seen
     assert listener.acks[0][1] == "failed" and "still being saved asynchronously" in listener.acks[0][2]
     assert not os.path.exists(tmp_path / "ckpt" / "global_step_10" / MANIFEST), "never recorded whole: none"
+
+
+def test_verls_rotation_keeps_the_newest_healthy_checkpoint_while_the_run_trains_on_nan(tmp_path, caplog):
+    """No broker, no rollback: max_actor_ckpt_to_keep=2, and the policy blows up at batch 30 (KL NaN
+    from then on). verl's own checkpoint manager rotation (its ensure_checkpoint_capacity and
+    register_checkpoint, run as the workers run them) would leave only the two newest NaN
+    checkpoints; the backend calls every checkpoint saved after a NaN metric suspect and turns the
+    rotation off for those saves, so global_step_30, the newest one certified healthy, stays."""
+    import logging
+
+    from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+
+    from trainguard.producers.guards.checkpoint import check_checkpoint
+    from trainguard.producers.integrations.verl import attach
+
+    class RotatingWorkerGroup(WorkerGroup):
+        """Saves through verl's own retention logic (the FSDP/Megatron managers share it)."""
+        ensure_checkpoint_capacity = BaseCheckpointManager.ensure_checkpoint_capacity
+        register_checkpoint = BaseCheckpointManager.register_checkpoint
+        remove_previous_save_local_path = BaseCheckpointManager.remove_previous_save_local_path
+
+        def __init__(self):
+            super().__init__()
+            self.previous_saved_paths: list[str] = []
+
+        def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+            self.ensure_checkpoint_capacity(max_ckpt_to_keep)
+            super().save_checkpoint(local_path, hdfs_path, global_step)
+            self.register_checkpoint(local_path, max_ckpt_to_keep)
+
+    class RotatingTrainer(FakeRayPPOTrainer):
+        def _save_checkpoint(self):  # as verl's: the limit read from the config at each save
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+            keep = self.config.trainer.max_actor_ckpt_to_keep
+            self.actor_rollout_wg.save_checkpoint(os.path.join(folder, "actor"), None, self.global_steps, keep)
+            with open(os.path.join(folder, "data.pt"), "wb") as f:
+                np.save(f, np.array([self.batches_seen]))
+
+    caplog.set_level(logging.WARNING, logger="trainguard.integrations")
+    trainer = RotatingTrainer(tmp_path / "ckpt", total_training_steps=50, fault_at=30, fault_len=1, step_s=0.0)
+    trainer.use_critic = False
+    trainer.actor_rollout_wg = RotatingWorkerGroup()
+    trainer.config.trainer.max_actor_ckpt_to_keep = 2
+    logger = RecordingLogger()
+    backend = attach(trainer, "verl-rotation", tracking_cls=Tracking, logger=logger, listener=ScriptedListener())
+    try:
+        trainer.fit()
+    finally:
+        backend.detach()
+    kept = sorted(int(p.parent.name.rsplit("_", 1)[1]) for p in (tmp_path / "ckpt").glob("global_step_*/actor"))
+    assert kept == [25, 30, 35, 40, 45, 50], kept
+    assert trainer.config.trainer.max_actor_ckpt_to_keep == 2, "the rotation is back on after each suspect save"
+    assert logger.health[30] == (True, "finite metrics since the checkpoint before"), logger.health
+    assert logger.health[35][0] is False and "non-finite actor/kl_loss" in logger.health[35][1], logger.health
+    assert check_checkpoint(tmp_path / "ckpt" / "global_step_35", require=("parameters",)).health["healthy"] is False
+    assert "global_step_30, the newest certified-healthy checkpoint, is kept out of verl's checkpoint rotation" \
+        in caplog.text

@@ -27,6 +27,8 @@ VALID = [
     ev.metrics_event("run-1", 13, {"actor/pg_loss": math.nan, "actor/grad_norm": math.inf}, src=SRC, ts=1.5e9,
                      layer="data", tags={"phase": "train"}),
     ev.checkpoint_event("run-1", 20, "/ckpt/global_step_20", ts=1.5e9),
+    ev.checkpoint_event("run-1", 25, "/ckpt/global_step_25", ts=1.5e9, healthy=False,
+                        why="parameter lm_head.weight holds NaN/Inf at step 25"),
     ev.lifecycle_event("run-1", "rolled_back", step=20, ts=1.5e9, detail={"command_id": "c1"}),
     ev.ack_event("c1", "run-1", "applied", "restored", ts=1.5e9),
     {"schema": "command/1", "id": "c1", "run_id": "run-1", "action": "rollback",
@@ -96,6 +98,9 @@ BAD = [
     (b'{"schema":"metrics/1","run_id":"r","source":{"kind":"trainer","ranks":[3]},"step":1,"ts":1,"metrics":{},'
      b'"per_rank":{"a[3]":"x"}}', "per_rank.a\\[3\\]: must be a number"),
     (b'{"schema":"checkpoint/1","run_id":"r","step":1,"ts":NaN,"path":"p"}', "ts: must be a finite"),
+    (b'{"schema":"checkpoint/1","run_id":"r","step":1,"ts":1,"path":"p","healthy":"no"}', "healthy: must be a boolean"),
+    (b'{"schema":"checkpoint/1","run_id":"r","step":1,"ts":1,"path":"p","healthy":false,"why":7}',
+     "why: must be a string"),
     (b'{"schema":"command/1","id":"c","run_id":"r","action":"explode","issued":1,"expires":2}',
      "action: must be one of"),
     (b'{"schema":"command/1","id":"c","run_id":"r","action":"stop","issued":5,"expires":2}', "expires: is earlier"),

@@ -12,7 +12,11 @@ The manifest (``trainguard-manifest.json``) lists every file of every part (para
 optimizer state, rollout cache, others the trainer names) with its size and SHA-256, each
 part's format version, the meta-state (step, scheduler step, RNG seeds, dataset offset) and
 the manifest's own format version and checksum, so an edited or truncated manifest is refused
-as well as a changed file.
+as well as a changed file. A file added later is refused too: inside a folder part always, and
+anywhere in the checkpoint folder when the manifest listed all of it (``whole_folder``). Where the
+trainer checked what it saved, the manifest carries the verdict (``health``: ``healthy`` and
+``why``). :func:`load_verified` reads each file it loads once, checks those bytes and hands them
+to the loader: what is loaded is what was verified, never a file opened again after the check.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from trainguard.producers.guards._events import GuardEvents
 from trainguard.producers.trainer import TrainerLogger
@@ -49,6 +54,8 @@ class CheckpointError(RuntimeError):
 class Manifest:
     path: Path
     data: dict
+    loading: dict = field(default_factory=dict)  # file -> the loader load_verified reads it with
+    loaded: dict | None = None  # what those loaders made of the files
 
     @property
     def meta(self) -> dict:
@@ -57,6 +64,11 @@ class Manifest:
     @property
     def step(self) -> int:
         return self.data["meta"]["step"]
+
+    @property
+    def health(self) -> dict | None:
+        """The trainer's verdict on what it saved (``{"healthy": bool, "why": str}``), None: not checked."""
+        return self.data.get("health")
 
 
 def step_of(name: str, prefix: str, suffix: str = "") -> int | None:
@@ -97,6 +109,11 @@ def _files(root: Path, rel: str | list[str]) -> list[str]:
     return [rel]
 
 
+def _folder_files(root: Path) -> set[str]:
+    """Every file under the checkpoint folder, but the manifest (and a manifest being written)."""
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.name.startswith(MANIFEST)}
+
+
 def _checksum(data: dict) -> str:
     body = {k: v for k, v in data.items() if k != "checksum"}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -104,14 +121,15 @@ def _checksum(data: dict) -> str:
 
 def write_manifest(checkpoint_dir, *, parts: Mapping[str, str | list[str]], meta: dict,
                    versions: dict[str, str] | None = None, events: TrainerLogger | None = None,
-                   require: tuple[str, ...] = REQUIRED_PARTS) -> Path:
+                   require: tuple[str, ...] = REQUIRED_PARTS, health: dict | None = None) -> Path:
     """Write the manifest of the checkpoint in ``checkpoint_dir`` (after its files are written).
 
     ``parts``: part name -> a file or folder relative to the checkpoint folder (or a list of
     them: a model's shards, every rank's RNG state). ``meta``: the
     meta-state, with at least ``step``, ``scheduler_step``, ``rng_seeds``, ``dataset_offset``.
     ``versions``: part name -> the format version of that part (checked on load). ``require``:
-    the parts a checkpoint must have (a weights-only save has no optimizer state)."""
+    the parts a checkpoint must have (a weights-only save has no optimizer state). ``health``:
+    the trainer's verdict on what it saved (``{"healthy": bool, "why": str}``, :func:`verdict`)."""
     root = Path(checkpoint_dir)
     missing_meta = [k for k in REQUIRED_META if k not in meta]
     if missing_meta:
@@ -134,6 +152,10 @@ def write_manifest(checkpoint_dir, *, parts: Mapping[str, str | list[str]], meta
             raise CheckpointError(f"{_part(name)} missing: {rel} in {root} holds no files")
         listed[name] = {"path": rel, "version": (versions or {}).get(name), "files": files}
     data = {"format": FORMAT, "written": time.time(), "meta": json.loads(json.dumps(meta)), "parts": listed}
+    # every file in the folder is listed: a file added later is refused wherever it is
+    data["whole_folder"] = _folder_files(root) <= {f for part in listed.values() for f in part["files"]}
+    if health is not None:
+        data["health"] = {"healthy": bool(health["healthy"]), "why": str(health.get("why", ""))}
     data["checksum"] = _checksum(data)
     path = root / MANIFEST
     tmp = path.with_name(path.name + ".tmp")
@@ -149,21 +171,38 @@ def write_manifest(checkpoint_dir, *, parts: Mapping[str, str | list[str]], meta
 
 def check_checkpoint(checkpoint_dir, *, expect_versions: dict[str, str] | None = None,
                      require: tuple[str, ...] = REQUIRED_PARTS, hashes: bool = True,
-                     events: TrainerLogger | None = None, step: int | None = None) -> Manifest:
+                     events: TrainerLogger | None = None, step: int | None = None,
+                     loaders: "Callable[[Manifest], Mapping[str, Callable[[bytes], Any]]] | None" = None) -> Manifest:
     """The checkpoint's manifest if every part is present, whole and of the expected version;
     else :class:`CheckpointError`. ``require``: parts that must be there (add
     ``"rollout_cache"`` when the run resumes from one). ``hashes=False`` compares sizes only
     (hashing reads every byte: about a second per GB). ``step``: the step the trainer is at,
-    for the event (a refusal at start-up: None)."""
+    for the event (a refusal at start-up: None). ``loaders``: see :func:`load_verified`."""
     root = Path(checkpoint_dir)
     report = GuardEvents(events, "checkpoint")
     try:
-        manifest = _check(root, expect_versions or {}, require, hashes)
+        manifest = _check(root, expect_versions or {}, require, hashes, loading=loaders)
+        if loaders is not None:
+            manifest.loaded = {rel: load(_read_verified(root, manifest, rel))
+                               for rel, load in manifest.loading.items()}
     except CheckpointError as exc:
         report.report({"guard/checkpoint/refused": 1.0}, step=step, decision="refused", reason=str(exc))
         raise
     report.report({"guard/checkpoint/refused": 0.0}, step=step, decision="verified", reason=str(root))
     return manifest
+
+
+def load_verified(checkpoint_dir, loaders: "Callable[[Manifest], Mapping[str, Callable[[bytes], Any]]]",
+                  **check) -> tuple[Manifest, dict]:
+    """The checkpoint's manifest once it checks out, and what each loader made of its file.
+    ``loaders(manifest)`` names them (a file of the checkpoint, relative to its folder -> a
+    function of the file's bytes), from the manifest as checked: each
+    file is read once, its bytes checked against the manifest's size and SHA-256, then handed to
+    its loader, so nothing can change between the check and the load. Every file is checked
+    before any loader's result is returned: a refused checkpoint changes nothing.
+    :class:`CheckpointError` says why. ``check``: :func:`check_checkpoint`'s other arguments."""
+    manifest = check_checkpoint(checkpoint_dir, loaders=loaders, **check)
+    return manifest, manifest.loaded
 
 
 def newest_verified(folders, *, events: TrainerLogger | None = None, **check) -> tuple[Path, Manifest]:
@@ -182,7 +221,25 @@ def newest_verified(folders, *, events: TrainerLogger | None = None, **check) ->
     raise CheckpointError("no checkpoint passes its manifest check: " + "; ".join(refused))
 
 
-def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...], hashes: bool) -> Manifest:
+def _read_verified(root: Path, manifest: "Manifest", rel: str) -> bytes:
+    """The bytes of ``rel`` as read once, after checking them against the manifest."""
+    for name, part in manifest.data["parts"].items():
+        info = part["files"].get(rel)
+        if info is None:
+            continue
+        with open(root / rel, "rb") as f:
+            data = f.read(info["bytes"] + 1)
+        if len(data) != info["bytes"]:
+            raise CheckpointError(f"{_part(name)} corrupted: {rel} has {len(data)} bytes as read, "
+                                  f"the manifest says {info['bytes']}")
+        if hashlib.sha256(data).hexdigest() != info["sha256"]:
+            raise CheckpointError(f"{_part(name)} corrupted: {rel} does not match its SHA-256 in the manifest")
+        return data
+    raise CheckpointError(f"{rel} is not listed in the manifest of {root}: not loaded")
+
+
+def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...], hashes: bool,
+           loading=None) -> Manifest:
     path = root / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"checkpoint manifest missing: {path}")
@@ -207,7 +264,7 @@ def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...]
     missing_meta = [k for k in REQUIRED_META if k not in meta]
     if missing_meta:
         raise CheckpointError(f"meta-state incomplete: {', '.join(missing_meta)} missing")
-    problem = _malformed(root, meta, parts)
+    problem = _malformed(root, data, meta, parts)
     if problem:
         raise CheckpointError(f"checkpoint manifest corrupted: {path}: {problem}")
     for name in require:
@@ -219,6 +276,7 @@ def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...]
         got = parts[name].get("version")
         if got != want:
             raise CheckpointError(f"{_part(name)} version mismatch: expected {want}, got {got}")
+    _refuse_unlisted(root, data)
     for name, part in parts.items():
         for rel, info in part["files"].items():
             f = root / rel
@@ -228,16 +286,45 @@ def _check(root: Path, expect_versions: dict[str, str], require: tuple[str, ...]
             if size != info["bytes"]:
                 raise CheckpointError(f"{_part(name)} corrupted: {rel} has {size} bytes, "
                                       f"the manifest says {info['bytes']}")
-            if hashes and _sha256(f) != info["sha256"]:
+    # the files a loader reads are hashed as they are read (_read_verified), not twice
+    manifest = Manifest(path, data)
+    manifest.loading = dict(loading(manifest)) if loading is not None else {}
+    for name, part in parts.items():
+        for rel, info in part["files"].items():
+            if hashes and rel not in manifest.loading and _sha256(root / rel) != info["sha256"]:
                 raise CheckpointError(f"{_part(name)} corrupted: {rel} does not match its SHA-256 in the manifest")
-    return Manifest(path, data)
+    return manifest
 
 
-def _malformed(root: Path, meta: dict, parts: dict) -> str | None:
+def _refuse_unlisted(root: Path, data: dict) -> None:
+    """A file the manifest does not list, in a folder part (or anywhere, when the manifest listed
+    the whole folder), was added after it was written: the loader could read it unchecked."""
+    listed = {f for part in data["parts"].values() for f in part["files"]}
+    if data.get("whole_folder") is True:
+        extra = sorted(_folder_files(root) - listed)
+        where = str(root)
+    else:
+        folders = [r for part in data["parts"].values() for r in (part["path"] if isinstance(part["path"], list)
+                                                                   else [part["path"]]) if (root / r).is_dir()]
+        extra = sorted({str(p.relative_to(root)) for r in folders for p in (root / r).rglob("*") if p.is_file()}
+                       - listed)
+        where = f"a folder part of {root}"
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointError(f"checkpoint has a file its manifest does not list: {extra[0]}{more} in {where}, "
+                              f"added after the manifest was written; remove it, or write the manifest again if "
+                              f"it belongs to the checkpoint")
+
+
+def _malformed(root: Path, data: dict, meta: dict, parts: dict) -> str | None:
     """What in a manifest is not of the shape :func:`write_manifest` writes (None: nothing). A
     matching checksum proves a manifest whole, not written by trainguard."""
     if not _is_step(meta["step"]):
         return f"its step is {meta['step']!r}, not a non-negative integer"
+    health = data.get("health")
+    if health is not None and not (isinstance(health, dict) and isinstance(health.get("healthy"), bool)
+                                   and isinstance(health.get("why"), str)):
+        return "its health is not {healthy: bool, why: str}"
     for name, part in parts.items():
         if not isinstance(part, dict):
             return f"part {name!r} is not an object"

@@ -28,6 +28,7 @@ import atexit
 import functools
 import logging
 import math
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -77,6 +78,38 @@ def finite(value) -> bool:
         return math.isfinite(float(value.item() if hasattr(value, "item") else value))
     except (TypeError, ValueError, OverflowError):
         return True  # not a number: not ours to judge
+
+
+def nonfinite_parameter(named_parameters) -> str | None:
+    """The name of the first parameter holding NaN/Inf, None when every one is finite: one
+    max-abs per tensor (a reduction that cannot overflow, no copy of the weights) and one check
+    for them all. Raises when the tensors cannot be reduced here (sharded ones, a meta device)."""
+    import torch
+
+    named = [(n, p.detach()) for n, p in named_parameters if p.is_floating_point() and p.numel()]
+    if not named:
+        return None
+    with torch.no_grad():
+        norms = torch._foreach_norm([p for _, p in named], ord=math.inf)
+        where = norms[0].device
+        bad = ~torch.isfinite(torch.stack([n.float().to(where) for n in norms]))
+        if not bool(bad.any()):
+            return None
+        return named[int(bad.nonzero()[0])][0]
+
+
+def torch_load_bytes(data: bytes, where=None):
+    """``torch.load`` (weights only) of a checkpoint file's bytes, as read and verified once."""
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), map_location=where, weights_only=True)
+
+
+def verdict(healthy: bool, why: str) -> dict:
+    """The trainer's verdict on a checkpoint, as the manifest and the checkpoint event carry it."""
+    return {"healthy": bool(healthy), "why": why}
 
 
 def scale_lr(optimizer, scale: float, scheduler=None) -> str:
@@ -135,6 +168,10 @@ class GuardBase:
         self.stopped = False
         self.history: list[dict] = []   # every command handled: id, action, status, detail, step
         self._closed = False
+        # The first non-finite metric logged since the last checkpoint (or rollback): (step, name).
+        self._nonfinite_since_checkpoint: tuple[int, str] | None = None
+        # The newest checkpoint this trainer certified healthy, (step, path): kept out of rotations.
+        self.newest_healthy: tuple[int, str] | None = None
         self.logger = logger or TrainerLogger(run_id, self.settings, host=host, rank=rank)
         self.listener: ControlListener | None = None
         if listener is not None:
@@ -155,10 +192,60 @@ class GuardBase:
 
     def log(self, metrics: dict, step: int, *, tags: dict | None = None) -> bool:
         """Publish one step's metrics (numbers, numpy/torch scalars; others are skipped)."""
+        if self._nonfinite_since_checkpoint is None:
+            with never_raises("checking metrics for NaN/Inf failed", owner=self):
+                bad = next((name for name, v in metrics.items() if not finite(v)), None)
+                if bad is not None:
+                    self._nonfinite_since_checkpoint = (step, str(bad))
         return self.logger.log(metrics, step, tags=tags)
 
-    def checkpoint_saved(self, step: int, path: str) -> bool:
-        return self.logger.checkpoint_saved(step, path)
+    def certify(self, step: int, *, weights=None) -> dict:
+        """The trainer's verdict on the checkpoint of ``step`` it just saved: healthy when the
+        weights it saved are finite (``weights``: the model's named parameters, checked where the
+        trainer holds them; None: not checked here) and every metric logged since the checkpoint
+        before (or the last rollback) was finite. Never raises: a check that cannot run says so."""
+        checked = "finite metrics since the checkpoint before"
+        bad_weight = None
+        if weights is not None:
+            try:
+                bad_weight = nonfinite_parameter(weights)
+                checked = "finite parameters and " + checked
+            except Exception as exc:
+                checked += f" (parameters not checked: {type(exc).__name__}: {exc})"[:300]
+        nonfinite, self._nonfinite_since_checkpoint = self._nonfinite_since_checkpoint, None
+        if bad_weight is not None:
+            return verdict(False, f"parameter {bad_weight} holds NaN/Inf at step {step}")
+        if nonfinite is not None:
+            return verdict(False, f"step {nonfinite[0]} logged a non-finite {nonfinite[1]} since the checkpoint before")
+        return verdict(True, checked)
+
+    def checkpoint_saved(self, step: int, path: str, health: dict | None = None) -> bool:
+        """Report a checkpoint; ``health``: the trainer's verdict on it (:meth:`certify`)."""
+        if health is None:
+            return self.logger.checkpoint_saved(step, path)
+        if health["healthy"]:
+            self.newest_healthy = (int(step), str(path))
+        return self.logger.checkpoint_saved(step, path, healthy=health["healthy"], why=health["why"])
+
+    def spare_healthy(self, doomed: list, what: str) -> list:
+        """``doomed`` (the checkpoints a rotation is about to delete) without the newest one this
+        trainer certified healthy, saying so when that one is spared: a run that trains on into an
+        incident must still have it to roll back to."""
+        if self.newest_healthy is None:
+            return list(doomed)
+        keep = os.path.abspath(self.newest_healthy[1])
+        left = [p for p in doomed if os.path.abspath(str(p)) != keep]
+        if len(left) < len(doomed):
+            log.info("trainguard: %s kept out of %s: it is the newest checkpoint certified healthy, and no newer "
+                     "one is yet", self.newest_healthy[1], what)
+        return left
+
+    def said_suspect(self, step: int, path: str, health: dict, what: str) -> None:
+        """Say that a checkpoint saved under ``what`` (a rotation) is suspect, and what is kept for it."""
+        kept = (f"{self.newest_healthy[1]}, the newest certified-healthy checkpoint, is kept out of {what} until "
+                f"a newer healthy one is saved") if self.newest_healthy else \
+            f"no checkpoint of this run was certified healthy, so {what} keeps none for a rollback"
+        log.warning("trainguard: checkpoint %s (step %d) is suspect: %s; %s", path, step, health["why"], kept)
 
     def lifecycle(self, what: str, step: int | None = None, detail: dict | None = None) -> bool:
         if what == "started" and self.can():  # so the breaker asks only for what this trainer applies
@@ -267,6 +354,7 @@ class GuardBase:
         decision.rolled_back = True
         decision.resume_step = int(target["step"])
         decision.checkpoint_path = str(target["path"])
+        self.newest_healthy = (int(target["step"]), str(target["path"]))  # the run goes on from it: keep it
         n = int(command.get("skip_batches") or 0)
         if n:
             self._skip(n, command, step, decision)
@@ -276,7 +364,9 @@ class GuardBase:
         return detail + (f"; skipping {n} batches" if n else "")
 
     def _report_rolled_back(self, command: dict, restored_step: int, decision: Decision) -> None:
-        """The protocol: tell the worker the run is at ``restored_step`` again."""
+        """The protocol: tell the worker the run is at ``restored_step`` again (and forget the
+        non-finite metrics of the steps undone)."""
+        self._nonfinite_since_checkpoint = None
         self.lifecycle("rolled_back", step=restored_step,
                        detail={"command_id": command["id"], "from_step": decision.step})
 

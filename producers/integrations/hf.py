@@ -23,9 +23,10 @@ What it does, on the world's process zero only (other ranks do nothing):
   the Trainer just wrote (every file in it, by part: ``parameters`` model.safetensors, its shards
   or adapter_model.safetensors; ``optimizer`` optimizer.pt or DeepSpeed's ``global_step*/``;
   ``scheduler``, ``scaler``, ``rng``, ``trainer_state``, ``other``), on the processes that wrote
-  the files (``args.should_save``), and reports it. Of the RNG states it lists only its own
-  process's: other ranks write theirs with no barrier before ``on_save``. A rollback checks the
-  manifest before loading anything, and ``verified(path)`` checks it for a resume:
+  the files (``args.should_save``), once every rank's RNG state is there (a bounded wait, never a
+  barrier), and reports it with its verdict (finite weights, finite logs since the checkpoint
+  before). A rollback checks the manifest before loading anything, loads from the bytes it
+  checked, and ``verified(path)`` checks it for a resume:
   ``trainer.train(resume_from_checkpoint=verified(args.output_dir))``.
 * ``on_step_end``: applies ready commands.
 * ``on_pre_optimizer_step``: the local guard. Gradients holding NaN/Inf are discarded before
@@ -72,8 +73,11 @@ the restore), so the worker re-arms on healthy numbers.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
+import sys
 import time
 
 from transformers import TrainerCallback
@@ -85,11 +89,13 @@ from trainguard.producers.guards.checkpoint import (
     CheckpointError,
     check_checkpoint,
     checkpoint_folders,
+    load_verified,
     newest_verified,
     write_manifest,
 )
-from trainguard.producers.integrations._core import Decision, GuardBase, scale_lr
+from trainguard.producers.integrations._core import Decision, GuardBase, hook, scale_lr, torch_load_bytes, unhook
 from trainguard.producers.integrations._core import log as _log
+from trainguard.producers.never_raise import never_raises
 from trainguard.readers.hfconsole import PLAIN_LOSS
 
 __all__ = ["TrainguardCallback", "rewrite_logs", "load_model_weights", "is_rl_trainer", "verified",
@@ -152,31 +158,52 @@ def _discard_gradients(model, args) -> None:
                 p.grad = None
 
 
-def load_model_weights(model, path: str) -> str:
-    """Load a Trainer checkpoint's weights into ``model`` in place; which file was read. Raises."""
-    import torch
+def _plain_read(path: str):
+    def read(rel: str) -> bytes:
+        with open(os.path.join(path, rel), "rb") as f:
+            return f.read()
 
-    single = os.path.join(path, "model.safetensors")
-    index = os.path.join(path, "model.safetensors.index.json")
-    legacy = os.path.join(path, "pytorch_model.bin")
-    legacy_index = os.path.join(path, "pytorch_model.bin.index.json")
-    if os.path.exists(index) or os.path.exists(legacy_index):
-        from transformers.modeling_utils import load_sharded_checkpoint
+    return read
 
-        load_sharded_checkpoint(model, path, strict=True)
-        return "sharded"
-    if os.path.exists(single):
-        from safetensors.torch import load_file
 
-        device = next(model.parameters()).device
-        state = load_file(single, device=str(device))
-        source = single
-    elif os.path.exists(legacy):
-        state = torch.load(legacy, map_location="cpu", weights_only=True)
-        source = legacy
-    else:
-        raise FileNotFoundError(f"no model weights in {path}")
-    result = model.load_state_dict(state, strict=False)
+def weight_files(path: str, read=None) -> list[str]:
+    """The files of a Trainer checkpoint's weights, in the order they load: a sharded index and its
+    shards, ``model.safetensors`` or ``pytorch_model.bin``. ``read``: how the index is read."""
+    read = read or _plain_read(path)
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if os.path.exists(os.path.join(path, index)):
+            shards = json.loads(read(index))["weight_map"].values()
+            return [index, *sorted(set(shards))]
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if os.path.exists(os.path.join(path, single)):
+            return [single]
+    raise FileNotFoundError(f"no model weights in {path}")
+
+
+def _tensors(name: str, data: bytes) -> dict:
+    """One weights file's tensors, from its bytes."""
+    if name.endswith(".safetensors"):
+        from safetensors.torch import load
+
+        return load(data)
+    return torch_load_bytes(data, "cpu")
+
+
+def load_model_weights(model, path: str, loaded: dict | None = None) -> str:
+    """Load a Trainer checkpoint's weights into ``model`` in place; which file was read (the index
+    of a sharded one). ``loaded``: each weights file's tensors as already read (by
+    :func:`~trainguard.producers.guards.checkpoint.load_verified`); None: read here. Raises."""
+    files = weight_files(path)
+    if loaded is None:
+        read = _plain_read(path)
+        loaded = {name: _tensors(name, read(name)) for name in files if not name.endswith(".json")}
+    state: dict = {}
+    for name in files:
+        if not name.endswith(".json"):
+            state.update(loaded[name])
+    source = os.path.join(path, files[0])
+    device = next(model.parameters()).device
+    result = model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
@@ -184,7 +211,7 @@ def load_model_weights(model, path: str) -> str:
                          f"unexpected {result.unexpected_keys[:5]}")
     if tied and hasattr(model, "tie_weights"):
         model.tie_weights()
-    return source
+    return "sharded" if files[0].endswith(".json") else source
 
 
 # What a Trainer checkpoint folder holds, by manifest part (transformers 4.5x's _save_checkpoint,
@@ -211,17 +238,14 @@ def _part_of(name: str, is_dir: bool) -> str:
     return "other"
 
 
-def checkpoint_parts(path: str, process_index: int = 0) -> dict[str, list[str]]:
-    """The manifest's parts of the Trainer checkpoint in ``path``: every file in it, by what it is.
-    Of the RNG states only this process's own: other ranks write theirs at the same time, with no
-    barrier before ``on_save``."""
+def checkpoint_parts(path: str) -> dict[str, list[str]]:
+    """The manifest's parts of the Trainer checkpoint in ``path``: every file in it, by what it is,
+    every rank's RNG state among them (the callback waits for every rank before listing them)."""
     parts: dict[str, list[str]] = {}
     for name in sorted(os.listdir(path)):
-        if name == MANIFEST or name.startswith(MANIFEST):
+        if name.startswith(MANIFEST):
             continue
         part = _part_of(name, os.path.isdir(os.path.join(path, name)))
-        if part == "rng" and name not in ("rng_state.pth", f"rng_state_{process_index}.pth"):
-            continue
         parts.setdefault(part, []).append(name)
     engine = [n for n in parts.get("optimizer", []) if n.startswith("global_step")]
     if "parameters" not in parts and engine:
@@ -229,10 +253,10 @@ def checkpoint_parts(path: str, process_index: int = 0) -> dict[str, list[str]]:
     return parts
 
 
-def write_checkpoint_manifest(path: str, args, state, lr_scheduler=None, events=None) -> str:
+def write_checkpoint_manifest(path: str, args, state, lr_scheduler=None, events=None, health=None) -> str:
     """Write the manifest of the Trainer checkpoint just saved in ``path``; its path. Raises
     :class:`CheckpointError` when the checkpoint lacks its weights (or its optimizer state, unless
-    ``save_only_model``)."""
+    ``save_only_model``). ``health``: the callback's verdict on the weights saved."""
     accumulate = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
     meta = {"step": int(state.global_step), "scheduler_step": getattr(lr_scheduler, "last_epoch", None),
             "rng_seeds": {"seed": getattr(args, "seed", None), "data_seed": getattr(args, "data_seed", None)},
@@ -240,8 +264,8 @@ def write_checkpoint_manifest(path: str, args, state, lr_scheduler=None, events=
             "dataset_offset": int(state.global_step) * accumulate, "dataset_offset_unit": "batches per process",
             "epoch": getattr(state, "epoch", None)}
     require = ("parameters",) if getattr(args, "save_only_model", False) else REQUIRED_PARTS
-    parts = checkpoint_parts(path, int(getattr(args, "process_index", 0) or 0))
-    return str(write_manifest(path, parts=parts, meta=meta, require=require, events=events))
+    return str(write_manifest(path, parts=checkpoint_parts(path), meta=meta, require=require, events=events,
+                              health=health))
 
 
 def verified(path: str | os.PathLike, *, hashes: bool = True) -> str | None:
@@ -266,6 +290,40 @@ def verified(path: str | os.PathLike, *, hashes: bool = True) -> str | None:
     _log.info("trainguard: no checkpoint in %s%s: training starts from the beginning", path,
              "" if os.path.isdir(path) else " (no such folder)")
     return None
+
+
+def _running_trainer(callback):
+    """The Trainer whose ``train()`` is calling ``callback`` (its callback handler holds it), found on
+    the call stack: a callback's arguments do not include it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if callback in getattr(getattr(owner, "callback_handler", None), "callbacks", ()):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+# How long the process writing a manifest waits for the other ranks' RNG states to appear.
+RNG_WAIT_S = 10.0
+
+
+def _wait_for_rng_states(path: str, args) -> list[str]:
+    """Wait (at most :data:`RNG_WAIT_S`) until every rank's ``rng_state_{rank}.pth`` is in ``path``,
+    so the manifest lists them all; the ones still missing. Every rank writes its own right after
+    the weights, with no barrier before ``on_save``, and the process writing the manifest wrote the
+    weights: the others' are there, or nearly. A wait, never a barrier: a rank without this
+    callback must not hang the run. One process, or ``save_only_model`` (no RNG states): nothing."""
+    world = int(getattr(args, "world_size", 1) or 1)
+    if world <= 1 or getattr(args, "save_only_model", False):
+        return []
+    deadline = time.monotonic() + RNG_WAIT_S
+    while True:
+        missing = [name for name in (f"rng_state_{r}.pth" for r in range(world))
+                   if not os.path.isfile(os.path.join(path, name))]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.05)
 
 
 class _HFGuard(GuardBase):
@@ -294,21 +352,31 @@ class _HFGuard(GuardBase):
         return "; ".join(said) + f" at global step {step}"
 
     def _rollback(self, command, target_step, path, step, decision):
-        import torch
-
         ctx = self.callback._ctx
         model, optimizer, scheduler = ctx.get("model"), ctx.get("optimizer"), ctx.get("lr_scheduler")
         if model is None:
             raise RuntimeError("the Trainer passed no model to the callback")
-        check_checkpoint(path, require=("parameters",), events=self.logger, step=step)  # before any byte is loaded
-        loaded = [os.path.basename(load_model_weights(model, path))]
-        opt_file, sched_file = os.path.join(path, "optimizer.pt"), os.path.join(path, "scheduler.pt")
-        if optimizer is not None and os.path.exists(opt_file):
-            device = next(model.parameters()).device
-            optimizer.load_state_dict(torch.load(opt_file, map_location=device, weights_only=True))
+        device = next(model.parameters()).device
+
+        def loaders(manifest):
+            """What a rollback loads, read once each and loaded from the bytes the manifest check read."""
+            listed = {f for part in manifest.data["parts"].values() for f in part["files"]}
+            found = {name: functools.partial(_tensors, name) for name in weight_files(path, read=_plain_read(path))
+                     if not name.endswith(".json")}
+            found.update({index: bytes for index in listed if index.endswith(".index.json")})
+            for name, wanted in (("optimizer.pt", optimizer), ("scheduler.pt", scheduler)):
+                if wanted is not None and name in listed:
+                    found[name] = functools.partial(torch_load_bytes, where=device if name == "optimizer.pt" else None)
+            return found
+
+        # every file checked (the loaded ones as they are read) before anything changes
+        _, states = load_verified(path, loaders, require=("parameters",), events=self.logger, step=step)
+        loaded = [os.path.basename(load_model_weights(model, path, loaded=states))]
+        if "optimizer.pt" in states:
+            optimizer.load_state_dict(states["optimizer.pt"])
             loaded.append("optimizer.pt")
-        if scheduler is not None and os.path.exists(sched_file):
-            scheduler.load_state_dict(torch.load(sched_file, weights_only=True))
+        if "scheduler.pt" in states:
+            scheduler.load_state_dict(states["scheduler.pt"])
             loaded.append("scheduler.pt")
         decision.extra["loaded"] = loaded
         return (f"restored {', '.join(loaded)} from {path} (step {target_step}) at global step {step}; "
@@ -357,6 +425,9 @@ class TrainguardCallback(TrainerCallback):
         self._skip_left = 0
         self._ctx: dict = {}
         self._pending_rolled_back = None
+        self._hooked = None  # the Trainer whose rotation and loss accumulator this callback hooked
+        self._said_loss_reset = False
+        self._wait_for_ranks = True  # for every rank's RNG state before a manifest (until one never comes)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -372,8 +443,74 @@ class TrainguardCallback(TrainerCallback):
             import logging
 
             logging.getLogger("trainguard.integrations").warning("trainguard: callback disabled: %s", exc)
+            return
+        with never_raises("hooking the Trainer failed; its rotation and loss accumulator are as they were",
+                          owner=self.guard):
+            self._hook_trainer()
+
+    def _hook_trainer(self) -> None:
+        """What a callback's arguments do not reach, on the Trainer itself: its checkpoint rotation
+        (``save_total_limit``) spares the newest certified-healthy checkpoint, and its loss
+        accumulator is finite again after each log (a NaN in it would stay there for good)."""
+        self.trainer = self.trainer or _running_trainer(self)
+        if self.trainer is None or not hasattr(self.trainer, "_sorted_checkpoints"):
+            _log.warning("trainguard: the Trainer running this callback was not found (pass trainer= or set "
+                         "callback.trainer): save_total_limit may rotate the last healthy checkpoint away, and a NaN "
+                         "loss stays in the logged loss after a rollback")
+            return
+        hook(self.trainer, "_sorted_checkpoints", self._sparing_healthy)
+        hook(self.trainer, "_maybe_log_save_evaluate", self._resetting_nonfinite_loss)
+        self._hooked = self.trainer
+
+    def _unhook_trainer(self) -> None:
+        trainer, self._hooked = self._hooked, None
+        if trainer is not None:
+            unhook(trainer, "_sorted_checkpoints")
+            unhook(trainer, "_maybe_log_save_evaluate")
+
+    def _sparing_healthy(self, original):
+        """The Trainer's ``_sorted_checkpoints``, which its rotation deletes the oldest of, without the
+        newest certified-healthy checkpoint when the rotation would delete it."""
+        def sorted_checkpoints(*args, **kwargs):
+            found = original(*args, **kwargs)
+            limit = getattr(self.trainer.args, "save_total_limit", None)
+            if self.guard is None or not limit or len(found) <= limit:
+                return found
+            with never_raises("sparing the healthy checkpoint failed; the Trainer rotates as it would",
+                              owner=self.guard):
+                doomed = found[:len(found) - limit]
+                spared = set(doomed) - set(self.guard.spare_healthy(doomed, "save_total_limit's rotation"))
+                return [c for c in found if c not in spared]
+            return found
+
+        return sorted_checkpoints
+
+    def _resetting_nonfinite_loss(self, original):
+        """The Trainer's ``_maybe_log_save_evaluate``: after it logged, its loss accumulator (reset by
+        ``tr_loss -= tr_loss``, which leaves a NaN a NaN) is zero, as the Trainer means it to be, and
+        a NaN logging window is left out of the run's mean ``train_loss``, as
+        ``logging_nan_inf_filter`` leaves out NaN steps."""
+        def maybe_log_save_evaluate(tr_loss, *args, **kwargs):
+            trainer = self.trainer
+            logged_before, total_before = trainer._globalstep_last_logged, trainer._total_loss_scalar
+            result = original(tr_loss, *args, **kwargs)
+            if trainer._globalstep_last_logged != logged_before:
+                with never_raises("resetting the Trainer's loss accumulator failed", owner=self.guard):
+                    if not math.isfinite(trainer._total_loss_scalar) and math.isfinite(total_before):
+                        trainer._total_loss_scalar = total_before
+                    if not bool(tr_loss.isfinite().all()):
+                        tr_loss.zero_()
+                        if not self._said_loss_reset:  # once: it repeats at every log while the weights are NaN
+                            self._said_loss_reset = True
+                            _log.info("trainguard: the Trainer's loss accumulator held NaN/Inf after logging step %d; "
+                                      "reset to 0 after each log, so later steps log their own loss",
+                                      trainer.state.global_step)
+            return result
+
+        return maybe_log_save_evaluate
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._unhook_trainer()
         if self.guard is None:
             return
         self._flush_rolled_back()
@@ -393,16 +530,30 @@ class TrainguardCallback(TrainerCallback):
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if not os.path.isdir(path):
             return
+        health = None
+        if self.guard is not None:  # the weights in memory are the ones just saved
+            model = kwargs.get("model")
+            health = self.guard.certify(state.global_step, weights=model.named_parameters() if model is not None
+                                        else None)
         if getattr(args, "should_save", state.is_world_process_zero):  # the process that wrote the files
+            if self._wait_for_ranks:
+                missing = _wait_for_rng_states(path, args)
+                if missing:  # on another node's disk: not waited for again
+                    self._wait_for_ranks = False
+                    _log.warning("trainguard: %s not in %s after %.0f s (written on another node?): the manifest "
+                                 "lists the RNG states there", ", ".join(missing[:4]), path, RNG_WAIT_S)
             try:
                 write_checkpoint_manifest(path, args, state, kwargs.get("lr_scheduler"),
-                                          self.guard.logger if self.guard is not None else None)
+                                          self.guard.logger if self.guard is not None else None, health=health)
             except Exception as exc:  # the run goes on; a rollback to this checkpoint is then refused
                 _log.warning("trainguard: no manifest for %s: %s: %s", path, type(exc).__name__, exc)
                 if self.guard is not None:
                     self.guard.failures += 1
         if self.guard is not None:
-            self.guard.checkpoint_saved(state.global_step, os.path.abspath(path))
+            self.guard.checkpoint_saved(state.global_step, os.path.abspath(path), health)
+            if health is not None and not health["healthy"] and getattr(args, "save_total_limit", None):
+                self.guard.said_suspect(state.global_step, os.path.abspath(path), health,
+                                        "save_total_limit's rotation")
 
     # -- commands -------------------------------------------------------------------------
 
@@ -410,6 +561,7 @@ class TrainguardCallback(TrainerCallback):
         if self._pending_rolled_back is not None and self.guard is not None:
             command, restored, from_step = self._pending_rolled_back
             self._pending_rolled_back = None
+            self.guard._nonfinite_since_checkpoint = None  # the steps undone logged it
             self.guard.lifecycle("rolled_back", step=restored,
                                  detail={"command_id": command["id"], "from_step": from_step})
 

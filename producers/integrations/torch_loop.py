@@ -46,6 +46,7 @@ training goes on (``decision.errors`` says why).
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import random
@@ -57,8 +58,8 @@ from typing import Any, Callable
 from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.guards.checkpoint import (
     CheckpointError,
-    check_checkpoint,
     checkpoint_folders,
+    load_verified,
     newest_verified,
     step_of,
     write_manifest,
@@ -72,6 +73,7 @@ from trainguard.producers.integrations._core import (
     log,
     same_step,
     scale_lr,
+    torch_load_bytes,
 )
 
 __all__ = ["Guard", "Decision"]
@@ -329,8 +331,9 @@ class Guard(GuardBase):
             if extra is not None:
                 parts["extra"] = "extra.pt"
                 torch.save(extra, tmp / parts["extra"])
+            health = self.certify(step, weights=self.model.named_parameters())
             write_manifest(tmp, parts={PARTS.get(k, k): v for k, v in parts.items()},
-                           meta=self._meta(step, extra), events=self.logger)
+                           meta=self._meta(step, extra), events=self.logger, health=health)
             _swap_in(tmp, path)  # the manifest is in before the folder gets its name
             tmp = None
         except Exception as exc:
@@ -339,8 +342,11 @@ class Guard(GuardBase):
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
+        # the verdict first: a healthy checkpoint releases the one the rotation kept before it
+        self.checkpoint_saved(step, str(path), health)
+        if not health["healthy"] and self.keep:
+            self.said_suspect(int(step), str(path), health, f"the rotation (keep={self.keep})")
         self._remember_saved(int(step), str(path))
-        self.checkpoint_saved(step, str(path))
         return str(path)
 
     def _meta(self, step: int, extra) -> dict:
@@ -373,7 +379,9 @@ class Guard(GuardBase):
         if not self.keep or len(self.saved) <= self.keep:
             return
         old, self.saved = self.saved[:-self.keep], self.saved[-self.keep:]
-        for _, p in old:
+        doomed = self.spare_healthy([p for _, p in old], f"the rotation (keep={self.keep})")
+        self.saved = [(s, p) for s, p in old if p not in doomed] + self.saved
+        for p in doomed:
             try:
                 if os.path.isdir(p):
                     shutil.rmtree(p)
@@ -405,17 +413,27 @@ class Guard(GuardBase):
             self._restore(state.get("model"), state.get("optimizer"), state.get("scheduler"), None,
                           state.get("extra"), "extra" in state)
             return {"step": state.get("step"), "meta": None, "extra": state.get("extra"), "path": str(path)}
-        # the refusal's event carries the step the loop is at, not 0
-        manifest = check_checkpoint(path, events=self.logger, step=self._logged_step)
-        files = {name: path / part["path"] for name, part in manifest.data["parts"].items()}
+        # each part (one file each) is read once, checked, and loaded from the bytes checked; the
+        # refusal's event carries the step the loop is at, not 0
+        def loaders(manifest):
+            parts = manifest.data["parts"]
+            several = next((name for name, part in parts.items() if part["path"] not in part["files"]), None)
+            if several is not None:
+                raise CheckpointError(f"part {several!r} of {path} is not one file, as the Guard writes them")
+            return {part["path"]: functools.partial(torch_load_bytes, where="cpu" if name == "rng" else location)
+                    for name, part in parts.items()}
 
-        def load(name, where=location):
-            return torch.load(files[name], map_location=where, weights_only=True) if name in files else None
+        manifest, loaded = load_verified(path, loaders, events=self.logger, step=self._logged_step)
+        files = {name: part["path"] for name, part in manifest.data["parts"].items()}
+
+        def load(name):
+            return loaded[files[name]] if name in files else None
 
         extra = load("extra")
-        self._restore(load("parameters"), load("optimizer"), load("scheduler"), load("rng", "cpu"), extra,
+        self._restore(load("parameters"), load("optimizer"), load("scheduler"), load("rng"), extra,
                       "extra" in files)
-        return {"step": manifest.step, "meta": manifest.meta, "extra": extra, "path": str(path)}
+        return {"step": manifest.step, "meta": manifest.meta, "extra": extra, "path": str(path),
+                "health": manifest.health}
 
     def _restore(self, model, optimizer, scheduler, rng, extra, has_extra: bool) -> None:
         self.model.load_state_dict(model)
@@ -446,8 +464,8 @@ class Guard(GuardBase):
                 path = files[0][1]
         state = self.load_checkpoint(path)
         if isinstance(state.get("step"), int):
+            self.checkpoint_saved(state["step"], str(path), state.get("health"))
             self._remember_saved(state["step"], str(path))
-            self.checkpoint_saved(state["step"], str(path))
             meta = state["meta"] or {}
             if meta.get("dataset_offset_from") == "guard":  # the count goes on from the checkpoint's
                 self.batches_drawn = int(meta["dataset_offset"])

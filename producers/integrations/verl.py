@@ -72,6 +72,7 @@ inherits the environment of the node's raylet, which on a cluster is not the lau
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -123,6 +124,7 @@ class VerlBackend(GuardBase):
         self.total_training_steps = total_training_steps
         self._started = False
         self.pending_manifests: dict[int, str] = {}  # asynchronous saves not finished yet: step -> folder
+        self._health: dict[int, dict] = {}  # the verdicts of checkpoints whose manifest is not written yet
 
     # -- verl's backend interface --------------------------------------------------------
 
@@ -146,15 +148,18 @@ class VerlBackend(GuardBase):
             self.finish()  # verl's last step: fit() returns right after this call
         return published
 
-    def saved(self, step: int, folder: str) -> None:
+    def saved(self, step: int, folder: str, health: dict | None = None) -> None:
         """``_save_checkpoint`` returned: the manifest now, or, when verl saves asynchronously, once
-        verl records the step as saved whole. Never raises."""
+        verl records the step as saved whole. ``health``: the verdict the manifest carries. Never raises."""
+        if health is not None:
+            self._health[int(step)] = health
         if self.trainer is not None and _async_save(self.trainer):
             self.pending_manifests[int(step)] = folder
             self._write_finished_manifests()
             return
         with never_raises(f"no manifest for {folder}", owner=self):
-            write_verl_manifest(self.trainer, folder, step, events=self.logger)
+            write_verl_manifest(self.trainer, folder, step, events=self.logger,
+                                health=self._health.pop(int(step), None))
 
     def _write_finished_manifests(self) -> None:
         if not self.pending_manifests:
@@ -163,7 +168,8 @@ class VerlBackend(GuardBase):
         for step in sorted(s for s in self.pending_manifests if latest is not None and s <= latest):
             folder = self.pending_manifests.pop(step)
             with never_raises(f"no manifest for {folder}", owner=self):
-                write_verl_manifest(self.trainer, folder, step, events=self.logger)
+                write_verl_manifest(self.trainer, folder, step, events=self.logger,
+                                    health=self._health.pop(step, None))
 
     def finish(self) -> None:
         self.close("stopped" if self.stopped else "finished")
@@ -275,8 +281,9 @@ def verl_parts(folder: str) -> dict[str, list[str]]:
     return parts
 
 
-def write_verl_manifest(trainer, folder: str, step: int, events=None) -> str:
-    """Write the manifest of verl's checkpoint ``folder`` (``global_step_{step}``); its path."""
+def write_verl_manifest(trainer, folder: str, step: int, events=None, health=None) -> str:
+    """Write the manifest of verl's checkpoint ``folder`` (``global_step_{step}``); its path.
+    ``health``: the backend's verdict on it."""
     contents = _option(trainer.config, "actor_rollout_ref.actor.checkpoint.save_contents",
                        ["model", "optimizer", "extra"])
     require = ("parameters", "optimizer") if "optimizer" in list(contents) else ("parameters",)
@@ -284,7 +291,35 @@ def write_verl_manifest(trainer, folder: str, step: int, events=None) -> str:
             "rng_seeds": {"data": _option(trainer.config, "data.seed")},
             # fit() draws one batch per step; the dataloader's own state is data.pt
             "dataset_offset": int(step), "dataset_offset_unit": "batches"}
-    return str(write_manifest(folder, parts=verl_parts(folder), meta=meta, require=require, events=events))
+    return str(write_manifest(folder, parts=verl_parts(folder), meta=meta, require=require, events=events,
+                              health=health))
+
+
+# verl's own rotation, done by its workers' checkpoint managers at each save (max_*_ckpt_to_keep, or 1
+# with the deprecated remove_previous_ckpt_in_save), read from the config by _save_checkpoint, and the
+# setting under which a save deletes nothing.
+_ROTATION = (("max_actor_ckpt_to_keep", None), ("max_critic_ckpt_to_keep", None),
+             ("remove_previous_ckpt_in_save", False))
+
+
+@contextlib.contextmanager
+def _rotation_paused(trainer, backend):
+    """verl's rotation off for one save: the workers' managers delete old checkpoints themselves, out
+    of the controller's reach, so a suspect save must not make them delete the newest healthy one.
+    The checkpoints kept meanwhile go at the first save with the rotation back on (a healthy one)."""
+    config, before = trainer.config.trainer, {}
+    with never_raises("pausing verl's checkpoint rotation failed", owner=backend):
+        for key, off in _ROTATION:
+            value = config.get(key, None) if hasattr(config, "get") else getattr(config, key, None)
+            if value not in (None, off):
+                setattr(config, key, off)
+                before[key] = value
+    try:
+        yield bool(before)
+    finally:
+        for key, value in before.items():
+            with never_raises("restoring verl's checkpoint rotation failed", owner=backend):
+                setattr(config, key, value)
 
 
 def _async_save(trainer) -> bool:
@@ -342,12 +377,22 @@ def attach(trainer, run_id: str, settings: KafkaSettings | None = None, *, track
 
     def save_and_report(original_save):
         def save_checkpoint(*args, **kw):
-            result = original_save(*args, **kw)
+            step = int(trainer.global_steps)
+            folder = os.path.abspath(os.path.join(str(trainer.config.trainer.default_local_dir),
+                                                  f"global_step_{step}"))
+            health = None
+            with never_raises("checkpoint verdict failed", owner=backend):
+                health = backend.certify(step)  # the weights live in the workers: the metrics judge
+            if health is not None and not health["healthy"]:
+                with _rotation_paused(trainer, backend) as paused:
+                    if paused:
+                        backend.said_suspect(step, folder, health, "verl's checkpoint rotation (max_*_ckpt_to_keep)")
+                    result = original_save(*args, **kw)
+            else:
+                result = original_save(*args, **kw)
             with never_raises("checkpoint report failed", owner=backend):
-                folder = os.path.abspath(os.path.join(str(trainer.config.trainer.default_local_dir),
-                                                      f"global_step_{trainer.global_steps}"))
-                backend.saved(int(trainer.global_steps), folder)
-                backend.checkpoint_saved(int(trainer.global_steps), folder)
+                backend.saved(step, folder, health)
+                backend.checkpoint_saved(step, folder, health)
             return result
 
         return save_checkpoint
