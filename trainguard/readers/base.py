@@ -248,5 +248,5 @@ class LineReader(StepReader):
         self.position = self.total_bytes
 
 
-__all__ = ["ReadError", "StepReader", "is_rl", "PLAIN_LOSS", "LineReader", "Step", "merge_consecutive", "to_float", "to_step",
-           "open_binary", "head_bytes", "capped_lines", "MAX_LINE_BYTES"]
+__all__ = ["ReadError", "StepReader", "is_rl", "PLAIN_LOSS", "LineReader", "Step", "merge_consecutive", "to_float",
+           "to_step", "open_binary", "head_bytes", "capped_lines", "MAX_LINE_BYTES"]
