@@ -246,9 +246,13 @@ def test_run_quick_prints_the_summary_json_last():
                             "real_warnings_per_100_healthy_steps", "real_notifications_per_100_healthy_steps",
                             "real_pages_before_onset", "recovery", "forecast_lead_steps", "forecast_traces",
                             "forecast_healthy"}
-    assert set(summary["recovery"]) == {"runs", "recovered_without_human", "median_steps_lost",
-                                        "rollbacks_per_incident"}
-    assert summary["recovery"]["runs"] == 2 * 5 and any(line.startswith("nan_recurring ") for line in lines)
+    recovery = _evaluation_module("recovery")
+    assert set(summary["recovery"]) == {"runs", "recovered_without_human", "curable_runs", "curable_recovered",
+                                        "median_steps_lost", "rollbacks_per_incident", "steps_on_nonfinite_weights",
+                                        "unsafe_checkpoints_called_healthy", "untruthful_status"}
+    assert summary["recovery"]["runs"] == 2 * len(recovery.SCENARIOS) and any(
+        line.startswith("nan_recurring ") for line in lines)
+    assert summary["recovery"]["curable_runs"] == 2 * sum(s.curable for s in recovery.SCENARIOS.values())
     noise = ("warnings_per_100_healthy_steps", "notifications_per_100_healthy_steps", "pages_before_onset")
     assert {k: v for k, v in summary["real_added"].items() if k not in noise} == {
         "caught": 8, "failures": 8, "healthy_silent": 15, "healthy": 15, "false_alarms": 0}
@@ -282,6 +286,37 @@ def test_the_closed_loop_cures_a_transient_nan_and_a_recurring_one_and_leaves_a_
     assert recurring.recovered and not recurring.stopped
     hang = recovery.run_one("reward_model_hang", 0, default)
     assert hang.commands == [] and hang.recovered, "the guard's fallback carries the run: nothing to roll back"
+
+
+@pytest.mark.parametrize("scenario", ["grad_norm_explosion", "sft_loss_divergence", "grad_explosion_entropy_collapse",
+                                      "reward_collapse_after_spike"])
+def test_the_closed_loop_rolls_back_every_kind_a_rollback_cures(scenario):
+    """A gradient explosion, an SFT loss that diverges and stays up, a collapse after a spike: the
+    breaker acts on each by default, once, and the run ends healthy without a human."""
+    recovery = _evaluation_module("recovery")
+    from trainguard.streams import rules
+
+    out = recovery.run_one(scenario, 0, rules.default())
+    assert out.commands.count("rollback") == 1 and "stop" not in out.commands, out
+    assert out.recovered and out.nonfinite_steps == 0 and not out.untruthful, out
+
+
+def test_the_recovery_figures_count_steps_on_nan_weights_and_nan_checkpoints_called_healthy(tmp_path):
+    """With a NaN that only warns, the loop trains on NaN weights and the worker calls the NaN
+    checkpoints healthy: the figures that must stay at 0 say so."""
+    recovery = _evaluation_module("recovery")
+    from trainguard.streams import rules
+
+    text = (ROOT / "rules" / "default.yaml").read_text()
+    rule = text.index("  - name: non_finite")
+    head, tail = text[:rule], text[rule:]
+    tail = tail.replace("    severity: P0\n    critical: true\n    immediate: true", "    severity: P2", 1)
+    path = tmp_path / "nan_warns.yaml"
+    path.write_text(head + tail)
+    out = recovery.run_one("nan_batches_2", 0, rules.load(str(path)))
+    assert out.commands == [] and not out.recovered
+    assert out.nonfinite_steps == recovery.STEPS - recovery.ONSET  # every step after the first NaN one
+    assert len(out.unsafe_healthy) == (recovery.STEPS - recovery.ONSET) // recovery.CHECKPOINT_EVERY + 1
 
 
 def _evaluation_module(name: str):

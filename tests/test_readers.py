@@ -183,8 +183,8 @@ def test_tsv_and_step_column_variants(tmp_path):
     p.write_text("Step\tloss\tNaN col\n1\t0.5\tNaN\n2.0\t-Infinity\t\nx\t1\t1\n")
     reader = open_reader(p)
     steps = list(reader)
-    assert steps[0][0] == 1 and steps[0][1]["loss"] == 0.5 and math.isnan(steps[0][1]["NaN col"])
-    assert steps[1] == (2, {"loss": -math.inf})
+    assert steps[0][0] == 1 and steps[0][1]["total_loss"] == 0.5 and math.isnan(steps[0][1]["NaN col"])
+    assert steps[1] == (2, {"total_loss": -math.inf})
     assert reader.skipped == 1 and "step must be" in reader.problems[0]
 
 
@@ -230,7 +230,7 @@ def test_one_line_trainer_state_is_not_taken_for_jsonl(tmp_path):
     p = tmp_path / "state.json"
     p.write_text(json.dumps({"log_history": [{"step": 1, "loss": 0.1}, {"step": 2, "loss": 0.2}]}))
     assert detect_format(p) == "hf"
-    assert list(read_steps(p)) == [(1, {"loss": 0.1}), (2, {"loss": 0.2})]
+    assert list(read_steps(p)) == [(1, {"total_loss": 0.1}), (2, {"total_loss": 0.2})]
 
 
 # --------------------------------------------------------------------------- TensorBoard
@@ -373,7 +373,7 @@ def test_a_tensorboard_log_tree_with_one_run_reads_that_run(tmp_path):
     run.mkdir(parents=True)
     write_tfevents(run / "events.out.tfevents.1700000001.host.1.0", [_event(3, [_value("train/loss", simple=0.5)])])
     assert detect_format(tmp_path) == "tensorboard"
-    assert list(read_steps(tmp_path)) == [(3, {"train/loss": 0.5})]
+    assert list(read_steps(tmp_path)) == [(3, {"train/total_loss": 0.5})]
 
 
 def test_a_tensorboard_log_tree_with_several_runs_names_them_and_the_way_out(tmp_path):
@@ -667,7 +667,7 @@ def test_a_huge_tensorboard_record_is_passed_over_in_bounded_time_and_memory(tmp
     big = _event(0, extra=_len_field(4, b"\0" * (2 * MAX_RECORD_BYTES)))
     write_tfevents(path, [_event(1, [_value("loss", simple=0.5)]), big, _event(2, [_value("loss", simple=0.25)])])
     reader = open_reader(path)
-    assert list(reader) == [(1, {"loss": 0.5}), (2, {"loss": 0.25})]
+    assert list(reader) == [(1, {"total_loss": 0.5}), (2, {"total_loss": 0.25})]
     assert reader.skipped == 1 and "passed over unread" in reader.problems[0]
     # A corrupt one: a 64 MiB length (its CRC valid), zeros, a wrong data CRC, in a 65 KB .gz.
     corrupt = tmp_path / "events.out.tfevents.2.host.gz"

@@ -44,7 +44,8 @@ FAULT_INFO = {
     "kl_explosion": "KL to the reference grows ~1.9x per step from 0.05 up to 8; entropy down, grad norm 3x",
     "empty_responses": "rollout/empty_response_ratio jumps from ~1% to ~35%",
     "rollout_stall": "rollout latency 1.8 s -> 12+ s, GPU utilisation 88% -> 25%, steps 4-5x longer",
-    "nan_loss": "actor/pg_loss NaN and actor/grad_norm Inf",
+    "nan_loss": "actor/pg_loss NaN and actor/grad_norm Inf; the weights stay NaN (so does every later step) until "
+                "a checkpoint saved before is restored",
     "kl_drift": "KL creeps linearly +0.06 per simulated hour (0.02 -> 0.08 in 1 h, 0.1 after ~80 min)",
     "kl_spike": "KL jumps to ~0.16 (always > 0.1) and stays; entropy 10% down",
     "reward_collapse": "critic/score/mean decays 15%/step toward 0 while critic/score/std shrinks 0.36 -> 0.04",
@@ -89,6 +90,9 @@ class _Model:
     entropy: float = 0.65
     score: float = 0.15
     length: float = 320.0
+    finite: bool = True     # the weights: a NaN step writes NaN into them, and every later step is NaN too
+    loss: float = 2.9       # SimulatedSFT's noise-free training loss
+    damage: float = 1.0     # SimulatedSFT: how far a divergence has pushed the loss up (1: none)
 
 
 @dataclass
@@ -247,7 +251,8 @@ class SimulatedPPO:
         if self._active("rollout_stall"):
             latency = 12000 + abs(g(0, 1500))
             gpu_util = max(0.0, g(25, 5))
-        if self._active("nan_loss"):
+        if self._active("nan_loss") or not m.finite:
+            m.finite = False
             pg_loss = math.nan
             grad_norm = math.inf
         if self._active("kl_drift"):
@@ -436,3 +441,63 @@ class SimulatedPPO:
                 f.active = False
             elif f.at_step > step:
                 f.onset_ts = None  # it will begin again when the run reaches its step
+
+
+SFT_FAULTS = {
+    "loss_divergence": "a learning rate far too high for 4 steps: the loss jumps ~17x (2.9 -> ~50), then settles "
+                       "near 7x its healthy level and stays there; the gradient norm triples",
+    "nan_loss": "the loss NaN and the gradient norm Inf; the weights stay NaN until a checkpoint saved before is "
+                "restored",
+}
+
+
+@dataclass
+class SimulatedSFT(SimulatedPPO):
+    """A supervised fine-tuning run as the Hugging Face Trainer logs it through trainguard's
+    callback (``train/total_loss``, ``train/grad_norm``, ``train/learning_rate``, ``train/epoch``):
+    a loss that falls from ~2.9 towards ~1.4 with batch noise. Checkpoints, restores, the clock
+    and the node's metrics are :class:`SimulatedPPO`'s; its faults are ``SFT_FAULTS``.
+
+    >>> sim = SimulatedSFT(seed=1)
+    >>> sim.inject("loss_divergence", at_step=20)
+    >>> before = [sim.step()["train/total_loss"] for _ in range(19)][-1]
+    >>> after = [sim.step()["train/total_loss"] for _ in range(30)]
+    >>> max(after) > 10 * before and after[-1] > 4 * before
+    True
+    """
+
+    steps_per_epoch: int = 500
+
+    def inject(self, kind: str, at_step: int, recur: bool = False) -> None:
+        if kind not in SFT_FAULTS:
+            raise ValueError(f"unknown SFT fault {kind!r}; choose from {', '.join(SFT_FAULTS)}")
+        self.faults.append(Fault(kind, at_step, recur))
+
+    def step(self) -> dict[str, float] | None:
+        m, n = self.model, self._n
+        m.step += 1
+        for f in self.faults:
+            if f.active and f.onset_ts is None and m.step >= f.at_step:
+                f.onset_ts = self.ts
+        m.loss += (1.4 - m.loss) * 0.01
+        grad_norm = max(0.05, 1.0 + n(0.08))
+        lr = 2e-5 * min(1.0, m.step / 20)
+        if self._active("loss_divergence"):
+            since = self._since("loss_divergence")
+            if since < 4:  # the steps at the bad learning rate push the weights away
+                m.damage = max(m.damage, 17.0 * (1 + 0.05 * self.rng.gauss(0, 1)))
+                lr *= 500
+            else:  # then the loss settles, far above where it was, and stays
+                m.damage = max(7.0, m.damage * 0.8)
+            grad_norm *= 3.0
+        loss = max(0.05, m.loss * m.damage * (1 + n(0.03)))
+        if self._active("nan_loss") or not m.finite:
+            m.finite = False
+            loss, grad_norm = math.nan, math.inf
+        step_s = self.step_seconds * (1 + n(0.03)) + self._pause_s
+        self._pause_s = 0.0
+        self._gpu_util = min(100.0, 90 + n(2))
+        self._node = {}
+        self.ts += step_s
+        return {"train/total_loss": loss, "train/grad_norm": grad_norm, "train/learning_rate": lr,
+                "train/epoch": m.step / self.steps_per_epoch}

@@ -11,7 +11,7 @@ from .base import Detector, Param
 
 __all__ = ["Level"]
 
-MODES = ("early", "peak", "trailing")
+MODES = ("early", "peak", "trailing", "healthy")
 
 
 class Level(Detector):
@@ -29,6 +29,10 @@ class Level(Detector):
       ``reference`` consecutive points (a throughput decaying slowly to 60% is still caught;
       a baseline that follows the signal down never sees it).
     - ``trailing``: the median of the ``reference`` points just before the recent window.
+    - ``healthy``: as ``trailing``, but no point enters the reference while the level is
+      anomalous, so a loss that jumps and stays up is judged against the run's level before
+      the jump for as long as it stays there (a trailing reference would follow it up and call
+      the new level normal within ``reference`` points).
 
     The reference must be positive (ratios of signed or zero levels mean nothing) and at
     least ``floor``.
@@ -48,7 +52,8 @@ class Level(Detector):
     kind = "level"
     params = (Param("recent", 5, int, "the last points whose median is the level now"),
               Param("reference", 25, int, "points of the reference level"),
-              Param("mode", "early", str, "the reference: the run's start, its best, or the points just before",
+              Param("mode", "early", str, "the reference: the run's start, its best, the points just before, "
+                    "or the points just before that were not anomalous",
                     choices=MODES),
               Param("below", None, float, "flag a level under this ratio of the reference (0 < below < 1)"),
               Param("above", None, float, "flag a level over this ratio of the reference (> 1)"),
@@ -56,7 +61,8 @@ class Level(Detector):
               Param("floor", 0.0, float, "the least reference that is judged"))
     test_params = ({"recent": 3, "reference": 10, "below": 0.5, "above": 2.0},
                    {"recent": 3, "reference": 5, "mode": "peak", "below": 0.6},
-                   {"recent": 2, "reference": 5, "mode": "trailing", "above": 2.0})
+                   {"recent": 2, "reference": 5, "mode": "trailing", "above": 2.0},
+                   {"recent": 3, "reference": 5, "mode": "healthy", "above": 2.0})
     cost = "O(log W) (sorted packed arrays, `bisect`)"
     _fields = ("recent_buf", "ref_buf", "ref_sorted", "early", "peak", "count", "last")
 
@@ -115,7 +121,9 @@ class Level(Detector):
         self.count += 1
         recent = self.recent_buf
         if len(recent) == self.recent:  # the oldest recent point becomes reference
-            self._to_reference(recent.pop(0))
+            oldest = recent.pop(0)
+            if not (self.mode == "healthy" and self.last is not None and self.last[4]):
+                self._to_reference(oldest)
         recent.append(x)
 
     def judge(self, x: float, t: float | None) -> bool:

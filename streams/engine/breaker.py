@@ -116,14 +116,21 @@ class Breaker(AlertBook, StatusRoom):
             outputs.append(Output(OutputKind.COMMAND, run_id, command))
         return outputs
 
-    @staticmethod
-    def _warned_since(ctx: "EventContext") -> tuple[int, str] | None:
+    def _warned_since(self, ctx: "EventContext") -> tuple[int, str] | None:
         """The first onset of the alerts still open on the critical alerts' metrics, and its rule:
         a change is often warned about steps before it turns critical (a KL spike, then the
-        explosion), and a checkpoint saved in between already holds it."""
+        explosion), and a checkpoint saved in between already holds it. A critical incident
+        begins with its first member (the gradient spike a collapse followed)."""
         metrics = {a.get("metric") for a in ctx.state.firing.values() if a["id"] in {c[0] for c in ctx.critical}}
         warned = [(_onset_step(a), a["rule"]) for a in ctx.state.firing.values()
                   if a.get("metric") in metrics and isinstance(a.get("step"), int)]
+        named = {c[1] for c in ctx.critical}
+        for incident in self.rules.incidents:
+            if incident.name in named:
+                for rule in incident.rules:
+                    member = (ctx.run.active.get(rule) or {}).get("alert")
+                    if member and isinstance(member.get("step"), int):
+                        warned.append((member["step"], rule))
         return min(warned) if warned else None
 
     @staticmethod
@@ -271,6 +278,9 @@ class Breaker(AlertBook, StatusRoom):
             if src is not None and src.kind in self.rules.policy.step_sources:
                 for alert in {a["id"]: a for a in src.firing.values()}.values():
                     self._add(outputs, self._resolve(run, alert, event, resolution="the trainer rolled back"))
+                    member = run.active.get(alert["rule"])
+                    if member is not None and member["open"] <= 0:
+                        member["last_ts"] = 0.0  # undone by the rollback: it joins no incident any more
                 src.block.reset()
                 src.history.forget_after(restored if isinstance(restored, int) else None)
                 src.streaks.clear()

@@ -14,6 +14,24 @@ log = logging.getLogger("trainguard.readers")
 Step = tuple[int, dict[str, float]]
 
 MAX_PROBLEMS = 20  # descriptions kept for display; the counter keeps counting past it
+
+# Keys only an RL trainer logs (TRL's GRPO / RLOO / PPO / online trainers). DPO's "rewards/*"
+# are not among them: its loss is a training loss.
+RL_KEYS = ("reward", "reward_std", "kl", "frac_reward_zero_std", "completion_length")
+RL_PREFIXES = ("completions/", "objective/", "rollout/")
+# A plain (SFT, DPO) Trainer's "loss" is read under the name the live callback sends it as, so
+# that one run gives one verdict whichever way it arrives (TRL's RL "loss" is a policy loss).
+PLAIN_LOSS = "total_loss"
+_LOSS_NAMES = {"loss": PLAIN_LOSS, "train/loss": "train/" + PLAIN_LOSS}
+
+
+def is_rl(keys) -> bool:
+    """Whether logged keys are an RL trainer's (their ``loss`` is the policy-gradient loss)."""
+    for k in keys:
+        k = k[6:] if k.startswith("train/") else k
+        if k in RL_KEYS or k.startswith(RL_PREFIXES):
+            return True
+    return False
 # The longest line a line reader keeps (bytes, after decompression). A metrics line of the widest
 # event the schema allows (10,000 metrics) is a few MiB at most; longer is not one, and reading
 # it whole would let a small .gz file expand into gigabytes held in memory.
@@ -141,6 +159,9 @@ class StepReader:
     # Formats with one complete step per line do not: a step logged twice in a row there is
     # the step run twice (a resume), and both are yielded.
     merge_steps = True
+    # Formats a Hugging Face Trainer writes (trainer_state.json, TensorBoard, CSV): a plain
+    # trainer's ``loss`` is named ``total_loss`` unless the run has shown RL keys by then.
+    plain_loss = False
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
@@ -170,8 +191,13 @@ class StepReader:
 
     def __iter__(self) -> Iterator[Step]:
         records = merge_consecutive(self.records()) if self.merge_steps else self.records()
+        rl = not self.plain_loss
         for step, metrics in records:
             self.steps += 1
+            if not rl:
+                rl = is_rl(metrics)
+                if not rl and not _LOSS_NAMES.keys().isdisjoint(metrics):
+                    metrics = {_LOSS_NAMES.get(k, k): v for k, v in metrics.items()}
             yield step, metrics
         if self.steps == 0 and self.skipped:
             # Everything was unreadable: that is not an empty run, it is the wrong file or format.
@@ -222,5 +248,5 @@ class LineReader(StepReader):
         self.position = self.total_bytes
 
 
-__all__ = ["ReadError", "StepReader", "LineReader", "Step", "merge_consecutive", "to_float", "to_step",
-           "open_binary", "head_bytes", "capped_lines", "MAX_LINE_BYTES"]
+__all__ = ["ReadError", "StepReader", "is_rl", "PLAIN_LOSS", "LineReader", "Step", "merge_consecutive", "to_float",
+           "to_step", "open_binary", "head_bytes", "capped_lines", "MAX_LINE_BYTES"]

@@ -34,6 +34,7 @@ def step_column(names: list[str]) -> int | None:
 
 class CsvReader(LineReader):
     format = "csv"
+    plain_loss = True
     merge_steps = False  # one line, one step
 
     def records(self) -> Iterator[Step]:

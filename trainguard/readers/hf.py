@@ -25,6 +25,7 @@ MAX_STATE_BYTES = 128 << 20
 
 class TrainerStateReader(StepReader):
     format = "hf"
+    plain_loss = True
 
     def records(self) -> Iterator[Step]:
         try:

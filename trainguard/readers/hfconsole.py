@@ -26,16 +26,11 @@ import ast
 import math
 from typing import Iterator
 
-from .base import LineReader, ReadError, Step, head_bytes, to_float
+from .base import PLAIN_LOSS, LineReader, ReadError, Step, head_bytes, is_rl, to_float
 from .verl import ANSI, parse_value
 
 MAX_LINE = 100_000  # a logs dict is a few hundred characters; longer is not one
 MAX_SIGNS = 8  # unary signs before one value ("-1.0", "--1.0" at a stretch); more is not a printed number
-# Keys only an RL trainer logs (TRL's GRPO / RLOO / PPO / online trainers). DPO's "rewards/*"
-# are not among them: its loss is a training loss.
-RL_KEYS = ("reward", "reward_std", "kl", "frac_reward_zero_std", "completion_length")
-RL_PREFIXES = ("completions/", "objective/", "rollout/")
-PLAIN_LOSS = "total_loss"
 _NAMES = {"nan": math.nan, "NaN": math.nan, "inf": math.inf, "Infinity": math.inf, "None": math.nan}
 _SUMMARY_KEYS = ("train_runtime", "train_loss")
 
@@ -108,11 +103,6 @@ def parse_logs(segment: str) -> tuple[dict[str, float], int] | None:
             continue
         metrics[key.value] = v
     return metrics, bad
-
-
-def is_rl(keys) -> bool:
-    """Whether logged keys are an RL trainer's (their ``loss`` is the policy-gradient loss)."""
-    return any(k in RL_KEYS or k.startswith(RL_PREFIXES) for k in keys)
 
 
 def looks_like_console(lines: list[str]) -> bool:

@@ -303,6 +303,7 @@ def _pass_over(f, n: int) -> int:
 
 class TensorBoardReader(StepReader):
     format = "tensorboard"
+    plain_loss = True
 
     def __init__(self, path, *, verify_crc: bool = True):
         self.files = event_files(os.fspath(path))
