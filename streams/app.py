@@ -26,7 +26,7 @@ from typing import cast
 
 import faust
 
-from trainguard.core.admin import control_partitions_of
+from trainguard.core.admin import control_partitions_of, partitions_of
 from trainguard.core.kafka import KafkaSettings, faust_credentials
 from trainguard.core.publisher import Publisher
 from trainguard.core.settings import integer, number
@@ -149,7 +149,10 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                     verify_keys=verify_keys, require_signed=require_signed,
                     finished_grace_s=number("TRAINGUARD_FINISHED_GRACE_S"),
                     idle_ttl_s=number("TRAINGUARD_RUN_TTL_S"), limits=Limits.from_settings(),
-                    summary_retention_s=number("TRAINGUARD_RUN_SUMMARY_RETENTION_S"))
+                    summary_retention_s=number("TRAINGUARD_RUN_SUMMARY_RETENTION_S"),
+                    partitions=partitions_of(settings, settings.topics.events,
+                                             "a run's events are expected on the partition its id hashes to "
+                                             "among the topic's own"))
     window_table.decode_key = engine.windows.decode_key
     app.trainguard_engine = engine  # for tests and the status line
     if not app.conf.consumer_group_instance_id:  # static members are replaced by the broker itself

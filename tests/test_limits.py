@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from trainguard.schemas import events as ev
 from trainguard.streams import keys
 from trainguard.streams import rules as rules_mod
@@ -76,17 +78,20 @@ def test_a_node_snapshot_keeps_a_bounded_number_of_values_per_host():
     assert len(engine._run(b"node").nodes["n1"]["metrics"]) == MAX_SNAPSHOT_METRICS
 
 
-def test_tiny_runs_are_forgotten_sooner_than_runs_that_logged():
+@pytest.mark.parametrize("events", [1, 4, 20])
+def test_runs_their_trainer_never_started_are_forgotten_soon_whatever_their_event_count(events):
     engine = Engine(RULES, idle_ttl_s=7 * 86400, limits=Limits(tiny_run_events=3, tiny_run_ttl_s=60))
     now = [10_000.0]
     engine.clock = lambda: now[0]
-    feed(engine, "tiny", 1, {"actor/kl_loss": 0.01})
-    feed(engine, "real", 10, {"actor/kl_loss": 0.01})
+    feed(engine, "invented", events, {"actor/kl_loss": 0.01})
+    src = ev.source("trainer", "h", 0)
+    engine.handle(ev.encode(ev.lifecycle_event("real", "started", src=src, ts=1_000.0)), 0, 0)
+    feed(engine, "real", events, {"actor/kl_loss": 0.01}, first_offset=1)
     now[0] += 61
     engine.tick()
-    assert b"tiny" not in engine.store and b"tiny|trainer:h:0:-" not in engine.store
-    assert b"real" in engine.store, "a run past a few events keeps the usual idle time"
-    assert engine.dirty.get(b"tiny") is not None, "forgotten with a tombstone in the changelog"
+    assert not any(k.startswith(b"invented") for k in engine.store), "no start from its trainer: the short TTL"
+    assert b"real" in engine.store, "a run its trainer started keeps the usual idle time"
+    assert engine.dirty.get(b"invented") is not None, "forgotten with a tombstone in the changelog"
 
 
 def test_a_tiny_run_that_reported_a_checkpoint_keeps_it_for_the_usual_time():

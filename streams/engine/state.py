@@ -335,7 +335,7 @@ class SourceState:
 
 @dataclass
 class RunState:
-    offset: int = -1
+    offsets: dict = field(default_factory=dict)         # partition (str) -> offset of the last event applied
     partition: int = 0
     breaker: policy.BreakerState = field(default_factory=policy.BreakerState)
     checkpoints: list = field(default_factory=list)     # {step, path, ts, healthy}
@@ -375,6 +375,8 @@ class RunState:
         d = orjson.loads(raw)
         if d.get("v", 0) < 2:
             _one_book(d)
+        if "offset" in d:  # written with one offset for the run, on its partition
+            d["offsets"] = {str(d.get("partition", 0)): d.pop("offset")}
         d = known_fields(cls, d, "run state")
         if "breaker" in d:
             d["breaker"] = policy.BreakerState.from_state(d["breaker"])
@@ -403,8 +405,8 @@ class Limits:
     sources_per_run: int = 1024
     rows_per_source: int = 1000   # metric names judged per source
     rows_per_run: int = 20_000
-    tiny_run_events: int = 3      # a run with at most this many events ...
-    tiny_run_ttl_s: float = 1800.0  # ... is forgotten this long after its last one
+    tiny_run_events: int = 3      # an unauthenticated run with at most this many events is parked while idle
+    tiny_run_ttl_s: float = 1800.0  # an unauthenticated run is forgotten this long after its last event
     record_bytes: int = (1 << 20) - (64 << 10)  # a broker's message limit, less headroom
     SETTINGS: ClassVar[dict] = {"sources_per_run": "TRAINGUARD_MAX_SOURCES_PER_RUN",
                                 "rows_per_source": "TRAINGUARD_MAX_ROWS_PER_SOURCE",
@@ -466,7 +468,7 @@ class StateAccess:
             state = self._decoded(key, state)
             self.store[key] = state
             if self._parked.pop(key, None) is None:
-                log.info("trainguard: restored run %s at offset %d", key.decode(errors="replace"), state.offset)
+                log.info("trainguard: restored run %s at offsets %s", key.decode(errors="replace"), state.offsets)
             else:  # a parked tiny run woke: its sources are held as bytes too
                 run_id = key.decode()
                 for sid in state.sources:
@@ -483,11 +485,18 @@ class StateAccess:
             return self._decoded(key, state)
         return self._run(key)
 
+    @staticmethod
+    def _authenticated(run: RunState) -> bool:
+        """Whether the run's own trainer vouched for it: it said it started, or reported a checkpoint
+        (both signed with its key where keys are configured). A run without is what anyone who can
+        write to the events topic can invent, by the thousand: it is forgotten after the tiny-run
+        TTL whatever its event count, and never pushes a real run out of the exporter."""
+        return run.announced or bool(run.checkpoints)
+
     def _tiny(self, run: RunState) -> bool:
-        """A run of a few events that reported no checkpoint and was not announced: what anyone who
-        can write to the events topic can invent, by the thousand."""
-        return (run.events is not None and run.events <= self.limits.tiny_run_events and not run.checkpoints
-                and not run.announced)
+        """An unauthenticated run of a few events: held as its changelog bytes while idle."""
+        return (run.events is not None and run.events <= self.limits.tiny_run_events
+                and not self._authenticated(run))
 
     def _park_until(self, run: RunState) -> float | None:
         """When an idle tiny run held as bytes is forgotten; None for a run that is not parked."""
