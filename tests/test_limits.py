@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import orjson
 import pytest
 
 from trainguard.schemas import events as ev
@@ -193,3 +194,80 @@ def test_the_clock_forgets_a_parked_tiny_run_without_waking_it():
     restored.clock = lambda: 10_061.0
     restored.tick()
     assert not restored.store
+
+
+def hostile_node_events(engine: Engine, run_id: str, hosts: int = 4, first_offset: int = 0, ts: float = 1_000.0):
+    """What one writer to the events topic can send: node events whose every name is 256 control
+    characters (six bytes each in JSON), 256 of them per host."""
+    for h in range(hosts):
+        metrics = {f"{h:02d}{i:03d}" + "\x01" * 251: 1.0 for i in range(256)}
+        raw = ev.encode(ev.metrics_event(run_id, 1, metrics, src=ev.source("node", f"{h:02d}" + "\x02" * 254), ts=ts))
+        assert engine.handle(raw, 0, first_offset + h) == []
+
+
+def test_a_few_hostile_node_events_cost_the_run_neither_its_page_nor_its_report_nor_its_state():
+    from trainguard.streams.engine.state import SNAPSHOT_HOST_BYTES
+
+    engine = Engine(RULES)
+    src = ev.source("trainer", "h", 0)
+    feed(engine, "victim", 16, {"actor/pg_loss": 0.1}, src=src)
+    engine.handle(ev.encode(ev.checkpoint_event("victim", 5, "/ckpt/5", src=src, ts=1_005.0)), 0, 100)
+    hostile_node_events(engine, "victim", first_offset=200)
+    nan = ev.metrics_event("victim", 16, {"actor/pg_loss": float("nan")}, src=src, ts=1_016.0)
+    outputs = engine.handle(ev.encode(nan), 0, 300)
+    alert = next(o.value for o in outputs if o.kind == "alert")
+    report = next(o.value for o in outputs if o.kind == "report")
+    assert alert["severity"] == "P0" and next(o.value for o in outputs if o.kind == "command")["action"] == "rollback"
+    limit = engine.limits.record_bytes
+    for value in (alert, report):
+        size = len(orjson.dumps(value))
+        assert size < 4 * (SNAPSHOT_HOST_BYTES + 2048) < limit, (value["schema"], size)
+    snapshot = alert["node_snapshot"]
+    assert len(snapshot) == 4 and all(len(orjson.dumps(h)) <= 256 for h in snapshot), "host names clipped"
+    assert all("values left out" in entry["cut"] for entry in snapshot.values()), "what was cut is said"
+    assert report["resource_snapshot"] == snapshot
+    assert max(records(engine).values()) < limit, "every state record is still written"
+
+
+def test_the_host_the_worker_heard_from_least_recently_leaves_the_snapshot_whatever_its_ts():
+    engine = Engine(RULES)
+    now = [10_000.0]
+    engine.clock = lambda: now[0]
+    feed(engine, "r", 1, {"gpu/utilization_pct": 50.0}, src=ev.source("node", "far-future"), first_offset=0)
+    engine._run(b"r").nodes["far-future"]["ts"] = 1.8e18  # a nanosecond clock
+    for h in range(16):
+        now[0] += 1
+        feed(engine, "r", 1, {"gpu/utilization_pct": 50.0}, src=ev.source("node", f"n{h}"), first_offset=1 + h)
+    assert sorted(engine._run(b"r").nodes) == sorted(f"n{h}" for h in range(16))
+
+
+def test_an_output_past_one_message_leaves_out_its_context_and_says_so():
+    from trainguard.streams.engine.outputs import fit
+
+    alert = ev.alert_event("r", "non_finite", alert_id="a1", severity="P0", critical=True, summary="NaN",
+                           metric="loss", value="NaN", layer="data", source=None, step=3, ts=1.0,
+                           evidence={"detector": "non_finite", "window": [0.1] * 50_000}, diagnosis=None,
+                           suggestion=None, node_snapshot={"h": {"metrics": {"x" * 200: 1.0}}})
+    small = fit(alert, 64 << 10)
+    assert len(orjson.dumps(small)) <= 64 << 10
+    assert small["evidence"] == {"detector": "non_finite"} and small["node_snapshot"] == {}
+    assert set(small["cut"]) == {"node_snapshot", "evidence"} and "over the 65536-byte" in small["cut"]["evidence"]
+    assert (small["rule"], small["severity"], small["value"], small["step"]) == ("non_finite", "P0", "NaN", 3)
+    assert fit(small, 64 << 10) is small, "one that fits is left as it is"
+
+
+def test_a_run_record_past_one_message_leaves_out_context_first_and_says_so(caplog):
+    engine = Engine(RULES, limits=Limits(record_bytes=64 << 10))
+    src = ev.source("trainer", "h", 0)
+    feed(engine, "r", 3, {"actor/pg_loss": 0.1}, src=src)
+    for step in range(64):  # paths of control characters: 24 KB each in JSON
+        raw = ev.encode(ev.checkpoint_event("r", step, f"/ckpt/{step}/" + "\x03" * 4000, src=src, ts=1_000.0))
+        engine.handle(raw, 0, 10 + step)
+    record = engine.serialize(b"r")
+    assert len(record) <= 64 << 10
+    restored = orjson.loads(record)
+    kept = [c["step"] for c in restored["checkpoints"]]
+    assert kept and kept == list(range(64 - len(kept), 64)), f"the newest rollback targets that fit are kept: {kept}"
+    assert restored["limits"]["record_bytes"]["sections"][-1] == "checkpoints"
+    assert engine.status("r")["limits"]["record_bytes"]["cap"] == 64 << 10, "the status says it"
+    assert "over the 65536-byte limit of one message" in caplog.text

@@ -31,7 +31,7 @@ from trainguard.streams.engine.book import STALE
 from trainguard.streams.engine.breaker import STEERING_LIFECYCLE
 from trainguard.streams.engine.judging import EventContext, Judging
 from trainguard.streams.engine.operators import OperatorActions
-from trainguard.streams.engine.outputs import DLQ_EXCERPT_BYTES, Output, OutputKind, dead_letter
+from trainguard.streams.engine.outputs import DLQ_EXCERPT_BYTES, Output, OutputKind, dead_letter, fit
 from trainguard.streams.engine.state import (
     MAX_BOOK,
     MAX_CHECKPOINTS,
@@ -132,7 +132,7 @@ class Engine(Judging, OperatorActions):
         except Exception as exc:  # a shape the decoder did not foresee: still a dead letter, never a crash
             return [self.dead_letter(raw, f"undecodable: {type(exc).__name__}: {exc}", topic, partition, offset)]
         try:
-            return self.apply(event, partition, offset, raw=raw, topic=topic)
+            return self._bounded(self.apply(event, partition, offset, raw=raw, topic=topic))
         except Exception as exc:  # a bug must not stop the pipeline; keep the evidence
             return [self.dead_letter(raw, f"internal error while processing: {type(exc).__name__}: {exc}",
                                      topic, partition, offset)]
@@ -151,7 +151,7 @@ class Engine(Judging, OperatorActions):
         except Exception as exc:
             return [self.dead_letter(raw, f"undecodable: {type(exc).__name__}: {exc}", topic, partition, offset)]
         try:
-            return self._ack(ack, raw, partition, offset, topic, appended_at)
+            return self._bounded(self._ack(ack, raw, partition, offset, topic, appended_at))
         except Exception as exc:  # a bug must not stop the acks agent; keep the evidence
             return [self.dead_letter(raw, f"internal error while processing: {type(exc).__name__}: {exc}",
                                      topic, partition, offset)]
@@ -304,6 +304,19 @@ class Engine(Judging, OperatorActions):
                                          "last_step": step}, run.breaker.attempt)
                     self._add(outputs, self._fire(run, alert, rule, STALE, f"{rule.name}|{kind}"))
                     self._changed(key, run.partition)
+        return self._bounded(outputs)
+
+    def _bounded(self, outputs: list[Output]) -> list[Output]:
+        """Each alert and report as it fits one message (``outputs.fit``: context sections left
+        out and named), so that no name or snapshot an event carried costs the run its page."""
+        limit = self.limits.record_bytes
+        for i, out in enumerate(outputs):
+            if out.kind in (OutputKind.ALERT, OutputKind.REPORT) and out.value is not None:
+                value = fit(out.value, limit)
+                if value is not out.value:
+                    log.warning("trainguard: run %s: a %s over the %d-byte message limit: left out %s", out.key,
+                                out.kind.value, limit, ", ".join(value["cut"]))
+                    outputs[i] = Output(out.kind, out.key, value)
         return outputs
 
     def forget(self, run_key: bytes, keep_summary: bool = True) -> None:
