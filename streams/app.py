@@ -88,10 +88,11 @@ class _ExporterFeed:
     metrics the exporter wants (signals, allow-listed names, per-device GPU counters). One cached dict lookup
     per name per event."""
 
-    __slots__ = ("wants", "max_ts", "runs", "lag")
+    __slots__ = ("wants", "vouched", "max_ts", "runs", "lag")
 
-    def __init__(self, wants) -> None:
+    def __init__(self, wants, vouched=lambda run_id: False) -> None:
         self.wants = wants
+        self.vouched = vouched  # run id -> whether its trainer vouched for it (Engine.vouched)
         self.max_ts: float | None = None
         self.runs: dict[str, list] = {}  # run -> [latest allow-listed values, ts]
         self.lag = 0.0
@@ -112,14 +113,15 @@ class _ExporterFeed:
                     entry[1] = ts
 
     def flush(self, exporter, events: int, samples: int, outputs) -> None:
+        vouched = self.vouched
         for run_id, (values, ts) in self.runs.items():
-            exporter.observe_metrics(run_id, values, ts)
+            exporter.observe_metrics(run_id, values, ts, vouched(run_id))
         self.runs.clear()
         for out in outputs:
             if out.kind == "alert":
-                exporter.observe_alert(out.value)
+                exporter.observe_alert(out.value, vouched(out.key))
             elif out.kind == "command":
-                exporter.observe_command(out.value)
+                exporter.observe_command(out.value, vouched(out.key))
             elif out.kind == "dlq":
                 exporter.observe_dlq(out.value["reason"])
         if self.max_ts is not None:  # else nothing decodable in this batch: the lag stays as it was
@@ -263,7 +265,7 @@ def _serve_prometheus(app: WorkerApp, engine: Engine, port: int | None, addr: st
 
     more = [n.strip() for n in (setting("TRAINGUARD_PROMETHEUS_METRICS") or "").split(",") if n.strip()]
     exporter = Exporter(key_metrics=(*KEY_METRICS, *more))
-    feed = _ExporterFeed(exporter.wants)
+    feed = _ExporterFeed(exporter.wants, engine.vouched)
     engine.on_event.append(feed)
     addr = addr or cast(str, setting("TRAINGUARD_PROMETHEUS_ADDR"))
 

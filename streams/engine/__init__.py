@@ -306,6 +306,14 @@ class Engine(Judging, OperatorActions):
                     self._changed(key, run.partition)
         return self._bounded(outputs)
 
+    def vouched(self, run_id: str) -> bool:
+        """Whether this engine holds ``run_id`` as vouched for by its trainer (``_authenticated``);
+        a parked run is a tiny unauthenticated one, read without waking it."""
+        key = run_id.encode()
+        if key not in self.store or key in self._parked:
+            return False
+        return self._authenticated(self._run(key))
+
     def _bounded(self, outputs: list[Output]) -> list[Output]:
         """Each alert and report as it fits one message (``outputs.fit``: context sections left
         out and named), so that no name or snapshot an event carried costs the run its page."""
