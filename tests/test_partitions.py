@@ -5,6 +5,7 @@ at a higher offset made the worker skip every later event of V as a replay."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from trainguard.core.kafka import partition_for
@@ -87,3 +88,72 @@ def test_the_engine_expects_runs_where_the_producers_put_them(run_id):
     murmur2_random) puts a run: the same hash as the Java client's default partitioner."""
     engine = Engine(rules_mod.default(), partitions=PARTITIONS)
     assert engine.handle(step_event(run_id, 1, 0.1), partition_for(run_id, PARTITIONS), 0) == []
+
+
+@pytest.mark.integration
+def test_one_event_on_another_partition_blinds_no_run_before_or_after_a_worker_restart(kafka, tmp_path):
+    """On a real broker with real workers: the attacker writes 200 events to another partition, then
+    one event of each victim there (offsets past all of the victims' own). Each victim's later NaN is
+    still paged and rolled back: one before the worker is killed and restarted, one after."""
+    import time
+
+    from confluent_kafka import Producer
+
+    from tests.integration import TopicReader, WorkerProcess
+
+    n = kafka.partitions
+    victims = ["victim-before", "victim-after"]
+    t0 = time.time() - 100
+    first = WorkerProcess(kafka, tmp_path).start().wait_ready()
+    second = None
+    producer = Producer({"bootstrap.servers": kafka.bootstrap, "partitioner": "murmur2_random"})
+
+    def send(run_id: str, event: dict, partition: int | None = None) -> None:
+        producer.produce(kafka.topics.events, ev.encode(event), run_id,
+                         **({} if partition is None else {"partition": partition}))
+
+    def nan_step(run_id: str) -> None:
+        send(run_id, ev.metrics_event(run_id, 17, {"actor/pg_loss": float("nan")}, src=TRAINER, ts=t0 + 17))
+        producer.flush(10)
+
+    try:
+        for run_id in victims:
+            for step in range(1, 16):
+                send(run_id, ev.metrics_event(run_id, step, {"actor/pg_loss": 0.1}, src=TRAINER, ts=t0 + step))
+                if step == 5:
+                    send(run_id, ev.checkpoint_event(run_id, 5, f"/ckpt/{run_id}/5", src=TRAINER, ts=t0 + 5))
+        for run_id in victims:  # the attack: past the victims' own offsets on another partition
+            other = (partition_for(run_id, n) + 1) % n
+            filler = next(f"filler-{i}" for i in range(10_000) if partition_for(f"filler-{i}", n) == other)
+            for step in range(200):
+                send(filler, ev.metrics_event(filler, step, {"actor/pg_loss": 0.1}, src=TRAINER, ts=t0 + step), other)
+            send(run_id, ev.metrics_event(run_id, 16, {"actor/pg_loss": 0.1}, src=TRAINER, ts=t0 + 16), other)
+        producer.flush(10)
+
+        dlq = TopicReader(kafka, kafka.topics.dlq, decode=orjson.loads)
+        for run_id in victims:
+            record = dlq.wait_for(lambda r, run_id=run_id: f"run {run_id!r} belongs on partition" in r["reason"],
+                                  what=f"the dead letter of {run_id}'s misplaced event", worker=first)
+            assert record["partition"] == (partition_for(run_id, n) + 1) % n and record["offset"] >= 200
+
+        alerts = TopicReader(kafka, kafka.topics.alerts)
+        commands = TopicReader(kafka, kafka.topics.control)
+        nan_step("victim-before")
+        alerts.wait_for(lambda a: a["run_id"] == "victim-before" and a["rule"] == "non_finite",
+                        what="the NaN page of the run attacked before the restart", worker=first)
+        command = commands.wait_for(lambda c: c["run_id"] == "victim-before", what="its rollback", worker=first)
+        assert (command["action"], command["target"]["step"]) == ("rollback", 5)
+
+        time.sleep(3)  # the state that includes the misplaced events is flushed and their offsets committed
+        first.kill()
+        second = WorkerProcess(kafka, tmp_path, app_id=first.app_id).start().wait_ready()
+        nan_step("victim-after")
+        alerts.wait_for(lambda a: a["run_id"] == "victim-after" and a["rule"] == "non_finite",
+                        what="the NaN page of the run attacked before the restart, after it", worker=second)
+        command = commands.wait_for(lambda c: c["run_id"] == "victim-after", what="its rollback", worker=second)
+        assert (command["action"], command["target"]["step"]) == ("rollback", 5)
+        assert not [r for r in dlq.drain(1.0) if "filler" in r.get("raw_text", "")], "a run's own events are taken"
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
