@@ -19,6 +19,7 @@ from __future__ import annotations
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import orjson
@@ -101,24 +102,35 @@ def _secret() -> tuple[str, SigningKey]:
     return line, SigningKey(key_id, secret.encode())
 
 
-def cross_partition(log_dir=None, fillers: int = 200) -> dict:
+@contextmanager
+def _broker(settings):
+    """The scenario's settings on a broker: its own (embedded, or ``make chaos``'s cluster), or the
+    one ``settings`` name, whose topics exist (a test's)."""
+    if settings is not None:
+        yield settings
+        return
+    port = free_port()
+    settings = _settings(port)
+    with broker_on(port):
+        create_topics(settings)
+        yield settings
+
+
+def cross_partition(log_dir=None, fillers: int = 200, settings=None) -> dict:
     from confluent_kafka import Producer
 
     from tests.integration import TopicReader
 
-    port = free_port()
-    settings = _settings(port)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-"))
-    n = settings.partitions
     tag = uuid.uuid4().hex[:6]
     runs = {"before_restart": f"chaos-xpart-a-{tag}", "after_restart": f"chaos-xpart-b-{tag}"}
     victims: dict[str, _Victim] = {}
     found: dict[str, dict] = {}
-    with broker_on(port), _environment(TRAINGUARD_COMMAND_KEY="", TRAINGUARD_COMMAND_KEY_FILE=""):
-        create_topics(settings)
+    with _broker(settings) as settings, _environment(TRAINGUARD_COMMAND_KEY="", TRAINGUARD_COMMAND_KEY_FILE=""):
         line, master = _secret()
         worker = _keyed_worker(settings, log_dir, line)
         second = None
+        n = settings.partitions
         alerts = TopicReader(settings, settings.topics.alerts)
         control = TopicReader(settings, settings.topics.control)
         dlq = TopicReader(settings, settings.topics.dlq, decode=orjson.loads)
@@ -173,17 +185,14 @@ def cross_partition(log_dir=None, fillers: int = 200) -> dict:
             "commands": len(commands), **{f"{when}_{k}": v for when, f in found.items() for k, v in f.items()}}
 
 
-def oversize(log_dir=None, hosts: int = 4) -> dict:
+def oversize(log_dir=None, hosts: int = 4, settings=None) -> dict:
     from confluent_kafka import Producer
 
     from tests.integration import TopicReader
 
-    port = free_port()
-    settings = _settings(port)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-"))
     run_id = f"chaos-oversize-{uuid.uuid4().hex[:6]}"
-    with broker_on(port), _environment(TRAINGUARD_COMMAND_KEY="", TRAINGUARD_COMMAND_KEY_FILE=""):
-        create_topics(settings)
+    with _broker(settings) as settings, _environment(TRAINGUARD_COMMAND_KEY="", TRAINGUARD_COMMAND_KEY_FILE=""):
         line, master = _secret()
         worker = _keyed_worker(settings, log_dir, line)
         alerts = TopicReader(settings, settings.topics.alerts)

@@ -271,3 +271,16 @@ def test_a_run_record_past_one_message_leaves_out_context_first_and_says_so(capl
     assert restored["limits"]["record_bytes"]["sections"][-1] == "checkpoints"
     assert engine.status("r")["limits"]["record_bytes"]["cap"] == 64 << 10, "the status says it"
     assert "over the 65536-byte limit of one message" in caplog.text
+
+
+@pytest.mark.integration
+def test_hostile_node_events_cost_a_real_run_neither_its_page_nor_its_report_nor_its_state(kafka, tmp_path):
+    """On a real broker, a keyed worker and the README loop (``chaos/hostile_runs.py: oversize``):
+    four node events of 256 names of 256 control characters, then the run's NaN. Before the byte
+    caps its P0 alert and its report were 1.56 MB, both dead-lettered, and its state unwritten."""
+    from chaos import hostile_runs
+
+    r = hostile_runs.oversize(tmp_path, settings=kafka)
+    assert r["oversize_alerts_lost"] == 0, r
+    assert r["rolled_back"] == 1 and r["snapshot_cut_said"], r
+    assert r["alert_bytes"] < 64 << 10 and r["report_bytes"] < 64 << 10, r
