@@ -348,6 +348,7 @@ class Engine(Judging, OperatorActions):
         if summary is not None:
             self._final[run_key] = summary
         self._status_at.pop(run_key, None)
+        self._partition_of.pop(run_id, None)
         del self.store[run_key]
         self._changed(run_key, run.partition)  # its summary replaces its status
         self.forgotten += 1

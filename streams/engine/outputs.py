@@ -78,7 +78,7 @@ def fit(value: dict, limit: int) -> dict:
     if size <= limit:
         return value
     value, cut = dict(value), dict(value.get("cut") or {})
-    for section in CUTTABLE.get(value.get("schema"), ()):
+    for section in CUTTABLE.get(str(value.get("schema")), ()):
         held = value.get(section)
         if not held:
             continue

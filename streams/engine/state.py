@@ -67,7 +67,8 @@ def snapshot_entry(metrics: dict, ts: float, step, seen: float) -> dict:
     entry = {"ts": ts, "step": step, "seen": seen, "metrics": metrics}
     if len(metrics) <= MAX_SNAPSHOT_METRICS and encoded_bytes(metrics) <= SNAPSHOT_HOST_BYTES:
         return entry  # the decoded dict as it is: no per-metric work for an agent's usual report
-    kept, room = {}, SNAPSHOT_HOST_BYTES - 2
+    kept: dict = {}
+    room = SNAPSHOT_HOST_BYTES - 2
     for name, value in metrics.items():
         size = encoded_bytes(name) + encoded_bytes(value) + 2  # the colon and the comma
         if size <= room and len(kept) < MAX_SNAPSHOT_METRICS:
