@@ -14,7 +14,7 @@ import orjson
 from trainguard.schemas import events as ev
 
 DLQ_EXCERPT_BYTES = 64 * 1024  # base64 makes it 88 KB: far under a broker's 1 MB message limit
-NAME_BYTES = 256  # a name from an event (a host, a metric) kept in a snapshot, encoded: longer ones are clipped
+NAME_BYTES = 256  # a host name from an event, encoded, as the node snapshot keys it: longer ones are clipped
 # The sections of an output that may be left out, in this order, until it fits one message: what
 # context it carries, never what it says happened. Each one left out is named in its ``cut``.
 CUTTABLE = {ev.ALERT: ("node_snapshot", "evidence", "values", "metrics"),
