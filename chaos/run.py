@@ -68,8 +68,9 @@ On the embedded broker or the cluster:
   it is up: alerts never received, alerts received twice.
 - ``tiny_runs``: 20,000 invented run ids of one tiny event each through a real worker whose tiny
   runs live 20 s, twice: its RSS settled, at the peak, and once they are forgotten, per 1,000 runs.
-- ``invented_runs``: the same, one wave each of run ids with 1, 4 and 20 events (a run its trainer
-  never started keeps the short TTL whatever its event count): RSS left per 1,000 runs, the worst.
+- ``invented_runs``: the same, one wave each of 20,000 run ids with 1, 4 and 20 events (a run its
+  trainer never started keeps the short TTL whatever its event count): RSS left per 1,000 runs once
+  they are forgotten, the worst of the three.
 - ``cross_partition``, ``oversize``: one event of a run written to another partition; four node
   events of long control-character names; each against the README loop (``chaos/hostile_runs.py``).
 - ``many_metrics``: a trainer logging 5,000 metric names per step for 200 steps, the worker then
@@ -220,7 +221,7 @@ def run_on_broker(only: set[str], quick: bool) -> dict:
         for events in (1, 4, 20):
             print(f"invented_runs: invented run ids of {events} event(s) each through a worker ...", file=sys.stderr,
                   flush=True)
-            r = scenarios.tiny_runs(runs=2000 if quick else 5000, events=events)
+            r = scenarios.tiny_runs(runs=5000 if quick else 20_000, events=events)
             out["invented_runs"][f"worker_rss_mb_per_1000_invented_runs_{events}_events"] = \
                 r["worker_rss_mb_per_1000_tiny_runs"]
             out["invented_runs"][f"held_mb_per_1000_invented_runs_{events}_events"] = \
