@@ -73,6 +73,11 @@ On the embedded broker or the cluster:
   sent before any poison (5 s at least).
 - ``tiny_runs``: 20,000 invented run ids of one tiny event each through a real worker whose tiny
   runs live 20 s, twice: its RSS settled, at the peak, and once they are forgotten, per 1,000 runs.
+- ``invented_runs``: the same, one wave each of 20,000 run ids with 1, 4 and 20 events (a run its
+  trainer never started keeps the short TTL whatever its event count): RSS left per 1,000 runs once
+  they are forgotten, the worst of the three.
+- ``cross_partition``, ``oversize``: one event of a run written to another partition; four node
+  events of long control-character names; each against the README loop (``chaos/hostile_runs.py``).
 - ``many_metrics``: a trainer logging 5,000 metric names per step for 200 steps, the worker then
   restarted: worker crashes, and the NaN at the last step still paged.
 - ``extreme_values``: one rule per registered value detector setting; a control run and three runs
@@ -98,7 +103,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chaos import cluster, extreme, scenarios  # noqa: E402
+from chaos import cluster, extreme, hostile_runs, scenarios  # noqa: E402
 from trainguard import kafka_cluster  # noqa: E402
 from trainguard.schemas.signing import ensure_key  # noqa: E402
 
@@ -119,6 +124,9 @@ TARGETS = {
     "hostile_crashes": (0, "le"),
     "hostile_dead_letters_missing": (0, "le"),
     "worker_rss_mb_per_1000_tiny_runs": (5.0, "le"),
+    "worker_rss_mb_per_1000_invented_runs": (5.0, "le"),
+    "cross_partition_blinded_runs": (0, "le"),
+    "oversize_alerts_lost": (0, "le"),
     "many_metrics_crashes": (0, "le"),
     "hostile_crash_loops": (0, "le"),
     "extreme_value_blinded_detectors": (0, "le"),
@@ -219,6 +227,23 @@ def run_on_broker(only: set[str], quick: bool) -> dict:
     if "tiny_runs" in only:
         print("tiny_runs: invented run ids, one event each, through a worker ...", file=sys.stderr, flush=True)
         out["tiny_runs"] = scenarios.tiny_runs(runs=5000 if quick else 20_000, waves=2)
+    if "invented_runs" in only:
+        out["invented_runs"] = {}
+        for events in (1, 4, 20):
+            print(f"invented_runs: invented run ids of {events} event(s) each through a worker ...", file=sys.stderr,
+                  flush=True)
+            r = scenarios.tiny_runs(runs=5000 if quick else 20_000, events=events)
+            out["invented_runs"][f"worker_rss_mb_per_1000_invented_runs_{events}_events"] = \
+                r["worker_rss_mb_per_1000_tiny_runs"]
+            out["invented_runs"][f"held_mb_per_1000_invented_runs_{events}_events"] = \
+                r["worker_rss_mb_per_1000_tiny_runs_held"]
+    if "cross_partition" in only:
+        print("cross_partition: one event of a run on another partition, a NaN, a worker restart ...",
+              file=sys.stderr, flush=True)
+        out["cross_partition"] = hostile_runs.cross_partition()
+    if "oversize" in only:
+        print("oversize: node events of long control-character names, then a NaN ...", file=sys.stderr, flush=True)
+        out["oversize"] = hostile_runs.oversize()
     if "many_metrics" in only:
         print("many_metrics: 5,000 metric names per step through a worker ...", file=sys.stderr, flush=True)
         out["many_metrics"] = scenarios.many_metrics(steps=50 if quick else 200)
@@ -286,6 +311,14 @@ def summary(results: dict, where: dict) -> dict:
         s["worker_rss_mb_per_1000_tiny_runs"] = results["tiny_runs"]["worker_rss_mb_per_1000_tiny_runs"]
         for k in ("held", "next_waves"):
             s[f"worker_rss_mb_per_1000_tiny_runs_{k}"] = results["tiny_runs"][f"worker_rss_mb_per_1000_tiny_runs_{k}"]
+    if "invented_runs" in results:
+        r = results["invented_runs"]
+        s.update({k: v for k, v in r.items() if k.startswith("worker_rss")})
+        s["worker_rss_mb_per_1000_invented_runs"] = max(v for k, v in r.items() if k.startswith("worker_rss"))
+    if "cross_partition" in results:
+        s["cross_partition_blinded_runs"] = results["cross_partition"]["cross_partition_blinded_runs"]
+    if "oversize" in results:
+        s["oversize_alerts_lost"] = results["oversize"]["oversize_alerts_lost"]
     if "many_metrics" in results:
         s["many_metrics_crashes"] = results["many_metrics"]["many_metrics_crashes"]
     if "hostile_crash_loops" in results:
@@ -352,7 +385,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener, lifecycle, "
                                                "shutdown, hostile, worker_kill, forged, listener_reset, "
                                                "chat_injections, sinks_restart, ts_poison, ui, "
-                                               "tiny_runs, many_metrics, hostile_crash_loops, extreme_values, "
+                                               "tiny_runs, invented_runs, cross_partition, oversize, "
+                                               "many_metrics, hostile_crash_loops, extreme_values, "
                                                "broker_kill, cluster_restart, election, exactly_once, refused_outputs")
     ap.add_argument("--broker", choices=("apache-kafka", "tansu"), default=None,
                     help="apache-kafka (default where `make kafka` resolved its jars): a three-node cluster for "
@@ -362,7 +396,8 @@ def main(argv=None) -> int:
                                                        "hostile", "worker_kill", "forged", "listener_reset",
                                                        "chat_injections", "sinks_restart", "ts_poison", "ui"}
     if not args.only:
-        only |= {"tiny_runs", "many_metrics", "hostile_crash_loops", "extreme_values", *CLUSTER_ONLY}
+        only |= {"tiny_runs", "invented_runs", "cross_partition", "oversize", "many_metrics", "hostile_crash_loops",
+                 "extreme_values", *CLUSTER_ONLY}
     broker = args.broker or ("apache-kafka" if kafka_cluster.available() else "tansu")
     if broker == "tansu":
         if not kafka_cluster.available() and only & set(CLUSTER_ONLY):

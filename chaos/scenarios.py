@@ -979,8 +979,8 @@ def _changelogs_quiet(settings: KafkaSettings, quiet_s: float = 5.0, timeout_s: 
     return round(time.monotonic() - started, 1)
 
 
-def tiny_runs(runs: int = 20_000, ttl_s: float = 20.0, waves: int = 1, log_dir=None) -> dict:
-    """Invented run ids, one tiny event each (the lowest-trust topic: anyone who can write to it),
+def tiny_runs(runs: int = 20_000, ttl_s: float = 20.0, waves: int = 1, log_dir=None, events: int = 1) -> dict:
+    """Invented run ids, ``events`` tiny events each (the lowest-trust topic: anyone who can write to it),
     through a real worker whose tiny runs live ``ttl_s``, in ``waves`` of ``runs``: its RSS
     settled, at the peak while it holds them, and once they are forgotten (their status
     tombstones counted). ``worker_rss_mb_per_1000_tiny_runs`` is what the first wave leaves per
@@ -1002,7 +1002,9 @@ def tiny_runs(runs: int = 20_000, ttl_s: float = 20.0, waves: int = 1, log_dir=N
         p = _event_producer(settings)
         for i in range(first, first + n):
             run_id = f"tiny-{i}"
-            p.produce(settings.topics.events, ev.encode(ev.metrics_event(run_id, 1, {"loss": 0.5}, src=src)), run_id)
+            for step in range(1, events + 1):
+                p.produce(settings.topics.events, ev.encode(ev.metrics_event(run_id, step, {"loss": 0.5}, src=src)),
+                          run_id)
             if i % 1000 == 0:
                 p.poll(0)
         p.flush(60)
@@ -1021,7 +1023,7 @@ def tiny_runs(runs: int = 20_000, ttl_s: float = 20.0, waves: int = 1, log_dir=N
                 started, sent = time.monotonic(), 500 + (wave + 1) * runs
                 send(sent - runs, runs)
                 peak = settled
-                while time.monotonic() - started < ttl_s + 180:
+                while time.monotonic() - started < ttl_s + 180 + runs * events / 1000:  # a slow worker's backlog
                     peak = max(peak, _rss_mb(proc))
                     if time.monotonic() - started > ttl_s + 10:
                         forgot = _tombstones(settings, settings.topics.status, b"tiny-")
@@ -1036,7 +1038,7 @@ def tiny_runs(runs: int = 20_000, ttl_s: float = 20.0, waves: int = 1, log_dir=N
         finally:
             worker.kill()
     per_k = 1000 / runs
-    return {"runs": runs, "waves": waves, "tiny_run_ttl_s": ttl_s, "rss_settled_mb": settled,
+    return {"runs": runs, "events_per_run": events, "waves": waves, "tiny_run_ttl_s": ttl_s, "rss_settled_mb": settled,
             "rss_peak_mb": peaks, "rss_after_ttl_mb": afters, "forgotten": forgot,
             "sent_with_warm_up": 500 + waves * runs, "crashes": 0 if alive else 1,
             "changelogs_drained_after_s": drained,

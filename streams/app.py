@@ -26,7 +26,7 @@ from typing import cast
 
 import faust
 
-from trainguard.core.admin import control_partitions_of
+from trainguard.core.admin import control_partitions_of, partitions_of
 from trainguard.core.kafka import KafkaSettings, faust_credentials
 from trainguard.core.publisher import Publisher
 from trainguard.core.settings import integer, number
@@ -88,10 +88,11 @@ class _ExporterFeed:
     metrics the exporter wants (signals, allow-listed names, per-device GPU counters). One cached dict lookup
     per name per event."""
 
-    __slots__ = ("wants", "max_ts", "runs", "lag")
+    __slots__ = ("wants", "vouched", "max_ts", "runs", "lag")
 
-    def __init__(self, wants) -> None:
+    def __init__(self, wants, vouched=lambda run_id: False) -> None:
         self.wants = wants
+        self.vouched = vouched  # run id -> whether its trainer vouched for it (Engine.vouched)
         self.max_ts: float | None = None
         self.runs: dict[str, list] = {}  # run -> [latest allow-listed values, ts]
         self.lag = 0.0
@@ -112,14 +113,15 @@ class _ExporterFeed:
                     entry[1] = ts
 
     def flush(self, exporter, events: int, samples: int, outputs) -> None:
+        vouched = self.vouched
         for run_id, (values, ts) in self.runs.items():
-            exporter.observe_metrics(run_id, values, ts)
+            exporter.observe_metrics(run_id, values, ts, vouched(run_id))
         self.runs.clear()
         for out in outputs:
             if out.kind == "alert":
-                exporter.observe_alert(out.value)
+                exporter.observe_alert(out.value, vouched(out.key))
             elif out.kind == "command":
-                exporter.observe_command(out.value)
+                exporter.observe_command(out.value, vouched(out.key))
             elif out.kind == "dlq":
                 exporter.observe_dlq(out.value["reason"])
         if self.max_ts is not None:  # else nothing decodable in this batch: the lag stays as it was
@@ -149,7 +151,10 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
                     verify_keys=verify_keys, require_signed=require_signed,
                     finished_grace_s=number("TRAINGUARD_FINISHED_GRACE_S"),
                     idle_ttl_s=number("TRAINGUARD_RUN_TTL_S"), limits=Limits.from_settings(),
-                    summary_retention_s=number("TRAINGUARD_RUN_SUMMARY_RETENTION_S"))
+                    summary_retention_s=number("TRAINGUARD_RUN_SUMMARY_RETENTION_S"),
+                    partitions=partitions_of(settings, settings.topics.events,
+                                             "a run's events are expected on the partition its id hashes to "
+                                             "among the topic's own"))
     window_table.decode_key = engine.windows.decode_key
     app.trainguard_engine = engine  # for tests and the status line
     if not app.conf.consumer_group_instance_id:  # static members are replaced by the broker itself
@@ -260,7 +265,7 @@ def _serve_prometheus(app: WorkerApp, engine: Engine, port: int | None, addr: st
 
     more = [n.strip() for n in (setting("TRAINGUARD_PROMETHEUS_METRICS") or "").split(",") if n.strip()]
     exporter = Exporter(key_metrics=(*KEY_METRICS, *more))
-    feed = _ExporterFeed(exporter.wants)
+    feed = _ExporterFeed(exporter.wants, engine.vouched)
     engine.on_event.append(feed)
     addr = addr or cast(str, setting("TRAINGUARD_PROMETHEUS_ADDR"))
 

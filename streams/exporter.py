@@ -38,7 +38,10 @@ trainguard_notifications_total           sink, outcome       5 sinks x 3 outcome
   unless told to count the alerts it reads (``TRAINGUARD_PROMETHEUS_ALERTS=1``, for a
   worker that exports nothing), so a panel summing over both never counts an alert twice.
 - ``run``: at most ``max_runs`` runs (default 20) are tracked; when a new run arrives the
-  run seen least recently is evicted and all its series are removed.
+  run seen least recently is evicted and all its series are removed. A run the worker holds as
+  vouched for by its trainer (it said it started, or reported a checkpoint) is never evicted for
+  one that is not: unvouched runs leave first, and an unvouched newcomer finds no room among
+  vouched runs (it is not exported), so run ids anyone can invent never hide a real run's series.
 - ``rule``: at most ``max_rules`` distinct rule names (default 100); alerts of further
   rules are counted under ``rule="_other"``.
 - ``severity`` is P0..P3, ``status`` firing|resolved, ``reason`` one of ``DLQ_REASONS``,
@@ -167,6 +170,7 @@ class Exporter:
         self.max_metrics_per_run = max_metrics_per_run
         self._lock = threading.RLock()
         self._runs: OrderedDict[str, None] = OrderedDict()  # least recently seen first
+        self._vouched: set[str] = set()  # tracked runs their trainer vouched for: evicted only for each other
         self._run_metrics: dict[str, set[str]] = {}
         self._run_signals: dict[str, set[str]] = {}
         self._run_commands: dict[str, set[str]] = {}  # run -> actions it was sent
@@ -181,22 +185,30 @@ class Exporter:
 
     # ------------------------------------------------------------------ runs
 
-    def _touch_run(self, run_id: str) -> None:
+    def _touch_run(self, run_id: str, vouched: bool = False) -> bool:
+        """Track ``run_id`` as seen now; False when it is not tracked (no room that an unvouched run
+        may take)."""
+        if vouched:
+            self._vouched.add(run_id)
         if run_id in self._runs:
             self._runs.move_to_end(run_id)
-            return
+            return True
+        if len(self._runs) >= self.max_runs:
+            victim = next((r for r in self._runs if r not in self._vouched), None)
+            if victim is None and not vouched:
+                return False
+            self._remove_run(victim if victim is not None else next(iter(self._runs)))
+            RUNS_EVICTED.inc()
         self._runs[run_id] = None
         self._run_metrics[run_id] = set()
         self._run_signals[run_id] = set()
         self._run_commands[run_id] = set()
-        while len(self._runs) > self.max_runs:
-            oldest = next(iter(self._runs))
-            self._remove_run(oldest)
-            RUNS_EVICTED.inc()
         RUNS_TRACKED.set(len(self._runs))
+        return True
 
     def _remove_run(self, run_id: str) -> None:
         self._runs.pop(run_id, None)
+        self._vouched.discard(run_id)
         for metric in self._run_metrics.pop(run_id, ()):
             _remove(RUN_METRIC, run_id, metric)
         for signal in self._run_signals.pop(run_id, ()):
@@ -242,10 +254,12 @@ class Exporter:
         """Whether a metric of this name is exported (a signal, or allow-listed)."""
         return self.listed(name) or self.signal(name) is not None
 
-    def observe_metrics(self, run_id: str, metrics: dict, ts: float | None = None) -> None:
-        """Export the signals and the allow-listed metrics of one metrics event; the rest are ignored."""
+    def observe_metrics(self, run_id: str, metrics: dict, ts: float | None = None, vouched: bool = False) -> None:
+        """Export the signals and the allow-listed metrics of one metrics event; the rest are ignored.
+        ``vouched``: the run's trainer vouched for it (see the module's docstring)."""
         with self._lock:
-            self._touch_run(run_id)
+            if not self._touch_run(run_id, vouched):
+                return
             known, known_signals = self._run_metrics[run_id], self._run_signals[run_id]
             for name, value in metrics.items():
                 signal = self.signal(name)
@@ -287,7 +301,7 @@ class Exporter:
             if self._incidents[incident] == 0:
                 INCIDENTS_OPEN.dec()
 
-    def observe_command(self, command: dict) -> None:
+    def observe_command(self, command: dict, vouched: bool = False) -> None:
         """Count a command the worker sent (the dashboard marks rollbacks and stops from it); a
         replay of the same id is ignored. ``action`` is the schema's closed set, so bounded."""
         with self._lock:
@@ -298,12 +312,14 @@ class Exporter:
             while len(self._seen) > self.max_alert_ids:
                 self._seen.popitem(last=False)
             run, action = str(command.get("run_id", "")), str(command.get("action", ""))
-            self._touch_run(run)
+            if not self._touch_run(run, vouched):
+                return
             self._run_commands[run].add(action)
             COMMANDS.labels(run, action).inc()
 
-    def observe_alert(self, alert: dict) -> None:
-        """Count an alert and update the firing gauges; replays of the same id+status are ignored."""
+    def observe_alert(self, alert: dict, vouched: bool = False) -> None:
+        """Count an alert and update the firing gauges; replays of the same id+status are ignored.
+        An alert of a run that finds no room is counted, without its run's series."""
         with self._lock:
             aid = str(alert.get("id", ""))
             status = alert.get("status", "firing")
@@ -323,13 +339,14 @@ class Exporter:
                 return
             if aid in self._firing:
                 return
-            self._touch_run(run)
+            tracked = self._touch_run(run, vouched)
             self._firing[aid] = (run, rule, severity, incident)
             while len(self._firing) > self.max_alert_ids:
                 self._unfire(next(iter(self._firing)))
             ALERTS_FIRING.labels(rule, severity).inc()
-            self._anomalous[(run, rule)] = self._anomalous.get((run, rule), 0) + 1
-            DETECTOR_ANOMALOUS.labels(run, rule).set(1)
+            if tracked:
+                self._anomalous[(run, rule)] = self._anomalous.get((run, rule), 0) + 1
+                DETECTOR_ANOMALOUS.labels(run, rule).set(1)
             if incident is not None:
                 if incident not in self._incidents:
                     INCIDENTS.inc()

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import logging
 
+import orjson
+import pytest
+
 from trainguard.schemas import events as ev
 from trainguard.streams import keys
 from trainguard.streams import rules as rules_mod
@@ -76,17 +79,20 @@ def test_a_node_snapshot_keeps_a_bounded_number_of_values_per_host():
     assert len(engine._run(b"node").nodes["n1"]["metrics"]) == MAX_SNAPSHOT_METRICS
 
 
-def test_tiny_runs_are_forgotten_sooner_than_runs_that_logged():
+@pytest.mark.parametrize("events", [1, 4, 20])
+def test_runs_their_trainer_never_started_are_forgotten_soon_whatever_their_event_count(events):
     engine = Engine(RULES, idle_ttl_s=7 * 86400, limits=Limits(tiny_run_events=3, tiny_run_ttl_s=60))
     now = [10_000.0]
     engine.clock = lambda: now[0]
-    feed(engine, "tiny", 1, {"actor/kl_loss": 0.01})
-    feed(engine, "real", 10, {"actor/kl_loss": 0.01})
+    feed(engine, "invented", events, {"actor/kl_loss": 0.01})
+    src = ev.source("trainer", "h", 0)
+    engine.handle(ev.encode(ev.lifecycle_event("real", "started", src=src, ts=1_000.0)), 0, 0)
+    feed(engine, "real", events, {"actor/kl_loss": 0.01}, first_offset=1)
     now[0] += 61
     engine.tick()
-    assert b"tiny" not in engine.store and b"tiny|trainer:h:0:-" not in engine.store
-    assert b"real" in engine.store, "a run past a few events keeps the usual idle time"
-    assert engine.dirty.get(b"tiny") is not None, "forgotten with a tombstone in the changelog"
+    assert not any(k.startswith(b"invented") for k in engine.store), "no start from its trainer: the short TTL"
+    assert b"real" in engine.store, "a run its trainer started keeps the usual idle time"
+    assert engine.dirty.get(b"invented") is not None, "forgotten with a tombstone in the changelog"
 
 
 def test_a_tiny_run_that_reported_a_checkpoint_keeps_it_for_the_usual_time():
@@ -188,3 +194,93 @@ def test_the_clock_forgets_a_parked_tiny_run_without_waking_it():
     restored.clock = lambda: 10_061.0
     restored.tick()
     assert not restored.store
+
+
+def hostile_node_events(engine: Engine, run_id: str, hosts: int = 4, first_offset: int = 0, ts: float = 1_000.0):
+    """What one writer to the events topic can send: node events whose every name is 256 control
+    characters (six bytes each in JSON), 256 of them per host."""
+    for h in range(hosts):
+        metrics = {f"{h:02d}{i:03d}" + "\x01" * 251: 1.0 for i in range(256)}
+        raw = ev.encode(ev.metrics_event(run_id, 1, metrics, src=ev.source("node", f"{h:02d}" + "\x02" * 254), ts=ts))
+        assert engine.handle(raw, 0, first_offset + h) == []
+
+
+def test_a_few_hostile_node_events_cost_the_run_neither_its_page_nor_its_report_nor_its_state():
+    from trainguard.streams.engine.state import SNAPSHOT_HOST_BYTES
+
+    engine = Engine(RULES)
+    src = ev.source("trainer", "h", 0)
+    feed(engine, "victim", 16, {"actor/pg_loss": 0.1}, src=src)
+    engine.handle(ev.encode(ev.checkpoint_event("victim", 5, "/ckpt/5", src=src, ts=1_005.0)), 0, 100)
+    hostile_node_events(engine, "victim", first_offset=200)
+    nan = ev.metrics_event("victim", 16, {"actor/pg_loss": float("nan")}, src=src, ts=1_016.0)
+    outputs = engine.handle(ev.encode(nan), 0, 300)
+    alert = next(o.value for o in outputs if o.kind == "alert")
+    report = next(o.value for o in outputs if o.kind == "report")
+    assert alert["severity"] == "P0" and next(o.value for o in outputs if o.kind == "command")["action"] == "rollback"
+    limit = engine.limits.record_bytes
+    for value in (alert, report):
+        size = len(orjson.dumps(value))
+        assert size < 4 * (SNAPSHOT_HOST_BYTES + 2048) < limit, (value["schema"], size)
+    snapshot = alert["node_snapshot"]
+    assert len(snapshot) == 4 and all(len(orjson.dumps(h)) <= 256 for h in snapshot), "host names clipped"
+    assert all("values left out" in entry["cut"] for entry in snapshot.values()), "what was cut is said"
+    assert report["resource_snapshot"] == snapshot
+    assert max(records(engine).values()) < limit, "every state record is still written"
+
+
+def test_the_host_the_worker_heard_from_least_recently_leaves_the_snapshot_whatever_its_ts():
+    engine = Engine(RULES)
+    now = [10_000.0]
+    engine.clock = lambda: now[0]
+    feed(engine, "r", 1, {"gpu/utilization_pct": 50.0}, src=ev.source("node", "far-future"), first_offset=0)
+    engine._run(b"r").nodes["far-future"]["ts"] = 1.8e18  # a nanosecond clock
+    for h in range(16):
+        now[0] += 1
+        feed(engine, "r", 1, {"gpu/utilization_pct": 50.0}, src=ev.source("node", f"n{h}"), first_offset=1 + h)
+    assert sorted(engine._run(b"r").nodes) == sorted(f"n{h}" for h in range(16))
+
+
+def test_an_output_past_one_message_leaves_out_its_context_and_says_so():
+    from trainguard.streams.engine.outputs import fit
+
+    alert = ev.alert_event("r", "non_finite", alert_id="a1", severity="P0", critical=True, summary="NaN",
+                           metric="loss", value="NaN", layer="data", source=None, step=3, ts=1.0,
+                           evidence={"detector": "non_finite", "window": [0.1] * 50_000}, diagnosis=None,
+                           suggestion=None, node_snapshot={"h": {"metrics": {"x" * 200: 1.0}}})
+    small = fit(alert, 64 << 10)
+    assert len(orjson.dumps(small)) <= 64 << 10
+    assert small["evidence"] == {"detector": "non_finite"} and small["node_snapshot"] == {}
+    assert set(small["cut"]) == {"node_snapshot", "evidence"} and "over the 65536-byte" in small["cut"]["evidence"]
+    assert (small["rule"], small["severity"], small["value"], small["step"]) == ("non_finite", "P0", "NaN", 3)
+    assert fit(small, 64 << 10) is small, "one that fits is left as it is"
+
+
+def test_a_run_record_past_one_message_leaves_out_context_first_and_says_so(caplog):
+    engine = Engine(RULES, limits=Limits(record_bytes=64 << 10))
+    src = ev.source("trainer", "h", 0)
+    feed(engine, "r", 3, {"actor/pg_loss": 0.1}, src=src)
+    for step in range(64):  # paths of control characters: 24 KB each in JSON
+        raw = ev.encode(ev.checkpoint_event("r", step, f"/ckpt/{step}/" + "\x03" * 4000, src=src, ts=1_000.0))
+        engine.handle(raw, 0, 10 + step)
+    record = engine.serialize(b"r")
+    assert len(record) <= 64 << 10
+    restored = orjson.loads(record)
+    kept = [c["step"] for c in restored["checkpoints"]]
+    assert kept and kept == list(range(64 - len(kept), 64)), f"the newest rollback targets that fit are kept: {kept}"
+    assert restored["limits"]["record_bytes"]["sections"][-1] == "checkpoints"
+    assert engine.status("r")["limits"]["record_bytes"]["cap"] == 64 << 10, "the status says it"
+    assert "over the 65536-byte limit of one message" in caplog.text
+
+
+@pytest.mark.integration
+def test_hostile_node_events_cost_a_real_run_neither_its_page_nor_its_report_nor_its_state(kafka, tmp_path):
+    """On a real broker, a keyed worker and the README loop (``chaos/hostile_runs.py: oversize``):
+    four node events of 256 names of 256 control characters, then the run's NaN. Before the byte
+    caps its P0 alert and its report were 1.56 MB, both dead-lettered, and its state unwritten."""
+    from chaos import hostile_runs
+
+    r = hostile_runs.oversize(tmp_path, settings=kafka)
+    assert r["oversize_alerts_lost"] == 0, r
+    assert r["rolled_back"] == 1 and r["snapshot_cut_said"], r
+    assert r["alert_bytes"] < 64 << 10 and r["report_bytes"] < 64 << 10, r

@@ -107,6 +107,44 @@ def test_oldest_run_is_evicted_with_all_its_series():
             exp.forget_run(run)
 
 
+def test_invented_runs_never_evict_a_run_its_trainer_vouched_for():
+    """The worker's feed asks its engine which runs their trainer vouched for (a start, a
+    checkpoint): 50 invented runs with metrics and a firing alert each leave the real run's series."""
+    from trainguard.schemas import events as ev
+    from trainguard.streams import rules as rules_mod
+    from trainguard.streams.app import _ExporterFeed
+    from trainguard.streams.engine import Engine
+
+    engine = Engine(rules_mod.default())
+    exp = Exporter(max_runs=3)
+    feed = _ExporterFeed(exp.wants, engine.vouched)
+    engine.on_event.append(feed)
+    real, src = _run(), ev.source("trainer", "h", 0)
+    invented = [_run() for _ in range(50)]
+    counted = _value("trainguard_alerts_total", rule="never_finite", severity="P2", status="firing") or 0
+    try:
+        outputs = engine.handle(ev.encode(ev.lifecycle_event(real, "started", src=src)), 0, 0)
+        outputs += engine.handle(ev.encode(ev.metrics_event(real, 1, {"actor/kl_loss": 0.02}, src=src)), 0, 1)
+        feed.flush(exp, 2, 1, outputs)
+        for i, run in enumerate(invented):
+            outputs = engine.handle(ev.encode(ev.metrics_event(run, 1, {"actor/kl_loss": math.nan}, src=src)), 0, i)
+            assert [o.kind for o in outputs] == ["alert"]
+            feed.flush(exp, 1, 1, outputs)
+        assert real in exp.tracked_runs() and len(exp.tracked_runs()) == 3
+        assert _value("trainguard_run_metric", run=real, metric="actor/kl_loss") == 0.02
+        rule, severity = outputs[0].value["rule"], outputs[0].value["severity"]
+        assert _value("trainguard_alerts_total", rule=rule, severity=severity, status="firing") - counted == 50, \
+            "their alerts still count"
+        later = _run()  # a second real run takes the room of an invented one, never of the first
+        outputs = engine.handle(ev.encode(ev.lifecycle_event(later, "started", src=src)), 0, 0)
+        outputs += engine.handle(ev.encode(ev.metrics_event(later, 1, {"actor/kl_loss": 0.03}, src=src)), 0, 1)
+        feed.flush(exp, 2, 1, outputs)
+        assert {real, later} <= set(exp.tracked_runs())
+    finally:
+        for run in exp.tracked_runs():
+            exp.forget_run(run)
+
+
 def test_alerts_counted_once_per_id_and_status(exporter):
     run, rule = _run(), f"rule_{uuid.uuid4().hex[:6]}"
     firing = _alert(run, rule, aid="a1-" + run, incident="inc-" + run)

@@ -9,8 +9,10 @@ tests. State lives in a mapping the caller provides (a Faust table's store, or a
 A step event with 50 metrics touches one source entry and one run entry. Entries changed
 since the last flush are listed in :attr:`Engine.dirty` (key -> partition) so the worker
 writes each changed entry to the changelog once per batch, not once per metric or event.
-Each run entry remembers the offset of the last event applied, so events replayed after
-a restart (at-least-once delivery) change nothing and emit nothing new.
+Each run entry remembers the offset of the last event applied from each partition, so events
+replayed after a restart (at-least-once delivery) change nothing and emit nothing new. With the
+topic's partition count given, an event read from a partition its run id does not hash to (Kafka's
+murmur2 partitioner) is a dead letter: it could otherwise move the run's offsets past its real events.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import socket
 import time
 from typing import Any, MutableMapping, cast
 
+from trainguard.core.kafka import partition_for
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import SigningKey
 from trainguard.streams import keys, policy, trackers
@@ -28,7 +31,7 @@ from trainguard.streams.engine.book import STALE
 from trainguard.streams.engine.breaker import STEERING_LIFECYCLE
 from trainguard.streams.engine.judging import EventContext, Judging
 from trainguard.streams.engine.operators import OperatorActions
-from trainguard.streams.engine.outputs import DLQ_EXCERPT_BYTES, Output, OutputKind, dead_letter
+from trainguard.streams.engine.outputs import DLQ_EXCERPT_BYTES, Output, OutputKind, dead_letter, fit
 from trainguard.streams.engine.state import (
     MAX_BOOK,
     MAX_CHECKPOINTS,
@@ -67,8 +70,13 @@ class Engine(Judging, OperatorActions):
                  windows: MutableMapping[Any, Any] | None = None, signing_key: SigningKey | None = None,
                  verify_keys: dict[str, SigningKey] | None = None, require_signed: bool | None = None,
                  finished_grace_s: float = 600.0, idle_ttl_s: float = 7 * 86400.0, limits: Limits | None = None,
-                 summary_retention_s: float = 7 * 86400.0):
+                 summary_retention_s: float = 7 * 86400.0, partitions: int | None = None):
         self.rules = rules
+        # The events topic's partition count: a run's events are read from the partition its id
+        # hashes to, and from no other (None: not checked, for replays and evaluations).
+        self.partitions = partitions
+        self._partition_of: dict[str, int] = {}  # run id -> its partition (murmur2 costs a few µs)
+        self.misplaced = 0  # events dead-lettered as read from a partition not their run's
         # A forgotten run's last status stays on the status topic this long (its outcome, alerts,
         # reports): the run page and `status` still show how it ended.
         self.summary_retention_s = float(summary_retention_s)
@@ -124,7 +132,7 @@ class Engine(Judging, OperatorActions):
         except Exception as exc:  # a shape the decoder did not foresee: still a dead letter, never a crash
             return [self.dead_letter(raw, f"undecodable: {type(exc).__name__}: {exc}", topic, partition, offset)]
         try:
-            return self.apply(event, partition, offset, raw=raw, topic=topic)
+            return self._bounded(self.apply(event, partition, offset, raw=raw, topic=topic))
         except Exception as exc:  # a bug must not stop the pipeline; keep the evidence
             return [self.dead_letter(raw, f"internal error while processing: {type(exc).__name__}: {exc}",
                                      topic, partition, offset)]
@@ -143,7 +151,7 @@ class Engine(Judging, OperatorActions):
         except Exception as exc:
             return [self.dead_letter(raw, f"undecodable: {type(exc).__name__}: {exc}", topic, partition, offset)]
         try:
-            return self._ack(ack, raw, partition, offset, topic, appended_at)
+            return self._bounded(self._ack(ack, raw, partition, offset, topic, appended_at))
         except Exception as exc:  # a bug must not stop the acks agent; keep the evidence
             return [self.dead_letter(raw, f"internal error while processing: {type(exc).__name__}: {exc}",
                                      topic, partition, offset)]
@@ -151,17 +159,19 @@ class Engine(Judging, OperatorActions):
     def apply(self, event: dict, partition: int = 0, offset: int = -1, *, raw: bytes | None = None,
               topic: str = "") -> list[Output]:
         """Apply one decoded event (``raw``, ``topic``: where it came from, for a dead letter)."""
-        forged = self._unauthentic(event, raw, topic, partition, offset)
-        if forged is not None:
-            return [forged]
+        refused = self._misplaced(event, raw, topic, partition, offset) or \
+            self._unauthentic(event, raw, topic, partition, offset)
+        if refused is not None:
+            return [refused]
         run_id = event["run_id"]
         run_key = run_id.encode()
         run = self._run(run_key)
-        if 0 <= offset <= run.offset:
-            self.skipped_replays += 1
-            return []
         if offset >= 0:
-            run.offset = offset
+            last = run.offsets.get(str(partition), -1)
+            if offset <= last:
+                self.skipped_replays += 1
+                return []
+            run.offsets[str(partition)] = offset
         run.partition = partition
         self._changed(run_key, partition)
         self.processed += 1
@@ -223,6 +233,28 @@ class Engine(Judging, OperatorActions):
             policy.on_started(run.breaker, event.get("detail"), event["ts"])
         return outputs
 
+    def _misplaced(self, event: dict, raw: bytes | None, topic: str, partition: int, offset: int) -> Output | None:
+        """The dead letter of an event read from a partition its run id does not hash to:
+        written there by hand or by a client whose partitioner is not Kafka's murmur2 (kcat's and
+        librdkafka's default is not). Taken, its offset would pass the run's real events as replays."""
+        if not self.partitions or partition < 0:
+            return None
+        run_id = event["run_id"]
+        own = self._partition_of.get(run_id)
+        if own is None:
+            if len(self._partition_of) > 100_000:
+                self._partition_of.clear()
+            own = self._partition_of[run_id] = partition_for(run_id, self.partitions)
+        if own == partition:
+            return None
+        self.misplaced += 1
+        reason = (f"read from partition {partition}, but run {run_id!r} belongs on partition {own} of "
+                  f"{self.partitions} (Kafka's murmur2 partitioner of its key): refused, it changes nothing; "
+                  f"produce keyed by run_id with the murmur2 partitioner (librdkafka/kcat: "
+                  f"partitioner=murmur2_random)")
+        log.warning("trainguard: %s", reason)
+        return dead_letter(raw if raw is not None else ev.encode(event), reason, topic, partition, offset)
+
     def tick(self, now: float | None = None) -> list[Output]:
         """Timer work, every few seconds: sources gone silent (a hung trainer, a dead node), and
         runs whose state has served its time (finished longer than ``finished_grace_s`` ago,
@@ -245,10 +277,11 @@ class Engine(Judging, OperatorActions):
                 continue
             run = self._run(key)
             last = max((seen[0] for seen in run.last_seen.values()), default=None)
-            # A run that reported a checkpoint keeps it as a rollback target for the usual time.
-            tiny = self._tiny(run)
+            # Only a run its trainer vouched for (a checkpoint to roll back to, a start) is kept for the
+            # usual idle time: an invented one costs nothing lasting, however many events it sent.
+            tiny, vouched = self._tiny(run), self._authenticated(run)
             if (run.finished and now - (run.finished_at or last or now) > self.finished_grace_s) or \
-                    (last is not None and now - last > (self.limits.tiny_run_ttl_s if tiny else self.idle_ttl_s)):
+                    (last is not None and now - last > (self.idle_ttl_s if vouched else self.limits.tiny_run_ttl_s)):
                 self.forget(key, keep_summary=not tiny)
                 continue
             if wall - self._status_at.get(key, 0.0) >= STATUS_REFRESH_S:
@@ -256,8 +289,7 @@ class Engine(Judging, OperatorActions):
             # Invented run ids would each page as hung: with keys, only a run its trainer announced
             # (a signed "started", which TrainerLogger sends) or that reported a checkpoint is judged
             # for silence; without keys, a run of more than a few events.
-            announced = run.announced or bool(run.checkpoints)
-            if run.finished or not (announced or (not self.require_signed and not tiny)):
+            if run.finished or not (vouched or (not self.require_signed and not tiny)):
                 continue
             run_id = key.decode()
             for rule in stale_rules:
@@ -272,6 +304,27 @@ class Engine(Judging, OperatorActions):
                                          "last_step": step}, run.breaker.attempt)
                     self._add(outputs, self._fire(run, alert, rule, STALE, f"{rule.name}|{kind}"))
                     self._changed(key, run.partition)
+        return self._bounded(outputs)
+
+    def vouched(self, run_id: str) -> bool:
+        """Whether this engine holds ``run_id`` as vouched for by its trainer (``_authenticated``);
+        a parked run is a tiny unauthenticated one, read without waking it."""
+        key = run_id.encode()
+        if key not in self.store or key in self._parked:
+            return False
+        return self._authenticated(self._run(key))
+
+    def _bounded(self, outputs: list[Output]) -> list[Output]:
+        """Each alert and report as it fits one message (``outputs.fit``: context sections left
+        out and named), so that no name or snapshot an event carried costs the run its page."""
+        limit = self.limits.record_bytes
+        for i, out in enumerate(outputs):
+            if out.kind in (OutputKind.ALERT, OutputKind.REPORT) and out.value is not None:
+                value = fit(out.value, limit)
+                if value is not out.value:
+                    log.warning("trainguard: run %s: a %s over the %d-byte message limit: left out %s", out.key,
+                                out.kind.value, limit, ", ".join(value["cut"]))
+                    outputs[i] = Output(out.kind, out.key, value)
         return outputs
 
     def forget(self, run_key: bytes, keep_summary: bool = True) -> None:
@@ -295,6 +348,7 @@ class Engine(Judging, OperatorActions):
         if summary is not None:
             self._final[run_key] = summary
         self._status_at.pop(run_key, None)
+        self._partition_of.pop(run_id, None)
         del self.store[run_key]
         self._changed(run_key, run.partition)  # its summary replaces its status
         self.forgotten += 1

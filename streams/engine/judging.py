@@ -17,12 +17,12 @@ from trainguard.streams.engine.breaker import Breaker
 from trainguard.streams.engine.correlation import Correlation
 from trainguard.streams.engine.outputs import _json_value
 from trainguard.streams.engine.state import (
-    MAX_SNAPSHOT_HOSTS,
-    MAX_SNAPSHOT_METRICS,
     MAX_UNWATCHED,
     Limits,
     RunState,
     SourceState,
+    add_to_snapshot,
+    snapshot_entry,
 )
 from trainguard.streams.minutes import MinuteWindows
 from trainguard.streams.rules import Rule
@@ -110,13 +110,9 @@ class Judging(Correlation, Breaker):
             state.remember(rows, x)
         if state.history.rows and type(event["step"]) is int:
             state.history.record(rows, x, event["step"])
-        if src["kind"] == "node":
-            # The decoded dict as it is (NaN becomes null in JSON): no per-metric work per node event.
-            if len(metrics) > MAX_SNAPSHOT_METRICS:
-                metrics = dict(list(metrics.items())[:MAX_SNAPSHOT_METRICS])
-            run.nodes[src.get("host") or sid] = {"ts": event["ts"], "step": event["step"], "metrics": metrics}
-            if len(run.nodes) > MAX_SNAPSHOT_HOSTS:
-                run.nodes.pop(min(run.nodes, key=lambda h: run.nodes[h]["ts"]))
+        if src["kind"] == "node":  # bounded in bytes, by the worker's clock (state.py: snapshot_entry)
+            add_to_snapshot(run.nodes, src.get("host") or sid,
+                            snapshot_entry(metrics, event["ts"], event["step"], self.clock()))
         return EventContext(event, run, run_id, partition, outputs, sid, key, state, names, rows, x, stats)
 
     def _admit(self, run: RunState, run_id: str, src: dict) -> bool:

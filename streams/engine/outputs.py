@@ -9,9 +9,18 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 
+import orjson
+
 from trainguard.schemas import events as ev
 
 DLQ_EXCERPT_BYTES = 64 * 1024  # base64 makes it 88 KB: far under a broker's 1 MB message limit
+NAME_BYTES = 256  # a host name from an event, encoded, as the node snapshot keys it: longer ones are clipped
+# The sections of an output that may be left out, in this order, until it fits one message: what
+# context it carries, never what it says happened. Each one left out is named in its ``cut``.
+CUTTABLE = {ev.ALERT: ("node_snapshot", "evidence", "values", "metrics"),
+            ev.REPORT: ("resource_snapshot", "windows", "history", "alerts"),
+            ev.STATUS: ("unwatched_metrics", "open_alerts", "saved_checkpoints", "silences", "recent_alerts")}
+_EMPTY_EVIDENCE_KEYS = ("detector",)  # what an alert's evidence keeps when the rest is cut
 
 
 class OutputKind(str, Enum):
@@ -37,6 +46,54 @@ class Output:
             ev.validate(self.value)
 
 
+
+
+def encoded_bytes(value) -> int:
+    """The size of ``value`` as the worker writes it (JSON by orjson: a control character takes 6 bytes)."""
+    return len(orjson.dumps(value))
+
+
+def clipped(name: str, limit: int = NAME_BYTES) -> str:
+    """``name`` if its JSON encoding fits ``limit`` bytes; else the longest prefix that leaves room
+    for a mark with its length and a hash, so that two long names stay apart and the cut is said."""
+    if len(name) * 6 + 2 <= limit:  # no character encodes to more than 6 bytes (a \u escape)
+        return name
+    if encoded_bytes(name) <= limit:
+        return name
+    mark = f"...[{len(name)} characters, sha1 {hashlib.sha1(name.encode('utf-8', 'surrogatepass')).hexdigest()[:10]}]"
+    room, kept = limit - 2 - len(mark), 0
+    for i, ch in enumerate(name):
+        room -= encoded_bytes(ch) - 2
+        if room < 0:
+            kept = i
+            break
+    return name[:kept] + mark
+
+
+def fit(value: dict, limit: int) -> dict:
+    """``value`` (an alert, report or status) as it fits ``limit`` encoded bytes: its ``CUTTABLE``
+    sections left out in order until it does, each named in ``cut`` with the bytes it held. What
+    still does not fit is left to the router (a dead letter with its reason)."""
+    size = encoded_bytes(value)
+    if size <= limit:
+        return value
+    value, cut = dict(value), dict(value.get("cut") or {})
+    for section in CUTTABLE.get(str(value.get("schema")), ()):
+        held = value.get(section)
+        if not held:
+            continue
+        held_bytes = encoded_bytes(held)
+        if section == "evidence":
+            value[section] = {k: held[k] for k in _EMPTY_EVIDENCE_KEYS if k in held}
+        else:
+            value[section] = type(held)()
+        cut[section] = f"{held_bytes} bytes left out: the {section} made this {value['schema'].split('/')[0]} " \
+                       f"{size} bytes, over the {limit}-byte message limit"
+        value["cut"] = cut
+        size = encoded_bytes(value)
+        if size <= limit:
+            break
+    return value
 
 
 def _json_value(v: float) -> float | str:

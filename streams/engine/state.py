@@ -18,7 +18,7 @@ from trainguard.streams import keys, policy
 from trainguard.streams.alerts import Track
 from trainguard.streams.baseline import BaselineBlock
 from trainguard.streams.detectors import detector_from_state
-from trainguard.streams.engine.outputs import _json_value
+from trainguard.streams.engine.outputs import _json_value, clipped, encoded_bytes
 from trainguard.streams.rules import ENGINE_KINDS, RuleSet
 from trainguard.streams.signals import base_name, signal_of
 
@@ -32,6 +32,7 @@ MAX_UNWATCHED = 50  # metric names no rule judges, kept per run for `trainguard 
 MAX_SILENCES = 32  # per run: the newest are kept
 MAX_BOOK = 256  # open alerts listed per run: the newest are kept, critical ones before warnings
 MAX_SNAPSHOT_METRICS = 256  # per host in the node snapshot alerts carry
+SNAPSHOT_HOST_BYTES = 8 << 10  # one host's values in that snapshot, encoded (16 hosts: 128 KB at most)
 _STATE_MAGIC = b"TGS1"  # source state: magic, header length, JSON header, raw float64 arrays
 STATE_VERSION = 2      # of the run state and the source state's header (0: before versions were written;
                        # 1: a run's open alerts in eight tables, before the one book)
@@ -56,6 +57,35 @@ def _kept(alert: dict) -> dict:
     with (up to 16 hosts of 256 metrics, ~150 KB, that nothing reads back), so a few open
     stragglers do not push a run's record past a broker's message limit."""
     return {k: v for k, v in alert.items() if k != "node_snapshot"} if "node_snapshot" in alert else alert
+
+
+def snapshot_entry(metrics: dict, ts: float, step, seen: float) -> dict:
+    """A host's entry in the run's node snapshot: its latest values, at most MAX_SNAPSHOT_METRICS
+    and SNAPSHOT_HOST_BYTES encoded (a name of control characters takes six bytes a character), the
+    rest counted in ``cut``; ``seen`` is when the worker received them, which decides which host
+    leaves the snapshot first (a producer's ``ts`` may be anything)."""
+    entry = {"ts": ts, "step": step, "seen": seen, "metrics": metrics}
+    if len(metrics) <= MAX_SNAPSHOT_METRICS and encoded_bytes(metrics) <= SNAPSHOT_HOST_BYTES:
+        return entry  # the decoded dict as it is: no per-metric work for an agent's usual report
+    kept: dict = {}
+    room = SNAPSHOT_HOST_BYTES - 2
+    for name, value in metrics.items():
+        size = encoded_bytes(name) + encoded_bytes(value) + 2  # the colon and the comma
+        if size <= room and len(kept) < MAX_SNAPSHOT_METRICS:
+            kept[name] = value
+            room -= size
+    entry["metrics"] = kept
+    entry["cut"] = (f"{len(metrics) - len(kept)} of {len(metrics)} values left out: at most {MAX_SNAPSHOT_METRICS} "
+                    f"values and {SNAPSHOT_HOST_BYTES} bytes per host")
+    return entry
+
+
+def add_to_snapshot(nodes: dict, host: str, entry: dict) -> None:
+    """Put a host's entry in the snapshot (its name clipped to NAME_BYTES encoded); past
+    MAX_SNAPSHOT_HOSTS the host the worker heard from least recently leaves it."""
+    nodes[clipped(host)] = entry
+    if len(nodes) > MAX_SNAPSHOT_HOSTS:
+        nodes.pop(min(nodes, key=lambda h: nodes[h].get("seen", 0.0)))
 
 
 def book_entry(alert: dict, room: str = SOURCE, key: str | None = None) -> dict:
@@ -335,7 +365,7 @@ class SourceState:
 
 @dataclass
 class RunState:
-    offset: int = -1
+    offsets: dict = field(default_factory=dict)         # partition (str) -> offset of the last event applied
     partition: int = 0
     breaker: policy.BreakerState = field(default_factory=policy.BreakerState)
     checkpoints: list = field(default_factory=list)     # {step, path, ts, healthy}
@@ -359,22 +389,57 @@ class RunState:
     rows: int = 0                                       # metric rows of its sources, all together
     limits: dict = field(default_factory=dict)          # cap -> {cap, left_out, of}: what it left out
 
-    def to_bytes(self) -> bytes:
+    # What a record past its byte limit leaves out, in this order: context for alerts and reports
+    # first, then the oldest rollback targets, one at a time (the newest that fit are kept).
+    RECORD_CUTS: ClassVar[tuple[str, ...]] = ("nodes", "recent_alerts", "unwatched", "dismissed", "silences",
+                                              "checkpoints")
+
+    def to_bytes(self, limit: int | None = None, run_id: str = "") -> bytes:
+        """The record for the changelog; with ``limit``, one that fits it: ``RECORD_CUTS`` left out
+        in order until it does, said in the run's ``limits`` (``record_bytes``) and in the log."""
         d = self.__dict__.copy()
         d["v"] = STATE_VERSION
         d["breaker"] = self.breaker.to_state()
         d["cross"] = {k: v.to_state() for k, v in self.cross.items()}
         d["book"] = {aid: {**e, "alert": _kept(e["alert"])} if "alert" in e else e for aid, e in self.book.items()}
         d["recent_alerts"] = [_kept(a) for a in self.recent_alerts]
+        raw = orjson.dumps(d)
+        if limit is not None and len(raw) > limit:
+            raw = self._fitted(d, len(raw), limit, run_id)
         # A copy of exactly its size: orjson's buffer of 8-16 KB would be held for each run's
         # record until the changelog's producer sent it (20,000 of them after a burst of runs).
-        return bytes(memoryview(orjson.dumps(d)))
+        return bytes(memoryview(raw))
+
+    def _fitted(self, d: dict, size: int, limit: int, run_id: str) -> bytes:
+        cut: list[str] = []
+        raw = b""
+        for section in self.RECORD_CUTS:
+            held = d[section]
+            if not held:
+                continue
+            cut.append(section)
+            d["limits"] = {**self.limits, "record_bytes": {"cap": limit, "left_out": size, "of": "bytes",
+                                                           "sections": list(cut)}}
+            for left in (range(len(held) - 1, -1, -1) if section == "checkpoints" else (0,)):
+                d[section] = held[len(held) - left:] if left else type(held)()
+                raw = orjson.dumps(d)
+                if len(raw) <= limit:
+                    break
+            if len(raw) <= limit:
+                break
+        d["limits"]["record_bytes"]["left_out"] = size - len(raw)
+        self.limits["record_bytes"] = d["limits"]["record_bytes"]
+        log.warning("trainguard: run %s: its state record was %d bytes, over the %d-byte limit of one message; "
+                    "left out of the changelog: %s", run_id, size, limit, ", ".join(cut))
+        return orjson.dumps(d)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "RunState":
         d = orjson.loads(raw)
         if d.get("v", 0) < 2:
             _one_book(d)
+        if "offset" in d:  # written with one offset for the run, on its partition
+            d["offsets"] = {str(d.get("partition", 0)): d.pop("offset")}
         d = known_fields(cls, d, "run state")
         if "breaker" in d:
             d["breaker"] = policy.BreakerState.from_state(d["breaker"])
@@ -403,8 +468,8 @@ class Limits:
     sources_per_run: int = 1024
     rows_per_source: int = 1000   # metric names judged per source
     rows_per_run: int = 20_000
-    tiny_run_events: int = 3      # a run with at most this many events ...
-    tiny_run_ttl_s: float = 1800.0  # ... is forgotten this long after its last one
+    tiny_run_events: int = 3      # an unauthenticated run with at most this many events is parked while idle
+    tiny_run_ttl_s: float = 1800.0  # an unauthenticated run is forgotten this long after its last event
     record_bytes: int = (1 << 20) - (64 << 10)  # a broker's message limit, less headroom
     SETTINGS: ClassVar[dict] = {"sources_per_run": "TRAINGUARD_MAX_SOURCES_PER_RUN",
                                 "rows_per_source": "TRAINGUARD_MAX_ROWS_PER_SOURCE",
@@ -466,7 +531,7 @@ class StateAccess:
             state = self._decoded(key, state)
             self.store[key] = state
             if self._parked.pop(key, None) is None:
-                log.info("trainguard: restored run %s at offset %d", key.decode(errors="replace"), state.offset)
+                log.info("trainguard: restored run %s at offsets %s", key.decode(errors="replace"), state.offsets)
             else:  # a parked tiny run woke: its sources are held as bytes too
                 run_id = key.decode()
                 for sid in state.sources:
@@ -483,11 +548,18 @@ class StateAccess:
             return self._decoded(key, state)
         return self._run(key)
 
+    @staticmethod
+    def _authenticated(run: RunState) -> bool:
+        """Whether the run's own trainer vouched for it: it said it started, or reported a checkpoint
+        (both signed with its key where keys are configured). A run without is what anyone who can
+        write to the events topic can invent, by the thousand: it is forgotten after the tiny-run
+        TTL whatever its event count, and never pushes a real run out of the exporter."""
+        return run.announced or bool(run.checkpoints)
+
     def _tiny(self, run: RunState) -> bool:
-        """A run of a few events that reported no checkpoint and was not announced: what anyone who
-        can write to the events topic can invent, by the thousand."""
-        return (run.events is not None and run.events <= self.limits.tiny_run_events and not run.checkpoints
-                and not run.announced)
+        """An unauthenticated run of a few events: held as its changelog bytes while idle."""
+        return (run.events is not None and run.events <= self.limits.tiny_run_events
+                and not self._authenticated(run))
 
     def _park_until(self, run: RunState) -> float | None:
         """When an idle tiny run held as bytes is forgotten; None for a run that is not parked."""
@@ -529,4 +601,6 @@ class StateAccess:
         state = self.store.get(key)
         if state is None or type(state) is bytes:
             return state
-        return state.to_bytes(self.rules) if type(state) is SourceState else state.to_bytes()
+        if type(state) is SourceState:
+            return state.to_bytes(self.rules)
+        return state.to_bytes(self.limits.record_bytes, key.decode(errors="replace"))

@@ -8,7 +8,7 @@ from typing import Iterator
 
 from trainguard.schemas import events as ev
 from trainguard.streams import keys, policy
-from trainguard.streams.engine.outputs import Output, OutputKind
+from trainguard.streams.engine.outputs import Output, OutputKind, fit
 from trainguard.streams.engine.state import LISTED, RunState, StateAccess
 
 
@@ -75,6 +75,8 @@ class StatusRoom(StateAccess):
             value = self._final.pop(key, None) or self.status(key.decode())
             if value is not None and key in self.store:
                 self._status_at[key] = now
+            if value is not None:  # past one message, it leaves out its longest lists, said in it
+                value = fit(value, self.limits.record_bytes)
             yield Output(OutputKind.STATUS, key.decode(), value)  # None: a tombstone
 
     def summary(self, run_key: bytes) -> dict | None:

@@ -16,22 +16,27 @@ def control_partitions_of(settings: KafkaSettings) -> int:
     """How many partitions the control topic really has: listeners read the partition of their
     run among the topic's partitions, so commands must be sent by the same count, whatever
     TRAINGUARD_PARTITIONS says (a topic created by hand with another count lost commands)."""
+    return partitions_of(settings, settings.topics.control, "commands are sent by the topic's own count so that "
+                                                            "listeners find them")
+
+
+def partitions_of(settings: KafkaSettings, topic: str, consequence: str) -> int:
+    """How many partitions ``topic`` really has (TRAINGUARD_PARTITIONS when it cannot be read or
+    does not exist yet); a count other than the setting is said in the log with its ``consequence``."""
     try:
         from confluent_kafka.admin import AdminClient
 
-        topic = settings.topics.control
         meta = AdminClient(settings.confluent(log_level=0)).list_topics(topic, timeout=5)
         found = len(meta.topics[topic].partitions) if topic in meta.topics and not meta.topics[topic].error else 0
     except Exception as exc:
-        log.warning("trainguard: could not read the control topic's partition count (%s); using %d",
-                    exc, settings.partitions)
+        log.warning("trainguard: could not read the partition count of %s (%s); using %d",
+                    topic, exc, settings.partitions)
         return settings.partitions
     if not found:
         return settings.partitions
     if found != settings.partitions:
-        log.warning("trainguard: %s has %d partitions, not TRAINGUARD_PARTITIONS=%d; commands are sent by the "
-                    "topic's own count so that listeners find them", settings.topics.control, found,
-                    settings.partitions)
+        log.warning("trainguard: %s has %d partitions, not TRAINGUARD_PARTITIONS=%d; %s", topic, found,
+                    settings.partitions, consequence)
     return found
 
 

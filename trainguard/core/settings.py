@@ -81,9 +81,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_RUN_SUMMARY_RETENTION_S", "604800", _WORKER,
             "a forgotten run's summary (outcome, rollbacks, last alerts) stays on the status topic this long"),
     Setting("TRAINGUARD_TINY_RUN_TTL_S", "1800", _WORKER,
-            "a run that never sent more than `TRAINGUARD_TINY_RUN_EVENTS` events is forgotten this long after "
-            "its last one (anyone who can write to the events topic can invent run ids)"),
-    Setting("TRAINGUARD_TINY_RUN_EVENTS", "3", _WORKER, "at most this many events: a tiny run"),
+            "a run its trainer never vouched for (no `started`, no checkpoint) is forgotten this long after "
+            "its last event, whatever its event count (anyone who can write to the events topic can invent "
+            "run ids)"),
+    Setting("TRAINGUARD_TINY_RUN_EVENTS", "3", _WORKER,
+            "such a run of at most this many events is held as its changelog bytes while idle"),
     Setting("TRAINGUARD_MAX_MESSAGE_BYTES", "1048576", _WORKER,
             "the largest message the brokers take (`message.max.bytes`). The worker keeps every state record and "
             "output 64 KiB under it: a larger output goes to the DLQ, a larger state record is left out of the "
