@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from trainguard.schemas import events as ev
 from trainguard.streams import keys
@@ -36,6 +37,7 @@ class AlertBook(StateAccess):
 
     _severity: dict[str, str]
     _fired: bool
+    _vouched: Callable[..., dict]  # the breaker's: who vouched for an alert's evidence
 
     def _open_alert(self, run: RunState, run_id: str, alert_id: str, close: bool = False) -> dict | None:
         """The open alert with this id; with ``close`` it is taken out of the book and its room
@@ -119,7 +121,7 @@ class AlertBook(StateAccess):
         active = run.active.setdefault(alert["rule"], {"open": 0, "last_ts": 0.0, "alert": None})
         active["open"] += 1
         active["last_ts"] = alert["ts"]
-        active["alert"] = {k: alert[k] for k in ("id", "metric", "value", "step", "layer")}
+        active["alert"] = {k: alert[k] for k in ("id", "metric", "value", "step", "layer", "authority") if k in alert}
         incidents = self._in_room(run, INCIDENT) if self.rules.incidents else {}
         for incident in self.rules.incidents:
             opened = incidents.get(incident.name)
@@ -155,10 +157,10 @@ class AlertBook(StateAccess):
         first = evidence.get("first_spike") if isinstance(evidence, dict) else None
         # A repeated spike began at the first one: the breaker's healthy checkpoint predates it.
         onset = first if first is not None and first["step"] < step else None
-        return ev.alert_event(
+        return self._vouched(ev.alert_event(
             run_id, rule.name, alert_id=ev.alert_id(run_id, rule.name, sid, metric, step, attempt),
             severity=rule.severity, critical=rule.critical, summary=rule.summary, metric=metric, value=value,
             signal=signal_of(base_name(metric)), metrics=[metric], values={metric: value},
             layer=event.get("layer") or self.rules.layer_for(metric), source=event["source"], step=step,
             ts=event["ts"], evidence=evidence, diagnosis=rule.diagnosis, suggestion=rule.suggestion,
-            onset=onset, node_snapshot=dict(run.nodes))
+            onset=onset, node_snapshot=dict(run.nodes)))
