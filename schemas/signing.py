@@ -48,6 +48,7 @@ log = logging.getLogger("trainguard.signing")
 
 OPERATOR_SUFFIX = ".operator"  # the operator key derived from master ``local`` is ``local.operator``
 TRAINER, NODE = "trainer", "node"  # the principals whose MACs the worker checks on events
+UNAUTHENTICATED = "unauthenticated"  # what the worker calls metrics no key vouches for
 RUN, PREFIX = "run", "prefix"      # what a key's scope names
 
 

@@ -431,3 +431,17 @@ def test_a_run_id_is_never_a_pattern(capsys):
         main(["trainer", "--run", "a", "--prefix", "b"])
     assert Scope.prefix("").covers("anything") and not Scope.prefix("exp").covers("ex")
     assert not Scope.run("exp").covers("exp2")
+
+
+def test_a_forged_alert_left_open_spoils_no_checkpoint():
+    """Forged NaNs leave their alert open (the forger never sends a healthy value): a checkpoint the
+    trainer saves meanwhile is still a rollback target, so the trainer's own NaN rolls back to it."""
+    t = Trainer(_engine())
+    t.steps(1, 20)
+    t.send(ev.checkpoint_event(RUN, 20, "/ckpt/20", ts=t.ts))
+    forged = _feed(t, [0.5, NAN, NAN, NAN], None, 21)
+    assert [a["authority"] for a in _alerts(forged)] and _commands(forged) == []
+    t.steps(21, 30)
+    t.send(ev.checkpoint_event(RUN, 30, "/ckpt/30", ts=t.ts))
+    [rollback] = _commands(t.steps(31, 31, loss=NAN))
+    assert rollback["target"] == {"step": 30, "path": "/ckpt/30"}

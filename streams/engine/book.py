@@ -6,6 +6,7 @@ import logging
 from typing import Callable
 
 from trainguard.schemas import events as ev
+from trainguard.schemas.signing import UNAUTHENTICATED
 from trainguard.streams import keys
 from trainguard.streams.alerts import LOUD
 from trainguard.streams.engine.outputs import Output, OutputKind, _json_value
@@ -85,7 +86,9 @@ class AlertBook(StateAccess):
 
     @staticmethod
     def _critical_open(run: RunState) -> bool:
-        return any(e["critical"] for e in run.book.values())
+        """Whether a critical alert is open that a forger could not have raised (a checkpoint saved
+        meanwhile is no rollback target)."""
+        return any(e["critical"] and e.get("authority") != UNAUTHENTICATED for e in run.book.values())
 
     @staticmethod
     def _book(run: RunState, alert: dict, room: str = SOURCE, key: str | None = None) -> None:
@@ -118,16 +121,19 @@ class AlertBook(StateAccess):
         """Open an alert: in the book (under ``room`` and ``key``), the incident bookkeeping and
         the reports' recent critical alerts; its event, unless the rule only feeds incidents."""
         self._fired = True
-        active = run.active.setdefault(alert["rule"], {"open": 0, "last_ts": 0.0, "alert": None})
-        active["open"] += 1
-        active["last_ts"] = alert["ts"]
-        active["alert"] = {k: alert[k] for k in ("id", "metric", "value", "step", "layer", "authority") if k in alert}
+        vouched = alert.get("authority") != UNAUTHENTICATED
+        if vouched:  # forged evidence joins no incident, pages into no checkpoint's health, no report
+            active = run.active.setdefault(alert["rule"], {"open": 0, "last_ts": 0.0, "alert": None})
+            active["open"] += 1
+            active["last_ts"] = alert["ts"]
+            active["alert"] = {k: alert[k] for k in ("id", "metric", "value", "step", "layer", "authority")
+                               if k in alert}
         incidents = self._in_room(run, INCIDENT) if self.rules.incidents else {}
         for incident in self.rules.incidents:
             opened = incidents.get(incident.name)
             if incident.inhibit and opened and alert["rule"] in incident.rules:
                 alert["inhibited_by"] = opened["id"]  # the incident already pages for it
-        if rule.critical:
+        if rule.critical and vouched:
             run.recent_alerts.append(alert)
             del run.recent_alerts[:-MAX_RECENT_ALERTS]
         if not getattr(rule, "emit", True):
@@ -141,7 +147,7 @@ class AlertBook(StateAccess):
         return Output(OutputKind.ALERT, alert["run_id"], alert)
 
     def _resolve(self, run: RunState, alert: dict, event: dict, **extra) -> Output | None:
-        active = run.active.get(alert["rule"])
+        active = run.active.get(alert["rule"]) if alert.get("authority") != UNAUTHENTICATED else None
         if active and active["open"] > 0:
             active["open"] -= 1
         run.book.pop(alert["id"], None)

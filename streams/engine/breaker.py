@@ -9,7 +9,16 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from trainguard.schemas import events as ev
-from trainguard.schemas.signing import NODE, TRAINER, SigningKey, authenticate, sign, verify, verify_trainer
+from trainguard.schemas.signing import (
+    NODE,
+    TRAINER,
+    UNAUTHENTICATED,
+    SigningKey,
+    authenticate,
+    sign,
+    verify,
+    verify_trainer,
+)
 from trainguard.streams import keys, policy
 from trainguard.streams.detectors.changepoint import change_onset
 from trainguard.streams.engine.book import NOTICE, AlertBook
@@ -25,8 +34,6 @@ log = logging.getLogger("trainguard.engine")
 
 # Lifecycle events that change what the breaker does: only the run's trainer key may send them.
 STEERING_LIFECYCLE = ("started", "finished", "stopped", "rolled_back")
-# Metrics no key vouches for: alerted on, marked, kept apart from their source's state, never steering.
-UNAUTHENTICATED = "unauthenticated"
 # A trainer clock further than this from the broker's is said in the command_failed alert.
 CLOCK_SKEW_SAID_S = 60.0
 

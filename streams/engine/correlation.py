@@ -10,7 +10,6 @@ from trainguard.schemas.signing import NODE, TRAINER
 from trainguard.streams import trackers
 from trainguard.streams.detectors import CrossRank
 from trainguard.streams.engine.book import CROSS, INCIDENT, STALE, AlertBook
-from trainguard.streams.engine.breaker import UNAUTHENTICATED
 from trainguard.streams.engine.state import Limits, RunState
 from trainguard.streams.rules import Rule
 from trainguard.streams.signals import base_name, rank_of
@@ -19,14 +18,12 @@ if TYPE_CHECKING:
     from trainguard.streams.engine.judging import EventContext
 
 def _incident_authority(members: list[dict]) -> str | None:
-    """Who vouches for an incident: the run's trainer when every member is vouched for and the
-    trainer key vouches for one of them (a node's evidence joins, never steers alone);
-    ``unauthenticated`` when a member is not vouched for; ``node`` otherwise. None without keys."""
+    """Who vouches for an incident: the run's trainer when its key vouches for a member (a node's
+    evidence joins, never steers alone), else a node's. Unauthenticated alerts join no incident
+    (``_fire``). None without keys."""
     said = [m.get("authority") for m in members]
     if all(a is None for a in said):
         return None
-    if UNAUTHENTICATED in said:
-        return UNAUTHENTICATED
     return TRAINER if TRAINER in said else NODE
 
 
