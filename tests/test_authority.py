@@ -358,12 +358,11 @@ def test_forged_metrics_alert_marked_unauthenticated_and_sign_no_command(who):
         alerts = _alerts(outcome["forger"])
         assert {a["rule"] for a in alerts} & {"non_finite", "never_finite"}, "the NaNs are still alerted on"
         for alert in alerts:
-            if who == "a node agent's key":
-                assert alert["authority"] == "node"
-            else:
-                assert alert["authority"] == "unauthenticated"
-                assert alert["summary"].startswith("Unauthenticated metrics: ")
-                assert "the breaker sends no command on it" in alert["diagnosis"]
+            assert alert["authority"] == "unauthenticated"
+            assert alert["summary"].startswith("Unauthenticated metrics: ")
+            assert "the breaker sends no command on it" in alert["diagnosis"]
+            if who == "a node agent's key":  # a node agent claiming to be the trainer
+                assert "signed with a node agent's key, which speaks for no trainer" in alert["diagnosis"]
         assert all(a["authority"] == "trainer" for a in _alerts(outcome["trainer"]))
 
 

@@ -183,7 +183,7 @@ class Engine(Judging, OperatorActions):
         outputs: list[Output] = []
         self._fired = False
         if "source" in event and admitted:
-            apart = self._apart(event["source"]["kind"])
+            apart = self._apart()
             self._seen(run, run_id, {**event, "source": {**event["source"], "kind": apart + event["source"]["kind"]}}
                        if apart else event, outputs)
         kind = event["schema"]

@@ -6,7 +6,7 @@ import logging
 from typing import Callable
 
 from trainguard.schemas import events as ev
-from trainguard.schemas.signing import UNAUTHENTICATED
+from trainguard.schemas.signing import TRAINER, UNAUTHENTICATED
 from trainguard.streams import keys
 from trainguard.streams.alerts import LOUD
 from trainguard.streams.engine.outputs import Output, OutputKind, _json_value
@@ -86,9 +86,9 @@ class AlertBook(StateAccess):
 
     @staticmethod
     def _critical_open(run: RunState) -> bool:
-        """Whether a critical alert is open that a forger could not have raised (a checkpoint saved
-        meanwhile is no rollback target)."""
-        return any(e["critical"] and e.get("authority") != UNAUTHENTICATED for e in run.book.values())
+        """Whether a critical alert is open on the trainer's own evidence (a checkpoint saved
+        meanwhile is no rollback target): neither a forger nor a node agent can spoil one."""
+        return any(e["critical"] and e.get("authority", TRAINER) == TRAINER for e in run.book.values())
 
     @staticmethod
     def _book(run: RunState, alert: dict, room: str = SOURCE, key: str | None = None) -> None:
@@ -103,8 +103,9 @@ class AlertBook(StateAccess):
                 del run.book[aid]
 
     def _paging(self, run: RunState) -> bool:
-        """Whether a P0/P1 alert of the run is open."""
-        return any(a["open"] > 0 and self._severity.get(rule) in LOUD for rule, a in run.active.items())
+        """Whether a P0/P1 alert of the run is open on the trainer's own evidence (with keys)."""
+        return any(a["open"] > 0 and self._severity.get(rule) in LOUD
+                   and (a.get("alert") or {}).get("authority", TRAINER) == TRAINER for rule, a in run.active.items())
 
     def _silence_for(self, run: RunState, rule: str) -> dict | None:
         if not run.silences:

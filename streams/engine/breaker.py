@@ -77,6 +77,8 @@ class Breaker(AlertBook, StatusRoom):
             self._authority = (None, None)
             return
         principal, problem = authenticate(event, self.verify_keys)
+        if principal == NODE and event["source"]["kind"] in self.rules.policy.step_sources:
+            principal, problem = None, "signed with a node agent's key, which speaks for no trainer"
         self._authority = (principal or UNAUTHENTICATED, problem)
 
     def _steers(self) -> bool:
@@ -84,14 +86,11 @@ class Breaker(AlertBook, StatusRoom):
         it (or no keys are configured)."""
         return self._authority[0] in (None, TRAINER)
 
-    def _apart(self, kind: str) -> str:
+    def _apart(self) -> str:
         """The prefix under which the event's source keeps its state and its last-seen time: none
-        for an event its own key vouches for; otherwise its own, so that a forged value neither
-        moves the genuine source's baselines nor ends its alerts nor keeps it looking alive."""
-        authority = self._authority[0]
-        if authority in (None, TRAINER) or (authority == NODE and kind not in self.rules.policy.step_sources):
-            return ""
-        return authority + "~"
+        for an event a key vouches for; otherwise its own, so that a forged value neither moves
+        the genuine source's baselines nor ends its alerts nor keeps it looking alive."""
+        return UNAUTHENTICATED + "~" if self._authority[0] == UNAUTHENTICATED else ""
 
     def _vouched(self, alert: dict, authority: str | None = None) -> dict:
         """The alert marked with who vouched for its evidence (keys configured only); an
