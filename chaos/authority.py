@@ -43,6 +43,7 @@ from trainguard.schemas.signing import (
 )
 
 NAN = float("nan")
+TOTAL_STEPS = 120  # the README loop's run: 4 s of steps after its own NaN at batch 40 for the rollback to arrive
 
 
 def _trainer_env(master: SigningKey, scope: Scope) -> dict:
@@ -111,8 +112,7 @@ def unsigned_metric_commands(settings: KafkaSettings | None = None, log_dir=None
             commands = TopicReader(settings, settings.topics.control)
             alerts = TopicReader(settings, settings.topics.alerts)
             toy = GatedToy(poisoned={40}, ckpt_dir=log_dir / f"{run_id}-ckpt")
-            toy.step_s = 0.01
-            namespace = toy.namespace(total_steps=60)
+            namespace = toy.namespace(total_steps=TOTAL_STEPS)
             loop = threading.Thread(target=run_readme_loop, args=(namespace, run_id), daemon=True)
             forged_commands, phases = [], {}
             try:
@@ -178,10 +178,11 @@ def _mac_as(event: dict, key_id: str, secret: bytes, claimed_scope: str) -> byte
 def scope_forgeries_accepted(settings: KafkaSettings | None = None, log_dir=None) -> dict:
     """A victim run (``exp-victim-…``, a trainer with its own key) logs and saves a checkpoint; a
     forger holds what it could: per-run keys asked for runs named ``*`` and ``exp*`` (refused at
-    issue: counted if one is made), an old untyped ``exp*`` key, its own run's key (``exp-mine``)
-    with ``prefix:exp`` claimed, and another run's key. With each it sends the steering events of
-    the original probe (started, finished, rolled_back, a checkpoint to its own path, a failed ack)
-    and NaN metrics. Counts what the worker took (target 0) and checks the victim's own are taken."""
+    issue: counted if one is made), old untyped ``exp*`` and ``*`` keys, and its own run's key
+    (``exp-mine``), as it is and with ``prefix:exp`` claimed. With each it sends what steers a run
+    (started, finished, rolled_back, a checkpoint to its own path; a failed ack of the victim's
+    pending rollback) and NaN metrics. Counts what the worker took (target 0) and checks that the
+    victim's own events are taken."""
     from confluent_kafka import Producer
 
     from tests.integration import TopicReader, WorkerProcess
@@ -243,25 +244,23 @@ def scope_forgeries_accepted(settings: KafkaSettings | None = None, log_dir=None
                     for event in (ev.lifecycle_event(victim_run, "finished", step=21, src=src),
                                   ev.lifecycle_event(victim_run, "started", step=0, src=src),
                                   ev.lifecycle_event(victim_run, "rolled_back", step=3, src=src),
-                                  ev.checkpoint_event(victim_run, 21, "/tmp/forger/weights.pt", src=src),
-                                  ev.ack_event("c-" + tag, victim_run, "failed", "forged")):
-                        topic = settings.topics.acks if event["schema"] == ev.ACK else settings.topics.events
-                        forger.produce(topic, _mac_as(event, key_id, secret_held, claimed), victim_run)
+                                  ev.checkpoint_event(victim_run, 21, "/tmp/forger/weights.pt", src=src)):
+                        forger.produce(settings.topics.events, _mac_as(event, key_id, secret_held, claimed),
+                                       victim_run)
                         sent += 1
                     for event in _forged_steps(victim_run, 21, [0.5, NAN, NAN, NAN], src):
                         forger.produce(settings.topics.events, _mac_as(event, key_id, secret_held, claimed),
                                        victim_run)
                 forger.flush(10)
-                wanted = sent
 
                 def refused(record: dict) -> bool:
                     return record.get("reason", "").startswith("refused") and victim_run in record.get("raw_text", "")
 
-                def all_refused(_record: dict) -> bool:
-                    return sum(1 for r in dlq.seen if refused(r)) >= wanted
+                def refusals(wanted: int):
+                    return lambda _record: sum(1 for r in dlq.seen if refused(r)) >= wanted
 
                 with contextlib.suppress(AssertionError):  # a missing refusal is counted below, not raised
-                    dlq.wait_for(all_refused, timeout=60, what="the refusals", worker=worker)
+                    dlq.wait_for(refusals(sent), timeout=60, what="the events' refusals", worker=worker)
                 # The victim's own: its steps go on healthy, then its NaN rolls it back to its checkpoint.
                 for step in range(21, 26):
                     logger.log({"actor/pg_loss": -0.01, "actor/kl_loss": 0.001}, step)
@@ -269,7 +268,15 @@ def scope_forgeries_accepted(settings: KafkaSettings | None = None, log_dir=None
                 logger.publisher.flush(10)
                 rollback = commands.wait_for(lambda c: c["run_id"] == victim_run and c["action"] == "rollback",
                                              timeout=60, what="the victim's own rollback", worker=worker)
-                time.sleep(2.0)
+                # With the pending rollback's id (read off the control topic): a failed ack would
+                # re-arm the breaker, and with on_command_failure: stop, stop the run.
+                for secret_held, claimed in held.values():
+                    forged_ack = ev.ack_event(rollback["id"], victim_run, "failed", "forged: disk full")
+                    forger.produce(settings.topics.acks, _mac_as(forged_ack, key_id, secret_held, claimed), victim_run)
+                    sent += 1
+                forger.flush(10)
+                with contextlib.suppress(AssertionError):
+                    dlq.wait_for(refusals(sent), timeout=60, what="every refusal", worker=worker)
                 dead = [r for r in dlq.drain(1.0) if refused(r)]
                 sent_commands = [c for c in commands.drain(1.0) if c["run_id"] == victim_run]
                 victim_alerts = [a for a in alerts.drain(1.0) if a["run_id"] == victim_run]
@@ -288,6 +295,7 @@ def scope_forgeries_accepted(settings: KafkaSettings | None = None, log_dir=None
         "forged_metrics_steered": forged_metrics_steered,
         "victim_finished": int(bool(status.get("finished"))),
         "rollback_to_forged_path": int(rollback["target"]["path"] != f"/ckpt/{victim_run}/global_step_20"),
+        "forged_acks_taken": sum(1 for a in victim_alerts if a.get("rule") == "command_failed"),
     }
     return {**effects, "scope_forgeries_accepted": sum(effects.values()), "forgeries_sent": sent + 4 * len(held),
             "refused_dead_letters": len(dead), "genuine_rollback": int(rollback["target"]["step"] == 20)}
