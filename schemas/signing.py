@@ -546,10 +546,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     for what, whose in ((TRAINER, "a trainer host's"), (NODE, "a node agent's")):
         p = sub.add_parser(what, help=f"{whose} key (and, for a trainer, the command public keys)")
-        scope = p.add_mutually_exclusive_group(required=True)
-        scope.add_argument("--run", metavar="RUN_ID", help="one run, by its exact id")
-        scope.add_argument("--prefix", metavar="PREFIX",
-                           help="every run whose id starts with PREFIX (a team's: nlp-); '' is every run")
+        runs = p.add_mutually_exclusive_group(required=True)
+        runs.add_argument("--run", metavar="RUN_ID", help="one run, by its exact id")
+        runs.add_argument("--prefix", metavar="PREFIX",
+                          help="every run whose id starts with PREFIX (a team's: nlp-); '' is every run")
     sub.add_parser("operator", help="an operator's key (trainguard command, silence, ack, resolve)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
