@@ -41,8 +41,10 @@ from workload import (
 )
 
 from trainguard.core.publisher import Publisher
+from trainguard.producers import control
 from trainguard.producers.control import ControlListener
 from trainguard.schemas import events as ev
+from trainguard.schemas.signing import signed_bytes
 
 
 class LoadProducer(threading.Thread):
@@ -105,10 +107,17 @@ class Collector(threading.Thread):
         self.c.close()
 
 
-def nan_step(steps: Steps, run_id: str, step: int) -> bytes:
+def nan_step(steps: Steps, run_id: str, step: int, signed: bool = False) -> bytes:
+    """A step whose loss is NaN; ``signed`` as ``TrainerLogger.log()`` signs it (a worker with keys
+    acts only on a step its run's trainer key signed)."""
     m = dict(steps.trainer(step))
     m["actor/pg_loss"] = math.nan
-    return ev.encode(ev.metrics_event(run_id, step, m, src=TRAINER_SRC, ts=time.time()))
+    return trainer_step(run_id, step, m, signed)
+
+
+def trainer_step(run_id: str, step: int, metrics: dict, signed: bool = False) -> bytes:
+    event = ev.metrics_event(run_id, step, metrics, src=TRAINER_SRC, ts=time.time())
+    return signed_bytes(event, control.trainer_key(run_id)) if signed else ev.encode(event)
 
 
 def run(bootstrap: str, steps: Steps, rate: float, log_dir: Path, quick: bool = False) -> dict:
@@ -179,15 +188,14 @@ def run(bootstrap: str, steps: Steps, rate: float, log_dir: Path, quick: bool = 
         # A healthy step first: a run whose loss was never finite gets `never_finite`, which
         # does not count towards the breaker; a NaN after a healthy step is `non_finite`, which does.
         for run_id in ids:
-            trainer.publish(settings.topics.events, run_id,
-                            ev.encode(ev.metrics_event(run_id, 0, steps.trainer(0), src=TRAINER_SRC, ts=time.time())))
+            trainer.publish(settings.topics.events, run_id, trainer_step(run_id, 0, steps.trainer(0), signed=True))
         trainer.flush(5)
         time.sleep(0.5)
         poller = threading.Thread(target=poll_loop, daemon=True)
         poller.start()
         for run_id in ids:
             for step in (1, 2, 3):
-                value = nan_step(steps, run_id, step)
+                value = nan_step(steps, run_id, step, signed=True)
                 if step == 3:
                     third[run_id] = orjson.loads(value)["ts"]
                 trainer.publish(settings.topics.events, run_id, value)

@@ -5,6 +5,10 @@ broker down (bootstrap on a closed port) the run is long enough to fill librdkaf
 (``queue.buffering.max.messages``), so the calls after that take the drop path; their own
 percentiles are reported too. The reference is librdkafka's own ``produce()`` of the same
 step already encoded: what any Kafka trainer-side client pays at least.
+
+With a key configured (``make bench`` makes one) ``log()`` signs every step with the run's trainer
+key (an HMAC); the same run measures a logger of a run it holds no key for beside it, so the
+MAC's cost is read off one table: ``log_p99_us_broker_up`` against ``log_p99_us_unsigned_broker_up``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from workload import Steps, fresh_settings
 from trainguard.broker import free_port
 from trainguard.core.kafka import KafkaSettings, Topics
 from trainguard.core.publisher import Publisher
+from trainguard.producers import control
 from trainguard.producers.trainer import TrainerLogger
 
 
@@ -72,6 +77,12 @@ def run(bootstrap: str, steps: Steps, quick: bool = False) -> dict:
     _timed(up, steps, 500)  # warm-up: connection, metadata
     us_up, ok_up = _timed(up, steps, calls_up)
     up.close(10, quiet=True)
+    signed = control.trainer_key("bench-log-up") is not None
+    control._TRAINER_KEYS["bench-log-unsigned"] = None  # a run this process holds no key for: log() as unsigned
+    unsigned = TrainerLogger("bench-log-unsigned", settings, host="bench")
+    _timed(unsigned, steps, 500)
+    us_unsigned, _ = _timed(unsigned, steps, calls_up)
+    unsigned.close(10, quiet=True)
 
     down_settings = KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}", partitions=4,
                                   topics=Topics.with_prefix("benchlogdown"))
@@ -83,9 +94,10 @@ def run(bootstrap: str, steps: Steps, quick: bool = False) -> dict:
     down.close(0.1, quiet=True)
 
     raw_s = _stats(_raw_produce(settings, steps, calls_up))
-    up_s, down_s = _stats(us_up), _stats(us_down)
+    up_s, down_s, unsigned_s = _stats(us_up), _stats(us_down), _stats(us_unsigned)
     return {
-        "log_p50_us_broker_up": up_s["p50"], "log_p99_us_broker_up": up_s["p99"],
+        "log_p50_us_broker_up": up_s["p50"], "log_p99_us_broker_up": up_s["p99"], "log_signed": signed,
+        "log_p50_us_unsigned_broker_up": unsigned_s["p50"], "log_p99_us_unsigned_broker_up": unsigned_s["p99"],
         "log_p50_us_broker_down": down_s["p50"], "log_p99_us_broker_down": down_s["p99"],
         "raw_produce_p50_us": raw_s["p50"], "raw_produce_p99_us": raw_s["p99"],
         "log_calls_broker_up": up_s["calls"], "log_calls_broker_down": down_s["calls"],

@@ -181,6 +181,12 @@ def rows(r: dict) -> list[tuple]:
         out.append(("log_up", f"log() p99, 50 metrics, broker up (p50 {_fmt(g('log_p50_us_broker_up'))})",
                     _fmt(g("log_p99_us_broker_up"), " us"), "librdkafka produce() p99", _fmt(raw, " us"),
                     f"{g('log_p99_us_broker_up') / raw:.1f}", "<= 20 us", g("log_p99_us_broker_up") <= 20))
+        if "log_p99_us_unsigned_broker_up" in r:
+            signed = g("log_p99_us_broker_up") / raw
+            out.append(("log_mac", f"log() p99 {'with the MAC' if g('log_signed') else 'UNSIGNED (no key)'}; "
+                        f"unsigned p99 {_fmt(g('log_p99_us_unsigned_broker_up'))} us",
+                        _fmt(g("log_p99_us_broker_up"), " us"), "librdkafka produce() p99", _fmt(raw, " us"),
+                        f"{signed:.1f}", "<= 4x", bool(g("log_signed")) and signed <= 4))
         out.append(("log_down", f"log() p99, broker down, queue full after {g('log_queue_max_broker_down')} "
                     f"(p50 {_fmt(g('log_p50_us_broker_down'))})",
                     _fmt(g("log_p99_us_broker_down"), " us"), "log() p99 broker up",

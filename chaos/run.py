@@ -59,6 +59,15 @@ On the embedded broker or the cluster:
 - ``forged``: someone with write access to every topic and no key forges a checkpoint path, a
   30-day silence, a ``finished``, a ``failed`` ack, an unsigned copy of the pending rollback,
   and signs a rollback to a path the trainer never reported: how many took effect.
+- ``unsigned_metrics`` (``chaos/authority.py``): the README's loop trains with keys while a forger
+  writes its next steps, unsigned and signed with a node agent's key, and a node's samples: a
+  finite value then 3 NaNs before any checkpoint, that twice after two; commands the worker
+  signed on them (``unsigned_metric_commands``, target 0), alerts marked unauthenticated, and the
+  loop's own NaN rolled back to its checkpoint.
+- ``scope_forgeries`` (``chaos/authority.py``): per-run keys asked for runs named ``*`` and
+  ``exp*``, then a victim run's steering events, NaN metrics and failed acks signed with old
+  untyped ``exp*`` and ``*`` keys and another run's key (its own scope and a prefix claimed):
+  forgeries the worker took (``scope_forgeries_accepted``, target 0).
 - ``listener_reset``: the broker restarts empty under a control listener: commands sent after
   it that were never applied.
 - ``chat_injections``: a sinks process with every chat sink and Alertmanager reads alerts whose
@@ -103,7 +112,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chaos import cluster, extreme, hostile_runs, scenarios  # noqa: E402
+from chaos import authority, cluster, extreme, hostile_runs, scenarios  # noqa: E402
 from trainguard import kafka_cluster  # noqa: E402
 from trainguard.schemas.signing import ensure_key  # noqa: E402
 
@@ -132,6 +141,8 @@ TARGETS = {
     "extreme_value_blinded_detectors": (0, "le"),
     "ui_injections": (0, "le"),
     "forged_inputs_applied": (0, "le"),
+    "unsigned_metric_commands": (0, "le"),
+    "scope_forgeries_accepted": (0, "le"),
     "listener_reset_lost_commands": (0, "le"),
     "chat_injections": (0, "le"),
     "sinks_restart_lost_alerts": (0, "le"),
@@ -263,6 +274,14 @@ def run_on_broker(only: set[str], quick: bool) -> dict:
         print("forged: forged checkpoints, silences, acks and commands against a worker ...", file=sys.stderr,
               flush=True)
         out["forged"] = scenarios.forged_inputs_applied()
+    if "unsigned_metrics" in only:
+        print("unsigned_metrics: forged metrics against the README loop and a worker with keys ...", file=sys.stderr,
+              flush=True)
+        out["unsigned_metrics"] = authority.unsigned_metric_commands()
+    if "scope_forgeries" in only:
+        print("scope_forgeries: pattern run ids and keys of other runs against a worker ...", file=sys.stderr,
+              flush=True)
+        out["scope_forgeries"] = authority.scope_forgeries_accepted()
     if "listener_reset" in only:
         print("listener_reset: the broker restarts empty under a listener ...", file=sys.stderr, flush=True)
         out["listener_reset"] = scenarios.listener_reset_lost_commands()
@@ -331,6 +350,10 @@ def summary(results: dict, where: dict) -> dict:
         s["ui_injections"] = results["ui"]["ui_injections"]
     if "forged" in results:
         s["forged_inputs_applied"] = results["forged"]["forged_inputs_applied"]
+    if "unsigned_metrics" in results:
+        s["unsigned_metric_commands"] = results["unsigned_metrics"]["unsigned_metric_commands"]
+    if "scope_forgeries" in results:
+        s["scope_forgeries_accepted"] = results["scope_forgeries"]["scope_forgeries_accepted"]
     if "listener_reset" in results:
         s["listener_reset_lost_commands"] = results["listener_reset"]["listener_reset_lost_commands"]
     if "chat_injections" in results:
@@ -383,7 +406,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="an 8 s outage instead of 25 s, 200 runs instead of 1,000, "
                                                          "5,000 tiny runs instead of 20,000, 50 steps instead of 200")
     ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener, lifecycle, "
-                                               "shutdown, hostile, worker_kill, forged, listener_reset, "
+                                               "shutdown, hostile, worker_kill, forged, unsigned_metrics, "
+                                               "scope_forgeries, listener_reset, "
                                                "chat_injections, sinks_restart, ts_poison, ui, "
                                                "tiny_runs, invented_runs, cross_partition, oversize, "
                                                "many_metrics, hostile_crash_loops, extreme_values, "
@@ -393,7 +417,8 @@ def main(argv=None) -> int:
                          "every scenario but those that restart the broker; tansu: the embedded broker only")
     args = ap.parse_args(argv)
     only = set(filter(None, args.only.split(","))) or {"broker_restart", "close", "listener", "lifecycle", "shutdown",
-                                                       "hostile", "worker_kill", "forged", "listener_reset",
+                                                       "hostile", "worker_kill", "forged", "unsigned_metrics",
+                                                       "scope_forgeries", "listener_reset",
                                                        "chat_injections", "sinks_restart", "ts_poison", "ui"}
     if not args.only:
         only |= {"tiny_runs", "invented_runs", "cross_partition", "oversize", "many_metrics", "hostile_crash_loops",

@@ -578,7 +578,7 @@ def forged_inputs_applied(log_dir=None) -> dict:
 
     from tests.integration import TopicReader, WorkerProcess
     from trainguard.operate import read_statuses
-    from trainguard.schemas.signing import Keyring, SigningKey, exports, new_key_line, sign
+    from trainguard.schemas.signing import Keyring, Scope, SigningKey, exports, new_key_line, sign
 
     port = free_port()
     settings = _settings(port)
@@ -588,7 +588,7 @@ def forged_inputs_applied(log_dir=None) -> dict:
     key_id, secret = line.split(":", 1)
     master = SigningKey(key_id, secret.encode())
     trainer_env = {k: v.strip("'") for k, _, v in (e.removeprefix("export ").partition("=")
-                                                   for e in exports(master, "trainer", run_id))}
+                                                   for e in exports(master, "trainer", Scope.run(run_id)))}
     genuine_path = f"/ckpt/{run_id}/global_step_20"
     evil_path = "/tmp/attacker/evil_weights.pt"
     src = ev.source("trainer", "chaos", 0)

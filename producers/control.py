@@ -38,7 +38,14 @@ from typing import Callable, cast
 from trainguard.core.kafka import EMBEDDED_CLUSTER_ID, KafkaSettings, partition_for
 from trainguard.core.publisher import Publisher
 from trainguard.schemas import events as ev
-from trainguard.schemas.signing import Keyring, TrainerKey, sign_trainer, unsigned_allowed, verify, verify_own
+from trainguard.schemas.signing import (
+    Keyring,
+    TrainerKey,
+    signed_bytes,
+    unsigned_allowed,
+    verify,
+    verify_own,
+)
 
 log = logging.getLogger("trainguard.control")
 
@@ -88,18 +95,18 @@ REPORTED = ReportedCheckpoints()
 _TRAINER_KEYS: dict[str, TrainerKey | None] = {}
 
 
-def _trainer_key(run_id: str) -> TrainerKey | None:
-    """The key this process signs ``run_id``'s events and acks with (read once per run)."""
+def trainer_key(run_id: str) -> TrainerKey | None:
+    """The key this process signs ``run_id``'s events (metrics too) and acks with (read once per run)."""
     if run_id not in _TRAINER_KEYS:
         try:
             _TRAINER_KEYS[run_id] = Keyring.from_env().trainer_key_for(run_id)
         except ValueError as exc:  # a malformed key: said once; the events go unsigned
-            log.warning("trainguard: %s; run %s's checkpoints and acks go unsigned", exc, run_id)
+            log.warning("trainguard: %s; run %s's metrics, checkpoints and acks go unsigned", exc, run_id)
             _TRAINER_KEYS[run_id] = None
         if _TRAINER_KEYS[run_id] is None and not unsigned_allowed():
             log.warning("trainguard: no trainer key for run %s (TRAINGUARD_TRAINER_KEY, or TRAINGUARD_COMMAND_KEY "
-                        "locally): its checkpoints, lifecycle changes and acks go unsigned, and a worker with "
-                        "keys refuses them (no rollback to them)", run_id)
+                        "locally): its metrics, checkpoints, lifecycle changes and acks go unsigned, and a worker "
+                        "with keys refuses them (no rollback to them) and sends no command on its metrics", run_id)
     return _TRAINER_KEYS[run_id]
 
 
@@ -108,8 +115,7 @@ def authored(event: dict) -> bytes:
     process's listeners, and the event signed with the trainer's key when there is one."""
     if event["schema"] == ev.CHECKPOINT:
         REPORTED.record(event["run_id"], event["step"], event["path"])
-    key = _trainer_key(event["run_id"])
-    return ev.encode(sign_trainer(event, key) if key is not None else event)
+    return signed_bytes(event, trainer_key(event["run_id"]))
 
 
 class ControlListener:
@@ -407,7 +413,7 @@ class ControlListener:
         """Whether an ack on the topic is this trainer's own (signed with its key): a forged
         "applied" must not make the listener skip a genuine command. Without a trainer key
         (unsigned use) every ack of the run counts, as the worker then trusts them too."""
-        key = _trainer_key(self.run_id)
+        key = trainer_key(self.run_id)
         if key is None:
             return True
         problem = verify_own(ack, key)

@@ -41,6 +41,7 @@ from trainguard.core import settings as settings_mod
 from trainguard.core.kafka import KafkaSettings
 from trainguard.producers.never_raise import never_raises
 from trainguard.schemas import events as ev
+from trainguard.schemas.signing import Keyring, TrainerKey, signed_bytes, unsigned_allowed
 
 log = logging.getLogger("trainguard.node")
 
@@ -58,6 +59,21 @@ def _psutil():
 
 class _Unsupported(Exception):
     """A counter this GPU does not offer."""
+
+
+def _node_key(run_id: str) -> TrainerKey | None:
+    """The node agent's key for ``run_id`` (``TRAINGUARD_NODE_KEY``, or derived locally); a bad or
+    missing one is said once and the samples go unsigned: a worker with keys still alerts on them."""
+    try:
+        key = Keyring.from_env().node_key_for(run_id)
+    except ValueError as exc:
+        log.warning("trainguard: %s; node samples of run %s go unsigned", exc, run_id)
+        return None
+    if key is None and not unsigned_allowed():
+        log.warning("trainguard: no node key for run %s (TRAINGUARD_NODE_KEY, or TRAINGUARD_COMMAND_KEY locally): "
+                    "its samples go unsigned, and a worker with keys marks their alerts unauthenticated and keeps "
+                    "them out of every incident that steers", run_id)
+    return key
 
 
 class NodeAgent:
@@ -80,6 +96,7 @@ class NodeAgent:
         self.host = host or socket.gethostname()
         self._publisher = publisher
         self.source = ev.source("node", self.host)
+        self.key = _node_key(run_id)
         self.step = 0               # samples published (or attempted) so far = next event's step
         self.nvml_error: str | None = None
         self.gpu_count = 0
@@ -117,7 +134,7 @@ class NodeAgent:
         event = ev.metrics_event(self.run_id, self.step, metrics, src=self.source, layer="resource")
         self.step += 1
         with never_raises(f"node agent: could not publish sample {event['step']}"):  # a broken encoder, say
-            self.publisher.publish(self.settings.topics.events, self.run_id, ev.encode(event))
+            self.publisher.publish(self.settings.topics.events, self.run_id, signed_bytes(event, self.key))
         return metrics
 
     def run(self, stop: threading.Event, on_sample: Callable[["NodeAgent", dict], None] | None = None) -> None:

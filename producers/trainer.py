@@ -28,9 +28,10 @@ import time
 
 from trainguard.core.kafka import KafkaSettings
 from trainguard.core.publisher import Publisher
-from trainguard.producers.control import authored
+from trainguard.producers.control import authored, trainer_key
 from trainguard.producers.never_raise import never_raises
 from trainguard.schemas import events as ev
+from trainguard.schemas.signing import signed_bytes
 
 log = logging.getLogger("trainguard.trainer")
 
@@ -95,7 +96,9 @@ class TrainerLogger:
         event = ev.metrics_event(self.run_id, int(step), values, src=self.source,
                                  ts=time.time() if ts is None else ts, tags=tags)
         self._last_step = event["step"]
-        return self.publisher.publish(self._topic, self.run_id, ev.encode(event))
+        # Signed with the trainer's key where there is one: only such metrics make a worker with
+        # keys act (a rollback, a stop); one HMAC over the bytes encoded anyway.
+        return self.publisher.publish(self._topic, self.run_id, signed_bytes(event, trainer_key(self.run_id)))
 
     def log_metric(self, name: str, value, tags: dict[str, str] | None = None, step: int | None = None) -> None:
         """The seed's per-value API: values of one step are sent together as one event."""

@@ -74,6 +74,13 @@ def _wire_value(v: float) -> float | str:
 
 def encode(event: dict[str, Any]) -> bytes:
     """Encode an event built by this module; non-finite metric values become strings."""
+    return orjson.dumps(wire_form(event))
+
+
+def wire_form(event: dict[str, Any]) -> dict[str, Any]:
+    """The event as it travels: non-finite values as the strings ``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"`` (a copy only where there are any). MACs cover this form, so a NaN signed
+    stays a NaN and cannot become an Infinity."""
     if event.get("schema") == METRICS:
         for field in ("metrics", "per_rank"):
             values = event.get(field)
@@ -83,7 +90,7 @@ def encode(event: dict[str, Any]) -> bytes:
     value = event.get("value")
     if isinstance(value, float) and not math.isfinite(value):
         event = {**event, "value": _wire_value(value)}
-    return orjson.dumps(event)
+    return event
 
 
 def source(kind: str = "trainer", host: str = "", rank: int | None = None, gpu: int | None = None) -> dict:
@@ -447,16 +454,17 @@ def _check_tags(event: dict) -> None:
                 raise _fail(f"tags.{k}", f"must be a string, got {type(v).__name__}")
 
 
-RUN_ID = re.compile(r"[!-{}~]{1,256}")
-"""What a run id may be: 1-256 printable ASCII characters, no spaces and no ``|``. It keys a
-Kafka partition and the worker's state, whose keys join a run and a source with ``|``."""
+RUN_ID = re.compile(r"[!-)+-{}~]{1,256}")
+"""What a run id may be: 1-256 printable ASCII characters, no spaces, no ``|`` and no ``*``. It keys
+a Kafka partition and the worker's state, whose keys join a run and a source with ``|``; a ``*``
+would read as a pattern where keys are scoped to runs (``schemas/signing.py``)."""
 
 
 def check_run_id(run_id) -> str:
     """``run_id`` if it is usable, else :class:`SchemaError` saying what is allowed."""
     if type(run_id) is not str or not RUN_ID.fullmatch(run_id):
         shown = run_id if type(run_id) is not str else run_id[:80]
-        raise _fail("run_id", f"must be 1-256 printable ASCII characters without spaces or '|', got {shown!r}")
+        raise _fail("run_id", f"must be 1-256 printable ASCII characters without spaces, '|' or '*', got {shown!r}")
     return run_id
 
 

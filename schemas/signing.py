@@ -3,9 +3,12 @@
 - **Commands** (rollback, pause, stop ...) are signed with Ed25519 by the worker, and by an
   operator's ``trainguard command``. Trainers hold only public keys: they verify commands and
   cannot sign one.
-- **Trainer events** that change what the breaker does (a checkpoint; started, finished, stopped,
-  rolled_back) and **acks** carry an HMAC-SHA256 under the trainer's key, which is scoped to one
-  run or to a team's runs (``nlp-*``): a trainer host cannot speak for another team's runs.
+- **Trainer events** (metrics, a checkpoint; started, finished, stopped, rolled_back) and **acks**
+  carry an HMAC-SHA256 under the trainer's key, which is scoped to one run (``run:ppo-7b``) or to
+  the runs whose id starts with a prefix (``prefix:nlp-``): a trainer host cannot speak for another
+  team's runs. Only metrics under it can make the breaker act.
+- **Node agents' metrics** carry an HMAC under a node key (another principal, the same scopes):
+  they can join an incident, never steer alone.
 - **Operator events** (silence, ack, resolve) are signed with the operator's Ed25519 key.
 
 Everything derives from one secret, the worker's: ``TRAINGUARD_COMMAND_KEY`` (``key_id:secret``)
@@ -13,9 +16,10 @@ or ``TRAINGUARD_COMMAND_KEY_FILE`` (one such line per key, for rotation). Whoeve
 all of the above, which is what local use wants (``trainguard broker``, the demo and
 docker-compose make one). A cluster gives each side only its part, which
 ``python -m trainguard.schemas.signing`` prints from the secret: trainers get
-``TRAINGUARD_COMMAND_PUBLIC_KEYS`` and ``TRAINGUARD_TRAINER_KEY``, operators
-``TRAINGUARD_OPERATOR_KEY``. The MACs and signatures cover a document's canonical bytes (sorted
-keys, no ``signature`` field), so a changed action, target, run, path or expiry breaks them.
+``TRAINGUARD_COMMAND_PUBLIC_KEYS`` and ``TRAINGUARD_TRAINER_KEY``, node agents
+``TRAINGUARD_NODE_KEY``, operators ``TRAINGUARD_OPERATOR_KEY``. The MACs and signatures cover a
+document's canonical bytes (sorted keys, no ``signature`` field), so a changed action, target, run,
+path, value or expiry breaks them.
 
 Secure by default: a listener refuses unsigned commands, and a worker unsigned trainer and
 operator events, unless ``TRAINGUARD_ALLOW_UNSIGNED=1`` (local use, no key anywhere).
@@ -28,10 +32,11 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import orjson
 from cryptography.exceptions import InvalidSignature
@@ -42,6 +47,9 @@ from trainguard.core import settings as _settings
 log = logging.getLogger("trainguard.signing")
 
 OPERATOR_SUFFIX = ".operator"  # the operator key derived from master ``local`` is ``local.operator``
+TRAINER, NODE = "trainer", "node"  # the principals whose MACs the worker checks on events
+UNAUTHENTICATED = "unauthenticated"  # what the worker calls metrics no key vouches for
+RUN, PREFIX = "run", "prefix"      # what a key's scope names
 
 
 def _b64(raw: bytes) -> str:
@@ -76,7 +84,7 @@ class SigningKey:
     secret: bytes
 
     def derive(self, label: str) -> bytes:
-        return hmac.new(self.secret, b"trainguard/" + label.encode(), hashlib.sha256).digest()
+        return _derived(self.secret, label)
 
     @cached_property
     def command_signer(self) -> Signer:
@@ -87,8 +95,11 @@ class SigningKey:
         return Signer(self.key_id + OPERATOR_SUFFIX,
                       Ed25519PrivateKey.from_private_bytes(self.derive("operator-signing")))
 
-    def trainer_key(self, scope: str) -> "TrainerKey":
-        return TrainerKey(self.key_id, scope, self.derive("trainer:" + scope))
+    def trainer_key(self, scope: "Scope | str", principal: str = TRAINER) -> "TrainerKey":
+        """The key of ``principal`` (a trainer's, a node agent's) for ``scope``; a plain string is
+        one run's id."""
+        scope = scope if isinstance(scope, Scope) else Scope.run(scope)
+        return TrainerKey(self.key_id, scope, self.derive(scope.label(principal)), principal)
 
     def command_id(self, stable: str) -> str:
         """A command id nobody without this key can predict, the same for the same ``stable`` id
@@ -96,23 +107,88 @@ class SigningKey:
         return hmac.new(self.secret, b"trainguard/command-id:" + stable.encode(), hashlib.sha256).hexdigest()[:20]
 
 
+@lru_cache(maxsize=4096)
+def _derived(secret: bytes, label: str) -> bytes:
+    """A key derived from a secret (cached: the worker checks a MAC on every metrics event)."""
+    return hmac.new(secret, b"trainguard/" + label.encode(), hashlib.sha256).digest()
+
+
 @dataclass(frozen=True)
-class TrainerKey:
-    """A trainer's HMAC key for one run (``scope`` = the run id) or a team's (``nlp-*``: every run
-    whose id starts with ``nlp-``). ``TRAINGUARD_TRAINER_KEY`` holds ``key_id|scope|secret``."""
-    key_id: str
-    scope: str
-    secret: bytes
+class Scope:
+    """The runs a key speaks for: one run (``run:ppo-7b``) or every run whose id starts with a
+    prefix (``prefix:nlp-``; ``prefix:`` is every run). Run ids hold no ``*``, so no run id is a
+    pattern.
+
+    >>> Scope.parse("prefix:nlp-").covers("nlp-ppo-1"), Scope.parse("run:nlp-ppo").covers("nlp-ppo-1")
+    (True, False)
+    >>> Scope.parse("ppo-7b")  # a key from before scopes were typed: one run's, as it always was
+    Scope(kind='run', value='ppo-7b')
+    """
+    kind: str
+    value: str
+
+    @classmethod
+    def run(cls, run_id: str) -> "Scope":
+        from trainguard.schemas import events as ev
+
+        try:
+            return cls(RUN, ev.check_run_id(run_id))
+        except ev.SchemaError as exc:
+            raise ValueError(f"a run scope names one run: {exc}") from None
+
+    @classmethod
+    def prefix(cls, prefix: str) -> "Scope":
+        if prefix and not _PREFIX.fullmatch(prefix):
+            raise ValueError(f"a prefix scope is the start of run ids (printable ASCII without spaces, '|' or "
+                             f"'*'; empty: every run), got {prefix[:80]!r}")
+        return cls(PREFIX, prefix)
+
+    @classmethod
+    def parse(cls, text: str) -> "Scope":
+        """``run:ID`` or ``prefix:P``; an untyped scope from before (``ppo-7b``) is a run's, and one
+        ending in ``*`` (``nlp-*``) is refused: it could have been a run id or a pattern."""
+        kind, sep, value = text.partition(":")
+        if sep and kind == RUN:
+            return cls.run(value)
+        if sep and kind == PREFIX:
+            return cls.prefix(value)
+        if "*" in text:
+            raise ValueError(f"the scope {text[:80]!r} is untyped (made before scopes named a run or a prefix): "
+                             f"issue a new key with `python -m trainguard.schemas.signing trainer --prefix "
+                             f"{text.rstrip('*')[:80]}` (or --run RUN_ID)")
+        return cls.run(text)
 
     def covers(self, run_id: str) -> bool:
-        return scope_covers(self.scope, run_id)
+        return run_id == self.value if self.kind == RUN else run_id.startswith(self.value)
+
+    def label(self, principal: str = TRAINER) -> str:
+        """What a key for this scope is derived under. A trainer's run key is derived as before
+        scopes were typed (those keys keep working); every other label is new."""
+        if principal == TRAINER:
+            return f"trainer:{self.value}" if self.kind == RUN else f"trainer-prefix:{self.value}"
+        return f"{principal}:{self.kind}:{self.value}"
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.value}"
+
+
+_PREFIX = re.compile(r"[!-)+-{}~]{1,255}")  # the start of a run id (schemas.events.RUN_ID)
+
+
+@dataclass(frozen=True)
+class TrainerKey:
+    """A trainer's (or a node agent's: ``principal``) HMAC key for a :class:`Scope`.
+    ``TRAINGUARD_TRAINER_KEY`` and ``TRAINGUARD_NODE_KEY`` hold ``key_id|scope|secret``."""
+    key_id: str
+    scope: Scope
+    secret: bytes
+    principal: str = TRAINER
+
+    def covers(self, run_id: str) -> bool:
+        return self.scope.covers(run_id)
 
     def line(self) -> str:
         return f"{self.key_id}|{self.scope}|{_b64(self.secret)}"
-
-
-def scope_covers(scope: str, run_id: str) -> bool:
-    return run_id.startswith(scope[:-1]) if scope.endswith("*") else run_id == scope
 
 
 def _parse_key(line: str) -> SigningKey:
@@ -158,15 +234,21 @@ def load_public_keys(env: Mapping[str, str] | None = None) -> dict[str, Ed25519P
     return found
 
 
-def load_trainer_key(env: Mapping[str, str] | None = None) -> TrainerKey | None:
-    raw = _settings.value("TRAINGUARD_TRAINER_KEY", env)
+def load_trainer_key(env: Mapping[str, str] | None = None, principal: str = TRAINER) -> TrainerKey | None:
+    """``TRAINGUARD_TRAINER_KEY`` (or a node agent's ``TRAINGUARD_NODE_KEY``); ValueError naming the problem."""
+    name = "TRAINGUARD_NODE_KEY" if principal == NODE else "TRAINGUARD_TRAINER_KEY"
+    raw = _settings.value(name, env)
     if not raw:
         return None
     parts = raw.strip().split("|")
-    if len(parts) != 3 or not all(parts):
-        raise ValueError("TRAINGUARD_TRAINER_KEY must be key_id|scope|secret "
-                         "(as `python -m trainguard.schemas.signing trainer SCOPE` prints it)")
-    return TrainerKey(parts[0], parts[1], _unb64(parts[2]))
+    if len(parts) != 3 or not parts[0] or not parts[2]:
+        raise ValueError(f"{name} must be key_id|scope|secret "
+                         f"(as `python -m trainguard.schemas.signing {principal} --run ID|--prefix P` prints it)")
+    try:
+        scope = Scope.parse(parts[1])
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    return TrainerKey(parts[0], scope, _unb64(parts[2]), principal)
 
 
 def load_operator_key(env: Mapping[str, str] | None = None) -> Signer | None:
@@ -219,8 +301,12 @@ def new_key_line(key_id: str = "local") -> str:
 
 
 def canonical_bytes(document: dict) -> bytes:
-    body = {k: v for k, v in document.items() if k != "signature"}
-    return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    """What signatures cover: the document as it travels (non-finite values as strings), sorted
+    keys, without ``signature``."""
+    from trainguard.schemas import events as ev
+
+    body = {k: v for k, v in document.items() if k != "signature"} if "signature" in document else document
+    return orjson.dumps(ev.wire_form(body), option=orjson.OPT_SORT_KEYS)
 
 
 # --------------------------------------------------------------------------- Ed25519: commands, operators
@@ -278,29 +364,74 @@ def verify(document: dict, keys: Mapping[str, SigningKey | Ed25519PublicKey] | M
 # --------------------------------------------------------------------------- HMAC: trainer events and acks
 
 
+def _mac(key: bytes, event: dict) -> str:
+    return hmac.digest(key, canonical_bytes(event), "sha256").hex()
+
+
+def _signature(key: TrainerKey, mac: str) -> dict:
+    signature = {"key_id": key.key_id, "scope": str(key.scope), "mac": mac}
+    if key.principal != TRAINER:  # a trainer's signature names no principal, as before principals
+        signature["principal"] = key.principal
+    return signature
+
+
 def sign_trainer(event: dict, key: TrainerKey) -> dict:
     """The trainer's event or ack with its MAC (scope and key id named, so the worker can derive the key)."""
-    mac = hmac.new(key.secret, canonical_bytes(event), hashlib.sha256).hexdigest()
-    return {**event, "signature": {"key_id": key.key_id, "scope": key.scope, "mac": mac}}
+    return {**event, "signature": _signature(key, _mac(key.secret, event))}
+
+
+def signed_bytes(event: dict, key: TrainerKey | None) -> bytes:
+    """``event`` encoded for the wire, with its MAC when there is a key: the canonical bytes are
+    encoded once and the signature appended to them (``log()`` pays one encoding and one HMAC)."""
+    from trainguard.schemas import events as ev
+
+    if key is None:
+        return ev.encode(event)
+    body = canonical_bytes(event)
+    head, tail = _signature_parts(key)
+    return b"".join((body[:-1], head, hmac.digest(key.secret, body, "sha256").hex().encode(), tail))
+
+
+@lru_cache(maxsize=64)
+def _signature_parts(key: TrainerKey) -> tuple[bytes, bytes]:
+    """What ``signed_bytes`` appends to an event's bytes around the MAC (the same for every step)."""
+    head, _, tail = orjson.dumps(_signature(key, "\0")).partition(b'"\\u0000"')
+    return b',"signature":' + head + b'"', b'"' + tail + b"}"
+
+
+def authenticate(event: dict, masters: Mapping[str, SigningKey]) -> tuple[str | None, str | None]:
+    """``(principal, None)`` when the event carries a valid MAC of a trainer's or a node agent's
+    key whose scope covers its run; ``(None, the reason)`` otherwise."""
+    signature = event.get("signature")
+    if not signature:
+        return None, "unsigned"
+    if type(signature) is not dict or not all(type(signature.get(f)) is str for f in ("key_id", "scope", "mac")):
+        return None, "malformed signature"
+    principal = signature.get("principal", TRAINER)
+    if principal not in (TRAINER, NODE):
+        return None, f"unknown principal {str(principal)[:40]!r}"
+    master = masters.get(signature["key_id"])
+    if master is None:
+        return None, f"unknown {principal} key {signature['key_id'][:80]!r}"
+    try:
+        scope = Scope.parse(signature["scope"])
+    except ValueError as exc:
+        return None, str(exc)
+    run_id = event.get("run_id", "")
+    if not scope.covers(run_id):
+        return None, f"signed for {signature['scope'][:80]!r}, not for run {run_id!r}"
+    expected = _mac(master.trainer_key(scope, principal).secret, event)
+    if not hmac.compare_digest(expected, signature["mac"]):
+        return None, "bad signature (forged or altered)"
+    return principal, None
 
 
 def verify_trainer(event: dict, masters: Mapping[str, SigningKey]) -> str | None:
     """None when the event carries a valid MAC under a trainer key whose scope covers its run."""
-    signature = event.get("signature")
-    if not signature:
-        return "unsigned"
-    if type(signature) is not dict or not all(type(signature.get(f)) is str for f in ("key_id", "scope", "mac")):
-        return "malformed signature"
-    master = masters.get(signature["key_id"])
-    if master is None:
-        return f"unknown trainer key {signature['key_id']!r}"
-    if not scope_covers(signature["scope"], event.get("run_id", "")):
-        return f"signed for {signature['scope']!r}, not for run {event.get('run_id')!r}"
-    expected = hmac.new(master.trainer_key(signature["scope"]).secret, canonical_bytes(event),
-                        hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(expected, signature["mac"]):
-        return "bad signature (forged or altered)"
-    return None
+    principal, problem = authenticate(event, masters)
+    if problem is None and principal != TRAINER:
+        return f"signed with a {principal}'s key, not a trainer's"
+    return problem
 
 
 def verify_own(event: dict, key: TrainerKey) -> str | None:
@@ -309,11 +440,12 @@ def verify_own(event: dict, key: TrainerKey) -> str | None:
     signature = event.get("signature")
     if not signature:
         return "unsigned"
-    if type(signature) is not dict or signature.get("key_id") != key.key_id or signature.get("scope") != key.scope \
-            or type(signature.get("mac")) is not str:
+    if type(signature) is not dict or signature.get("key_id") != key.key_id \
+            or signature.get("scope") != str(key.scope) or type(signature.get("mac")) is not str \
+            or signature.get("principal", TRAINER) != key.principal:
         return "not signed with this trainer's key"
-    expected = hmac.new(key.secret, canonical_bytes(event), hashlib.sha256).hexdigest()
-    return None if hmac.compare_digest(expected, signature["mac"]) else "bad signature (forged or altered)"
+    return None if hmac.compare_digest(_mac(key.secret, event), signature["mac"]) else \
+        "bad signature (forged or altered)"
 
 
 @dataclass(frozen=True)
@@ -345,9 +477,20 @@ class Keyring:
             if self.trainer.covers(run_id):
                 return self.trainer
             log.warning("trainguard: TRAINGUARD_TRAINER_KEY covers %r, not run %s: its checkpoints and acks go "
-                        "unsigned and a worker with keys refuses them", self.trainer.scope, run_id)
+                        "unsigned and a worker with keys refuses them (its metrics raise alerts, never a command)",
+                        str(self.trainer.scope), run_id)
         if self.signer is not None:
             return self.signer.trainer_key(run_id)
+        return None
+
+    def node_key_for(self, run_id: str, env: Mapping[str, str] | None = None) -> TrainerKey | None:
+        """The key a node agent signs ``run_id``'s metrics with: ``TRAINGUARD_NODE_KEY``, or one
+        derived from the secret (local use); None when none covers the run (ValueError: malformed)."""
+        node = load_trainer_key(env, NODE)
+        if node is not None:
+            return node if node.covers(run_id) else None
+        if self.signer is not None:
+            return self.signer.trainer_key(run_id, NODE)
         return None
 
     def operator_signer(self) -> Signer | None:
@@ -361,34 +504,56 @@ def operator_signed(document: dict, env: Mapping[str, str] | None = None) -> dic
     return sign(document, signer) if signer is not None else document
 
 
-def exports(master: SigningKey, what: str, scope: str | None = None) -> list[str]:
+def exports(master: SigningKey, what: str, scope: Scope | None = None) -> list[str]:
     """Shell lines that give one side its part of ``master`` (``python -m trainguard.schemas.signing``)."""
-    if what == "trainer":
-        if not scope:
-            raise ValueError("a trainer key needs a scope: a run id, or a prefix ending in * (nlp-*)")
+    if what in (TRAINER, NODE):
+        if not isinstance(scope, Scope):
+            raise ValueError(f"a {what} key needs a scope: one run (--run RUN_ID) or the runs whose id starts "
+                             f"with a prefix (--prefix nlp-; --prefix '' for every run)")
+        key = master.trainer_key(scope, what).line()
+        if what == NODE:
+            return [f"export TRAINGUARD_NODE_KEY='{key}'"]
         publics = ",".join(f"{s.key_id}:{_b64(_raw_public(s.public))}"
                            for s in (master.command_signer, master.operator_signer))
         return [f"export TRAINGUARD_COMMAND_PUBLIC_KEYS='{publics}'",
-                f"export TRAINGUARD_TRAINER_KEY='{master.trainer_key(scope).line()}'"]
+                f"export TRAINGUARD_TRAINER_KEY='{key}'"]
     if what == "operator":
         from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
         signer = master.operator_signer
         seed = signer.private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
         return [f"export TRAINGUARD_OPERATOR_KEY='{signer.key_id}:{_b64(seed)}'"]
-    raise ValueError(f"what must be trainer or operator, not {what!r}")
+    raise ValueError(f"what must be trainer, node or operator, not {what!r}")
+
+
+def scope_from_args(run: str | None, prefix: str | None) -> Scope:
+    """The scope a command line asked for: exactly one of ``--run`` and ``--prefix`` (ValueError
+    saying so, or naming what is wrong with the one given)."""
+    if (run is None) == (prefix is None):
+        raise ValueError("say which runs the key covers: --run RUN_ID (one run) or --prefix PREFIX (every run whose "
+                         "id starts with it; --prefix '' for every run)")
+    return Scope.run(run) if run is not None else Scope.prefix(prefix or "")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainguard.schemas.signing trainer SCOPE | operator``: from the worker's secret
-    (its environment), the exports one side needs and nothing more."""
+    """``python -m trainguard.schemas.signing trainer|node --run RUN_ID|--prefix PREFIX | operator``:
+    from the worker's secret (its environment), the exports one side needs and nothing more."""
+    import argparse
     import sys
 
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("trainer", "operator") or (argv[0] == "trainer" and len(argv) != 2):
-        print("usage: python -m trainguard.schemas.signing trainer RUN_ID|PREFIX* | operator", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="python -m trainguard.schemas.signing",
+                                     description="print one side's keys, derived from the worker's secret")
+    sub = parser.add_subparsers(dest="what", required=True)
+    for what, whose in ((TRAINER, "a trainer host's"), (NODE, "a node agent's")):
+        p = sub.add_parser(what, help=f"{whose} key (and, for a trainer, the command public keys)")
+        runs = p.add_mutually_exclusive_group(required=True)
+        runs.add_argument("--run", metavar="RUN_ID", help="one run, by its exact id")
+        runs.add_argument("--prefix", metavar="PREFIX",
+                          help="every run whose id starts with PREFIX (a team's: nlp-); '' is every run")
+    sub.add_parser("operator", help="an operator's key (trainguard command, silence, ack, resolve)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        scope = scope_from_args(args.run, args.prefix) if args.what != "operator" else None
         master = signing_key_for_worker(load_keys())
     except ValueError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
@@ -396,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     if master is None:
         print("trainguard: no secret (TRAINGUARD_COMMAND_KEY or _FILE) to derive keys from", file=sys.stderr)
         return 2
-    print("\n".join(exports(master, argv[0], argv[1] if len(argv) > 1 else None)))
+    print("\n".join(exports(master, args.what, scope)))
     return 0
 
 

@@ -211,9 +211,12 @@ def _keys():
                     "listeners refuse them unless TRAINGUARD_ALLOW_UNSIGNED=1; %s",
                     "checkpoints, lifecycle changes, operator events and refusals are refused too"
                     if require_signed else "unsigned checkpoints and operator events are trusted (opted in)")
+        log.warning("trainguard: no keys, so metrics are not authenticated: whoever can write the events topic can "
+                    "make the breaker act (docs/security.md)")
     else:
-        log.warning("trainguard: signing commands with key id %r; trainer and operator events must be signed",
-                    signing_key.key_id)
+        log.warning("trainguard: signing commands with key id %r; trainer and operator events must be signed, and "
+                    "only metrics signed with the run's trainer key make the breaker act (others alert, marked "
+                    "unauthenticated)", signing_key.key_id)
     return signing_key, keys, require_signed
 
 

@@ -12,12 +12,15 @@ import pytest
 from trainguard.producers.control import REPLAYED, UNAUTHENTICATED, ReportedCheckpoints
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import (
+    NODE,
     Keyring,
+    Scope,
     SigningKey,
     exports,
     public_keys,
     sign,
     sign_trainer,
+    signed_bytes,
     verify,
     verify_trainer,
 )
@@ -37,7 +40,7 @@ def _env_from_exports(lines: list[str]) -> dict:
     return env
 
 
-TRAINER_ENV = _env_from_exports(exports(MASTER, "trainer", "nlp-*"))
+TRAINER_ENV = _env_from_exports(exports(MASTER, "trainer", Scope.prefix("nlp-")))
 OPERATOR_ENV = _env_from_exports(exports(MASTER, "operator"))
 
 
@@ -61,12 +64,15 @@ class Trainer:
         self.offset += 1
         return self.engine.handle(ev.encode(event), 0, self.offset)
 
-    def steps(self, first: int, last: int, loss: float = 0.5) -> list:
+    def steps(self, first: int, last: int, loss: float = 0.5, key=True) -> list:
+        """Steps of metrics, signed with this trainer's key (``key``: another one; None: unsigned)."""
         outs = []
         for step in range(first, last + 1):
             self.ts += 1
-            outs += self.send(ev.metrics_event(self.run_id, step, {"actor/pg_loss": loss, "actor/kl_loss": 0.01},
-                                               src=TRAINER, ts=self.ts), signed=False)
+            event = ev.metrics_event(self.run_id, step, {"actor/pg_loss": loss, "actor/kl_loss": 0.01},
+                                     src=TRAINER, ts=self.ts)
+            self.offset += 1
+            outs += self.engine.handle(signed_bytes(event, self.key if key is True else key), 0, self.offset)
         return outs
 
 
@@ -86,7 +92,7 @@ def test_the_worker_rolls_back_only_to_a_checkpoint_its_trainer_signed():
     t.steps(21, 24)
     forged = t.send(ev.checkpoint_event(RUN, 24, "/tmp/attacker/evil_weights.pt", ts=t.ts), signed=False)
     forged_at = t.offset
-    other_team = SigningKey("prod", MASTER.secret).trainer_key("vision-*")
+    other_team = SigningKey("prod", MASTER.secret).trainer_key(Scope.prefix("vision-"))
     stolen_scope = t.engine.handle(ev.encode(sign_trainer(ev.checkpoint_event(RUN, 24, "/tmp/attacker/b.pt",
                                                                               ts=t.ts), other_team)), 0, 99)
     [command] = _commands(t.steps(25, 25, loss=float("nan")))
@@ -95,7 +101,7 @@ def test_the_worker_rolls_back_only_to_a_checkpoint_its_trainer_signed():
     assert "refused checkpoint/1: not signed by the run's trainer's key (unsigned)" in _dead(forged)[0]
     [record] = [o.value for o in forged if o.kind == "dlq"]
     assert "/tmp/attacker/evil_weights.pt" in record["raw_text"] and record["offset"] == forged_at, "the evidence"
-    assert "signed for 'vision-*', not for run 'nlp-ppo-1'" in _dead(stolen_scope)[0]
+    assert "signed for 'prefix:vision-', not for run 'nlp-ppo-1'" in _dead(stolen_scope)[0]
     assert engine.forged == 2
 
 
@@ -164,7 +170,7 @@ def test_trainers_verify_commands_but_cannot_sign_one():
     key = trainer.trainer_key_for(RUN)
     assert "bad signature" in verify(sign_trainer(command, key), keys), "a trainer MAC is no command signature"
     assert "bad signature" in verify({**sign(command, MASTER), "action": "rollback"}, keys)
-    assert trainer.trainer_key_for("vision-1") is None, "its key covers nlp-* only"
+    assert trainer.trainer_key_for("vision-1") is None, "its key covers prefix nlp- only"
     assert verify_trainer(sign_trainer(ev.ack_event("c", RUN, "failed"), key), {"prod": MASTER}) is None
 
 
@@ -186,14 +192,18 @@ def test_a_listener_hands_over_only_checkpoints_its_trainer_reported():
 
 @pytest.mark.parametrize("line, problem", [
     ("prod|nlp-*", "key_id|scope|secret"),
+    ("prod|nlp-*|c2VjcmV0", "is untyped (made before scopes named a run or a prefix): issue a new key with "
+                            "`python -m trainguard.schemas.signing trainer --prefix nlp-`"),
+    ("prod|run:exp*|c2VjcmV0", "a run scope names one run"),
     ("", None),
 ])
 def test_a_malformed_trainer_key_is_named(line, problem):
     if problem is None:
         assert Keyring.from_env({"TRAINGUARD_TRAINER_KEY": line}).trainer is None
         return
-    with pytest.raises(ValueError, match=problem.replace("|", r"\|")):
+    with pytest.raises(ValueError) as raised:
         Keyring.from_env({"TRAINGUARD_TRAINER_KEY": line})
+    assert problem in str(raised.value)
 
 
 @pytest.mark.integration
@@ -215,7 +225,9 @@ def test_signed_events_satisfy_the_published_schemas():
 
     key = MASTER.trainer_key(RUN)
     operator = Keyring.from_env(OPERATOR_ENV).operator_signer()
-    for event in (sign_trainer(ev.checkpoint_event(RUN, 20, "/ckpt/20"), key),
+    step = ev.metrics_event(RUN, 3, {"actor/pg_loss": float("nan")}, src=TRAINER)
+    for event in (sign_trainer(step, key), sign_trainer(step, MASTER.trainer_key(RUN, NODE)),
+                  sign_trainer(ev.checkpoint_event(RUN, 20, "/ckpt/20"), key),
                   sign_trainer(ev.lifecycle_event(RUN, "finished", step=20), key),
                   sign_trainer({**ev.ack_event("c1", RUN, "rejected", "copy"), "cause": UNAUTHENTICATED}, key),
                   sign(ev.operator_event(RUN, "silence", until=time.time() + 60, by="ops"), operator),
@@ -296,3 +308,139 @@ def test_a_forged_applied_ack_and_an_unreadable_one_keep_no_command_from_the_tra
     finally:
         listener.close()
         control._TRAINER_KEYS.pop(run, None)
+
+
+# --------------------------------------------------------------------------- metrics that steer
+
+NAN = float("nan")
+
+
+def _alerts(outs) -> list[dict]:
+    return [o.value for o in outs if o.kind == "alert" and o.value["status"] == "firing"]
+
+
+def _feed(t: Trainer, values: list[float], key, first: int) -> list:
+    outs = []
+    for step, loss in enumerate(values, first):
+        outs += t.steps(step, step, loss=loss, key=key)
+    return outs
+
+
+@pytest.mark.parametrize("who", ["unsigned", "another run's key", "a node agent's key", "tampered"])
+def test_forged_metrics_alert_marked_unauthenticated_and_sign_no_command(who):
+    """The attack: 4 events (a finite value, then 3 NaNs) stop a run with no checkpoint; 8 make a
+    run with checkpoints roll back again and again. Only the run's trainer key makes them steer."""
+    forger = {"unsigned": None, "another run's key": MASTER.trainer_key("vision-7"),
+              "a node agent's key": MASTER.trainer_key(RUN, NODE), "tampered": "tampered"}[who]
+    for checkpoint, forged in ((False, [0.5, NAN, NAN, NAN]), (True, [0.5, NAN, NAN, NAN] * 2)):
+        outcome = {}
+        for sender in ("trainer", "forger"):
+            t = Trainer(_engine())
+            t.steps(1, 20)
+            if checkpoint:
+                t.send(ev.checkpoint_event(RUN, 20, "/ckpt/20", ts=t.ts))
+            if sender == "trainer":
+                outs = _feed(t, forged, True, 21)
+            elif forger == "tampered":  # the trainer's own signed event, its value changed on the way
+                outs = []
+                for step, loss in enumerate(forged, 21):
+                    t.ts += 1
+                    raw = signed_bytes(ev.metrics_event(RUN, step, {"actor/pg_loss": 0.5, "actor/kl_loss": 0.01},
+                                                        src=TRAINER, ts=t.ts), t.key)
+                    t.offset += 1
+                    outs += t.engine.handle(raw.replace(b'"actor/pg_loss":0.5', b'"actor/pg_loss":"NaN"')
+                                            if loss != loss else raw, 0, t.offset)
+            else:
+                outs = _feed(t, forged, forger, 21)
+            outcome[sender] = outs
+        assert _commands(outcome["trainer"]), "the same values from the run's trainer do steer"
+        assert _commands(outcome["forger"]) == [], f"{who}: no command signed"
+        alerts = _alerts(outcome["forger"])
+        assert {a["rule"] for a in alerts} & {"non_finite", "never_finite"}, "the NaNs are still alerted on"
+        for alert in alerts:
+            assert alert["authority"] == "unauthenticated"
+            assert alert["summary"].startswith("Unauthenticated metrics: ")
+            assert "the breaker sends no command on it" in alert["diagnosis"]
+            if who == "a node agent's key":  # a node agent claiming to be the trainer
+                assert "signed with a node agent's key, which speaks for no trainer" in alert["diagnosis"]
+        assert all(a["authority"] == "trainer" for a in _alerts(outcome["trainer"]))
+
+
+def test_forged_healthy_steps_neither_reset_the_breaker_nor_touch_the_trainers_state():
+    """Healthy forged steps between the trainer's NaNs would reset the breaker's count and end its
+    alerts if they were the trainer's: kept apart, they do neither."""
+    results = {}
+    for keyed in (True, False):
+        t = Trainer(_engine() if keyed else Engine(rules_mod.load(None)))
+        t.steps(1, 20)
+        outs = []
+        for step in (21, 22, 23):
+            outs += t.steps(step, step, loss=0.5, key=None)   # forged, healthy, first at each step
+            outs += t.steps(step, step, loss=NAN)              # the trainer's NaN
+        results[keyed] = outs
+    [stop] = _commands(results[True])
+    assert stop["action"] == "stop", "3 critical trainer steps in a row, no checkpoint: the breaker stops the run"
+    assert _commands(results[False]) == [], "without keys a forged healthy step resets the count (as before)"
+    resolved = [o.value for o in results[True] if o.kind == "alert" and o.value["status"] == "resolved"]
+    assert not [a for a in resolved if a.get("authority") == "trainer"], "no forged value ends the trainer's alert"
+
+
+def _collapse(t: Trainer, key, kind: str) -> list:
+    """The dataflow_collapse incident's three members (all critical together), sent by ``kind``."""
+    outs, src = [], ev.source(kind, "n1" if kind == "node" else "h", None if kind == "node" else 0)
+    for step in range(1, 45):
+        bad = step >= 40
+        values = {"reward_model/oom_count": 1.0 if bad else 0.0, "rollout/worker_crashes": 2.0 if bad else 0.0,
+                  "buffer/size": 1400.0 if bad else 4096.0 + step % 3}
+        t.ts += 1
+        t.offset += 1
+        outs += t.engine.handle(signed_bytes(ev.metrics_event(RUN, step, values, src=src, ts=t.ts), key), 0, t.offset)
+        outs += t.steps(step, step)  # the trainer's own healthy step
+    return outs
+
+
+def test_a_nodes_evidence_joins_an_incident_but_never_steers_alone():
+    node = Trainer(_engine())
+    outs = _collapse(node, MASTER.trainer_key(RUN, NODE), "node")
+    [incident] = [a for a in _alerts(outs) if a["rule"] == "dataflow_collapse"]
+    assert incident["authority"] == "node" and incident["critical"]
+    assert _commands(outs) == [], "a node's evidence alone starts no command"
+    trainer = Trainer(_engine())
+    outs = _collapse(trainer, trainer.key, "trainer")
+    [incident] = [a for a in _alerts(outs) if a["rule"] == "dataflow_collapse"]
+    assert incident["authority"] == "trainer"
+    assert _commands(outs), "the same incident from the trainer's own metrics steers"
+
+
+def test_a_run_id_is_never_a_pattern(capsys):
+    """A key for a run literally named * or exp* cannot be issued; a prefix is asked for as one."""
+    for name in ("*", "exp*", "a*b"):
+        with pytest.raises(ValueError, match="a run scope names one run"):
+            Scope.run(name)
+        with pytest.raises(ValueError, match="a run scope names one run"):
+            MASTER.trainer_key(name)
+        with pytest.raises(ev.SchemaError, match="without spaces, '|' or '\\*'"):
+            ev.decode(ev.encode(ev.metrics_event(name, 1, {"loss": 1.0}, src=TRAINER)))
+    from trainguard.schemas.signing import main
+    with pytest.raises(SystemExit):
+        main(["trainer", "exp*"])  # the untyped form: argparse refuses it (no scope flag)
+    assert main(["trainer", "--run", "exp*"]) == 2
+    assert "a run scope names one run" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["trainer", "--run", "a", "--prefix", "b"])
+    assert Scope.prefix("").covers("anything") and not Scope.prefix("exp").covers("ex")
+    assert not Scope.run("exp").covers("exp2")
+
+
+def test_a_forged_alert_left_open_spoils_no_checkpoint():
+    """Forged NaNs leave their alert open (the forger never sends a healthy value): a checkpoint the
+    trainer saves meanwhile is still a rollback target, so the trainer's own NaN rolls back to it."""
+    t = Trainer(_engine())
+    t.steps(1, 20)
+    t.send(ev.checkpoint_event(RUN, 20, "/ckpt/20", ts=t.ts))
+    forged = _feed(t, [0.5, NAN, NAN, NAN], None, 21)
+    assert [a["authority"] for a in _alerts(forged)] and _commands(forged) == []
+    t.steps(21, 30)
+    t.send(ev.checkpoint_event(RUN, 30, "/ckpt/30", ts=t.ts))
+    [rollback] = _commands(t.steps(31, 31, loss=NAN))
+    assert rollback["target"] == {"step": 30, "path": "/ckpt/30"}

@@ -70,6 +70,19 @@ def test_the_table_has_a_row_per_figure_with_target_and_verdict():
     assert any("folded" in line and "20,000" in line and "5.00" in line for line in lines)
 
 
+def test_the_log_figure_shows_the_macs_cost_against_4x_the_raw_produce():
+    run = _bench("run")
+    figures = {"raw_produce_p99_us": 5.0, "log_p50_us_broker_up": 8.0, "log_p99_us_broker_up": 18.0,
+               "log_p50_us_broker_down": 7.0, "log_p99_us_broker_down": 9.0, "log_queue_max_broker_down": 100_000,
+               "log_p50_us_unsigned_broker_up": 6.0, "log_p99_us_unsigned_broker_up": 12.0}
+    signed = next(line for line in run.table({**figures, "log_signed": True}).splitlines() if "with the MAC" in line)
+    assert "unsigned p99 12.0" in signed and "3.6" in signed and "pass" in signed, signed
+    slow = run.table({**figures, "log_signed": True, "log_p99_us_broker_up": 25.0}).splitlines()
+    assert "MISS" in next(line for line in slow if "with the MAC" in line), "5x the produce misses"
+    unsigned = run.table({**figures, "log_signed": False}).splitlines()
+    assert "MISS" in next(line for line in unsigned if "UNSIGNED" in line), "a run without a key measures no MAC"
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_quick_bench_prints_one_table_and_every_figure_as_json_last():

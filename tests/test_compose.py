@@ -82,14 +82,14 @@ def test_trainguard_services_run_real_subcommands_of_the_image():
     built = {name: s for name, s in SERVICES.items() if s.get("build")}
     assert set(built) == {"keys", "worker", "node", "sinks", "ui"}
     for name, service in built.items():
-        args = [a.replace("${TRAINGUARD_RUN_ID:-default}", "default").replace("${TRAINER_KEY_SCOPE:-*}", "*")
+        args = [a.replace("${TRAINGUARD_RUN_ID:-default}", "default").replace("${TRAINER_KEY_PREFIX:-}", "")
                 for a in service["command"]]
         entrypoint = service.get("entrypoint")
         if name == "keys":  # the mounted script, in the image's Python
             assert entrypoint == ["python", "/opt/trainguard/keys.py"]
             assert "./deploy/keys.py:/opt/trainguard/keys.py:ro" in service["volumes"]
             parsed = _keys_module().build_parser().parse_args(args)
-            assert parsed.action == "init" and parsed.scope == "*" and parsed.owner == 65534
+            assert parsed.action == "init" and parsed.prefix == "" and parsed.run is None and parsed.owner == 65534
             continue
         if entrypoint is not None:  # a shell that sets the environment, then runs trainguard with the command
             assert entrypoint[:2] == ["/bin/sh", "-c"] and entrypoint[2].endswith('exec trainguard "$$@"'), entrypoint
@@ -181,9 +181,10 @@ def test_only_the_worker_mounts_its_secret():
 
 
 def _init(root: Path, *args: str) -> subprocess.CompletedProcess:
-    # The script as the keys service runs it, owning the files as this test's user.
+    # The script as the keys service runs it (every run: --prefix ''), owning the files as this test's user.
     result = subprocess.run([sys.executable, str(KEYS_SCRIPT), "--root", str(root), "init", "--owner",
-                             str(os.getuid()), *args], capture_output=True, text=True, timeout=60)
+                             str(os.getuid()), *(args or ("--prefix", ""))], capture_output=True, text=True,
+                            timeout=60)
     assert result.returncode == 0, result.stderr
     return result
 
@@ -213,10 +214,18 @@ def test_the_keys_service_makes_each_side_its_keys(tmp_path):
     stranger = signing.SigningKey("compose", b"another stack's secret")
     assert signing.verify(signing.sign(command, stranger), trainer.command_keys()) == \
         "bad signature (forged or altered)"
-    # The worker accepts the trainer's checkpoints for any run (scope *), and operators' events.
+    # The worker accepts the trainer's checkpoints for any run (prefix ''), and operators' events.
     checkpoint = ev.checkpoint_event("ppo-7b-0412", 40, "/ckpt/step-40")
     signed = signing.sign_trainer(checkpoint, trainer.trainer_key_for("ppo-7b-0412"))
     assert signing.verify_trainer(signed, worker.masters) is None
+    # The stack's node agent sources its key where its entrypoint reads it: a node's, not a trainer's.
+    node_env = _exports(_through_volumes("node", "/run/trainguard/node.env", root).read_text())
+    assert "/run/trainguard/node.env" in SERVICES["node"]["entrypoint"][2]
+    node_key = signing.Keyring.from_env(node_env).node_key_for("ppo-7b-0412", node_env)
+    metrics = ev.metrics_event("ppo-7b-0412", 1, {"gpu/util": 90.0}, src=ev.source("node", "n1"))
+    assert signing.authenticate(ev.decode(signing.signed_bytes(metrics, node_key)), worker.masters) == ("node", None)
+    assert signing.verify_trainer(signing.sign_trainer(checkpoint, node_key), worker.masters) == \
+        "signed with a node's key, not a trainer's"
     assert signing.verify(signing.sign({"schema": "operator/1"}, operator.operator_signer()), worker.masters,
                           operators_only=True) is None
 
@@ -236,13 +245,19 @@ def test_the_keys_service_makes_each_side_its_keys(tmp_path):
 
     # Started again (every `docker compose up`): the same secret and token; a new scope takes effect.
     secret = (root / "worker" / "command.key").read_text()
-    _init(root, "--scope", "nlp-*")
+    _init(root, "--prefix", "nlp-")
     assert (root / "worker" / "command.key").read_text() == secret
     assert _through_volumes("ui", token_path, root).read_text() == token
     team = signing.Keyring.from_env(_exports((root / "handout" / "trainer.env").read_text()))
-    assert team.trainer.scope == "nlp-*"
+    assert str(team.trainer.scope) == "prefix:nlp-"
     signed = signing.sign_trainer(ev.checkpoint_event("vision-7", 40, "/x"), team.trainer)
-    assert signing.verify_trainer(signed, worker.masters) == "signed for 'nlp-*', not for run 'vision-7'"
+    assert signing.verify_trainer(signed, worker.masters) == "signed for 'prefix:nlp-', not for run 'vision-7'"
+    # The untyped scope of before is refused with the way out, and a run id is never a pattern.
+    for args, said in ((("--scope", "nlp-*"), "use --run RUN_ID or --prefix PREFIX"),
+                       (("--run", "exp*"), "a run scope names one run"), ((), "one of the arguments")):
+        refused = subprocess.run([sys.executable, str(KEYS_SCRIPT), "--root", str(root), "init", "--owner",
+                                  str(os.getuid()), *args], capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0 and said in refused.stderr, refused.stderr
 
 
 def test_keys_show_prints_the_handouts(tmp_path):
@@ -257,8 +272,10 @@ def test_keys_show_prints_the_handouts(tmp_path):
 
     assert show("trainer") == (root / "handout" / "trainer.env").read_text().strip()
     assert show("operator") == (root / "handout" / "operator.env").read_text().strip()
-    team = _exports(show("trainer", "vision-*"))
-    assert team["TRAINGUARD_TRAINER_KEY"].split("|")[:2] == ["compose", "vision-*"]
+    team = _exports(show("trainer", "--prefix", "vision-"))
+    assert team["TRAINGUARD_TRAINER_KEY"].split("|")[:2] == ["compose", "prefix:vision-"]
+    one = _exports(show("node", "--run", "vision-7"))
+    assert one["TRAINGUARD_NODE_KEY"].split("|")[:2] == ["compose", "run:vision-7"]
     token = (root / "ui" / "ui.token").read_text()
     assert show("ui", KAFKA_ADVERTISED_HOST="tg.example.com") == f"http://tg.example.com:8321/?token={token}"
     assert show("ui", KAFKA_ADVERTISED_HOST="tg.example.com", TRAINGUARD_UI_TOKEN="chosen") == \

@@ -7,6 +7,7 @@ import orjson
 import pytest
 
 from trainguard.schemas import events as ev
+from trainguard.schemas.signing import signed_bytes
 from trainguard.simulator import SimulatedPPO
 from trainguard.sinks.report_files import ReportSink
 from trainguard.sinks.reports import render_text
@@ -32,9 +33,11 @@ class Run:
         self.checkpoint_every = checkpoint_every
         self.outputs: list = []
         self.stopped = False
+        self.key = None  # the trainer key its metrics are signed with (a worker with keys steers on no others)
 
     def feed(self, event) -> list:
-        outs = self.engine.handle(ev.encode(event), 0, self.offset)
+        signed = self.key is not None and event["schema"] == ev.METRICS
+        outs = self.engine.handle(signed_bytes(event, self.key) if signed else ev.encode(event), 0, self.offset)
         self.offset += 1
         self.outputs += outs
         return outs
@@ -667,11 +670,11 @@ def test_a_forged_hardware_verdict_is_refused_and_skips_no_rollback():
     master = SigningKey("k", b"s" * 32)
     engine = Engine(ruleset(rerun_on_nan=True), verify_keys={"k": master}, require_signed=True)
     r = Run(engine, checkpoint_every=10)
+    r.key = key = master.trainer_key("r")
     r.run(10)  # unsigned checkpoints are no rollback targets: sign them as the trainer would
     engine.rules.policy = dataclasses.replace(engine.rules.policy)
     from trainguard.schemas.signing import sign_trainer
 
-    key = master.trainer_key("r")
     for step in (10, 20, 30, 40):
         r.sim.model.step = step
         r.sim.save_checkpoint()

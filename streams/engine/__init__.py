@@ -177,6 +177,10 @@ class Engine(Judging, OperatorActions):
         self.processed += 1
         if run.events is not None:
             run.events += 1
+        if event["schema"] == ev.METRICS:
+            self._vouch(event)
+        else:
+            self._authority = (None, None)
         admitted = "source" not in event or self._admit(run, run_id, event["source"])
         if not admitted and event["schema"] == ev.METRICS:
             return []  # over the run's source cap: counted in its status, its state stays bounded
@@ -189,7 +193,9 @@ class Engine(Judging, OperatorActions):
         outputs: list[Output] = []
         self._fired = False
         if "source" in event and admitted:
-            self._seen(run, run_id, event, outputs)
+            apart = self._apart()
+            self._seen(run, run_id, {**event, "source": {**event["source"], "kind": apart + event["source"]["kind"]}}
+                       if apart else event, outputs)
         kind = event["schema"]
         if kind == ev.METRICS:
             dropped = event["metrics"].get("trainguard/dropped_events")
@@ -260,6 +266,7 @@ class Engine(Judging, OperatorActions):
         runs whose state has served its time (finished longer than ``finished_grace_s`` ago,
         or without any event for ``idle_ttl_s``) forgotten."""
         now = self.clock() if now is None else now
+        self._authority = (None, None)  # silence is the worker's own observation
         stale_rules = [r for r in self.rules.rules if r.kind == "stale"]
         outputs: list[Output] = []
         wall = time.time()

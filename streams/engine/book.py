@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from trainguard.schemas import events as ev
+from trainguard.schemas.signing import TRAINER, UNAUTHENTICATED
 from trainguard.streams import keys
 from trainguard.streams.alerts import LOUD
 from trainguard.streams.engine.outputs import Output, OutputKind, _json_value
@@ -36,6 +38,7 @@ class AlertBook(StateAccess):
 
     _severity: dict[str, str]
     _fired: bool
+    _vouched: Callable[..., dict]  # the breaker's: who vouched for an alert's evidence
 
     def _open_alert(self, run: RunState, run_id: str, alert_id: str, close: bool = False) -> dict | None:
         """The open alert with this id; with ``close`` it is taken out of the book and its room
@@ -83,7 +86,9 @@ class AlertBook(StateAccess):
 
     @staticmethod
     def _critical_open(run: RunState) -> bool:
-        return any(e["critical"] for e in run.book.values())
+        """Whether a critical alert is open on the trainer's own evidence (a checkpoint saved
+        meanwhile is no rollback target): neither a forger nor a node agent can spoil one."""
+        return any(e["critical"] and e.get("authority", TRAINER) == TRAINER for e in run.book.values())
 
     @staticmethod
     def _book(run: RunState, alert: dict, room: str = SOURCE, key: str | None = None) -> None:
@@ -98,8 +103,9 @@ class AlertBook(StateAccess):
                 del run.book[aid]
 
     def _paging(self, run: RunState) -> bool:
-        """Whether a P0/P1 alert of the run is open."""
-        return any(a["open"] > 0 and self._severity.get(rule) in LOUD for rule, a in run.active.items())
+        """Whether a P0/P1 alert of the run is open on the trainer's own evidence (with keys)."""
+        return any(a["open"] > 0 and self._severity.get(rule) in LOUD
+                   and (a.get("alert") or {}).get("authority", TRAINER) == TRAINER for rule, a in run.active.items())
 
     def _silence_for(self, run: RunState, rule: str) -> dict | None:
         if not run.silences:
@@ -116,16 +122,19 @@ class AlertBook(StateAccess):
         """Open an alert: in the book (under ``room`` and ``key``), the incident bookkeeping and
         the reports' recent critical alerts; its event, unless the rule only feeds incidents."""
         self._fired = True
-        active = run.active.setdefault(alert["rule"], {"open": 0, "last_ts": 0.0, "alert": None})
-        active["open"] += 1
-        active["last_ts"] = alert["ts"]
-        active["alert"] = {k: alert[k] for k in ("id", "metric", "value", "step", "layer")}
+        vouched = alert.get("authority") != UNAUTHENTICATED
+        if vouched:  # forged evidence joins no incident, pages into no checkpoint's health, no report
+            active = run.active.setdefault(alert["rule"], {"open": 0, "last_ts": 0.0, "alert": None})
+            active["open"] += 1
+            active["last_ts"] = alert["ts"]
+            active["alert"] = {k: alert[k] for k in ("id", "metric", "value", "step", "layer", "authority")
+                               if k in alert}
         incidents = self._in_room(run, INCIDENT) if self.rules.incidents else {}
         for incident in self.rules.incidents:
             opened = incidents.get(incident.name)
             if incident.inhibit and opened and alert["rule"] in incident.rules:
                 alert["inhibited_by"] = opened["id"]  # the incident already pages for it
-        if rule.critical:
+        if rule.critical and vouched:
             run.recent_alerts.append(alert)
             del run.recent_alerts[:-MAX_RECENT_ALERTS]
         if not getattr(rule, "emit", True):
@@ -139,7 +148,7 @@ class AlertBook(StateAccess):
         return Output(OutputKind.ALERT, alert["run_id"], alert)
 
     def _resolve(self, run: RunState, alert: dict, event: dict, **extra) -> Output | None:
-        active = run.active.get(alert["rule"])
+        active = run.active.get(alert["rule"]) if alert.get("authority") != UNAUTHENTICATED else None
         if active and active["open"] > 0:
             active["open"] -= 1
         run.book.pop(alert["id"], None)
@@ -155,10 +164,10 @@ class AlertBook(StateAccess):
         first = evidence.get("first_spike") if isinstance(evidence, dict) else None
         # A repeated spike began at the first one: the breaker's healthy checkpoint predates it.
         onset = first if first is not None and first["step"] < step else None
-        return ev.alert_event(
+        return self._vouched(ev.alert_event(
             run_id, rule.name, alert_id=ev.alert_id(run_id, rule.name, sid, metric, step, attempt),
             severity=rule.severity, critical=rule.critical, summary=rule.summary, metric=metric, value=value,
             signal=signal_of(base_name(metric)), metrics=[metric], values={metric: value},
             layer=event.get("layer") or self.rules.layer_for(metric), source=event["source"], step=step,
             ts=event["ts"], evidence=evidence, diagnosis=rule.diagnosis, suggestion=rule.suggestion,
-            onset=onset, node_snapshot=dict(run.nodes))
+            onset=onset, node_snapshot=dict(run.nodes)))

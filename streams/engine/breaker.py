@@ -9,7 +9,16 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from trainguard.schemas import events as ev
-from trainguard.schemas.signing import SigningKey, sign, verify, verify_trainer
+from trainguard.schemas.signing import (
+    NODE,
+    TRAINER,
+    UNAUTHENTICATED,
+    SigningKey,
+    authenticate,
+    sign,
+    verify,
+    verify_trainer,
+)
 from trainguard.streams import keys, policy
 from trainguard.streams.detectors.changepoint import change_onset
 from trainguard.streams.engine.book import NOTICE, AlertBook
@@ -58,6 +67,46 @@ class Breaker(AlertBook, StatusRoom):
     verify_keys: dict[str, SigningKey]
     forged: int
     windows: MinuteWindows
+    # Who vouches for the metrics event being judged: (None, None) without keys (every event is
+    # taken as it comes, as the zero-setup demo needs), else (trainer | node | unauthenticated, why).
+    _authority: tuple[str | None, str | None] = (None, None)
+
+    def _vouch(self, event: dict) -> None:
+        """Find who vouches for a metrics event (its MAC), for judging it."""
+        if not (self.require_signed and self.verify_keys):
+            self._authority = (None, None)
+            return
+        principal, problem = authenticate(event, self.verify_keys)
+        if principal == NODE and event["source"]["kind"] in self.rules.policy.step_sources:
+            principal, problem = None, "signed with a node agent's key, which speaks for no trainer"
+        self._authority = (principal or UNAUTHENTICATED, problem)
+
+    def _steers(self) -> bool:
+        """Whether the event being judged may move the breaker: the run's trainer key vouches for
+        it (or no keys are configured)."""
+        return self._authority[0] in (None, TRAINER)
+
+    def _apart(self) -> str:
+        """The prefix under which the event's source keeps its state and its last-seen time: none
+        for an event a key vouches for; otherwise its own, so that a forged value neither moves
+        the genuine source's baselines nor ends its alerts nor keeps it looking alive."""
+        return UNAUTHENTICATED + "~" if self._authority[0] == UNAUTHENTICATED else ""
+
+    def _vouched(self, alert: dict, authority: str | None = None) -> dict:
+        """The alert marked with who vouched for its evidence (keys configured only); an
+        unauthenticated one says so in its summary and diagnosis, since it can never steer."""
+        if authority is None:
+            authority = self._authority[0]
+        if authority is None:
+            return alert
+        alert["authority"] = authority
+        if authority == UNAUTHENTICATED:
+            why = self._authority[1] or "a member alert's metrics carry no valid trainer or node key"
+            alert["summary"] = f"Unauthenticated metrics: {alert['summary']}"
+            alert["diagnosis"] = (f"{alert.get('diagnosis') or ''} Unauthenticated: no valid MAC of the run's "
+                                  f"trainer key vouches for these metrics ({why}); the alert is raised for a "
+                                  f"person to check, and the breaker sends no command on it.").strip()
+        return alert
 
     def _unauthentic(self, event: dict, raw: bytes | None, topic: str = "", partition: int = -1,
                      offset: int = -1) -> Output | None:
@@ -92,7 +141,10 @@ class Breaker(AlertBook, StatusRoom):
 
     def _breaker_step(self, ctx: "EventContext") -> None:
         """A trainer step, critical or not, goes to the breaker; a decision goes out as a
-        command (signed) with its diagnosis report."""
+        command (signed) with its diagnosis report. With keys, only a step the run's trainer key
+        vouches for: a forged one neither trips the breaker nor, healthy, resets its count."""
+        if not self._steers():
+            return
         event, critical = ctx.event, ctx.critical
         decision = policy.on_step(ctx.run.breaker, self.rules.policy, run_id=ctx.run_id, step=event["step"],
                                   ts=event["ts"], critical=bool(critical), immediate=ctx.immediate,

@@ -6,6 +6,7 @@ import math
 from typing import TYPE_CHECKING, Callable
 
 from trainguard.schemas import events as ev
+from trainguard.schemas.signing import NODE, TRAINER
 from trainguard.streams import trackers
 from trainguard.streams.detectors import CrossRank
 from trainguard.streams.engine.book import CROSS, INCIDENT, STALE, AlertBook
@@ -15,6 +16,16 @@ from trainguard.streams.signals import base_name, rank_of
 
 if TYPE_CHECKING:
     from trainguard.streams.engine.judging import EventContext
+
+def _incident_authority(members: list[dict]) -> str | None:
+    """Who vouches for an incident: the run's trainer when its key vouches for a member (a node's
+    evidence joins, never steers alone), else a node's. Unauthenticated alerts join no incident
+    (``_fire``). None without keys."""
+    said = [m.get("authority") for m in members]
+    if all(a is None for a in said):
+        return None
+    return TRAINER if TRAINER in said else NODE
+
 
 class Correlation(AlertBook):
     """Alerts across sources and rules: silent sources coming back, stragglers among ranks,
@@ -129,10 +140,11 @@ class Correlation(AlertBook):
                               "members": [{"rule": r, **m["alert"]}
                                           for r, m in zip(incident.rules, members, strict=True)]},
                     diagnosis=incident.diagnosis, suggestion=incident.suggestion, node_snapshot=dict(run.nodes))
+                self._vouched(alert, _incident_authority([m["alert"] for m in members]))
                 opened = alert
                 self._add(outputs, self._fire(run, alert, incident, INCIDENT, incident.name))
             elif verdict == trackers.CLOSE and opened is not None:
                 self._add(outputs, self._resolve(run, opened, event))
                 opened = None
-            if incident.critical and opened is not None:
+            if incident.critical and opened is not None and opened.get("authority", TRAINER) == TRAINER:
                 critical.append((opened["id"], incident.name, incident.summary))

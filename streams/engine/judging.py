@@ -87,7 +87,7 @@ class Judging(Correlation, Breaker):
         log says once which of them no rule watches); a node's values are kept as they came
         for the snapshot alerts carry."""
         src = event["source"]
-        sid = ev.source_id(src)
+        sid = self._apart() + ev.source_id(src)
         key = keys.source_key(run_id, sid)
         state = self._source(key, src["kind"])
         state.points += 1
@@ -117,7 +117,7 @@ class Judging(Correlation, Breaker):
 
     def _admit(self, run: RunState, run_id: str, src: dict) -> bool:
         """Whether the run keeps state for this source (False past its source cap)."""
-        sid = ev.source_id(src)
+        sid = self._apart() + ev.source_id(src)
         if sid in run.sources:
             return True
         if len(run.sources) < self.limits.sources_per_run:

@@ -96,6 +96,8 @@ def book_entry(alert: dict, room: str = SOURCE, key: str | None = None) -> dict:
              "value": _json_value(value) if type(value) is float else value,
              "flapping": bool(alert.get("flapping")), "critical": bool(alert.get("critical")),
              "room": room, "listed": not alert.get("incident_only")}
+    if "authority" in alert:  # who vouched for it (keys configured): forged ones decide no checkpoint's health
+        entry["authority"] = alert["authority"]
     evidence = alert.get("evidence")
     if isinstance(evidence, dict) and "eta_points" in evidence:  # a forecast: when, for status
         entry["eta"] = {k: evidence[k] for k in ("eta_steps", "eta_points", "threshold") if k in evidence}

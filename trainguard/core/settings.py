@@ -47,10 +47,14 @@ SETTINGS: tuple[Setting, ...] = (
             "which secret to sign with when several are configured"),
     Setting("TRAINGUARD_COMMAND_PUBLIC_KEYS", None, _TRAINER,
             "`key_id:public,...`: the worker's and the operators' public keys, which listeners verify "
-            "commands with (`python -m trainguard.schemas.signing trainer SCOPE` prints them)"),
+            "commands with (`python -m trainguard.schemas.signing trainer --run ID` prints them)"),
     Setting("TRAINGUARD_TRAINER_KEY", None, _TRAINER,
-            "`key_id\\|scope\\|secret`: signs this trainer's checkpoints, lifecycle changes and acks, for one run "
-            "id or a team's prefix (`nlp-*`); printed by `python -m trainguard.schemas.signing trainer SCOPE`"),
+            "`key_id\\|scope\\|secret`: signs this trainer's metrics, checkpoints, lifecycle changes and acks, "
+            "for one run (`run:ppo-7b`) or the runs with a prefix (`prefix:nlp-`); printed by "
+            "`python -m trainguard.schemas.signing trainer --run ID` (or `--prefix P`)"),
+    Setting("TRAINGUARD_NODE_KEY", None, "node agent",
+            "`key_id\\|scope\\|secret`: signs this node agent's samples (they join incidents, never steer alone); "
+            "printed by `python -m trainguard.schemas.signing node --run ID` (or `--prefix P`)"),
     Setting("TRAINGUARD_OPERATOR_KEY", None, "operator",
             "`key_id:private`: signs `trainguard silence`/`ack`/`resolve` and `trainguard command` "
             "(`python -m trainguard.schemas.signing operator` prints it)"),
@@ -235,7 +239,7 @@ README_NAMES = ("TRAINGUARD_BOOTSTRAP", "TRAINGUARD_PARTITIONS", "TRAINGUARD_TOP
                 "TRAINGUARD_DATA_DIR",
                 "TRAINGUARD_FINISHED_GRACE_S", "TRAINGUARD_RUN_TTL_S", "TRAINGUARD_COMMAND_KEY",
                 "TRAINGUARD_COMMAND_KEY_FILE", "TRAINGUARD_COMMAND_KEY_ID", "TRAINGUARD_COMMAND_PUBLIC_KEYS",
-                "TRAINGUARD_TRAINER_KEY", "TRAINGUARD_OPERATOR_KEY")
+                "TRAINGUARD_TRAINER_KEY", "TRAINGUARD_NODE_KEY", "TRAINGUARD_OPERATOR_KEY")
 README_BEGIN = "<!-- settings table: python -m trainguard.core.settings --readme -->"
 README_END = "<!-- end of settings table -->"
 
