@@ -311,7 +311,8 @@ def test_a_millisecond_microsecond_or_nanosecond_clock_is_converted_where_it_is_
         assert abs(event["onset"]["ts"] - now) < 1.0
 
 
-@pytest.mark.parametrize("ts", [1e308, 2**63 - 1, time.time() + 3 * 86_400, 5e12, 1e21])
+@pytest.mark.parametrize("ts", [1e308, 2**63 - 1, time.time() + 3 * 86_400, 5e12, 1e21],
+                         ids=["1e308", "int64_max", "three_days_ahead", "5e12", "1e21"])
 def test_a_time_ahead_of_the_clock_in_every_unit_is_refused_with_the_reason(ts):
     with pytest.raises(ev.SchemaError, match=r"ts: .* ahead of this reader's clock.*send seconds since the epoch"):
         ev.decode(_stamped("metrics", ts))
