@@ -8,6 +8,8 @@ import dataclasses
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainguard.producers.control import REPLAYED, UNAUTHENTICATED, ReportedCheckpoints
 from trainguard.schemas import events as ev
@@ -444,3 +446,19 @@ def test_a_forged_alert_left_open_spoils_no_checkpoint():
     t.send(ev.checkpoint_event(RUN, 30, "/ckpt/30", ts=t.ts))
     [rollback] = _commands(t.steps(31, 31, loss=NAN))
     assert rollback["target"] == {"step": 30, "path": "/ckpt/30"}
+
+
+@given(scope=st.text(max_size=40), run_id=st.text(max_size=20))
+@settings(max_examples=300, deadline=None)
+def test_any_scope_string_is_one_run_a_prefix_or_refused_with_the_reason(scope, run_id):
+    """Whatever a signature's scope says: a typed run covers only that run, a prefix only the runs
+    starting with it, and anything else (an untyped pattern, a run id with *) is a ValueError."""
+    try:
+        parsed = Scope.parse(scope)
+    except ValueError as exc:
+        assert str(exc)
+        return
+    assert "*" not in parsed.value
+    covers = parsed.covers(run_id)
+    assert covers == (run_id == parsed.value if parsed.kind == "run" else run_id.startswith(parsed.value))
+    assert Scope.parse(str(parsed)) == parsed, "the typed form reads back as itself"

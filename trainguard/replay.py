@@ -253,12 +253,12 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
 
 
 def _default_run_id(path: str) -> str:
-    """The file's name without its extension, made a valid run id (``my run|2.log`` -> ``my_run_2``)."""
+    """The file's name without its extension, made a valid run id (``my run|2*.log`` -> ``my_run_2_``)."""
     name = os.path.basename(os.path.normpath(path)) or "replay"
     for suffix in (".gz", ".log", ".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".txt"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
-    name = re.sub(r"[^!-{}~]", "_", name)[:256]
+    name = re.sub(r"[^!-)+-{}~]", "_", name)[:256]  # schemas.events.RUN_ID
     return name or "replay"
 
 
