@@ -27,8 +27,6 @@ VALID = [
     ev.metrics_event("run-1", 13, {"actor/pg_loss": math.nan, "actor/grad_norm": math.inf}, src=SRC, ts=1.5e9,
                      layer="data", tags={"phase": "train"}),
     ev.checkpoint_event("run-1", 20, "/ckpt/global_step_20", ts=1.5e9),
-    ev.checkpoint_event("run-1", 25, "/ckpt/global_step_25", ts=1.5e9, healthy=False,
-                        why="parameter lm_head.weight holds NaN/Inf at step 25"),
     ev.lifecycle_event("run-1", "rolled_back", step=20, ts=1.5e9, detail={"command_id": "c1"}),
     ev.ack_event("c1", "run-1", "applied", "restored", ts=1.5e9),
     {"schema": "command/1", "id": "c1", "run_id": "run-1", "action": "rollback",
@@ -47,6 +45,9 @@ VALID = [
     {**ev.metrics_event("run-1", 13, {"timing_s/step": math.nan}, ts=1.5e9,
                         src={**ev.source("trainer", "node-1"), "ranks": [8, 9]}),
      "per_rank": {"timing_s/step[8]": 1.2, "timing_s/step[9]": math.nan}},
+    # The trainer's verdict on a checkpoint it saved (optional).
+    ev.checkpoint_event("run-1", 25, "/ckpt/global_step_25", ts=1.5e9, healthy=False,
+                        why="parameter lm_head.weight holds NaN/Inf at step 25"),
 ]
 
 

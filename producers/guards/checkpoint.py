@@ -55,7 +55,7 @@ class Manifest:
     path: Path
     data: dict
     loading: dict = field(default_factory=dict)  # file -> the loader load_verified reads it with
-    loaded: dict | None = None  # what those loaders made of the files
+    loaded: dict = field(default_factory=dict)  # what those loaders made of the files
 
     @property
     def meta(self) -> dict:
