@@ -32,6 +32,8 @@ def is_rl(keys) -> bool:
         if k in RL_KEYS or k.startswith(RL_PREFIXES):
             return True
     return False
+
+
 # The longest line a line reader keeps (bytes, after decompression). A metrics line of the widest
 # event the schema allows (10,000 metrics) is a few MiB at most; longer is not one, and reading
 # it whole would let a small .gz file expand into gigabytes held in memory.
