@@ -271,6 +271,8 @@ class Breaker(AlertBook, StatusRoom):
             if src is not None and src.kind in self.rules.policy.step_sources:
                 for alert in {a["id"]: a for a in src.firing.values()}.values():
                     self._add(outputs, self._resolve(run, alert, event, resolution="the trainer rolled back"))
+                names = src.block.names
+                src.finite_before.update(names[row] for row in np.flatnonzero(src.block.count).tolist())
                 src.block.reset()
                 src.history.forget_after(restored if isinstance(restored, int) else None)
                 src.streaks.clear()

@@ -216,7 +216,7 @@ class Judging(Correlation, Breaker):
                 # it open (a sustained fault soon enters the window and stops looking unusual).
                 holds = rules[ri].holds(value, bool(anomalous[j]) or slot in state.firing,
                                         mean[j] if ready[j] else math.nan, std[j])
-                if holds and rules[ri].seen_finite is not None and rules[ri].seen_finite != bool(block.count[row]):
+                if holds and rules[ri].seen_finite is not None and rules[ri].seen_finite != state.seen_finite(row):
                     holds = False  # e.g. NaN since the first point (not computed) vs NaN after finite values
                 self._judge(ctx, slot, rules[ri], holds, ctx.names[j], value,
                             lambda j=j, row=row, value=value: self._evidence(
