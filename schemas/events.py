@@ -31,6 +31,7 @@ MAX_FOLDED_RANKS = 1024  # ranks one folded event (``source.ranks``) may carry
 
 METRICS = "metrics/1"
 CHECKPOINT = "checkpoint/1"
+MAX_CHECKPOINT_REASON = 1000  # a trainer's word on why a checkpoint it saved is not healthy
 LIFECYCLE = "lifecycle/1"
 ALERT = "alert/1"
 COMMAND = "command/1"
@@ -109,11 +110,17 @@ def metrics_event(run_id: str, step: int, metrics: dict[str, float], *, src: dic
 
 
 def checkpoint_event(run_id: str, step: int, path: str, *, ts: float | None = None,
-                     src: dict | None = None) -> dict:
-    event = {"schema": CHECKPOINT, "run_id": run_id, "step": step, "path": path,
-             "ts": time.time() if ts is None else ts}
+                     src: dict | None = None, healthy: bool | None = None, reason: str | None = None) -> dict:
+    """A checkpoint saved; ``healthy``/``reason``: the trainer's own verdict on what it saved (a
+    weights check), optional: ``healthy: false`` keeps it from ever being a rollback target."""
+    event: dict[str, Any] = {"schema": CHECKPOINT, "run_id": run_id, "step": step, "path": path,
+                             "ts": time.time() if ts is None else ts}
     if src is not None:
         event["source"] = src
+    if healthy is not None:
+        event["healthy"] = healthy
+    if reason is not None:
+        event["reason"] = reason
     return event
 
 
@@ -436,6 +443,9 @@ def _validate_checkpoint(event: dict) -> None:
     _time(event, "ts")
     if event.get("source") is not None:
         _check_source(event["source"])
+    if event.get("healthy") is not None and type(event["healthy"]) is not bool:
+        raise _fail("healthy", f"must be a boolean, got {type(event['healthy']).__name__}")
+    _str(event, "reason", required=False, max_len=MAX_CHECKPOINT_REASON)
 
 
 def _validate_lifecycle(event: dict) -> None:

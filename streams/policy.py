@@ -216,7 +216,7 @@ def passed_over(c: dict, onset_step: int, onset_ts: float | None, min_steps_befo
     if c.get("refused"):
         return f"the trainer could not load it ({c['refused']})"
     if not c.get("healthy", True):
-        return "saved while a P0/P1 alert was open"
+        return c.get("why") or "saved while a P0/P1 alert was open"
     if c["step"] > onset_step - min_steps_before:
         return f"closer than {min_steps_before} steps to the onset"
     return None

@@ -189,9 +189,7 @@ class Engine(Judging, OperatorActions):
         elif kind == ev.OPERATOR:
             self._operator(event, run, run_id, outputs)
         elif kind == ev.CHECKPOINT:
-            # Only a checkpoint saved while no critical alert and no page was open is a rollback target.
-            run.checkpoints.append({"step": event["step"], "path": event["path"], "ts": event["ts"],
-                                    "healthy": not self._critical_open(run) and not self._paging(run)})
+            run.checkpoints.append(self._certified(run, event))
             del run.checkpoints[:-MAX_CHECKPOINTS]
             policy.on_checkpoint(run.breaker, event["step"])
         elif event["event"] == "rolled_back":
@@ -217,6 +215,7 @@ class Engine(Judging, OperatorActions):
                 # only checkpoints it reported itself, and the old process's ladder is not its own;
                 # the hour's rollbacks still count against max_rollbacks_per_hour.
                 run.checkpoints.clear()
+                run.nonfinite = None  # it resumes from a checkpoint of its own; its signals say how that is
                 old = run.breaker
                 run.breaker = policy.BreakerState(rollback_ts=old.rollback_ts, attempt=old.attempt)
             run.finished, run.finished_at, run.stopped = False, None, False

@@ -105,8 +105,34 @@ class Breaker(AlertBook, StatusRoom):
         if decision is not None:
             ctx.outputs += self._decided(ctx.run, ctx.run_id, decision, event)
 
+    def _certified(self, run: RunState, event: dict) -> dict:
+        """A checkpoint the trainer reported, with the worker's verdict: healthy only when the
+        trainer did not judge it otherwise, no NaN/Inf reached a critical signal since the checkpoint
+        before it, and no incident was open or under way; else suspect, and why."""
+        step, b = event["step"], run.breaker
+        before = max((c["step"] for c in run.checkpoints if c["step"] < step), default=-1)
+        critical = sorted({e["rule"] for e in run.book.values() if e["critical"]})
+        why = None
+        if event.get("healthy") is False:
+            why = f"the trainer judged it unhealthy: {event.get('reason') or 'no reason given'}"
+        elif run.nonfinite is not None and run.nonfinite[0] > before:
+            why = f"saved after a NaN/Inf in {run.nonfinite[1]} at step {run.nonfinite[0]}"
+        elif self._critical_open(run) or self._paging(run):
+            why = "saved while a P0/P1 alert was open" + (f" ({', '.join(critical[:3])})" if critical else "")
+        elif b.streak > 0 and b.onset_step is not None:
+            why = f"saved inside an incident (critical since step {b.onset_step})"
+        checkpoint = {"step": step, "path": event["path"], "ts": event["ts"], "healthy": why is None}
+        if why is not None:
+            checkpoint["why"] = why[:300]
+        return checkpoint
+
     def _decided(self, run: RunState, run_id: str, decision: policy.Decision, event: dict) -> list[Output]:
-        """A decision out: its report, then its commands (the rollback, then the ladder's adjust), signed."""
+        """A decision out: its report, then its commands (the rollback, then the ladder's adjust), signed.
+        The checkpoints saved since the incident began hold it: suspect from now on."""
+        if decision.onset is not None:
+            for c in run.checkpoints:
+                if c["step"] >= decision.onset and c.get("healthy", True):
+                    c["healthy"], c["why"] = False, f"saved after the incident began at step {decision.onset}"
         report = self._report(run, run_id, decision, event)
         outputs = [Output(OutputKind.REPORT, run_id, report)]
         for command in [decision.command, *decision.then]:
@@ -265,6 +291,8 @@ class Breaker(AlertBook, StatusRoom):
         restored = event.get("step")
         if isinstance(restored, int):  # checkpoints past it belong to the branch the rollback abandoned
             run.checkpoints = [c for c in run.checkpoints if c["step"] <= restored]
+            if run.nonfinite is not None and run.nonfinite[0] > restored:
+                run.nonfinite = None  # a NaN of the abandoned branch
         for sid in run.sources:  # the restored model is not what the windows saw
             key = keys.source_key(run_id, sid)
             src = self._source(key, "") if key in self.store else None

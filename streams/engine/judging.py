@@ -326,6 +326,8 @@ class Judging(Correlation, Breaker):
         if not holds or (rule.given and not rule.given_holds(state.known)):
             return
         ctx.holding.add(slot)
+        if rule.critical and not math.isfinite(value):  # the checkpoints saved after it are suspect
+            ctx.run.nonfinite = [ctx.event["step"], metric]
         if slot in state.firing:  # the open episode holds again: its clean points start over
             track = state.tracks.get(slot)
             if track is not None:

@@ -348,7 +348,7 @@ class RunState:
     offset: int = -1
     partition: int = 0
     breaker: policy.BreakerState = field(default_factory=policy.BreakerState)
-    checkpoints: list = field(default_factory=list)     # {step, path, ts, healthy}
+    checkpoints: list = field(default_factory=list)     # {step, path, ts, healthy, why}: why when suspect
     nodes: dict = field(default_factory=dict)           # host -> {ts, step, metrics}
     sources: list = field(default_factory=list)         # source ids seen
     recent_alerts: list = field(default_factory=list)   # the last critical alerts, for reports
@@ -368,6 +368,7 @@ class RunState:
     events: int | None = None                           # events applied (None: counted by no release yet)
     rows: int = 0                                       # metric rows of its sources, all together
     limits: dict = field(default_factory=dict)          # cap -> {cap, left_out, of}: what it left out
+    nonfinite: list | None = None                       # [step, metric]: the last NaN/Inf a critical rule saw
 
     def to_bytes(self) -> bytes:
         d = self.__dict__.copy()

@@ -53,8 +53,8 @@ class StatusRoom(StateAccess):
                         else None},
             "open_alerts": open_alerts, "checkpoints": len(run.checkpoints),
             # what `trainguard command RUN rollback --to STEP` may restore: only what the trainer reported
-            "saved_checkpoints": [{"step": c["step"], "path": c["path"], "healthy": c["healthy"]}
-                                  for c in run.checkpoints],
+            "saved_checkpoints": [{"step": c["step"], "path": c["path"], "healthy": c["healthy"],
+                                   **({"why": c["why"]} if "why" in c else {})} for c in run.checkpoints],
             "last_healthy_checkpoint": {"step": healthy["step"], "path": healthy["path"]} if healthy else None,
             "dropped_events": run.dropped_events, "worker": self.worker_name,
             "silences": [dict(s) for s in run.silences if s["until"] > self.clock()],
