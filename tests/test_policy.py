@@ -280,7 +280,7 @@ def test_a_failed_rollback_rearms_the_breaker_at_once_and_says_so():
     assert command["action"] == "rollback"
     ack = ev.ack_event(command["id"], "r", "failed", "FileNotFoundError: /checkpoints/global_step_20", step=31)
     outs = r.engine.handle_ack(ev.encode(ack))
-    assert [(o.kind, o.value["rule"], o.value["severity"]) for o in outs] == [("alert", "command_failed", "P1")]
+    assert [(o.kind, o.value["rule"], o.value["severity"]) for o in outs] == [("alert", "command_not_applied", "P1")]
     assert "FileNotFoundError" in outs[0].value["diagnosis"]
     assert r.engine.handle_ack(ev.encode(ack)) == [], "an ack read twice changes nothing"
     r.outputs.clear()

@@ -50,12 +50,12 @@ def test_a_refused_command_is_open_until_a_later_command_is_applied():
     [command] = [o.value for o in outputs if o.kind == "command"]
     ack = ev.ack_event(command["id"], run, "failed", detail="no such file", ts=now[0])
     [alert] = [o.value for o in engine.handle_ack(ev.encode(ack)) if o.kind == "alert"]
-    assert alert["rule"] == "command_failed" and alert["status"] == "firing"
-    assert [a["rule"] for a in engine.status(run)["open_alerts"] if a["severity"] == "P1"] == ["command_failed"]
+    assert alert["rule"] == "command_not_applied" and alert["status"] == "firing"
+    assert [a["rule"] for a in engine.status(run)["open_alerts"] if a["severity"] == "P1"] == ["command_not_applied"]
     applied = ev.ack_event("a-later-command", run, "applied", ts=now[0])
     [resolved] = [o.value for o in engine.handle_ack(ev.encode(applied)) if o.kind == "alert"]
-    assert resolved["rule"] == "command_failed" and resolved["status"] == "resolved"
-    assert "command_failed" not in [a["rule"] for a in engine.status(run)["open_alerts"]]
+    assert resolved["rule"] == "command_not_applied" and resolved["status"] == "resolved"
+    assert "command_not_applied" not in [a["rule"] for a in engine.status(run)["open_alerts"]]
 
 
 def test_an_idle_runs_status_is_published_again(monkeypatch):

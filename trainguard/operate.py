@@ -269,13 +269,21 @@ def _clock(ts, fmt: str = "%H:%M:%S") -> str:
     return time.strftime(fmt, time.localtime(ts)) if type(ts) in (int, float) else "?"
 
 
+NOT_APPLIED = ("rejected", "failed", "expired")  # what came of a command the trainer did not apply
+
+
 def _state(status: dict) -> str:
     breaker = status["breaker"]
     if status.get("state_freed"):  # the run's summary, kept after its detection state was freed
         return f"{status.get('outcome') or 'ended'} (summary)"
     if status.get("finished") or status.get("outcome") == "stopped":
         return status.get("outcome") or "finished"
+    command = status.get("command")
+    if isinstance(command, dict) and command.get("status") in NOT_APPLIED and isinstance(command.get("said"), str):
+        return command["said"]  # the breaker acted, the trainer did not: never "stopped" while it trains on
     state = breaker["status"]
+    if state == "stopped":  # the breaker sent a stop; the run has not said it stopped
+        state = "stop sent, not acked yet"
     if state == "awaiting":
         state = f"awaiting {breaker.get('pending_command') or 'a command'}"
     return state + (" (silenced)" if status.get("silences") else "")
@@ -349,7 +357,15 @@ def format_status(s: dict, now: float | None = None) -> str:
         else ""
     ended = s.get("finished") or s.get("state_freed") or s.get("outcome") in ("finished", "stopped")
     state = f"off (the run {s.get('outcome') or 'ended'})" if ended else breaker["status"]
+    if state == "stopped":
+        state = "off (it sent a stop)"
     lines.append(f"  breaker {state}; {breaker['rollbacks']} rollback(s){rolled}")
+    command = s.get("command")
+    if isinstance(command, dict) and isinstance(command.get("said"), str):
+        lines.append(f"  last command: {command['said']}")
+        if command.get("status") in NOT_APPLIED and not ended:
+            lines.append(f"  the run goes on: last step {_shown(s.get('last_step'))}, last event "
+                         f"{_ago(s.get('last_event_ts'), now)}")
     if s.get("state_freed"):
         lines.append(f"  ended {s.get('outcome') or '?'}; detection state freed, this summary kept until "
                      f"{_clock(s.get('retained_until'), '%Y-%m-%d %H:%M')}")
@@ -377,6 +393,10 @@ def format_status(s: dict, now: float | None = None) -> str:
                  + (f"step {_shown(ckpt.get('step'))} ({ckpt.get('path')})" if ckpt else "none")
                  + f"; {_shown(s.get('checkpoints', 0))} checkpoint(s) seen")
     lines += _suspect_lines(s)
+    unsigned = [c for c in s.get("unsigned_checkpoints") or [] if isinstance(c, dict)]
+    if unsigned:
+        lines.append(f"  refused as unsigned (never a rollback target): checkpoint(s) at step(s) "
+                     f"{', '.join(_shown(c.get('step')) for c in unsigned)}: {unsigned[-1].get('why') or '?'}")
     unwatched = [n for n in s.get("unwatched_metrics") or [] if isinstance(n, str)]
     if unwatched:
         shown = ", ".join(unwatched[:10]) + (f" (+{len(unwatched) - 10} more)" if len(unwatched) > 10 else "")

@@ -133,7 +133,7 @@ class Engine(Judging, OperatorActions):
                    appended_at: float | None = None) -> list[Output]:
         """Apply one ack from the trainer (``control.acks``). A ``failed`` or ``rejected`` ack of
         the command the breaker waits for re-arms it (or stops the run, by policy) and raises a
-        ``command_failed`` alert; anything else changes nothing. Never raises on bad input.
+        ``command_not_applied`` alert; anything else changes nothing. Never raises on bad input.
         ``appended_at``: the broker's append time of the ack (LogAppendTime), against which the
         alert says how far the trainer's clock is off."""
         try:
@@ -153,6 +153,8 @@ class Engine(Judging, OperatorActions):
         """Apply one decoded event (``raw``, ``topic``: where it came from, for a dead letter)."""
         forged = self._unauthentic(event, raw, topic, partition, offset)
         if forged is not None:
+            if event["schema"] == ev.CHECKPOINT:
+                self._unsigned_checkpoint(event, forged.value["reason"] if forged.value else "")
             return [forged]
         run_id = event["run_id"]
         run_key = run_id.encode()
@@ -252,6 +254,10 @@ class Engine(Judging, OperatorActions):
                 continue
             if wall - self._status_at.get(key, 0.0) >= STATUS_REFRESH_S:
                 self.touched.add(key)  # an idle run's status stays fresh, and names this worker after a takeover
+            expired = [] if run.finished else self._expired_commands(run, key.decode(), now)
+            if expired:
+                outputs += expired
+                self._changed(key, run.partition)
             # Invented run ids would each page as hung: with keys, only a run its trainer announced
             # (a signed "started", which TrainerLogger sends) or that reported a checkpoint is judged
             # for silence; without keys, a run of more than a few events.

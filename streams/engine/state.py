@@ -369,6 +369,8 @@ class RunState:
     rows: int = 0                                       # metric rows of its sources, all together
     limits: dict = field(default_factory=dict)          # cap -> {cap, left_out, of}: what it left out
     nonfinite: list | None = None                       # [step, metric]: the last NaN/Inf a critical rule saw
+    command: dict | None = None                         # the breaker's last command and what came of it
+    unsigned_checkpoints: list = field(default_factory=list)  # {step, path, why}: the newest refused as unsigned
 
     def to_bytes(self) -> bytes:
         d = self.__dict__.copy()

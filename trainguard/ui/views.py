@@ -49,6 +49,9 @@ def status_view(s: dict) -> dict:
             "open_alerts": len(s["open_alerts"]), "last_healthy_checkpoint_step": int64(ckpt.get("step")),
             "acknowledged": _acknowledged(s["open_alerts"]), "silences": _silences(s.get("silences")),
             "unwatched_metrics": names, "suspect_checkpoints": _suspect(s.get("saved_checkpoints")),
+            # what came of the breaker's last command: "stop sent at step 140, refused by the trainer: ..."
+            "command": short_text((s.get("command") or {}).get("said") if isinstance(s.get("command"), dict)
+                                  else None, 600),
             "unwatched_more": max(0, len(unwatched) - len(names)) if isinstance(unwatched, list) else 0,
             # a finished run's summary, kept on the status topic after its detection state was freed
             "state_freed": s.get("state_freed") is True,
