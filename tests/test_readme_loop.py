@@ -161,6 +161,51 @@ def test_bad_data_over_consecutive_batches_is_passed_and_the_newest_healthy_chec
         worker.kill()
 
 
+def test_a_trainer_started_without_its_key_refusing_the_stop_is_paged_and_never_called_stopped(kafka, tmp_path,
+                                                                                                monkeypatch):
+    """The README loop started without the key (no TRAINGUARD_COMMAND_KEY_FILE exported) beside a
+    worker that has one: its checkpoints are refused as unsigned, so the NaN gets a stop; the loop
+    cannot verify the stop, refuses it in an ack it cannot sign, and trains on. The worker pages the
+    stop as not applied, and `trainguard status` says so instead of "stopped"."""
+    from trainguard.schemas.signing import new_key_line
+
+    env = _env(kafka, monkeypatch)
+    for name in ("TRAINGUARD_COMMAND_KEY", "TRAINGUARD_COMMAND_KEY_FILE", "TRAINGUARD_TRAINER_KEY"):
+        monkeypatch.delenv(name, raising=False)
+        env.pop(name, None)
+    worker = WorkerProcess(kafka, tmp_path, extra_env={"TRAINGUARD_COMMAND_KEY": new_key_line("worker")}).start()
+    run_id = f"keyless-{int(time.time() * 1000)}"
+    try:
+        worker.wait_ready()
+        alerts = TopicReader(kafka, kafka.topics.alerts)
+        toy = ToyTrainer(poisoned={30}, ckpt_dir=tmp_path / "ckpt")
+        namespace = run_readme_loop(toy.namespace(total_steps=120), run_id=run_id)
+        assert namespace["step"] == 120 and not namespace["stop"], "the loop refused the stop and trained on"
+        paged = alerts.wait_for(lambda a: a["run_id"] == run_id and a.get("rule") == "command_not_applied", timeout=30,
+                                what="the stop paged as not applied", worker=worker)
+        assert paged["severity"] == "P1" and "unknown signing key" in paged["diagnosis"], paged
+        alerts.close()
+
+        def refused():
+            status = read_statuses(kafka, timeout_s=5).get(run_id) or {}
+            return status if status.get("last_step") == 120 and (status.get("command") or {}).get(
+                "status") == "rejected" else None
+
+        wait_until(refused, timeout=60, what="the refused stop in the run's status")
+        shown = subprocess.run([sys.executable, "-m", "trainguard.cli", "status", run_id], capture_output=True,
+                               text=True, env=env, cwd=tmp_path, timeout=120)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        first = shown.stdout.splitlines()[0]
+        assert re.search(r"stop sent at step \d+, refused by the trainer: unknown signing key", first), shown.stdout
+        assert "stopped" not in first, shown.stdout
+        assert "the run goes on: last step 120" in shown.stdout, shown.stdout
+        # the newest ten of the twelve it saved, and why
+        assert ("refused as unsigned (never a rollback target): checkpoint(s) at step(s) 30, 40, 50, 60, 70, 80, 90, "
+                "100, 110, 120: refused checkpoint/1: not signed by the run's trainer's key") in shown.stdout, shown.stdout
+    finally:
+        worker.kill()
+
+
 def test_the_readme_loop_run_again_under_its_fixed_run_id_is_rolled_back_again(kafka, tmp_path, monkeypatch):
     """The README's run id is fixed: a second run of the loop under it, NaN at the same step, gets
     its own rollback (the first run's was acked; a copy of it would be dropped by the new
