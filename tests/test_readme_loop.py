@@ -201,7 +201,8 @@ def test_a_trainer_started_without_its_key_refusing_the_stop_is_paged_and_never_
         assert "the run goes on: last step 120" in shown.stdout, shown.stdout
         # the newest ten of the twelve it saved, and why
         assert ("refused as unsigned (never a rollback target): checkpoint(s) at step(s) 30, 40, 50, 60, 70, 80, 90, "
-                "100, 110, 120: refused checkpoint/1: not signed by the run's trainer's key") in shown.stdout, shown.stdout
+                "100, 110, 120: refused checkpoint/1: not signed by the run's trainer's key") in shown.stdout, \
+            shown.stdout
     finally:
         worker.kill()
 
