@@ -5,6 +5,7 @@ commands are signed by a key trainers cannot sign with."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from trainguard.schemas.signing import (
     verify,
     verify_trainer,
 )
+from trainguard.sinks.reports import render_text
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
 
@@ -321,6 +323,9 @@ def test_a_trainer_without_its_key_refusing_the_stop_is_not_called_stopped():
     [report] = [o.value for o in outs if o.kind == "report"]
     assert "2 checkpoint(s) the trainer reported (steps 10, 20) were refused as unsigned" in report["checkpoint"]["why"]
     assert [c["step"] for c in report["checkpoint"]["refused_unsigned"]] == [10, 20]
+    text = render_text(report)
+    assert "checkpoints refused as unsigned (never a rollback target): step 10 (/ckpt/10), step 20 (/ckpt/20)" in text
+    assert re.search(r"the breaker acts on: [a-z_, ]*non_finite[a-z_, ]*; of them fired: non_finite\n", text), text
     refusal = {**ev.ack_event(stop["id"], RUN, "rejected", "unknown signing key 'prod'", step=23, ts=t.ts),
                "cause": UNAUTHENTICATED}
     outs = engine.handle_ack(ev.encode(refusal))
