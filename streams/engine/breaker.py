@@ -251,8 +251,9 @@ class Breaker(AlertBook, StatusRoom):
                                                   command_id=ack["command_id"], status=ack["status"],
                                                   detail=ack.get("detail", ""), ts=ack["ts"], now=self.clock(),
                                                   ids=self._command_id)
-        assert run.command is not None or not ours
-        if not handled and not (ours and (run.command["status"] == "sent" or run.command.get("unverified"))):
+        unanswered = ours and run.command is not None and (run.command["status"] == "sent"
+                                                           or bool(run.command.get("unverified")))
+        if not handled and not unanswered:
             return []  # not the breaker's, or an answer it already has (an ack read twice)
         self._command_answered(run, ack)
         self._changed(run_key, run.partition)
