@@ -210,6 +210,7 @@ class Engine(Judging, OperatorActions):
             if run.finished:  # a new run under an id that ended: the old one's checkpoints are not its own
                 run.checkpoints.clear()
                 run.breaker = policy.BreakerState()
+                run.nonfinite, run.command, run.unsigned_checkpoints = None, None, []
             elif ((event.get("source") or {}).get("rank") in (None, 0)
                   and run.breaker.epoch not in (None, repr(event["ts"]))
                   and (run.checkpoints or run.breaker.attempt)):
