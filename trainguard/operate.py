@@ -283,7 +283,7 @@ def _state(status: dict) -> str:
         return command["said"]  # the breaker acted, the trainer did not: never "stopped" while it trains on
     state = breaker["status"]
     if state == "stopped":  # the breaker sent a stop; the run has not said it stopped
-        state = "stop sent, not acked yet"
+        state = command["said"] if isinstance(command, dict) and isinstance(command.get("said"), str) else "stop sent"
     if state == "awaiting":
         state = f"awaiting {breaker.get('pending_command') or 'a command'}"
     return state + (" (silenced)" if status.get("silences") else "")
