@@ -658,7 +658,10 @@ def forged_inputs_applied(log_dir=None) -> dict:
         "forged_checkpoint_used": int(rollback["target"]["path"] != genuine_path),
         "forged_silence_applied": sum(1 for a in nan if a.get("silenced")),
         "forged_finished_applied": int(bool(status.get("finished"))),
-        "forged_ack_applied": sum(1 for a in seen_alerts if a.get("rule") == "command_failed"),
+        # A forged refusal may only keep the worker from calling the command applied (a notice marked
+        # unverified); one that made the breaker act would be a notice without the mark.
+        "forged_ack_applied": sum(1 for a in seen_alerts if a.get("rule") == "command_not_applied"
+                                  and not (a.get("evidence") or {}).get("unverified")),
         "unsigned_duplicate_applied": sum(1 for c in applied if c.get("signature") is None)
                                       + sum(1 for c in worker_commands if c["action"] == "stop"),
         "unreported_path_applied": sum(1 for c in applied if (c.get("target") or {}).get("path") == evil_path),

@@ -113,7 +113,8 @@ def main(argv=None) -> int:
 
     restored = ", ".join(Path(p).stem for p in toy.loaded) or "none"
     print(f"readme loop: ended at step {step} of {total_steps}, {'stopped by a command' if stop else 'finished'}; "
-          f"rolled back to: {restored}; {skipped} batch(es) skipped; checkpoints in {toy.ckpt_dir}")
+          f"rolled back to: {restored}; {skipped} batch(es) skipped; weight {toy.weight:g}; "
+          f"checkpoints in {toy.ckpt_dir}")
     return 0
 
 

@@ -140,9 +140,17 @@ def render_text(report: dict) -> str:
         f"incident: onset at step {shown(inc.get('onset_step'))}{_critical_from(inc)}{_margin(inc)}, "
         f"rules {', '.join(shown(r) for r in _items(inc.get('rules')))}, "
         f"layers {', '.join(shown(la) for la in _items(inc.get('layers')))}",
-        "",
-        "alerts:",
     ]
+    acts_on = [shown(r) for r in _items(inc.get("breaker_rules"))]
+    if acts_on:  # what the breaker acts on, and which of those this incident fired
+        fired = {shown(r) for r in _items(inc.get("rules"))}
+        lines.append(f"the breaker acts on: {', '.join(acts_on)}; of them fired: "
+                     f"{', '.join(r for r in acts_on if r in fired) or 'none'}")
+    unsigned = [c for c in _items(_mapping(report.get("checkpoint")).get("refused_unsigned")) if isinstance(c, dict)]
+    if unsigned:
+        lines.append("checkpoints refused as unsigned (never a rollback target): "
+                     + ", ".join(f"step {shown(c.get('step'))} ({shown(c.get('path'))})" for c in unsigned))
+    lines += ["", "alerts:"]
     for a in _items(report.get("alerts")):
         if not isinstance(a, dict):
             lines.append("  - (an entry that is not an alert)")

@@ -171,6 +171,7 @@ class BreakerState:
     restored_step: int | None = None                     # where the last rollback landed
     last_rules: list[str] = field(default_factory=list)  # the incident behind the last rollback
     began: tuple[int, str] | None = None                 # (step, rule) of the incident's first warning
+    immediate: bool = False                              # the incident holds a value that cannot wait (NaN)
     # The recovery ladder so far for the incident that keeps coming back: one entry per rung
     # climbed ({"rung", "action", "step": checkpoint restored, "skip"}); empty for a new incident.
     ladder: list[dict] = field(default_factory=list)
@@ -215,7 +216,7 @@ def passed_over(c: dict, onset_step: int, onset_ts: float | None, min_steps_befo
     if c.get("refused"):
         return f"the trainer could not load it ({c['refused']})"
     if not c.get("healthy", True):
-        return "saved while a P0/P1 alert was open"
+        return c.get("why") or "saved while a P0/P1 alert was open"
     if c["step"] > onset_step - min_steps_before:
         return f"closer than {min_steps_before} steps to the onset"
     return None
@@ -287,7 +288,7 @@ def on_step(state: BreakerState, policy: Policy, *, run_id: str, step: int, ts: 
     state.last_critical = critical
     if not critical:
         state.streak, state.onset_step, state.onset_ts, state.alert_ids, state.rules = 0, None, None, [], []
-        state.began = None
+        state.began, state.immediate = None, False
         return None
     if state.streak == 0:
         state.onset_step, state.onset_ts = step, ts
@@ -296,6 +297,7 @@ def on_step(state: BreakerState, policy: Policy, *, run_id: str, step: int, ts: 
     # one alert naming several metrics (actor/kl_loss and reward/kl_divergence) is one reason
     state.alert_ids += [a for a in dict.fromkeys(alert_ids) if a not in state.alert_ids]
     state.rules += [r for r in rules if r not in state.rules]
+    state.immediate = state.immediate or immediate
     if began is not None and (state.began is None or began[0] < state.began[0]):
         state.began = (int(began[0]), str(began[1]))
     if state.streak < policy.consecutive_critical:
@@ -351,9 +353,10 @@ def _furthest(checkpoints: list[dict]) -> float:
 
 
 def _recurred(state: BreakerState, policy: Policy) -> bool:
-    """Whether the incident is the one the last rollback was for, back within recurrence_steps."""
-    return bool(state.restored_step is not None and state.onset_step is not None
-                and set(state.rules) & set(state.last_rules)
+    """Whether the incident is the one the last rollback was for, back within recurrence_steps: the
+    same rule again, or any NaN/Inf (a run rolled back for a KL explosion that turns NaN got worse)."""
+    return bool(state.restored_step is not None and state.onset_step is not None and state.last_rules
+                and (set(state.rules) & set(state.last_rules) or state.immediate)
                 and state.onset_step - state.restored_step <= policy.recurrence_steps)
 
 
@@ -372,6 +375,16 @@ def skipping(n: int) -> str:
     return f"skipping {n} batch{'' if n == 1 else 'es'}"
 
 
+def _ladder_skip(policy: Policy, twice: int, step: int, target: dict, checkpoints: list[dict]) -> int:
+    """A rung's skip: twice the last one; with ``skip_batches: auto`` also past every batch from the
+    rung's checkpoint to the step that failed, and at least twice those (bad data comes in runs of
+    consecutive batches: a wider rewind that replays them meets the fault again)."""
+    if policy.skip_batches != "auto":
+        return twice
+    back = max(0, int(min(step, _furthest(checkpoints))) - int(target["step"]))
+    return max(twice + back, 2 * back)
+
+
 def _climb(state: BreakerState, policy: Policy, checkpoints: list[dict], step: int
            ) -> tuple[int, dict | None, int, bool, str]:
     """The next rung for an incident that came back: (rung, target, skip, with adjust, why)."""
@@ -386,11 +399,12 @@ def _climb(state: BreakerState, policy: Policy, checkpoints: list[dict], step: i
     if rung > policy.rungs:
         return rung, None, 0, False, (f"{came}; the recovery ladder's {policy.rungs} rung(s) are spent: "
                                       f"rolling back again would loop")
-    skip = 2 * max(1, int(last.get("skip") or 0))
+    twice = 2 * max(1, int(last.get("skip") or 0))
     adjust = bool(policy.adjust) and rung == policy.rungs
     if not adjust:
         older, _ = safe_checkpoint(checkpoints, int(last["step"]), None)
         if older is not None:
+            skip = _ladder_skip(policy, twice, step, older, checkpoints)
             return rung, older, skip, False, (f"rung {rung} of {policy.rungs}: wider rewind to step "
                                               f"{older['step']}, {skipping(skip)}, because {came}")
         if not policy.adjust:
@@ -400,6 +414,7 @@ def _climb(state: BreakerState, policy: Policy, checkpoints: list[dict], step: i
     target = _checkpoint_at(checkpoints, int(last["step"])) or safe_checkpoint(checkpoints, int(last["step"]), None)[0]
     if target is None:
         return rung, None, 0, False, f"{came}, and the checkpoint of step {last['step']} is gone: stopping"
+    skip = _ladder_skip(policy, twice, step, target, checkpoints)
     if state.epoch is not None and "adjust" not in state.can:  # it said what it applies: no adjust
         return rung, target, skip, False, (f"rung {rung} of {policy.rungs}: rollback to step {target['step']}, "
                                            f"{skipping(skip)} (its trainer applies no adjust), because {came}")
@@ -468,7 +483,7 @@ def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoint
                                          "step": int(target["step"]), "skip": int(skip or 0)}])[-(policy.rungs + 1):]
     else:
         state.status = STOPPED
-    state.streak, state.alert_ids, state.began = 0, [], None
+    state.streak, state.alert_ids, state.began, state.immediate = 0, [], None, False
     return Decision(command, why, target, candidates, onset=began, then=then, verdict=verdict,
                     rung=rung if action == "rollback" else None, passed_over=newer)
 
@@ -556,7 +571,7 @@ def on_command_refused(state: BreakerState, policy: Policy, *, run_id: str, comm
         state.ladder.pop()  # a rung the trainer did not apply was not climbed
         state.adjust_id = None
     state.streak, state.onset_step, state.onset_ts, state.alert_ids, state.rules = 0, None, None, [], []
-    state.last_step, state.began = None, None
+    state.last_step, state.began, state.immediate = None, None, False
     if policy.on_command_failure != "stop":
         state.status = ARMED
         return True, None
@@ -573,7 +588,7 @@ def on_rolled_back(state: BreakerState, restored_step: int | None) -> None:
     """The trainer restored a checkpoint: count again from a clean slate."""
     state.status = ARMED
     state.streak, state.onset_step, state.onset_ts, state.last_step = 0, None, None, None
-    state.alert_ids, state.rules, state.began = [], [], None
+    state.alert_ids, state.rules, state.began, state.immediate = [], [], None, False
     state.attempt += 1
     state.restored_step = restored_step
     state.saved_step = None

@@ -193,6 +193,11 @@ class RuleSet:
     path: str = "<rules>"
     incidents: list[Incident] = field(default_factory=list)
 
+    @property
+    def breaker_rules(self) -> list[str]:
+        """The rules (and incidents) the circuit breaker acts on: the critical ones, in file order."""
+        return [r.name for r in self.rules if r.critical] + [i.name for i in self.incidents if i.critical]
+
     def baseline_for(self, metric: str) -> Baseline:
         for b in self.baselines:
             if b.watches(metric):

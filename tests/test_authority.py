@@ -5,6 +5,7 @@ commands are signed by a key trainers cannot sign with."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import pytest
@@ -26,6 +27,7 @@ from trainguard.schemas.signing import (
     verify,
     verify_trainer,
 )
+from trainguard.sinks.reports import render_text
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
 
@@ -148,12 +150,16 @@ def test_forged_silence_finished_and_acks_change_nothing_and_signed_ones_do():
         ack = ev.ack_event(command["id"], RUN, "rejected", "whatever")
         if cause:
             ack = sign_trainer({**ack, "cause": cause}, t.key)
-        assert [o.kind for o in engine.handle_ack(ev.encode(ack))] == ([] if cause else ["dlq"])
+        kinds = [o.kind for o in engine.handle_ack(ev.encode(ack))]
+        # An unsigned refusal is a dead letter, and all it can do is keep the worker from calling the
+        # rollback applied (said once, as a notice): no command, no re-arming.
+        assert kinds == ([] if cause else ["dlq", "alert"]), (cause, kinds)
     assert engine.status(RUN)["breaker"]["pending_command"] == command["id"], "still waiting for its rollback"
+    assert engine.status(RUN)["command"]["status"] == "rejected", "never claimed applied"
     genuine = sign_trainer(ev.ack_event(command["id"], RUN, "rejected", "not a checkpoint this trainer reported"),
                            t.key)
     outs = engine.handle_ack(ev.encode(genuine))
-    assert [o.value["rule"] for o in outs if o.kind == "alert"] == ["command_failed"]
+    assert [o.value["rule"] for o in outs if o.kind == "alert"] == ["command_not_applied"]
     [stop] = _commands(outs)
     assert stop["action"] == "stop" and verify(stop, public_keys({"prod": MASTER})) is None
     operator = Keyring.from_env(OPERATOR_ENV).operator_signer()
@@ -462,3 +468,70 @@ def test_any_scope_string_is_one_run_a_prefix_or_refused_with_the_reason(scope, 
     covers = parsed.covers(run_id)
     assert covers == (run_id == parsed.value if parsed.kind == "run" else run_id.startswith(parsed.value))
     assert Scope.parse(str(parsed)) == parsed, "the typed form reads back as itself"
+
+
+def test_a_trainer_without_its_key_refusing_the_stop_is_not_called_stopped():
+    """A trainer started without its key signs nothing (its checkpoints are refused) and cannot verify
+    the worker's stop: it refuses it, in an ack it cannot sign, and trains on. The worker pages the
+    stop as not applied, status says what came of it, and the stop's report names the checkpoints
+    refused as unsigned instead of "no checkpoint was saved"."""
+    from trainguard.operate import format_runs, format_status
+
+    engine = _engine()
+    t = Trainer(engine)
+    t.steps(1, 10)
+    assert _dead(t.send(ev.checkpoint_event(RUN, 10, "/ckpt/10", ts=t.ts), signed=False))
+    t.steps(11, 20)
+    assert _dead(t.send(ev.checkpoint_event(RUN, 20, "/ckpt/20", ts=t.ts), signed=False))
+    outs = t.steps(21, 23, loss=float("nan"))
+    [stop] = _commands(outs)
+    assert stop["action"] == "stop"
+    [report] = [o.value for o in outs if o.kind == "report"]
+    assert "2 checkpoint(s) the trainer reported (steps 10, 20) were refused as unsigned" in report["checkpoint"]["why"]
+    assert [c["step"] for c in report["checkpoint"]["refused_unsigned"]] == [10, 20]
+    text = render_text(report)
+    assert "checkpoints refused as unsigned (never a rollback target): step 10 (/ckpt/10), step 20 (/ckpt/20)" in text
+    assert re.search(r"the breaker acts on: [a-z_, ]*non_finite[a-z_, ]*; of them fired: non_finite\n", text), text
+    refusal = {**ev.ack_event(stop["id"], RUN, "rejected", "unknown signing key 'prod'", step=23, ts=t.ts),
+               "cause": UNAUTHENTICATED}
+    outs = engine.handle_ack(ev.encode(refusal))
+    assert [o.kind for o in outs] == ["dlq", "alert"]
+    alert = outs[1].value
+    assert (alert["rule"], alert["severity"], alert["evidence"]["unverified"]) == ("command_not_applied", "P1", True)
+    assert "unknown signing key" in alert["diagnosis"] and "does not act on it" in alert["diagnosis"]
+    t.steps(24, 60, loss=float("nan"))  # it trains on
+    status = engine.status(RUN)
+    assert "outcome" not in status and status["command"]["status"] == "rejected"
+    said = status["command"]["said"]
+    assert said.startswith("stop sent at step 23, refused by the trainer: unknown signing key 'prod'"), said
+    shown = format_status(status, now=time.time())
+    first = shown.splitlines()[0]
+    assert "refused by the trainer: unknown signing key" in first and "stopped" not in first, shown
+    assert "the run goes on: last step 60" in shown, shown
+    assert "refused as unsigned (never a rollback target): checkpoint(s) at step(s) 10, 20" in shown, shown
+    runs = format_runs({RUN: status}, now=time.time())
+    assert "stop sent at step 23, refused by the trainer" in runs and " stopped " not in runs, runs
+    # A genuine, signed word from the trainer afterwards is believed: it applied a later stop.
+    applied = sign_trainer(ev.ack_event(stop["id"], RUN, "applied", "stopping at step 61", step=61, ts=t.ts), t.key)
+    engine.handle_ack(ev.encode(applied))
+    assert engine.status(RUN)["command"]["said"].startswith("stop sent at step 23, applied by the trainer at step 61")
+
+
+def test_a_command_never_acked_within_its_ttl_is_paged_as_not_applied():
+    engine = _engine(command_ttl_s=60)
+    now = [time.time()]
+    engine.clock = lambda: now[0]
+    t = Trainer(engine)
+    t.ts = now[0]
+    t.steps(1, 10)
+    t.send(ev.checkpoint_event(RUN, 10, "/ckpt/10", ts=t.ts))
+    t.steps(11, 12)
+    [rollback] = _commands(t.steps(13, 13, loss=float("nan")))
+    assert engine.tick() == [] and engine.status(RUN)["command"]["said"] == "rollback sent at step 13, not acked yet"
+    now[0] += 61
+    [alert] = [o.value for o in engine.tick() if o.kind == "alert"]
+    assert alert["rule"] == "command_not_applied" and alert["evidence"]["command_id"] == rollback["id"]
+    assert "No ack from the trainer before the rollback expired" in alert["diagnosis"]
+    assert engine.status(RUN)["command"]["said"] == ("rollback sent at step 13, not applied: no ack from the trainer "
+                                                     "before it expired")
+    assert [o for o in engine.tick() if o.kind == "alert"] == [], "paged once"

@@ -393,7 +393,7 @@ def test_an_output_larger_than_librdkafkas_default_is_held_never_dropped_and_the
 
 def test_a_trainers_ack_is_acknowledged_only_after_the_breaker_change_it_caused_is_delivered():
     """Messages of trainguard.control.acks are held like events: a refused rollback re-arms the
-    breaker (state) and raises command_failed (an output); the ack's offset waits for both."""
+    breaker (state) and raises command_not_applied (an output); the ack's offset waits for both."""
     from tests.test_detection import TRAINER, Recorder, _detection, _message
     from trainguard.schemas import events as ev
     from trainguard.streams import rules as rules_mod
@@ -426,7 +426,7 @@ def test_a_trainers_ack_is_acknowledged_only_after_the_breaker_change_it_caused_
 
 def test_a_trainers_ack_stays_unacknowledged_while_the_alert_it_caused_is_undelivered():
     """The same for messages of trainguard.control.acks when the broker refuses the alert
-    (command_failed) the ack raised: neither the breaker's change nor the ack's offset goes out
+    (command_not_applied) the ack raised: neither the breaker's change nor the ack's offset goes out
     until the alert is delivered."""
     from tests.test_detection import TRAINER, Recorder, _detection, _message
     from trainguard.schemas import events as ev

@@ -297,8 +297,8 @@ def test_a_failed_rollback_ack_reaches_the_worker_and_rearms_the_breaker(kafka, 
             [ev.encode(ev.ack_event(command["id"], run, "failed", "checkpoint not found", step=11,
                                     ts=time.time() + 600))])  # from a trainer whose clock is 10 min fast
     alerts = TopicReader(kafka, kafka.topics.alerts)
-    alert = alerts.wait_for(lambda a: a.get("rule") == "command_failed" and a["run_id"] == run,
-                            what="the command_failed alert", worker=worker)
+    alert = alerts.wait_for(lambda a: a.get("rule") == "command_not_applied" and a["run_id"] == run,
+                            what="the command_not_applied alert", worker=worker)
     assert alert["evidence"]["command_id"] == command["id"] and "checkpoint not found" in alert["diagnosis"]
     if broker_stamps_appends():  # the embedded broker keeps the producer's timestamp: no reference clock
         assert "the trainer's clock is 10 min ahead of the broker's" in alert["diagnosis"], alert["diagnosis"]

@@ -11,7 +11,7 @@ from trainguard.schemas.signing import signed_bytes
 from trainguard.simulator import SimulatedPPO
 from trainguard.sinks.report_files import ReportSink
 from trainguard.sinks.reports import render_text
-from trainguard.streams import policy
+from trainguard.streams import keys, policy
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
 
@@ -283,7 +283,7 @@ def test_a_failed_rollback_rearms_the_breaker_at_once_and_says_so():
     assert command["action"] == "rollback"
     ack = ev.ack_event(command["id"], "r", "failed", "FileNotFoundError: /checkpoints/global_step_20", step=31)
     outs = r.engine.handle_ack(ev.encode(ack))
-    assert [(o.kind, o.value["rule"], o.value["severity"]) for o in outs] == [("alert", "command_failed", "P1")]
+    assert [(o.kind, o.value["rule"], o.value["severity"]) for o in outs] == [("alert", "command_not_applied", "P1")]
     assert "FileNotFoundError" in outs[0].value["diagnosis"]
     assert r.engine.handle_ack(ev.encode(ack)) == [], "an ack read twice changes nothing"
     r.outputs.clear()
@@ -479,10 +479,14 @@ def test_an_incident_that_keeps_coming_back_climbs_the_ladder_and_only_then_stop
     assert [c["action"] for c in commands] == ["rollback", "rollback", "rollback", "adjust", "stop"]
     first, wider, last, adjust, stop = commands
     assert wider["target"]["step"] < first["target"]["step"], "a wider rewind lands before the last one"
-    assert wider["skip_batches"] == 2 * first["skip_batches"]
-    assert adjust["params"] == {"lr_scale": 0.5}, "the rules file's adjust, nothing else"
-    assert last["target"]["step"] == wider["target"]["step"] and last["skip_batches"] == 2 * wider["skip_batches"]
     reports = {rep["command_id"]: rep for rep in r.of("report")}
+    # Twice the last skip, past every batch from the rung's checkpoint to the step that failed (and at
+    # least twice those): a wider rewind replays none of the data the incident came back on.
+    for before, rung in ((first, wider), (wider, last)):
+        back = reports[rung["id"]]["step"] - rung["target"]["step"]
+        assert back > 0 and rung["skip_batches"] == max(2 * before["skip_batches"] + back, 2 * back), (before, rung)
+    assert adjust["params"] == {"lr_scale": 0.5}, "the rules file's adjust, nothing else"
+    assert last["target"]["step"] == wider["target"]["step"]
     assert adjust["report"] == last["report"] == reports[last["id"]]["id"], "one decision, one report"
     why = [reports[c["id"]]["checkpoint"]["why"] for c in (first, wider, last, stop)]
     assert why[0].startswith(f"rung 1 of 3: rollback to step {first['target']['step']}")
@@ -585,7 +589,8 @@ def test_a_breaker_state_saved_before_the_ladder_loads_and_climbs_from_its_last_
                               immediate=True)
     assert decision is not None and decision.command["action"] == "rollback"
     assert decision.command["target"]["step"] == 40 and decision.rung == 2
-    assert decision.why.startswith("rung 2 of 3: wider rewind to step 40, skipping 6 batches, because the same "
+    # twice the last skip (3: from 50 to 53) past the 13 batches from step 40 to the failure, at least 2 x 13
+    assert decision.why.startswith("rung 2 of 3: wider rewind to step 40, skipping 26 batches, because the same "
                                    "incident (nan_loss) came back at step 53, 3 steps after the rollback to step 50")
 
 
@@ -720,3 +725,42 @@ def test_a_hardware_verdict_rolls_back_without_skipping_the_batch_it_reran():
     [rollback] = [o.value for o in outs if o.kind == "command"]
     assert "skip_batches" not in rollback, "the same batch came out finite on the rerun"
     assert "no batch skipped" in rollback["detail"]
+
+
+def _toy_step(engine: Engine, step: int, weight: float, offset: int, ts: float) -> list:
+    """One step of a one-weight loop (the README's): its loss and gradient norm, NaN with the weight."""
+    metrics = {"actor/pg_loss": weight - 1.0, "actor/grad_norm": 0.5 if weight == weight else float("nan")}
+    return engine.handle(ev.encode(ev.metrics_event("r", step, metrics, src=TRAINER, ts=ts)), 0, offset)
+
+
+def test_a_nan_again_on_the_first_step_after_a_rollback_climbs_the_ladder_at_once():
+    engine, offset, ts, outputs = Engine(ruleset()), 0, 1.7e9, []
+
+    def feed(raw_outputs):
+        nonlocal offset
+        offset += 1
+        outputs.extend(raw_outputs)
+        return [o.value for o in raw_outputs if o.kind == "command"]
+
+    for step in range(1, 31):
+        feed(_toy_step(engine, step, 0.999 ** step, offset, ts + step))
+        if step % 10 == 0:
+            feed(engine.handle(ev.encode(ev.checkpoint_event("r", step, f"/c/{step}", ts=ts + step)), 0, offset))
+    first = feed(_toy_step(engine, 31, float("nan"), offset, ts + 31))
+    assert [(c["action"], c["target"]["step"], c["skip_batches"]) for c in first] == [("rollback", 30, 1)]
+    feed(engine.handle(ev.encode(ev.lifecycle_event("r", "rolled_back", step=30, ts=ts + 32)), 0, offset))
+    # The trainer restored step 30; the next batch is bad too (bad data comes in runs).
+    again = feed(_toy_step(engine, 31, float("nan"), offset, ts + 33))
+    alerts = [o.value for o in outputs if o.kind == "alert" and o.value["status"] == "firing"]
+    assert "never_finite" not in {a["rule"] for a in alerts}, "the metric was finite for 30 steps before the rollback"
+    assert [a["rule"] for a in alerts].count("non_finite") == 2
+    # The same incident back one step after the rollback: the next rung at once, past the bad run of data.
+    assert [(c["action"], c["target"]["step"]) for c in again] == [("rollback", 20)]
+    assert again[0]["skip_batches"] >= 2 * (31 - 20), "twice the batches from step 20 to the failure"
+    report = [o.value for o in outputs if o.kind == "report"][-1]
+    assert report["history"]["rung"] == 2 and "came back at step 31, 1 steps after the rollback" in \
+        report["checkpoint"]["why"]
+    # What was finite before the rollback stays known across a worker restart (the changelog's state).
+    src = engine._source(keys.source_key("r", ev.source_id(TRAINER)), "trainer")
+    restored = type(src).from_bytes(src.to_bytes(engine.rules), engine.rules)
+    assert restored.finite_before == src.finite_before == {"actor/pg_loss", "actor/grad_norm"}

@@ -96,18 +96,18 @@ def test_the_readme_loop_rolls_back_skips_the_bad_data_and_stops(kafka, tmp_path
     worker = WorkerProcess(kafka, tmp_path).start()
     try:
         worker.wait_ready()
-        toy = ToyTrainer(poisoned={30, 45}, ckpt_dir=tmp_path / "ckpt")
+        toy = ToyTrainer(poisoned=set(range(30, 400)), ckpt_dir=tmp_path / "ckpt")  # a shard bad for good
         namespace = run_readme_loop(toy.namespace(total_steps=400))
 
         step, skipped = namespace["step"], namespace["skipped"]
         # Batch 30 turned step 31 NaN: rolled back at once to the checkpoint of step 30, skipping it.
         assert toy.loaded and toy.loaded[0].endswith("global_step_30.json"), toy.loaded
-        assert 45 in toy.batches
-        # Batch 45 is the same incident back: a wider rewind (to step 20, skipping 2), which meets
-        # batch 30 again, then the last rung's rollback (skipping 4), with no adjust: the loop's
-        # started event said it applies none.
+        # Batch 31 is the same incident back on the first step after it: a wider rewind to step 20,
+        # skipping twice the 11 batches from there to the failure (22); batch 43 is bad too, so the
+        # last rung's rollback (twice the last skip and the one batch back to the failure: 45), with
+        # no adjust: the loop's started event said it applies none.
         assert [Path(p).stem for p in toy.loaded] == ["global_step_30", "global_step_20", "global_step_20"]
-        assert skipped == 1 + 2 + 4, skipped
+        assert skipped == 1 + 22 + 45, skipped
         commands = TopicReader(kafka, kafka.topics.control)
         sent = [c["action"] for c in commands.drain(2.0) if c["run_id"] == RUN]
         assert "adjust" not in sent and sent[-1] == "stop", sent
@@ -120,6 +120,89 @@ def test_the_readme_loop_rolls_back_skips_the_bad_data_and_stops(kafka, tmp_path
         ends = _lifecycles(events, RUN)
         assert "rolled_back" in ends and ends[-1] == "stopped" and "finished" not in ends, ends
         events.close()
+    finally:
+        worker.kill()
+
+
+def test_bad_data_over_consecutive_batches_is_passed_and_the_newest_healthy_checkpoint_is_finite(kafka, tmp_path):
+    """The example program, bad data on batches 30, 31 and 32 (the common case): the NaN right after
+    the first rollback is the incident coming back, the wider rewind skips past the bad batches, and
+    the run trains to its end on finite weights; what `trainguard status` calls the newest healthy
+    checkpoint holds a finite weight."""
+    env = _env(kafka)
+    worker = WorkerProcess(kafka, tmp_path).start()
+    try:
+        worker.wait_ready()
+        ckpt = tmp_path / "ckpt"
+        proc = subprocess.run([sys.executable, str(EXAMPLE), "--poison", "30", "--poison", "31", "--poison", "32",
+                               "--checkpoints", str(ckpt)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        said = re.search(r"ended at step (\d+) of 200, (\w+); rolled back to: ([\w, ]+); (\d+) batch\(es\) skipped; "
+                         r"weight (\S+);", proc.stdout)
+        assert said, proc.stdout
+        assert said.group(1, 2, 3) == ("200", "finished", "global_step_30, global_step_20"), proc.stdout
+        assert float(said.group(5)) == pytest.approx(0.999 ** 200, rel=0.2), "the loop's weight ends finite"
+
+        def newest_healthy():
+            status = read_statuses(kafka, timeout_s=5).get(RUN) or {}
+            return status if status.get("finished") and status.get("last_step") == 200 else None
+
+        wait_until(newest_healthy, timeout=60, what="the finished run's status")
+        shown = subprocess.run([sys.executable, "-m", "trainguard.cli", "status", RUN], capture_output=True,
+                               text=True, env=env, cwd=tmp_path, timeout=120)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        named = re.search(r"newest healthy checkpoint: step (\d+) \((.+?)\)", shown.stdout)
+        assert named, shown.stdout
+        weight = json.loads(Path(named.group(2)).read_text())["weight"]
+        assert weight == weight and abs(weight) < 2, (named.group(0), weight)
+        assert int(named.group(1)) == 200, shown.stdout
+    finally:
+        worker.kill()
+
+
+def test_a_trainer_started_without_its_key_refusing_the_stop_is_paged_and_never_called_stopped(kafka, tmp_path,
+                                                                                                monkeypatch):
+    """The README loop started without the key (no TRAINGUARD_COMMAND_KEY_FILE exported) beside a
+    worker that has one: its checkpoints are refused as unsigned, so the NaN gets a stop; the loop
+    cannot verify the stop, refuses it in an ack it cannot sign, and trains on. The worker pages the
+    stop as not applied, and `trainguard status` says so instead of "stopped"."""
+    from trainguard.schemas.signing import new_key_line
+
+    env = _env(kafka, monkeypatch)
+    for name in ("TRAINGUARD_COMMAND_KEY", "TRAINGUARD_COMMAND_KEY_FILE", "TRAINGUARD_TRAINER_KEY"):
+        monkeypatch.delenv(name, raising=False)
+        env.pop(name, None)
+    worker = WorkerProcess(kafka, tmp_path, extra_env={"TRAINGUARD_COMMAND_KEY": new_key_line("worker")}).start()
+    run_id = f"keyless-{int(time.time() * 1000)}"
+    try:
+        worker.wait_ready()
+        alerts = TopicReader(kafka, kafka.topics.alerts)
+        toy = ToyTrainer(poisoned={30}, ckpt_dir=tmp_path / "ckpt")
+        namespace = run_readme_loop(toy.namespace(total_steps=120), run_id=run_id)
+        assert namespace["step"] == 120 and not namespace["stop"], "the loop refused the stop and trained on"
+        paged = alerts.wait_for(lambda a: a["run_id"] == run_id and a.get("rule") == "command_not_applied", timeout=30,
+                                what="the stop paged as not applied", worker=worker)
+        assert paged["severity"] == "P1" and "unknown signing key" in paged["diagnosis"], paged
+        alerts.close()
+
+        def refused():
+            status = read_statuses(kafka, timeout_s=5).get(run_id) or {}
+            return status if status.get("last_step") == 120 and (status.get("command") or {}).get(
+                "status") == "rejected" else None
+
+        wait_until(refused, timeout=60, what="the refused stop in the run's status")
+        shown = subprocess.run([sys.executable, "-m", "trainguard.cli", "status", run_id], capture_output=True,
+                               text=True, env=env, cwd=tmp_path, timeout=120)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        first = shown.stdout.splitlines()[0]
+        assert re.search(r"stop sent at step \d+, refused by the trainer: unknown signing key", first), shown.stdout
+        assert "stopped" not in first, shown.stdout
+        assert "the run goes on: last step 120" in shown.stdout, shown.stdout
+        # the newest ten of the twelve it saved, and why
+        assert ("refused as unsigned (never a rollback target): checkpoint(s) at step(s) 30, 40, 50, 60, 70, 80, 90, "
+                "100, 110, 120: refused checkpoint/1: not signed by the run's trainer's key") in shown.stdout, \
+            shown.stdout
     finally:
         worker.kill()
 

@@ -290,3 +290,42 @@ def test_a_million_column_csv_ends_quickly(tmp_path):
     result = replay(path)
     assert time.perf_counter() - started < 30  # unbounded: minutes
     assert result.steps == 1 and len(result.metrics) == 10_000 and result.over_cap == cols - 10_000
+
+
+PAGE_NOT_ACTED_ON = """
+version: 1
+rules:
+  - name: loss_high
+    metric: "loss"
+    above: 5.0
+    severity: P1
+    summary: Loss above 5
+  - name: nan_loss
+    metric: "loss"
+    non_finite: true
+    severity: P0
+    critical: true
+    immediate: true
+    summary: NaN loss
+"""
+
+
+def test_replay_names_the_rules_the_breaker_acts_on_and_never_says_no_critical_alert_under_a_page(tmp_path):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(PAGE_NOT_ACTED_ON)
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 0.5 if s < 20 else 9.0}) + "\n" for s in range(1, 41)))
+    rc, out, _ = _main(str(path), "--rules", str(rules))
+    assert rc == 0, out
+    assert "no critical alert" not in out
+    assert ("the circuit breaker would not have acted: the pages (P1 loss_high) are not of a rule it acts on; "
+            "they need a person") in out, out
+    assert "the circuit breaker acts on: nan_loss; of them fired: none" in out, out
+    path.write_text("".join(json.dumps({"step": s, "loss": 0.5 if s != 30 else float("nan")}) + "\n"
+                            for s in range(1, 41)))
+    rc, out, _ = _main(str(path), "--rules", str(rules), "--checkpoint", "20")
+    assert "the circuit breaker acts on: nan_loss; of them fired: nan_loss" in out, out
+    quiet = tmp_path / "quiet.jsonl"
+    quiet.write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in range(1, 41)))
+    rc, out, _ = _main(str(quiet), "--rules", str(rules))
+    assert "the circuit breaker would not have acted: no rule it acts on fired" in out, out

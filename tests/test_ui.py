@@ -449,6 +449,42 @@ def test_the_run_page_shows_who_acknowledged_an_alert_and_the_silences_in_force(
     assert "silences in force: s-1 (non_finite, until 2023-11-14 23:13:20 UTC)" in text
 
 
+def test_the_run_page_says_what_came_of_the_breakers_command_and_which_checkpoints_are_suspect():
+    """The status of a run whose trainer refused the breaker's stop, as a worker publishes it (the
+    real engine): the page says the stop was refused, never that the run stopped, and names each
+    suspect checkpoint with why."""
+    import orjson
+
+    from trainguard.core.kafka import Topics
+    from trainguard.schemas import events as ev
+    from trainguard.streams.engine import Engine
+    from trainguard.ui import Board, render_run
+
+    engine = Engine(rules_mod.default())
+    trainer, offset = ev.source("trainer", "h", 0), 0
+    for step in range(1, 41):
+        offset += 1
+        loss = 0.1 if step <= 20 else float("nan")
+        engine.handle(ev.encode(ev.metrics_event("r", step, {"actor/pg_loss": loss}, src=trainer, ts=1.7e9 + step)),
+                      0, offset)
+        if step % 10 == 0:
+            offset += 1
+            engine.handle(ev.encode(ev.checkpoint_event("r", step, f"/ckpt/{step}", ts=1.7e9 + step)), 0, offset)
+    stop = engine.status("r")["command"]
+    assert stop["action"] == "rollback", stop  # to step 20, which this trainer refuses
+    refusal = ev.ack_event(stop["id"], "r", "rejected", "this loop does not handle rollback", step=41, ts=1.7e9 + 41)
+    engine.handle_ack(ev.encode(refusal))
+    topics = Topics()
+    board = Board(rules_mod.default(), topics)
+    board.take(topics.status, b"r", orjson.dumps(engine.status("r")))
+    text = _text_of(render_run(board, "r"))
+    assert "the breaker's last command: rollback sent at step 21, refused by the trainer: this loop does not " \
+           "handle rollback" in text, text
+    assert "step 30: saved after a NaN/Inf in actor/pg_loss at step 30; step 40: saved after a NaN/Inf in " \
+           "actor/pg_loss at step 40" in text, text
+    assert "suspect checkpoints (never a rollback target): step 20: the trainer could not load it" in text, text
+
+
 def test_negative_steps_and_a_rollback_stay_inside_the_frame_and_go_forward():
     from trainguard.sinks.reports import svg_steps_plot
 

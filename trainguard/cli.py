@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", type=float, default=60.0,
                    help="seconds to wait for the trainer's ack; 0 sends and returns (default: %(default)s)")
     p.add_argument("--force", action="store_true",
-                   help="send even to a run that ended (a new run under the same id is about to start)")
+                   help="send even to a run that ended (a new run under the same id is about to start), or "
+                        "a rollback to a checkpoint the worker holds suspect")
     p.add_argument("--ttl", type=float, default=300.0,
                    help="seconds the command stays valid for a trainer busy in a long step (default: %(default)s)")
     p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)

@@ -66,27 +66,35 @@ def build_command(run_id: str, action: str, *, reason: str, to_step: int | None 
     return operator_signed(command, env)
 
 
-def resolve_rollback(run_id: str, status: dict | None, step: int, path: str | None = None) -> str:
+def resolve_rollback(run_id: str, status: dict | None, step: int, path: str | None = None,
+                     suspect_ok: bool = False) -> str:
     """The path of the checkpoint ``run_id``'s trainer reported at ``step``, from the run's
     status: a rollback goes only where the trainer itself saved (its own path, absolute as it
-    reported it, in the layout its framework loads). ValueError, with the steps it knows, when
-    there is none (or ``path`` is not that checkpoint's)."""
+    reported it, in the layout its framework loads). ValueError, with the steps it knows and each
+    one's verdict, when there is none (or ``path`` is not that checkpoint's), or when the worker
+    holds it suspect (saved after a NaN, inside an incident) and ``suspect_ok`` is not given."""
     if status is None:
         raise ValueError(f"no status for run {run_id}: no worker watches it now, so its checkpoints are unknown "
                          f"(`trainguard runs` lists the runs the workers know)")
     known = status.get("saved_checkpoints")
     if known is None:  # a worker of an earlier release publishes only the newest healthy one
         known = [status["last_healthy_checkpoint"]] if status.get("last_healthy_checkpoint") else []
-    at_step = [c["path"] for c in known if c.get("step") == step]
+    at_step = [c for c in known if c.get("step") == step]
     if not at_step:
-        steps = sorted({c["step"] for c in known if type(c.get("step")) is int})
-        listed = ", ".join(map(str, steps)) if steps else "none reported yet"
-        raise ValueError(f"run {run_id} reported no checkpoint at step {step}; checkpoints it reported: {listed}")
-    if path is None:
-        return at_step[-1]  # saved again at the same step: the newest
-    if path not in at_step:
-        raise ValueError(f"run {run_id}'s checkpoint at step {step} is {at_step[-1]}, not {path}")
-    return path
+        verdicts = {c["step"]: c.get("healthy") is not False for c in known if type(c.get("step")) is int}
+        listed = ", ".join(f"{s}" if healthy else f"{s} (suspect)" for s, healthy in sorted(verdicts.items()))
+        raise ValueError(f"run {run_id} reported no checkpoint at step {step}; checkpoints it reported: "
+                         f"{listed or 'none reported yet'}")
+    chosen = at_step[-1]  # saved again at the same step: the newest
+    if path is not None:
+        chosen = next((c for c in reversed(at_step) if c["path"] == path), None)
+        if chosen is None:
+            raise ValueError(f"run {run_id}'s checkpoint at step {step} is {at_step[-1]['path']}, not {path}")
+    if chosen.get("healthy") is False and not suspect_ok:
+        why = chosen.get("why") or "saved while a P0/P1 alert was open"
+        raise ValueError(f"run {run_id}'s checkpoint at step {step} is suspect: {why}; restoring it may restore "
+                         f"the fault. --force rolls back to it all the same")
+    return chosen["path"]
 
 
 def send_command(settings: KafkaSettings, command: dict, *, wait_s: float = 60.0,
@@ -180,7 +188,7 @@ def main(args) -> int:
                   f"commands any more. A new run under the same id about to start: --force", file=sys.stderr)
             return EXIT_BAD_INPUT
         if args.action == "rollback" and args.to is not None:
-            path = resolve_rollback(args.run, status, args.to, args.path)
+            path = resolve_rollback(args.run, status, args.to, args.path, suspect_ok=getattr(args, "force", False))
         scales = {name: getattr(args, name, None) for name in ev.ADJUST_LIMITS}
         command = build_command(args.run, args.action, reason=args.reason, to_step=args.to, path=path,
                                 ttl_s=args.ttl, params=scales)
@@ -261,13 +269,21 @@ def _clock(ts, fmt: str = "%H:%M:%S") -> str:
     return time.strftime(fmt, time.localtime(ts)) if type(ts) in (int, float) else "?"
 
 
+NOT_APPLIED = ("rejected", "failed", "expired")  # what came of a command the trainer did not apply
+
+
 def _state(status: dict) -> str:
     breaker = status["breaker"]
     if status.get("state_freed"):  # the run's summary, kept after its detection state was freed
         return f"{status.get('outcome') or 'ended'} (summary)"
     if status.get("finished") or status.get("outcome") == "stopped":
         return status.get("outcome") or "finished"
+    command = status.get("command")
+    if isinstance(command, dict) and command.get("status") in NOT_APPLIED and isinstance(command.get("said"), str):
+        return command["said"]  # the breaker acted, the trainer did not: never "stopped" while it trains on
     state = breaker["status"]
+    if state == "stopped":  # the breaker sent a stop; the run has not said it stopped
+        state = command["said"] if isinstance(command, dict) and isinstance(command.get("said"), str) else "stop sent"
     if state == "awaiting":
         state = f"awaiting {breaker.get('pending_command') or 'a command'}"
     return state + (" (silenced)" if status.get("silences") else "")
@@ -319,6 +335,16 @@ def _eta(eta) -> str:
     return f", reaches {_shown(level)} in {when}" if type(level) in (int, float) else f", in {when}"
 
 
+def _suspect_lines(s: dict, shown: int = 5) -> list[str]:
+    """The newest checkpoints the worker holds suspect (never a rollback target), each with why."""
+    suspect = [c for c in s.get("saved_checkpoints") or [] if isinstance(c, dict) and c.get("healthy") is False]
+    lines = [f"    step {_shown(c.get('step'))} suspect: {c.get('why') or 'saved while a P0/P1 alert was open'}"
+             for c in suspect[-shown:]]
+    if len(suspect) > shown:
+        lines.insert(0, f"    ({len(suspect) - shown} older suspect checkpoint(s) not shown)")
+    return (["  suspect checkpoints (never a rollback target):"] + lines) if lines else []
+
+
 def format_status(s: dict, now: float | None = None) -> str:
     """A run's state, a few lines, every string from the topic made terminal-safe."""
     now = time.time() if now is None else now
@@ -331,7 +357,15 @@ def format_status(s: dict, now: float | None = None) -> str:
         else ""
     ended = s.get("finished") or s.get("state_freed") or s.get("outcome") in ("finished", "stopped")
     state = f"off (the run {s.get('outcome') or 'ended'})" if ended else breaker["status"]
+    if state == "stopped":
+        state = "off (it sent a stop)"
     lines.append(f"  breaker {state}; {breaker['rollbacks']} rollback(s){rolled}")
+    command = s.get("command")
+    if isinstance(command, dict) and isinstance(command.get("said"), str):
+        lines.append(f"  last command: {command['said']}")
+        if command.get("status") in NOT_APPLIED and not ended:
+            lines.append(f"  the run goes on: last step {_shown(s.get('last_step'))}, last event "
+                         f"{_ago(s.get('last_event_ts'), now)}")
     if s.get("state_freed"):
         lines.append(f"  ended {s.get('outcome') or '?'}; detection state freed, this summary kept until "
                      f"{_clock(s.get('retained_until'), '%Y-%m-%d %H:%M')}")
@@ -358,6 +392,11 @@ def format_status(s: dict, now: float | None = None) -> str:
     lines.append("  newest healthy checkpoint: "
                  + (f"step {_shown(ckpt.get('step'))} ({ckpt.get('path')})" if ckpt else "none")
                  + f"; {_shown(s.get('checkpoints', 0))} checkpoint(s) seen")
+    lines += _suspect_lines(s)
+    unsigned = [c for c in s.get("unsigned_checkpoints") or [] if isinstance(c, dict)]
+    if unsigned:
+        lines.append(f"  refused as unsigned (never a rollback target): checkpoint(s) at step(s) "
+                     f"{', '.join(_shown(c.get('step')) for c in unsigned)}: {unsigned[-1].get('why') or '?'}")
     unwatched = [n for n in s.get("unwatched_metrics") or [] if isinstance(n, str)]
     if unwatched:
         shown = ", ".join(unwatched[:10]) + (f" (+{len(unwatched) - 10} more)" if len(unwatched) > 10 else "")

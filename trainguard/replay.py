@@ -73,6 +73,7 @@ class ReplayResult:
     unwatched: list[str] = field(default_factory=list)  # names no rule judges
     by_pattern: list[str] = field(default_factory=list)  # names judged by their name pattern alone
     consecutive_critical: int = 3                        # the breaker's policy in the rules replayed
+    breaker_rules: list[str] = field(default_factory=list)  # the rules the breaker acts on
 
     def alerts_by_rule(self) -> dict[str, dict[str, int]]:
         """``{rule: {"firing": n, "resolved": m}}`` in order of first appearance."""
@@ -245,6 +246,7 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
     result.by_pattern = ruleset.by_pattern(result.metrics)
     result.steps = reader.steps
     result.consecutive_critical = ruleset.policy.consecutive_critical
+    result.breaker_rules = ruleset.breaker_rules
     result.skipped = reader.skipped
     result.ignored = reader.ignored
     result.problems = list(reader.problems)
@@ -393,8 +395,23 @@ def summary_lines(result: ReplayResult) -> list[str]:
                      f"{result.consecutive_critical} critical steps in a row (at once for a NaN/Inf when a "
                      f"checkpoint is known), and this run never had that many")
     else:
-        lines.append("the circuit breaker would not have acted (no critical alert)")
+        pages = sorted({f"{a['severity']} {a['rule']}" for a in result.alerts
+                        if a.get("status") == "firing" and a.get("severity") in ("P0", "P1")})
+        lines.append("the circuit breaker would not have acted: " + (
+            f"the pages ({', '.join(pages)}) are not of a rule it acts on; they need a person"
+            if pages else "no rule it acts on fired"))
+    lines.append(breaker_rules_line(result.breaker_rules, {a["rule"] for a in result.alerts
+                                                           if a.get("status") == "firing"}))
     return lines
+
+
+def breaker_rules_line(acts_on: list[str], fired: set[str]) -> str:
+    """The rules the breaker acts on, and which of them fired: what it will do, said once."""
+    if not acts_on:
+        return "the circuit breaker acts on no rule (none is critical: true in the rules file)"
+    hit = [r for r in acts_on if r in fired]
+    return (f"the circuit breaker acts on: {', '.join(acts_on)}; of them fired: {', '.join(hit) or 'none'} "
+            f"(docs/rules.md: critical)")
 
 
 def main(args, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:

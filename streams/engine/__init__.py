@@ -141,7 +141,7 @@ class Engine(Judging, OperatorActions):
                    appended_at: float | None = None) -> list[Output]:
         """Apply one ack from the trainer (``control.acks``). A ``failed`` or ``rejected`` ack of
         the command the breaker waits for re-arms it (or stops the run, by policy) and raises a
-        ``command_failed`` alert; anything else changes nothing. Never raises on bad input.
+        ``command_not_applied`` alert; anything else changes nothing. Never raises on bad input.
         ``appended_at``: the broker's append time of the ack (LogAppendTime), against which the
         alert says how far the trainer's clock is off."""
         try:
@@ -159,8 +159,11 @@ class Engine(Judging, OperatorActions):
     def apply(self, event: dict, partition: int = 0, offset: int = -1, *, raw: bytes | None = None,
               topic: str = "") -> list[Output]:
         """Apply one decoded event (``raw``, ``topic``: where it came from, for a dead letter)."""
-        refused = self._misplaced(event, raw, topic, partition, offset) or \
-            self._unauthentic(event, raw, topic, partition, offset)
+        refused = self._misplaced(event, raw, topic, partition, offset)
+        if refused is None:
+            refused = self._unauthentic(event, raw, topic, partition, offset)
+            if refused is not None and event["schema"] == ev.CHECKPOINT:
+                self._unsigned_checkpoint(event, refused.value["reason"] if refused.value else "")
         if refused is not None:
             return [refused]
         run_id = event["run_id"]
@@ -205,9 +208,7 @@ class Engine(Judging, OperatorActions):
         elif kind == ev.OPERATOR:
             self._operator(event, run, run_id, outputs)
         elif kind == ev.CHECKPOINT:
-            # Only a checkpoint saved while no critical alert and no page was open is a rollback target.
-            run.checkpoints.append({"step": event["step"], "path": event["path"], "ts": event["ts"],
-                                    "healthy": not self._critical_open(run) and not self._paging(run)})
+            run.checkpoints.append(self._certified(run, event))
             del run.checkpoints[:-MAX_CHECKPOINTS]
             policy.on_checkpoint(run.breaker, event["step"])
         elif event["event"] == "rolled_back":
@@ -226,6 +227,7 @@ class Engine(Judging, OperatorActions):
             if run.finished:  # a new run under an id that ended: the old one's checkpoints are not its own
                 run.checkpoints.clear()
                 run.breaker = policy.BreakerState()
+                run.nonfinite, run.command, run.unsigned_checkpoints = None, None, []
             elif ((event.get("source") or {}).get("rank") in (None, 0)
                   and run.breaker.epoch not in (None, repr(event["ts"]))
                   and (run.checkpoints or run.breaker.attempt)):
@@ -233,6 +235,7 @@ class Engine(Judging, OperatorActions):
                 # only checkpoints it reported itself, and the old process's ladder is not its own;
                 # the hour's rollbacks still count against max_rollbacks_per_hour.
                 run.checkpoints.clear()
+                run.nonfinite = None  # it resumes from a checkpoint of its own; its signals say how that is
                 old = run.breaker
                 run.breaker = policy.BreakerState(rollback_ts=old.rollback_ts, attempt=old.attempt)
             run.finished, run.finished_at, run.stopped = False, None, False
@@ -293,6 +296,10 @@ class Engine(Judging, OperatorActions):
                 continue
             if wall - self._status_at.get(key, 0.0) >= STATUS_REFRESH_S:
                 self.touched.add(key)  # an idle run's status stays fresh, and names this worker after a takeover
+            expired = [] if run.finished else self._expired_commands(run, key.decode(), now)
+            if expired:
+                outputs += expired
+                self._changed(key, run.partition)
             # Invented run ids would each page as hung: with keys, only a run its trainer announced
             # (a signed "started", which TrainerLogger sends) or that reported a checkpoint is judged
             # for silence; without keys, a run of more than a few events.

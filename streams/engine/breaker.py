@@ -34,7 +34,10 @@ log = logging.getLogger("trainguard.engine")
 
 # Lifecycle events that change what the breaker does: only the run's trainer key may send them.
 STEERING_LIFECYCLE = ("started", "finished", "stopped", "rolled_back")
-# A trainer clock further than this from the broker's is said in the command_failed alert.
+# The notice of a command the trainer did not apply (command_failed: its name in state of earlier releases).
+NOT_APPLIED_RULES = ("command_not_applied", "command_failed")
+MAX_UNSIGNED_CHECKPOINTS = 10  # checkpoints refused as unsigned, kept per run to name them
+# A trainer clock further than this from the broker's is said in the command_not_applied alert.
 CLOCK_SKEW_SAID_S = 60.0
 
 
@@ -157,10 +160,56 @@ class Breaker(AlertBook, StatusRoom):
         if decision is not None:
             ctx.outputs += self._decided(ctx.run, ctx.run_id, decision, event)
 
+    def _certified(self, run: RunState, event: dict) -> dict:
+        """A checkpoint the trainer reported, with the worker's verdict: healthy only when the
+        trainer did not judge it otherwise, no NaN/Inf reached a critical signal since the checkpoint
+        before it, and no incident was open or under way; else suspect, and why."""
+        step, b = event["step"], run.breaker
+        before = max((c["step"] for c in run.checkpoints if c["step"] < step), default=-1)
+        critical = sorted({e["rule"] for e in run.book.values() if e["critical"]})
+        why = None
+        if event.get("healthy") is False:
+            why = f"the trainer judged it unhealthy: {event.get('why') or 'no reason given'}"
+        elif run.nonfinite is not None and run.nonfinite[0] > before:
+            why = f"saved after a NaN/Inf in {run.nonfinite[1]} at step {run.nonfinite[0]}"
+        elif self._critical_open(run) or self._paging(run):
+            why = "saved while a P0/P1 alert was open" + (f" ({', '.join(critical[:3])})" if critical else "")
+        elif b.streak > 0 and b.onset_step is not None:
+            why = f"saved inside an incident (critical since step {b.onset_step})"
+        checkpoint = {"step": step, "path": event["path"], "ts": event["ts"], "healthy": why is None}
+        if why is not None:
+            checkpoint["why"] = why[:300]
+        return checkpoint
+
+    def _unsigned_checkpoint(self, event: dict, reason: str) -> None:
+        """A checkpoint of a run the worker knows, refused as unsigned: never a target, but named
+        where the breaker has none (a trainer started without its key saves, and signs nothing)."""
+        run_key = event["run_id"].encode()
+        if run_key not in self.store:
+            return  # an invented run gets no state from an unsigned event
+        run = self._run(run_key)
+        run.unsigned_checkpoints = [*run.unsigned_checkpoints, {"step": event["step"], "path": event["path"][:300],
+                                                                "why": reason[:300]}][-MAX_UNSIGNED_CHECKPOINTS:]
+        self._changed(run_key, run.partition)
+
     def _decided(self, run: RunState, run_id: str, decision: policy.Decision, event: dict) -> list[Output]:
-        """A decision out: its report, then its commands (the rollback, then the ladder's adjust), signed."""
+        """A decision out: its report, then its commands (the rollback, then the ladder's adjust), signed.
+        The checkpoints saved since the incident began hold it: suspect from now on."""
+        refused = run.unsigned_checkpoints if decision.checkpoint is None else []
+        if refused:  # a stop for want of a checkpoint: say which ones were refused, and why
+            steps = ", ".join(str(c["step"]) for c in refused)
+            note = (f"; {len(refused)} checkpoint(s) the trainer reported (steps {steps}) were refused as unsigned: "
+                    f"not signed by the run's trainer key (a trainer started without its key signs nothing: "
+                    f"docs/security.md)")
+            decision.why += note
+            decision.command = {**decision.command, "detail": (decision.command["detail"] + note)[:4000]}
+        if decision.onset is not None:
+            for c in run.checkpoints:
+                if c["step"] >= decision.onset and c.get("healthy", True):
+                    c["healthy"], c["why"] = False, f"saved after the incident began at step {decision.onset}"
         report = self._report(run, run_id, decision, event)
         outputs = [Output(OutputKind.REPORT, run_id, report)]
+        self._command_sent(run, decision.command, event.get("step"))
         for command in [decision.command, *decision.then]:
             command = {**command, "report": report["id"]}
             if self.signing_key is not None:
@@ -212,31 +261,40 @@ class Breaker(AlertBook, StatusRoom):
     def _ack(self, ack: dict, raw: bytes, partition: int, offset: int, topic: str,
              appended_at: float | None = None) -> list[Output]:
         run_key = ack["run_id"].encode()
-        if run_key not in self.store or (ack["status"] == "applied"
-                                         and not self._in_room(self._run(run_key), NOTICE)
-                                         and self._run(run_key).breaker.status != policy.RERUN):
+        if run_key not in self.store:
+            return []
+        run = self._run(run_key)
+        ours = run.command is not None and ack["command_id"] == run.command["id"]
+        if ack["status"] == "applied" and not ours and not self._in_room(run, NOTICE) \
+                and run.breaker.status != policy.RERUN:
             return []
         problem = self._unauthentic(ack, raw, topic, partition, offset)
         if problem is not None:
-            return [problem]
+            # A refusal of the breaker's command that its key did not sign changes nothing the breaker
+            # does; it only keeps the worker from claiming the command was applied.
+            why = "its ack is not signed with the run's trainer key" if ours else None
+            return [problem, *self._unverified_refusal(run, run_key, ack, why)]
         if ack.get("cause") in ("unauthenticated", "replayed"):
             # The trainer refused a forged copy or a second delivery under this id: the command
             # the breaker waits for is untouched by it.
             log.warning("trainguard: run %s: the trainer refused a %s copy of command %s: %s", ack["run_id"],
                         ack["cause"], ack["command_id"], ack.get("detail", ""))
-            return []
-        run = self._run(run_key)
+            unverified = ours and ack["cause"] == "unauthenticated"  # a replayed copy's first one was applied
+            return self._unverified_refusal(run, run_key, ack, "the trainer could not authenticate the command it "
+                                                               "received" if unverified else None)
         rerun = self._rerun_verdict(run, run_key, ack)
         if rerun is not None:
+            self._command_answered(run, ack)
             return rerun
         if ack["status"] == "applied":  # a later command worked: the refused one's alert is over
-            # Only a refused command's notice (command_failed) ends when a later command works; a
-            # rerun's verdict (cordon the host) is a person's to close, and a second delivery of
-            # the ack that raised a notice is no later command.
-            over = [a for a in self._in_room(run, NOTICE).values() if a.get("rule") == "command_failed"
-                    and (a.get("evidence") or {}).get("command_id") != ack["command_id"]]
-            if over:
-                self._changed(run_key, run.partition)
+            # Only a refused command's notice ends when a later command works (or this one, when its
+            # refusal could not be authenticated); a rerun's verdict (cordon the host) is a person's to
+            # close, and a second delivery of the ack that raised a notice is no later command.
+            self._command_answered(run, ack)
+            over = [a for a in self._in_room(run, NOTICE).values() if a.get("rule") in NOT_APPLIED_RULES
+                    and ((a.get("evidence") or {}).get("command_id") != ack["command_id"]
+                         or (a.get("evidence") or {}).get("unverified"))]
+            self._changed(run_key, run.partition)
             return [o for o in (self._resolve(run, alert, {"ts": ack["ts"], "step": ack.get("step")},
                                               resolution=f"the trainer applied command {ack['command_id']}")
                                 for alert in over) if o is not None]
@@ -247,33 +305,102 @@ class Breaker(AlertBook, StatusRoom):
             for c in run.checkpoints:
                 if c["step"] == b.ladder[-1]["step"] and c.get("healthy"):
                     c["healthy"], c["refused"] = False, str(ack.get("detail") or ack["status"])[:200]
+                    c["why"] = f"the trainer could not load it ({c['refused']})"
         handled, stop = policy.on_command_refused(run.breaker, self.rules.policy, run_id=ack["run_id"],
                                                   command_id=ack["command_id"], status=ack["status"],
                                                   detail=ack.get("detail", ""), ts=ack["ts"], now=self.clock(),
                                                   ids=self._command_id)
-        if not handled:
-            return []
+        unanswered = ours and run.command is not None and (run.command["status"] == "sent"
+                                                           or bool(run.command.get("unverified")))
+        if not handled and not unanswered:
+            return []  # not the breaker's, or an answer it already has (an ack read twice)
+        self._command_answered(run, ack)
         self._changed(run_key, run.partition)
-        then = "the breaker stops the run" if stop else "the breaker counts critical steps afresh"
-        skew = _clock_skew(ack["ts"], appended_at)
-        alert = ev.alert_event(
-            ack["run_id"], "command_failed", alert_id=ev.alert_id(ack["run_id"], "command_failed", ack["command_id"]),
-            severity="P1", critical=False, summary=f"The trainer {ack['status']} the breaker's command",
-            metric="ack", value=None, signal=None, metrics=[], values={}, layer="data", source=None,
-            step=ack.get("step"), ts=ack["ts"],
-            evidence={"detector": "ack", "command_id": ack["command_id"], "status": ack["status"],
-                      "detail": ack.get("detail", "")},
-            diagnosis=f"The trainer answered {ack['status']}: {ack.get('detail') or 'no detail'}; {then}."
-                      + (f" Note: {skew}." if skew else ""),
-            suggestion="Check the checkpoint path and the trainer's log; a rollback that cannot be applied "
-                       "needs a person (or set on_command_failure: stop).")
-        self._book(run, alert, NOTICE, alert["id"])
+        if stop is not None:
+            then = "the breaker stops the run"
+        elif handled:
+            then = "the breaker counts critical steps afresh"
+        else:
+            then = "the breaker has nothing further to send; the run goes on as the trainer runs it"
+        alert = self._not_applied_alert(run, ack, f"The trainer answered {ack['status']}: "
+                                                 f"{ack.get('detail') or 'no detail'}; {then}.",
+                                        _clock_skew(ack["ts"], appended_at))
         outputs = [Output(OutputKind.ALERT, ack["run_id"], alert)]
         if stop is not None:
+            self._command_sent(run, stop, ack.get("step"))
             if self.signing_key is not None:
                 stop = sign(stop, self.signing_key)
             outputs.append(Output(OutputKind.COMMAND, ack["run_id"], stop))
         return outputs
+
+    def _not_applied_alert(self, run: RunState, ack: dict, diagnosis: str, skew: str | None = None,
+                           unverified: bool = False) -> dict:
+        """``command_not_applied`` (P1): the breaker's command was refused, failed, or expired unacked."""
+        command = run.command or {}
+        what = command.get("action") or "command"
+        evidence = {"detector": "ack", "command_id": ack["command_id"], "status": ack["status"],
+                    "detail": ack.get("detail", ""), "action": what, "sent_at_step": command.get("step")}
+        if unverified:
+            evidence["unverified"] = True
+        alert = ev.alert_event(
+            ack["run_id"], "command_not_applied",
+            alert_id=ev.alert_id(ack["run_id"], "command_not_applied", ack["command_id"] + ("?" if unverified else "")),
+            severity="P1", critical=False, summary=f"The breaker's {what} was not applied ({ack['status']})",
+            metric="ack", value=None, signal=None, metrics=[], values={}, layer="data", source=None,
+            step=ack.get("step"), ts=ack["ts"], evidence=evidence,
+            diagnosis=diagnosis + (f" Note: {skew}." if skew else ""),
+            suggestion="Check the trainer's log and its keys (a trainer started without its key refuses every "
+                       "command and signs nothing: docs/security.md); a rollback that cannot be applied needs a "
+                       "person (or set on_command_failure: stop).")
+        self._book(run, alert, NOTICE, alert["id"])
+        return alert
+
+    def _unverified_refusal(self, run: RunState, run_key: bytes, ack: dict, why: str | None) -> list[Output]:
+        """A refusal of the breaker's last command that the worker cannot authenticate (``why``; None:
+        not a refusal of that command): recorded and paged as not applied; the breaker does nothing."""
+        command = run.command
+        if why is None or command is None or ack["status"] == "applied" or command.get("status") != "sent":
+            return []  # not a refusal of it, or its fate is already known (said once)
+        self._command_answered(run, ack, unverified=why)
+        self._changed(run_key, run.partition)
+        alert = self._not_applied_alert(
+            run, ack, f"The trainer answered {ack['status']}: {ack.get('detail') or 'no detail'}, but {why}: the "
+                      f"breaker does not act on it and does not count the {command['action']} as applied.",
+            unverified=True)
+        return [Output(OutputKind.ALERT, ack["run_id"], alert)]
+
+    @staticmethod
+    def _command_sent(run: RunState, command: dict, step) -> None:
+        """The breaker's last command, for what status says it came to."""
+        run.command = {"id": command["id"], "action": command["action"], "step": step if type(step) is int else None,
+                       "expires": command["expires"], "status": "sent"}
+
+    @staticmethod
+    def _command_answered(run: RunState, ack: dict, unverified: str | None = None) -> None:
+        command = run.command
+        if command is None or ack["command_id"] != command["id"]:
+            return
+        if command.get("status") == "applied" and ack["status"] != "applied":
+            return  # a refused copy after the command was applied changes nothing
+        command.update({"status": ack["status"], "detail": str(ack.get("detail") or "")[:300],
+                        "acked_step": ack.get("step") if type(ack.get("step")) is int else None})
+        if unverified:
+            command["unverified"] = unverified[:300]
+        else:
+            command.pop("unverified", None)
+
+    def _expired_commands(self, run: RunState, run_id: str, now: float) -> list[Output]:
+        """The breaker's last command, unacked past its expiry: not applied, and paged."""
+        command = run.command
+        if command is None or command.get("status") != "sent" or now <= command["expires"]:
+            return []
+        command["status"] = "expired"
+        ack = {"command_id": command["id"], "run_id": run_id, "status": "expired", "ts": now,
+               "detail": "no ack before the command expired"}
+        alert = self._not_applied_alert(run, ack, f"No ack from the trainer before the {command['action']} expired: "
+                                                  f"its listener is not running, cannot read the control topic, or "
+                                                  f"never reached a step boundary.")
+        return [Output(OutputKind.ALERT, run_id, alert)]
 
     def _rerun_verdict(self, run: RunState, run_key: bytes, ack: dict) -> list[Output] | None:
         """The trainer's answer to the rerun the breaker waits for (None for any other ack): the
@@ -324,6 +451,8 @@ class Breaker(AlertBook, StatusRoom):
         restored = event.get("step")
         if isinstance(restored, int):  # checkpoints past it belong to the branch the rollback abandoned
             run.checkpoints = [c for c in run.checkpoints if c["step"] <= restored]
+            if run.nonfinite is not None and run.nonfinite[0] > restored:
+                run.nonfinite = None  # a NaN of the abandoned branch
         for sid in run.sources:  # the restored model is not what the windows saw
             key = keys.source_key(run_id, sid)
             src = self._source(key, "") if key in self.store else None
@@ -333,6 +462,8 @@ class Breaker(AlertBook, StatusRoom):
                     member = run.active.get(alert["rule"])
                     if member is not None and member["open"] <= 0:
                         member["last_ts"] = 0.0  # undone by the rollback: it joins no incident any more
+                names = src.block.names
+                src.finite_before.update(names[row] for row in np.flatnonzero(src.block.count).tolist())
                 src.block.reset()
                 src.history.forget_after(restored if isinstance(restored, int) else None)
                 src.streaks.clear()

@@ -212,7 +212,7 @@ class Judging(Correlation, Breaker):
                 # it open (a sustained fault soon enters the window and stops looking unusual).
                 holds = rules[ri].holds(value, bool(anomalous[j]) or slot in state.firing,
                                         mean[j] if ready[j] else math.nan, std[j])
-                if holds and rules[ri].seen_finite is not None and rules[ri].seen_finite != bool(block.count[row]):
+                if holds and rules[ri].seen_finite is not None and rules[ri].seen_finite != state.seen_finite(row):
                     holds = False  # e.g. NaN since the first point (not computed) vs NaN after finite values
                 self._judge(ctx, slot, rules[ri], holds, ctx.names[j], value,
                             lambda j=j, row=row, value=value: self._evidence(
@@ -322,6 +322,9 @@ class Judging(Correlation, Breaker):
         if not holds or (rule.given and not rule.given_holds(state.known)):
             return
         ctx.holding.add(slot)
+        # The checkpoints saved after it are suspect, unless only a forger says so.
+        if rule.critical and not math.isfinite(value) and self._steers():
+            ctx.run.nonfinite = [ctx.event["step"], metric]
         if slot in state.firing:  # the open episode holds again: its clean points start over
             track = state.tracks.get(slot)
             if track is not None:

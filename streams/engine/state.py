@@ -205,7 +205,8 @@ class SourceState:
 
     __slots__ = ("kind", "block", "rule_rows", "det_rows", "gate_hi", "gate_lo", "always", "streaks", "firing",
                  "detectors", "minute", "windows", "res_rows", "gate_cv", "any_cv", "gate_eq", "eq_tol", "any_eq",
-                 "given_rows", "known", "tracks", "points", "history", "_det_cache", "_given_cache")
+                 "given_rows", "known", "tracks", "points", "history", "finite_before", "_det_cache",
+                 "_given_cache")
 
     def __init__(self, kind: str, block: BaselineBlock | None = None):
         self.kind = kind
@@ -231,6 +232,9 @@ class SourceState:
         self.minute: float | None = None                 # start of the open per-minute window (resample_s)
         self.windows: list[float] = []                   # starts of the closed windows still held
         self.history = History()                         # critical rules' metrics, for the incident's start
+        # Metrics that were finite before a rollback reset the baselines: a NaN in one of them after
+        # the rollback is a NaN after finite values (the run's, across rollbacks), not "never finite".
+        self.finite_before: set[str] = set()
         self._det_cache: tuple | None = None
         self._given_cache: tuple | None = None
 
@@ -331,6 +335,7 @@ class SourceState:
             "detectors": [[rnames[r], names[w], d.to_state()] for (r, w), d in self.detectors.items()],
             "minute": self.minute, "windows": self.windows, "known": self.known, "v": STATE_VERSION,
             **({"history": self.history.to_state(names)} if self.history.n else {}),
+            **({"finite_before": sorted(self.finite_before)} if self.finite_before else {}),
         })
         return _STATE_MAGIC + len(header).to_bytes(4, "little") + header + self.block.arrays()
 
@@ -362,7 +367,12 @@ class SourceState:
         state.known = {k: (math.nan if v is None else v) for k, v in d.get("known", {}).items()}
         if isinstance(d.get("history"), dict):
             state.history.restore(d["history"], rows)
+        state.finite_before = {n for n in d.get("finite_before", []) if n in rows}
         return state
+
+    def seen_finite(self, row: int) -> bool:
+        """Whether the metric of ``row`` had a finite value since the run started, across rollbacks."""
+        return bool(self.block.count[row]) or self.block.names[row] in self.finite_before
 
 
 @dataclass
@@ -370,7 +380,7 @@ class RunState:
     offsets: dict = field(default_factory=dict)         # partition (str) -> offset of the last event applied
     partition: int = 0
     breaker: policy.BreakerState = field(default_factory=policy.BreakerState)
-    checkpoints: list = field(default_factory=list)     # {step, path, ts, healthy}
+    checkpoints: list = field(default_factory=list)     # {step, path, ts, healthy, why}: why when suspect
     nodes: dict = field(default_factory=dict)           # host -> {ts, step, metrics}
     sources: list = field(default_factory=list)         # source ids seen
     recent_alerts: list = field(default_factory=list)   # the last critical alerts, for reports
@@ -390,6 +400,9 @@ class RunState:
     events: int | None = None                           # events applied (None: counted by no release yet)
     rows: int = 0                                       # metric rows of its sources, all together
     limits: dict = field(default_factory=dict)          # cap -> {cap, left_out, of}: what it left out
+    nonfinite: list | None = None                       # [step, metric]: the last NaN/Inf a critical rule saw
+    command: dict | None = None                         # the breaker's last command and what came of it
+    unsigned_checkpoints: list = field(default_factory=list)  # {step, path, why}: the newest refused as unsigned
 
     # What a record past its byte limit leaves out, in this order: context for alerts and reports
     # first, then the oldest rollback targets, one at a time (the newest that fit are kept).

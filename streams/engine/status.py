@@ -23,10 +23,31 @@ class StatusRoom(StateAccess):
 
     @staticmethod
     def _outcome(run: RunState) -> str | None:
-        """How the run ended: stopped (a stop applied, or the breaker's), finished, or None."""
-        if run.stopped or run.breaker.status == policy.STOPPED:
+        """How the run ended, as its trainer said (a stop the breaker sent is not one the trainer
+        applied): stopped, finished, or None."""
+        if run.stopped:
             return "stopped"
         return "finished" if run.finished else None
+
+    @staticmethod
+    def _command_said(command: dict) -> str:
+        """What came of the breaker's last command, in words: "stop sent at step 140, refused by the
+        trainer: unknown signing key"."""
+        sent = f"{command['action']} sent" + (f" at step {command['step']}" if command.get("step") is not None else "")
+        detail = command.get("detail") or "no detail"
+        status = command.get("status")
+        if status == "applied":
+            at = f" at step {command['acked_step']}" if command.get("acked_step") is not None else ""
+            said = f"{sent}, applied by the trainer{at}" + (f": {detail}" if command.get("detail") else "")
+        elif status in ("rejected", "failed"):
+            said = f"{sent}, {'refused by' if status == 'rejected' else 'failed in'} the trainer: {detail}"
+            if command.get("unverified"):
+                said += f" (not authenticated: {command['unverified']}; not applied either way)"
+        elif status == "expired":
+            said = f"{sent}, not applied: no ack from the trainer before it expired"
+        else:
+            said = f"{sent}, not acked yet"
+        return said
 
     def status(self, run_id: str) -> dict | None:
         """The run's state as an operator asks for it (a ``status/1`` event), or None when this
@@ -51,11 +72,15 @@ class StatusRoom(StateAccess):
                         "restored_step": breaker.restored_step,
                         "pending_command": breaker.command_id if breaker.status in (policy.AWAITING, policy.RERUN)
                         else None},
+            **({"command": {**{k: run.command.get(k) for k in ("id", "action", "step", "status")},
+                            "said": self._command_said(run.command)}} if run.command else {}),
             "open_alerts": open_alerts, "checkpoints": len(run.checkpoints),
             # what `trainguard command RUN rollback --to STEP` may restore: only what the trainer reported
-            "saved_checkpoints": [{"step": c["step"], "path": c["path"], "healthy": c["healthy"]}
-                                  for c in run.checkpoints],
+            "saved_checkpoints": [{"step": c["step"], "path": c["path"], "healthy": c["healthy"],
+                                   **({"why": c["why"]} if "why" in c else {})} for c in run.checkpoints],
             "last_healthy_checkpoint": {"step": healthy["step"], "path": healthy["path"]} if healthy else None,
+            **({"unsigned_checkpoints": [dict(c) for c in run.unsigned_checkpoints]} if run.unsigned_checkpoints
+               else {}),
             "dropped_events": run.dropped_events, "worker": self.worker_name,
             "silences": [dict(s) for s in run.silences if s["until"] > self.clock()],
             "unwatched_metrics": list(run.unwatched),
@@ -123,12 +148,15 @@ class StatusRoom(StateAccess):
                       "first_critical_step": b.onset_step if b.onset_step is not None else event["step"],
                       "margin_steps": self.rules.policy.rollback_min_steps_before_onset,
                       "rules": sorted({a["rule"] for a in alerts}),
-                      "layers": sorted({a.get("layer", "data") for a in alerts})},
+                      "layers": sorted({a.get("layer", "data") for a in alerts}),
+                      "breaker_rules": self.rules.breaker_rules},
             alerts=[{k: a[k] for k in ("id", "rule", "severity", "metric", "value", "step", "evidence",
                                        "diagnosis", "suggestion") if k in a} for a in alerts],
             windows=windows, resource_snapshot=run.nodes,
             checkpoint={"chosen": decision.checkpoint, "why": decision.why, "candidates": decision.candidates,
-                        "passed_over": decision.passed_over},
+                        "passed_over": decision.passed_over,
+                        **({"refused_unsigned": [dict(c) for c in run.unsigned_checkpoints]}
+                           if run.unsigned_checkpoints and decision.checkpoint is None else {})},
             history={"rollbacks": b.attempt, "rollbacks_last_hour": len(b.rollback_ts),
                      "ladder": [dict(r) for r in b.ladder], "rungs": self.rules.policy.rungs,
                      **({"rung": decision.rung} if decision.rung is not None else {}),

@@ -125,6 +125,12 @@ def render_run(board: Board, run_id: str, view: dict | None = None, *, x_range: 
         until = time.strftime("%Y-%m-%d %H:%M", time.localtime(kept)) if kept and 0 < kept < 1e11 else "?"
         state += (f'<p class="outcome">the run ended: <b class="outcome">{esc(status.get("outcome") or "?")}</b>; '
                   f'its detection state was freed, this summary is kept until {esc(until)}</p>')
+    if status.get("command"):
+        state += f'<p class="command">the breaker\'s last command: {esc(status["command"])}</p>'
+    suspect = status.get("suspect_checkpoints") or []
+    if suspect:
+        state += ('<p class="suspect">suspect checkpoints (never a rollback target): ' + "; ".join(
+            f'step {esc(c["step"])}: {esc(c["why"])}' for c in suspect) + "</p>")
     unwatched = status.get("unwatched_metrics") or []
     if unwatched:
         more = f" (+{status['unwatched_more']} more)" if status.get("unwatched_more") else ""

@@ -48,12 +48,22 @@ def status_view(s: dict) -> dict:
             "breaker": {"status": short_text(breaker["status"], 64), "rollbacks": breaker["rollbacks"]},
             "open_alerts": len(s["open_alerts"]), "last_healthy_checkpoint_step": int64(ckpt.get("step")),
             "acknowledged": _acknowledged(s["open_alerts"]), "silences": _silences(s.get("silences")),
-            "unwatched_metrics": names,
+            "unwatched_metrics": names, "suspect_checkpoints": _suspect(s.get("saved_checkpoints")),
+            # what came of the breaker's last command: "stop sent at step 140, refused by the trainer: ..."
+            "command": short_text((s.get("command") or {}).get("said") if isinstance(s.get("command"), dict)
+                                  else None, 600),
             "unwatched_more": max(0, len(unwatched) - len(names)) if isinstance(unwatched, list) else 0,
             # a finished run's summary, kept on the status topic after its detection state was freed
             "state_freed": s.get("state_freed") is True,
             "outcome": s.get("outcome") if s.get("outcome") in ("finished", "stopped", "idle") else None,
             "retained_until": s.get("retained_until") if type(s.get("retained_until")) in (int, float) else None}
+
+
+def _suspect(saved) -> list[dict]:
+    """The newest checkpoints the worker holds suspect (never a rollback target), each with why."""
+    suspect = [c for c in saved if isinstance(c, dict) and c.get("healthy") is False] if isinstance(saved, list) else []
+    return [{"step": int64(c.get("step")), "why": short_text(c.get("why"), 300) or "saved while a P0/P1 alert was open"}
+            for c in suspect[-10:]]
 
 
 def _acknowledged(open_alerts) -> dict[str, str]:
