@@ -195,17 +195,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where alerts, commands and acks are kept (default: %(default)s)")
     p.set_defaults(func=_demo)
 
-    from trainguard.readers import FORMATS
+    from trainguard.readers import canonical_format, format_names
     from trainguard.schemas.events import ADJUST_LIMITS  # the readers import it anyway
 
     p = command("replay", "run a recorded run through the rules offline and list the alerts",
                 "Reads JSON lines, CSV, trainer_state.json, TensorBoard event files (a file, a run "
-                "directory or a log tree holding one run), verl and Hugging Face/TRL console logs, and "
+                "directory or a log tree holding one run), verl and Hugging Face/TRL console logs, the "
+                "Trainer's notebook table, tqdm bars with a metrics postfix (OpenRLHF), and "
                 "W&B and SwanLab run files. Says which logged metrics no rule watches.")
     p.add_argument("file", help="the recording: a file, a checkpoint directory or a TensorBoard log directory")
     p.add_argument("--rules", help="rules YAML (default: the packaged rules/default.yaml)")
-    p.add_argument("--format", choices=FORMATS, metavar="FORMAT",
-                   help=f"{', '.join(FORMATS)} (default: detected from the file)")
+    def replay_format(text: str) -> str:
+        name = canonical_format(text)
+        if name is None:
+            raise argparse.ArgumentTypeError(f"unknown format {text!r}; use one of {format_names()}")
+        return name
+
+    p.add_argument("--format", type=replay_format, metavar="FORMAT",
+                   help=f"{format_names()} (default: detected from the file)")
     p.add_argument("--run-id", help="run id in the alerts (default: the file name)")
     p.add_argument("--checkpoint", action="append", metavar="STEP[:PATH]",
                    help="a checkpoint the run saved (repeatable), for the breaker's rollback target")
