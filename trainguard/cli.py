@@ -107,14 +107,18 @@ def _sinks(args) -> int:
 
 
 def _check_rules(args) -> int:
-    from trainguard.streams.rules import RulesError, load
+    from trainguard.streams.rules import RulesError, load, unknown_metric_warnings
 
     try:
         ruleset = load(args.file)
     except RulesError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return 2
-    print(f"{ruleset.path}: {len(ruleset.rules)} rules, {len(ruleset.baselines)} baselines: OK")
+    warnings = unknown_metric_warnings(ruleset)
+    for warning in warnings:
+        print(f"trainguard: warning: {warning}", file=sys.stderr)
+    said = f" ({len(warnings)} warning(s) on stderr)" if warnings else ""
+    print(f"{ruleset.path}: {len(ruleset.rules)} rules, {len(ruleset.baselines)} baselines: OK{said}")
     return 0
 
 
