@@ -98,3 +98,31 @@ def test_status_says_its_checkpoint_count_is_capped_and_what_lost_events_are():
     assert "checkpoint(s) seen" not in text
     assert "the trainer's client lost 3 event(s) on the way to the broker" in text, text
     assert "broker unreachable or its queue full" not in text
+
+
+def test_a_repeated_line_is_counted_only_when_it_says_the_same():
+    from trainguard.streams.app import RepeatFilter
+
+    repeats = RepeatFilter(interval_s=60.0)
+
+    def record(*args):
+        return logging.LogRecord("trainguard.worker", logging.WARNING, __file__, 1,
+                                 "command %s for run %s not sent", args, None)
+
+    assert repeats.filter(record("c1", "run-a")) and repeats.filter(record("c2", "run-b")), "two runs: two lines"
+    assert not repeats.filter(record("c1", "run-a")), "the same line again is counted"
+    repeats._seen[("trainguard.worker", "command c1 for run run-a not sent")][0] -= 61  # its interval passed
+    again = record("c1", "run-a")
+    assert repeats.filter(again)
+    assert again.getMessage() == "command c1 for run run-a not sent [and 1 more like it in the last 61 s]"
+
+
+def test_signing_with_a_key_is_information_not_a_warning(monkeypatch, caplog):
+    from trainguard.streams.app import _keys
+
+    monkeypatch.setenv("TRAINGUARD_COMMAND_KEY", "local:a-long-shared-secret")
+    caplog.set_level(logging.INFO, logger="trainguard")
+    signing_key, _, _ = _keys()
+    assert signing_key.key_id == "local"
+    said = [r for r in caplog.records if "signing commands with key id 'local'" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
