@@ -126,3 +126,59 @@ def test_signing_with_a_key_is_information_not_a_warning(monkeypatch, caplog):
     assert signing_key.key_id == "local"
     said = [r for r in caplog.records if "signing commands with key id 'local'" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.INFO
+
+
+def test_broker_and_ui_started_with_an_ampersand_stop_on_sigint(tmp_path):
+    """A shell script without job control starts `cmd &` with SIGINT ignored; both still stop on it."""
+    import os
+    import signal
+    import time
+
+    from trainguard.broker import free_port
+
+    port, ui_port = free_port(), free_port()
+    cli = f"{sys.executable} -m trainguard.cli"
+    script = (f"{cli} broker --port {port} > {tmp_path}/broker.out 2>&1 &\necho $!\n"
+              f"sleep 0.5; {cli} ui --port {ui_port} --bootstrap 127.0.0.1:{port} > {tmp_path}/ui.out 2>&1 &\n"
+              f"echo $!\nwait\n")
+    shell = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        broker_pid, ui_pid = int(shell.stdout.readline()), int(shell.stdout.readline())
+        pids += [broker_pid, ui_pid]
+        for name, pid, ready in (("ui", ui_pid, "Ctrl-C to stop"), ("broker", broker_pid, "answering on")):
+            out = tmp_path / f"{name}.out"
+            deadline = time.monotonic() + 90
+            while not (out.exists() and ready in out.read_text()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert ready in out.read_text(), out.read_text()
+            os.kill(pid, signal.SIGINT)
+            deadline = time.monotonic() + 20
+            while _running(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not _running(pid), f"{name} ignored SIGINT: {out.read_text()}"
+        assert "trainguard broker: stopped." in (tmp_path / "broker.out").read_text()
+        assert shell.wait(timeout=20) == 0
+    finally:
+        for pid in pids:  # what a failed check left running
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        shell.kill()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its shell, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ack_help_speaks_of_ack_only():
+    ack = subprocess.run([sys.executable, "-m", "trainguard.cli", "ack", "--help"], capture_output=True, text=True,
+                         timeout=60).stdout
+    resolve = subprocess.run([sys.executable, "-m", "trainguard.cli", "resolve", "--help"], capture_output=True,
+                             text=True, timeout=60).stdout
+    assert "resolve" not in ack and "--wait" not in ack
+    assert "--wait" in resolve and "seconds to wait for the resolution" in resolve

@@ -13,9 +13,19 @@ import sys
 from trainguard.core import settings as settings_mod
 
 
+def _interruptible() -> None:
+    """Ctrl-C (SIGINT) stops this command even when a script started it with ``&``: a shell without
+    job control starts background commands with SIGINT ignored, and Python then never raises
+    KeyboardInterrupt, so `kill -INT` did nothing."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _broker(args) -> int:
     from trainguard.broker import run_forever
 
+    _interruptible()
     return run_forever(args.host, args.port, args.partitions)
 
 
@@ -79,6 +89,7 @@ def _status(args) -> int:
 def _ui(args) -> int:
     from trainguard.ui import main as ui_main
 
+    _interruptible()
     return ui_main(args)
 
 
@@ -318,8 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("alert", help="the alert id (`trainguard status RUN` lists the open ones)")
         p.add_argument("--reason", required=True, help="why (kept with the alert)")
         p.add_argument("--run", help="the alert's run (default: looked up in the runs' status)")
-        p.add_argument("--wait", type=float, default=30.0,
-                       help="resolve: seconds to wait for the resolution; 0 sends and returns (default: %(default)s)")
+        if name == "resolve":  # an ack waits for nothing
+            p.add_argument("--wait", type=float, default=30.0,
+                           help="seconds to wait for the resolution; 0 sends and returns (default: %(default)s)")
         p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
         p.set_defaults(func=_alert)
 
