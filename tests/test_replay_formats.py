@@ -107,3 +107,8 @@ def test_trainer_output_directory_gives_run_id_and_checkpoints(tmp_path):
         assert [(c["step"], os.path.basename(c["path"])) for c in result.checkpoints] == [
             (20, "checkpoint-20"), (40, "checkpoint-40"), (60, "checkpoint-60")]
     assert replay(out, run_id="mine").run_id == "mine"
+
+
+def test_a_state_file_saved_under_its_own_name_keeps_it(tmp_path):
+    shutil.copy(os.path.join(DATA, "trainer_state.json"), tmp_path / "run7_state.json")
+    assert replay(tmp_path / "run7_state.json").run_id == "run7_state"

@@ -258,6 +258,11 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
     return result
 
 
+def _strip_gz_name(path: str) -> str:
+    name = os.path.basename(path)
+    return name[:-3] if name.endswith(".gz") else name
+
+
 def trainer_output_dir(path: str) -> str:
     """The Trainer's output directory of a trainer_state.json (or of the folder holding one): the
     folder it is in, or that folder's parent when it is a ``checkpoint-N`` folder."""
@@ -271,8 +276,10 @@ def trainer_output_dir(path: str) -> str:
 
 def _default_run_id(path: str, fmt: str) -> str:
     """The file's name without its extension, made a valid run id (``my run|2.log`` -> ``my_run_2``);
-    for a trainer_state.json, its Trainer's output directory's name (every one is called so)."""
-    name = os.path.basename(trainer_output_dir(path) if fmt == "hf" else os.path.normpath(path)) or "replay"
+    for a trainer_state.json, its Trainer's output directory's name (every one is called so; a
+    state file saved under another name keeps its own)."""
+    named_by_folder = fmt == "hf" and (os.path.isdir(path) or _strip_gz_name(path) == "trainer_state.json")
+    name = os.path.basename(trainer_output_dir(path) if named_by_folder else os.path.normpath(path)) or "replay"
     for suffix in (".gz", ".log", ".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".txt"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
