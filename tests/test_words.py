@@ -98,6 +98,10 @@ def test_status_says_its_checkpoint_count_is_capped_and_what_lost_events_are():
     assert "checkpoint(s) seen" not in text
     assert "the trainer's client lost 3 event(s) on the way to the broker" in text, text
     assert "broker unreachable or its queue full" not in text
+    freed = {**engine.status("capped"), "state_freed": True, "outcome": "finished", "retained_until": 1.7e9 + 3600,
+             "recent_alerts": [{"severity": "P2", "rule": f"rule_{i}", "step": i, "id": f"a{i}"} for i in range(8)]}
+    text = format_status(freed, now=1.7e9 + 80)
+    assert "the last 5 of its 8 kept alerts:" in text and "rule_2" not in text and "rule_7" in text, text
 
 
 def test_a_repeated_line_is_counted_only_when_it_says_the_same():

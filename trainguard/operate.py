@@ -336,7 +336,10 @@ def format_status(s: dict, now: float | None = None) -> str:
     if s.get("state_freed"):
         lines.append(f"  ended {s.get('outcome') or '?'}; detection state freed, this summary kept until "
                      f"{_clock(s.get('retained_until'), '%Y-%m-%d %H:%M')}")
-        for a in (s.get("recent_alerts") or [])[-5:]:
+        recent = s.get("recent_alerts") or []
+        if len(recent) > 5:
+            lines.append(f"    the last 5 of its {len(recent)} kept alerts:")
+        for a in recent[-5:]:
             lines.append(f"    earlier: {a.get('severity') or '?'} {a.get('rule')} at step {_shown(a.get('step'))}"
                          f"  ({a.get('id') or '-'})")
     if s["open_alerts"]:
@@ -419,7 +422,8 @@ def status_main(args) -> int:
         print(f"trainguard status: {decoder.summary()}", file=sys.stderr)
     status = statuses.get(args.run)
     if status is None:
-        known = ", ".join(safe(r) for r in sorted(statuses)[:10]) or "none"
+        known = (", ".join(safe(r) for r in sorted(statuses)[:10]) or "none") + \
+            (f" and {len(statuses) - 10} more (`trainguard runs` lists them all)" if len(statuses) > 10 else "")
         print(f"trainguard status: no status for run {safe(args.run)}: no worker watches it now (not started, or "
               f"finished and forgotten). Runs known: {known}", file=sys.stderr)
         return EXIT_REFUSED
