@@ -14,9 +14,12 @@ staleness rule pages once.
 ``log()`` sends all metrics of one step and source as one event; the seed's
 ``log_metric(name, value, step=...)`` gathers single values and sends them together
 when the step moves on. Nothing here raises into the training loop or waits on the
-broker: values that cannot be read as numbers are skipped and counted, events that
-cannot be queued are dropped and counted, and the counts travel in the run's own
-metrics (``trainguard/dropped_events``) and are printed on ``close()``.
+broker: values that cannot be read as numbers are skipped and counted; a step the worker
+would refuse (a negative step, a metric name past 256 characters, more than 10,000 values:
+the events schema's own checks) is rejected at once, ``log()`` returning False, counted and
+said once per cause; events that cannot be queued are dropped and counted, and the count of
+those lost travels in the run's own metrics (``trainguard/dropped_events``). ``close()``
+prints every count by its cause.
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ class TrainerLogger:
         self.source = ev.source(kind, host or socket.gethostname(), rank)
         self.publisher = publisher or Publisher(self.settings)
         self.skipped_values = 0
+        self.rejected = 0                  # steps the worker would refuse, never sent
+        self._rejections_said: set[str] = set()
+        # The metric names of the last accepted step; None until one whole event was checked (its
+        # run id and source hold for every later one).
+        self._names_checked: frozenset | None = None
         self._pending_step: int | None = None
         self._pending: dict[str, float] = {}
         self._pending_tags: dict[str, str] = {}
@@ -95,10 +103,43 @@ class TrainerLogger:
             values["trainguard/dropped_events"] = float(lost)
         event = ev.metrics_event(self.run_id, int(step), values, src=self.source,
                                  ts=time.time() if ts is None else ts, tags=tags)
+        payload = self._accepted(event)
+        if payload is None:
+            return False
         self._last_step = event["step"]
-        # Signed with the trainer's key where there is one: only such metrics make a worker with
-        # keys act (a rollback, a stop); one HMAC over the bytes encoded anyway.
-        return self.publisher.publish(self._topic, self.run_id, signed_bytes(event, trainer_key(self.run_id)))
+        return self.publisher.publish(self._topic, self.run_id, payload)
+
+    def _accepted(self, event: dict) -> bytes | None:
+        """The event encoded when the worker would take it; else None, counted as rejected and its
+        cause said once (the worker would only dead-letter it)."""
+        try:
+            # The whole event once; then what changes per step (run id and source are fixed), the
+            # names only when they change: a loop logs the same ones every step, and checking 50
+            # of them would double log()'s cost.
+            names = event["metrics"].keys()
+            if self._names_checked is None:
+                ev.validate(event)
+                self._names_checked = frozenset(names)
+            elif names == self._names_checked:
+                ev.check_step({**event, "metrics": {}})
+            else:
+                ev.check_step(event)
+                self._names_checked = frozenset(names)
+            # Signed with the trainer's key where there is one: only such metrics make a worker with
+            # keys act (a rollback, a stop); one HMAC over the bytes encoded anyway.
+            payload = signed_bytes(event, trainer_key(self.run_id))
+            if len(payload) > ev.MAX_EVENT_BYTES:
+                raise ev.SchemaError(f"{len(payload)} bytes, past the {ev.MAX_EVENT_BYTES}-byte limit of an event")
+        except ev.SchemaError as exc:
+            self.rejected += 1
+            cause = str(exc).split(":", 1)[0]
+            if cause not in self._rejections_said and len(self._rejections_said) < 16:
+                self._rejections_said.add(cause)
+                log.warning("trainguard: run %s: log() rejected step %s, which the worker would refuse: %s "
+                            "(further steps rejected for this cause are counted, not said)",
+                            self.run_id, event.get("step"), exc)
+            return None
+        return payload
 
     def log_metric(self, name: str, value, tags: dict[str, str] | None = None, step: int | None = None) -> None:
         """The seed's per-value API: values of one step are sent together as one event."""
@@ -147,7 +188,7 @@ class TrainerLogger:
     # -- shutdown -----------------------------------------------------------------------
 
     def stats(self) -> dict:
-        return {**self.publisher.stats(), "skipped_values": self.skipped_values}
+        return {**self.publisher.stats(), "skipped_values": self.skipped_values, "rejected": self.rejected}
 
     def close(self, timeout: float = 10.0, *, quiet: bool = False, end: str | None = "finished",
               step: int | None = None) -> dict:
@@ -166,10 +207,12 @@ class TrainerLogger:
         given_up = self.publisher.close(timeout)
         stats = self.stats()
         stats["undelivered_at_close"] = given_up
-        if not quiet and (stats["lost"] or self.skipped_values):
+        if not quiet and (stats["lost"] or self.skipped_values or self.rejected):
             print(f"trainguard: run {self.run_id}: {stats['sent']} events sent, {stats['lost']} lost "
-                  f"({stats['dropped']} dropped with a full queue, {stats['delivery_failed']} not delivered in time, "
-                  f"{stats['purged_at_close']} given up at close, {stats['lost_fatal']} in a failed producer); "
+                  f"({stats['dropped']} not queued (queue full or unencodable), {stats['delivery_failed']} not "
+                  f"delivered in time, {stats['purged_at_close']} given up at close, {stats['lost_fatal']} in a failed "
+                  f"producer); {self.rejected} steps rejected by log() as the worker would refuse them (negative "
+                  f"step, over-long name ...: said in the log when first seen); "
                   f"{self.skipped_values} non-numeric values skipped.", file=sys.stderr)
         return stats
 

@@ -493,6 +493,16 @@ def _validate_metrics(event: dict) -> None:
     _check_tags(event)
 
 
+def check_step(event: dict) -> dict:
+    """The fields of a metrics event that change from step to step (step, ts, metrics, tags), checked
+    as :func:`validate` checks them: for a producer that validated its run id and source once."""
+    _int(event, "step")
+    _time(event, "ts")
+    _check_metrics(event)
+    _check_tags(event)
+    return event
+
+
 def _validate_checkpoint(event: dict) -> None:
     _check_run(event)
     _int(event, "step")

@@ -214,9 +214,11 @@ def _keys():
         log.warning("trainguard: no keys, so metrics are not authenticated: whoever can write the events topic can "
                     "make the breaker act (docs/security.md)")
     else:
-        log.warning("trainguard: signing commands with key id %r; trainer and operator events must be signed, and "
-                    "only metrics signed with the run's trainer key make the breaker act (others alert, marked "
-                    "unauthenticated)", signing_key.key_id)
+        # Information, not a problem to fix: said on every start, at INFO (the worker's default level
+        # shows warnings only).
+        log.info("trainguard: signing commands with key id %r; trainer and operator events must be signed, and "
+                 "only metrics signed with the run's trainer key make the breaker act (others alert, marked "
+                 "unauthenticated)", signing_key.key_id)
     return signing_key, keys, require_signed
 
 
@@ -479,8 +481,9 @@ def _exit_after(seconds: float, signum) -> None:
 
 
 class RepeatFilter(logging.Filter):
-    """Says a repeated log message (same logger, same text) once per ``interval_s``, then how
-    many times it came: a worker whose broker is gone logged ten lines a second."""
+    """Says a repeated log message (same logger, same text once formatted) once per ``interval_s``,
+    then how many times it came: a worker whose broker is gone logged ten lines a second. Lines
+    of one format about two runs or two commands are two messages, never counted as one."""
 
     def __init__(self, interval_s: float = 30.0):
         super().__init__()
@@ -490,14 +493,18 @@ class RepeatFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.CRITICAL:
             return True
-        key = (record.name, str(record.msg)[:200])
+        try:
+            text = record.getMessage()
+        except Exception:  # a bad format string: logging reports it when the record is emitted
+            text = str(record.msg)
+        key = (record.name, text[:500])
         now = time.monotonic()
         entry = self._seen.get(key)
         if entry is not None and now - entry[0] < self.interval_s:
             entry[1] += 1
             return False
         if entry is not None and entry[1]:
-            record.msg = f"{record.msg} [and {entry[1]} more like it in the last {now - entry[0]:.0f} s]"
+            record.msg, record.args = f"{text} [and {entry[1]} more like it in the last {now - entry[0]:.0f} s]", None
         self._seen[key] = [now, 0]
         if len(self._seen) > 10_000:
             self._seen.clear()
@@ -511,15 +518,34 @@ def leave_orphaned_memberships(app) -> None:
     if members is None:
         return
     bootstrap = ",".join(f"{url.host}:{url.port}" for url in app.conf.broker_consumer)
+    stopped = members.stopped()
     try:
         left = asyncio.run(members.leave_orphaned(bootstrap, aiokafka_auth(app)))
     except Exception as exc:  # the broker may be down: the worker's own join waits for it
         log.warning("trainguard worker: could not end a dead worker's group membership (%s: %s); its "
                     "partitions come back after its session times out", type(exc).__name__, exc)
         return
-    if left:
-        print(f"trainguard worker: ended {len(left)} group membership(s) of a worker that died on this host",
-              flush=True)
+    for line in membership_lines(left, stopped):
+        print(f"trainguard worker: {line}", flush=True)
+
+
+def membership_lines(left: list[str], stopped: set[str]) -> list[str]:
+    """What a starting worker says of the memberships it ended: a worker that stopped cleanly is
+    no dead one (its membership outlives it until its session ends)."""
+    died = [m for m in left if m not in stopped]
+    lines = []
+    if died:
+        lines.append(f"ended {len(died)} group membership(s) of a worker that died on this host")
+    if len(died) < len(left):
+        lines.append(f"ended {len(left) - len(died)} group membership(s) of a worker that stopped on this host "
+                     f"(its partitions come now, not after its session)")
+    return lines
+
+
+def _mark_stopped(app) -> None:
+    members = getattr(app, "trainguard_members", None)
+    if members is not None:
+        members.mark_stopped()
 
 
 def run_worker(settings: KafkaSettings | None = None, *, rules_path: str | None = None, loglevel: str = "warning",
@@ -540,6 +566,11 @@ def run_worker(settings: KafkaSettings | None = None, *, rules_path: str | None 
           f"{rules_path or 'default.yaml'}", flush=True)
     leave_orphaned_memberships(app)
     worker = _Worker(app, loglevel=loglevel, quiet=True)
-    worker.execute_from_commandline()
+    try:
+        worker.execute_from_commandline()
+    except (SystemExit, KeyboardInterrupt):  # Ctrl-C, SIGTERM: a clean stop
+        _mark_stopped(app)
+        raise
+    _mark_stopped(app)
     log.info("trainguard worker: stopped after %.0fs", time.time() - started)
     return 0

@@ -596,3 +596,41 @@ def load(path: str | Path | None = None) -> RuleSet:
 @lru_cache(maxsize=1)
 def default() -> RuleSet:
     return load(None)
+
+
+def _known_names() -> set[str]:
+    """Every metric name a framework is known to log (its dialect, bare and with a logging
+    prefix) or the packaged rules name exactly (the seeds')."""
+    from trainguard.streams.dialects import DIALECTS
+    from trainguard.streams.signals import PREFIXES
+
+    names = {name for dialect in DIALECTS.values() for name in dialect}
+    names |= {prefix + name for prefix in PREFIXES for name in list(names)}
+    packaged = default()
+    for pats in [r.metrics for r in packaged.rules] + [b.metrics for b in packaged.baselines] + \
+            [p for _, p in packaged.layers]:
+        names |= {p for p in pats.patterns if not any(c in p for c in "*?[")}
+    return names
+
+
+def unknown_metric_warnings(ruleset: RuleSet) -> list[str]:
+    """A warning per exact metric name in ``ruleset``'s rules that no framework logs and the packaged
+    rules do not name (a typo never matches, so the rule never fires), with the nearest known name.
+    Globs are left alone: they are meant to match names not listed anywhere."""
+    import difflib
+
+    known = _known_names()
+    # The node agent's names (gpu/*, system/* ...) depend on the hardware: its namespaces are known.
+    node = [p for layer, p in default().layers if layer == "resource"]
+    warnings = []
+    for rule in ruleset.rules:
+        for name in rule.metrics.patterns:
+            if any(c in name for c in "*?[") or name in known or base_name(name) in known or \
+                    any(p.match(name) for p in node):
+                continue
+            nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            hint = f"did you mean {nearest[0]!r}? " if nearest else ""
+            warnings.append(f"{ruleset.path}:{rule.line}: rule {rule.name!r}: no framework trainguard knows logs the "
+                            f"metric {name!r}; {hint}if your trainer logs it under that name, ignore this "
+                            f"(docs/vocabulary.md lists the known names)")
+    return warnings

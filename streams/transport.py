@@ -254,6 +254,29 @@ class Memberships:
         except OSError as exc:  # a read-only data folder costs a slower restart, nothing else
             log.warning("trainguard: cannot record the group membership in %s (%s)", self.folder, exc)
 
+    def mark_stopped(self) -> None:
+        """Note on this process's records that it stopped cleanly, so the next worker that ends
+        its membership (still in the group until its session ends) does not call it dead."""
+        for path in sorted(self.folder.glob("*")) if self.folder.is_dir() else ():
+            try:
+                lines = path.read_text().split("\n")
+                if lines[0] == str(os.getpid()):
+                    path.write_text(f"{lines[0]}\n{lines[1]}\nstopped\n")
+            except (OSError, IndexError):
+                continue  # no record, no harm: the next worker calls it dead, as before
+
+    def stopped(self) -> set[str]:
+        """Member ids of the records whose worker stopped cleanly."""
+        found = set()
+        for path in sorted(self.folder.glob("*")) if self.folder.is_dir() else ():
+            try:
+                lines = path.read_text().split("\n")
+            except OSError:
+                continue
+            if len(lines) > 2 and lines[2] == "stopped":
+                found.add(lines[1])
+        return found
+
     def orphaned(self) -> list[tuple[Path, str]]:
         """(file, member id) of each recorded member whose process is gone."""
         found = []

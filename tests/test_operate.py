@@ -322,7 +322,7 @@ def test_runs_and_status_print_no_escape_sequence_and_count_bad_statuses(kafka):
     assert all(line.startswith("  ") for line in shown.stdout.splitlines()[1:]), "no line forged"
     assert "run esc-1: closedclick" in shown.stdout and "P0 RESOLVED all clear" in shown.stdout
     assert "silenced (every rule) until ? by ?" in shown_odd.stdout
-    assert "last step -" in shown_odd.stdout and "dropped many event(s)" in shown_odd.stdout
+    assert "last step -" in shown_odd.stdout and "lost many event(s) on the way to the broker" in shown_odd.stdout
 
 
 def test_ack_and_silence_take_the_start_of_an_id_and_name_the_matches_when_several_fit(kafka):

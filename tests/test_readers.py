@@ -515,7 +515,8 @@ def test_errors_name_the_file(tmp_path):
     assert str(odd) in str(exc.value) and "cannot tell the format" in str(exc.value)
     with pytest.raises(ReadError, match="unknown format 'parquet'"):
         open_reader(data("sample.csv"), fmt="parquet")
-    assert set(FORMATS) == {"jsonl", "csv", "hf", "tensorboard", "verl", "hflog", "wandb", "swanlab"}
+    assert set(FORMATS) == {"jsonl", "csv", "hf", "tensorboard", "verl", "hflog", "hfnotebook", "tqdm", "wandb",
+                            "swanlab"}
 
 
 def test_forced_format_with_alias():

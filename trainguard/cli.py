@@ -13,9 +13,19 @@ import sys
 from trainguard.core import settings as settings_mod
 
 
+def _interruptible() -> None:
+    """Ctrl-C (SIGINT) stops this command even when a script started it with ``&``: a shell without
+    job control starts background commands with SIGINT ignored, and Python then never raises
+    KeyboardInterrupt, so `kill -INT` did nothing."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _broker(args) -> int:
     from trainguard.broker import run_forever
 
+    _interruptible()
     return run_forever(args.host, args.port, args.partitions)
 
 
@@ -79,6 +89,7 @@ def _status(args) -> int:
 def _ui(args) -> int:
     from trainguard.ui import main as ui_main
 
+    _interruptible()
     return ui_main(args)
 
 
@@ -107,14 +118,18 @@ def _sinks(args) -> int:
 
 
 def _check_rules(args) -> int:
-    from trainguard.streams.rules import RulesError, load
+    from trainguard.streams.rules import RulesError, load, unknown_metric_warnings
 
     try:
         ruleset = load(args.file)
     except RulesError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return 2
-    print(f"{ruleset.path}: {len(ruleset.rules)} rules, {len(ruleset.baselines)} baselines: OK")
+    warnings = unknown_metric_warnings(ruleset)
+    for warning in warnings:
+        print(f"trainguard: warning: {warning}", file=sys.stderr)
+    said = f" ({len(warnings)} warning(s) on stderr)" if warnings else ""
+    print(f"{ruleset.path}: {len(ruleset.rules)} rules, {len(ruleset.baselines)} baselines: OK{said}")
     return 0
 
 
@@ -195,17 +210,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where alerts, commands and acks are kept (default: %(default)s)")
     p.set_defaults(func=_demo)
 
-    from trainguard.readers import FORMATS
+    from trainguard.readers import canonical_format, format_names
     from trainguard.schemas.events import ADJUST_LIMITS  # the readers import it anyway
 
     p = command("replay", "run a recorded run through the rules offline and list the alerts",
                 "Reads JSON lines, CSV, trainer_state.json, TensorBoard event files (a file, a run "
-                "directory or a log tree holding one run), verl and Hugging Face/TRL console logs, and "
+                "directory or a log tree holding one run), verl and Hugging Face/TRL console logs, the "
+                "Trainer's notebook table, tqdm bars with a metrics postfix (OpenRLHF), and "
                 "W&B and SwanLab run files. Says which logged metrics no rule watches.")
     p.add_argument("file", help="the recording: a file, a checkpoint directory or a TensorBoard log directory")
     p.add_argument("--rules", help="rules YAML (default: the packaged rules/default.yaml)")
-    p.add_argument("--format", choices=FORMATS, metavar="FORMAT",
-                   help=f"{', '.join(FORMATS)} (default: detected from the file)")
+    def replay_format(text: str) -> str:
+        name = canonical_format(text)
+        if name is None:
+            raise argparse.ArgumentTypeError(f"unknown format {text!r}; use one of {format_names()}")
+        return name
+
+    p.add_argument("--format", type=replay_format, metavar="FORMAT",
+                   help=f"{format_names()} (default: detected from the file)")
     p.add_argument("--run-id", help="run id in the alerts (default: the file name)")
     p.add_argument("--checkpoint", action="append", metavar="STEP[:PATH]",
                    help="a checkpoint the run saved (repeatable), for the breaker's rollback target")
@@ -308,8 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("alert", help="the alert id (`trainguard status RUN` lists the open ones)")
         p.add_argument("--reason", required=True, help="why (kept with the alert)")
         p.add_argument("--run", help="the alert's run (default: looked up in the runs' status)")
-        p.add_argument("--wait", type=float, default=30.0,
-                       help="resolve: seconds to wait for the resolution; 0 sends and returns (default: %(default)s)")
+        if name == "resolve":  # an ack waits for nothing
+            p.add_argument("--wait", type=float, default=30.0,
+                           help="seconds to wait for the resolution; 0 sends and returns (default: %(default)s)")
         p.add_argument("--bootstrap", help=BOOTSTRAP_HELP)
         p.set_defaults(func=_alert)
 

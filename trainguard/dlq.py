@@ -18,6 +18,7 @@ import threading
 import time
 from typing import TextIO
 
+from trainguard.core.clock import local_time
 from trainguard.core.kafka import KafkaSettings
 from trainguard.core.reader import topic_reader
 from trainguard.tail import REORDER_S, Reorder, partition_ends
@@ -77,7 +78,7 @@ def format_record(record: dict) -> str:
     from trainguard.terminal import safe
 
     seen = origin(record)
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["ts"]))
+    when = local_time(record.get("ts"))
     producer = seen.get("kind") or "?"
     if seen.get("host"):
         producer += f"@{seen['host']}"

@@ -22,6 +22,7 @@ import uuid
 from typing import TextIO
 
 from trainguard.core.admin import control_partitions_of
+from trainguard.core.clock import local_time
 from trainguard.core.kafka import KafkaSettings, partition_for
 from trainguard.core.reader import TopicDecoder, topic_reader
 from trainguard.schemas import events as ev
@@ -160,7 +161,7 @@ def _await_ack(acks, command: dict, wait_s: float, out: TextIO, err: TextIO) -> 
             step = f" at step {ack['step']}" if ack.get("step") is not None else ""
             print(f"{ack['status']}{step}: {safe(ack.get('detail') or '(no detail)')}", file=out, flush=True)
             return EXIT_APPLIED if ack["status"] == "applied" else EXIT_REFUSED
-    expires = time.strftime("%H:%M:%S", time.localtime(command["expires"]))
+    expires = local_time(command["expires"], "%H:%M:%S")
     print(f"trainguard command: no ack from run {command['run_id']} within {wait_s:.0f} s. Is its trainer "
           f"running with a ControlListener for this run id? The command stays valid until {expires}; "
           f"`trainguard tail --run {command['run_id']}` shows the ack if it comes.", file=err)
@@ -266,7 +267,7 @@ def _ago(ts: float | None, now: float) -> str:
 
 
 def _clock(ts, fmt: str = "%H:%M:%S") -> str:
-    return time.strftime(fmt, time.localtime(ts)) if type(ts) in (int, float) else "?"
+    return local_time(ts, fmt)
 
 
 NOT_APPLIED = ("rejected", "failed", "expired")  # what came of a command the trainer did not apply
@@ -369,7 +370,10 @@ def format_status(s: dict, now: float | None = None) -> str:
     if s.get("state_freed"):
         lines.append(f"  ended {s.get('outcome') or '?'}; detection state freed, this summary kept until "
                      f"{_clock(s.get('retained_until'), '%Y-%m-%d %H:%M')}")
-        for a in (s.get("recent_alerts") or [])[-5:]:
+        recent = s.get("recent_alerts") or []
+        if len(recent) > 5:
+            lines.append(f"    the last 5 of its {len(recent)} kept alerts:")
+        for a in recent[-5:]:
             lines.append(f"    earlier: {a.get('severity') or '?'} {a.get('rule')} at step {_shown(a.get('step'))}"
                          f"  ({a.get('id') or '-'})")
     if s["open_alerts"]:
@@ -388,10 +392,16 @@ def format_status(s: dict, now: float | None = None) -> str:
         scope = f"rule {silence['rule']}" if silence.get("rule") else "every rule"
         lines.append(f"  silenced ({scope}) until {_clock(silence.get('until'))} by {silence.get('by') or '?'}: "
                      f"{silence.get('reason', '')}  ({silence.get('id')})")
+    from trainguard.streams.engine.state import MAX_CHECKPOINTS
+
     ckpt = s.get("last_healthy_checkpoint")
+    kept = s.get("checkpoints", 0)
+    # The worker keeps a run's newest MAX_CHECKPOINTS; at the cap, older ones were seen and let go.
+    counted = (f"the newest {kept} checkpoints kept (the worker keeps no more per run)"
+               if type(kept) is int and kept >= MAX_CHECKPOINTS else f"{_shown(kept)} checkpoint(s) seen")
     lines.append("  newest healthy checkpoint: "
                  + (f"step {_shown(ckpt.get('step'))} ({ckpt.get('path')})" if ckpt else "none")
-                 + f"; {_shown(s.get('checkpoints', 0))} checkpoint(s) seen")
+                 + f"; {counted}")
     lines += _suspect_lines(s)
     unsigned = [c for c in s.get("unsigned_checkpoints") or [] if isinstance(c, dict)]
     if unsigned:
@@ -403,8 +413,9 @@ def format_status(s: dict, now: float | None = None) -> str:
         lines.append(f"  logged but judged by no rule: {shown} (add a rule, or map the name to a signal: "
                      f"docs/rules.md)")
     if s.get("dropped_events"):
-        lines.append(f"  the trainer's client dropped {_shown(s['dropped_events'])} event(s) (broker unreachable "
-                     f"or its queue full): detection saw gaps")
+        lines.append(f"  the trainer's client lost {_shown(s['dropped_events'])} event(s) on the way to the broker "
+                     f"(its queue full while the broker was unreachable or slow, or not delivered in time): detection "
+                     f"saw gaps; the trainer's close() line counts them by cause")
     return "\n".join(lines)
 
 
@@ -450,7 +461,8 @@ def status_main(args) -> int:
         print(f"trainguard status: {decoder.summary()}", file=sys.stderr)
     status = statuses.get(args.run)
     if status is None:
-        known = ", ".join(safe(r) for r in sorted(statuses)[:10]) or "none"
+        known = (", ".join(safe(r) for r in sorted(statuses)[:10]) or "none") + \
+            (f" and {len(statuses) - 10} more (`trainguard runs` lists them all)" if len(statuses) > 10 else "")
         print(f"trainguard status: no status for run {safe(args.run)}: no worker watches it now (not started, or "
               f"finished and forgotten). Runs known: {known}", file=sys.stderr)
         return EXIT_REFUSED

@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 
+from trainguard.core.clock import local_time
 from trainguard.core.kafka import KafkaSettings
 from trainguard.core.reader import topic_reader
 from trainguard.operate import EXIT_APPLIED, EXIT_BAD_INPUT, EXIT_NO_ACK, EXIT_REFUSED, _clock, match_id, read_statuses
@@ -120,7 +121,7 @@ def silence_main(args) -> int:
     else:
         _say_if_unknown(settings, args.run)
         scope = f"rule {args.rule} of run {args.run}" if args.rule else f"run {args.run}"
-        until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event["until"]))
+        until = local_time(event["until"])
         print(f"silenced {scope} until {until} (silence {event['id']}): its alerts are recorded and shown, "
               f"no sink pages for them; the breaker still acts. End it early: "
               f"trainguard silence {args.run} --end {event['id']} --reason ...")

@@ -91,7 +91,13 @@ def find_checkpoints(path: str, fmt: str) -> list[dict]:
     """Checkpoints a recording mentions: ``[{"step", "path"}]`` in file order (may be empty).
 
     verl logs: ``local_global_step_folder: <dir>/global_step_N``; JSON lines dumps of the
-    events topic: ``checkpoint/1`` events. Other formats record none."""
+    events topic: ``checkpoint/1`` events; a trainer_state.json: the ``checkpoint-N`` folders of
+    its Trainer's output directory. Other formats record none."""
+    if fmt == "hf":
+        from trainguard.producers.guards.checkpoint import checkpoint_folders
+
+        return [{"step": step, "path": str(folder)}
+                for step, folder in sorted(checkpoint_folders(trainer_output_dir(path)))]
     if fmt not in ("verl", "jsonl") or os.path.isdir(path):
         return []
     from trainguard.readers.base import capped_lines, open_binary
@@ -188,7 +194,7 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
     path = os.fspath(path)
     ruleset = rules if isinstance(rules, rules_mod.RuleSet) else rules_mod.load(rules)
     reader = open_reader(path, fmt)
-    run_id = run_id or _default_run_id(path)
+    run_id = run_id or _default_run_id(path, reader.format)
     try:
         ev.check_run_id(run_id)
     except ev.SchemaError as exc:
@@ -254,9 +260,28 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
     return result
 
 
-def _default_run_id(path: str) -> str:
-    """The file's name without its extension, made a valid run id (``my run|2*.log`` -> ``my_run_2_``)."""
-    name = os.path.basename(os.path.normpath(path)) or "replay"
+def _strip_gz_name(path: str) -> str:
+    name = os.path.basename(path)
+    return name[:-3] if name.endswith(".gz") else name
+
+
+def trainer_output_dir(path: str) -> str:
+    """The Trainer's output directory of a trainer_state.json (or of the folder holding one): the
+    folder it is in, or that folder's parent when it is a ``checkpoint-N`` folder."""
+    from trainguard.producers.guards.checkpoint import step_of
+
+    folder = os.path.abspath(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
+    if step_of(os.path.basename(folder), "checkpoint-") is not None:
+        folder = os.path.dirname(folder)
+    return folder
+
+
+def _default_run_id(path: str, fmt: str) -> str:
+    """The file's name without its extension, made a valid run id (``my run|2*.log`` -> ``my_run_2_``);
+    for a trainer_state.json, its Trainer's output directory's name (every one is called so; a
+    state file saved under another name keeps its own)."""
+    named_by_folder = fmt == "hf" and (os.path.isdir(path) or _strip_gz_name(path) == "trainer_state.json")
+    name = os.path.basename(trainer_output_dir(path) if named_by_folder else os.path.normpath(path)) or "replay"
     for suffix in (".gz", ".log", ".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".txt"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]

@@ -13,16 +13,18 @@ Used by ``trainguard replay`` to run detectors offline over a run that already h
 
 Formats (``fmt`` names, aliases in brackets):
 
-- ``jsonl`` (json, ndjson): flat ``{"step": .., "metric": ..}`` lines, or the project's own
+- ``jsonl`` (json, ndjson, events): flat ``{"step": .., "metric": ..}`` lines, or the project's own
   ``metrics/1`` events;
 - ``csv`` (tsv): a header with a ``step`` column;
-- ``hf`` (trainer_state): Hugging Face ``trainer_state.json`` ``log_history``; a checkpoint
-  directory holding one works too;
+- ``hf`` (trainer_state, huggingface): Hugging Face ``trainer_state.json`` ``log_history``; a
+  checkpoint or output directory holding one works too;
 - ``tensorboard`` (tb, tfevents): ``events.out.tfevents.*`` files, or a directory of them;
-- ``verl`` (log, console): verl console output, ``step:12 - key:value - ...``;
-- ``hflog`` (transformers, trl): Hugging Face ``Trainer`` / TRL console output, the logs
+- ``verl`` (log, console, text): verl console output, ``step:12 - key:value - ...``;
+- ``hflog`` (transformers, trl, hf_console): Hugging Face ``Trainer`` / TRL console output, the logs
   dicts it prints (``{'loss': 0.69, 'grad_norm': 1.2, ...}``, ``nan`` as Python prints it);
-- ``wandb`` (wb): a W&B run's ``run-<id>.wandb`` file, or its run folder (needs ``wandb``);
+- ``hfnotebook`` (notebook, jupyter): the Trainer's notebook table copied as text;
+- ``tqdm`` (openrlhf, postfix): tqdm bars with a metrics postfix (OpenRLHF's trainers);
+- ``wandb`` (wb, weights_and_biases): a W&B run's ``run-<id>.wandb`` file, or its run folder (needs ``wandb``);
 - ``swanlab``: a SwanLab run's ``run-<id>.swanlab`` file, or its run folder (needs ``swanlab``).
 
 Files may be gzip-compressed. Values are floats with NaN/Inf kept as ``nan``/``inf``
@@ -51,40 +53,39 @@ from .csvfile import CsvReader, step_column
 from .hf import TrainerStateReader
 from .hfconsole import HFConsoleReader, looks_like_console
 from .jsonl import JsonlReader
+from .notebook import NotebookTableReader, looks_like_notebook
 from .recordlog import run_file
 from .swanlab import MAGIC as SWANLAB_MAGIC
 from .swanlab import SwanLabReader
 from .tensorboard import TensorBoardReader, looks_like_tfrecord
+from .tqdmlog import TqdmPostfixReader, looks_like_tqdm
 from .verl import VerlLogReader, parse_line
 from .wandb import MAGIC as WANDB_MAGIC
 from .wandb import WandbReader
 
-READERS: dict[str, type[StepReader]] = {
-    "jsonl": JsonlReader,
-    "csv": CsvReader,
-    "hf": TrainerStateReader,
-    "tensorboard": TensorBoardReader,
-    "verl": VerlLogReader,
-    "hflog": HFConsoleReader,
-    "wandb": WandbReader,
-    "swanlab": SwanLabReader,
-}
-ALIASES = {"json": "jsonl", "ndjson": "jsonl", "events": "jsonl", "tsv": "csv", "trainer_state": "hf",
-           "huggingface": "hf", "tb": "tensorboard", "tfevents": "tensorboard", "log": "verl",
-           "console": "verl", "text": "verl", "transformers": "hflog", "trl": "hflog", "hf_console": "hflog",
-           "wb": "wandb", "weights_and_biases": "wandb"}
+# The one table of formats: name, reader, the aliases --format accepts, what it is (for the
+# messages that say what replay reads). docs/replay.md's table lists the same.
+FORMAT_TABLE: tuple[tuple[str, type[StepReader], tuple[str, ...], str], ...] = (
+    ("jsonl", JsonlReader, ("json", "ndjson", "events"),
+     "JSON lines with a step (or trainguard's metrics/1 events)"),
+    ("csv", CsvReader, ("tsv",), "CSV with a step column"),
+    ("hf", TrainerStateReader, ("trainer_state", "huggingface"),
+     "a Hugging Face trainer_state.json (or the checkpoint or output directory holding one)"),
+    ("tensorboard", TensorBoardReader, ("tb", "tfevents"), "TensorBoard event files (or a log directory)"),
+    ("verl", VerlLogReader, ("log", "console", "text"), "a verl console log ('step:12 - actor/kl_loss:0.001 - ...')"),
+    ("hflog", HFConsoleReader, ("transformers", "trl", "hf_console"),
+     "a Hugging Face Trainer / TRL console log (\"{'loss': 0.69, 'grad_norm': 1.2, ...}\" lines)"),
+    ("hfnotebook", NotebookTableReader, ("notebook", "jupyter"),
+     "a Hugging Face Trainer's notebook table ('Step<TAB>Training Loss' under a progress line)"),
+    ("tqdm", TqdmPostfixReader, ("openrlhf", "postfix"),
+     "tqdm bars with a metrics postfix, as OpenRLHF prints them ('... 3.01s/it, act_loss=0.01, kl=0.001]')"),
+    ("wandb", WandbReader, ("wb", "weights_and_biases"), "a W&B run file (run-<id>.wandb) or run folder"),
+    ("swanlab", SwanLabReader, (), "a SwanLab run file (run-<id>.swanlab) or run folder"),
+)
+READERS: dict[str, type[StepReader]] = {name: reader for name, reader, _, _ in FORMAT_TABLE}
+ALIASES = {alias: name for name, _, aliases, _ in FORMAT_TABLE for alias in aliases}
 FORMATS = tuple(READERS)
-# What each format is, for the messages that say what replay reads.
-DESCRIPTIONS = {
-    "jsonl": "JSON lines with a step (or trainguard's metrics/1 events)",
-    "csv": "CSV with a step column",
-    "hf": "a Hugging Face trainer_state.json (or the checkpoint directory holding one)",
-    "tensorboard": "TensorBoard event files (or a log directory)",
-    "verl": "a verl console log ('step:12 - actor/kl_loss:0.001 - ...')",
-    "hflog": "a Hugging Face Trainer / TRL console log (\"{'loss': 0.69, 'grad_norm': 1.2, ...}\" lines)",
-    "wandb": "a W&B run file (run-<id>.wandb) or run folder",
-    "swanlab": "a SwanLab run file (run-<id>.swanlab) or run folder",
-}
+DESCRIPTIONS = {name: what for name, _, _, what in FORMAT_TABLE}
 
 
 def formats_read() -> str:
@@ -94,11 +95,22 @@ def formats_read() -> str:
 _SNIFF_BYTES = 65536
 
 
-def _canonical(fmt: str, path: str) -> str:
+def canonical_format(fmt: str) -> str | None:
+    """The format a ``--format`` name or alias stands for, or None when it is none."""
     name = fmt.strip().lower()
     name = ALIASES.get(name, name)
-    if name not in READERS:
-        raise ReadError(path, f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+    return name if name in READERS else None
+
+
+def format_names() -> str:
+    """Every format with its aliases, as the messages list them: ``jsonl (json, ndjson, events), csv (tsv), ...``."""
+    return ", ".join(f"{name} ({', '.join(aliases)})" if aliases else name for name, _, aliases, _ in FORMAT_TABLE)
+
+
+def _canonical(fmt: str, path: str) -> str:
+    name = canonical_format(fmt)
+    if name is None:
+        raise ReadError(path, f"unknown format {fmt!r}; use one of {format_names()}")
     return name
 
 
@@ -159,13 +171,17 @@ def detect_format(path: str | os.PathLike) -> str:
         return "verl"
     if looks_like_console(lines[:2000]):
         return "hflog"
+    if looks_like_notebook(lines[:2000]):
+        return "hfnotebook"
+    if looks_like_tqdm(lines[:2000]):
+        return "tqdm"
     if ext in (".csv", ".tsv") or (any(d in first for d in ",\t;") and _csv_header_has_step(first)):
         return "csv"
     if ext in (".log", ".txt", ".out", ".err"):
         return "verl"
     raise ReadError(path, "cannot tell the format (not JSON lines, CSV with a step column, trainer_state.json, "
-                          f"a TensorBoard event file, a verl or Hugging Face console log, a W&B or SwanLab run "
-                          f"file); pass one with --format: {', '.join(FORMATS)}")
+                          "a TensorBoard event file, a verl or Hugging Face console log or notebook table, tqdm bars "
+                          f"with a postfix, a W&B or SwanLab run file); pass one with --format: {', '.join(FORMATS)}")
 
 
 def _json_object(line: str) -> dict | None:
@@ -239,6 +255,7 @@ def _quiet(reader: StepReader) -> Iterator[Step]:
         return
 
 
-__all__ = ["ReadError", "StepReader", "Step", "FORMATS", "READERS", "DESCRIPTIONS", "formats_read",
+__all__ = ["ReadError", "StepReader", "Step", "FORMATS", "FORMAT_TABLE", "READERS", "ALIASES", "DESCRIPTIONS",
+           "formats_read", "canonical_format", "format_names", "NotebookTableReader", "TqdmPostfixReader",
            "detect_format", "open_reader", "read_steps", "count_steps", "estimate_steps", "JsonlReader", "CsvReader",
            "TrainerStateReader", "TensorBoardReader", "VerlLogReader", "HFConsoleReader"]
