@@ -16,12 +16,12 @@ from __future__ import annotations
 import html
 import logging
 import math
-import time
 import urllib.parse
 from typing import TypeGuard
 
 import numpy as np
 
+from trainguard.core.clock import local_time
 from trainguard.terminal import safe_event
 
 log = logging.getLogger("trainguard.sinks")
@@ -51,13 +51,7 @@ def format_time(ts, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
     not a number, the number itself (``1.8e+18 (not a time)``) for one no clock shows."""
     if type(ts) not in (int, float):
         return ""
-    when = shown_time(ts)
-    if when is not None:
-        try:
-            return time.strftime(fmt, time.localtime(when))
-        except (ValueError, OverflowError, OSError):  # the platform's own limits
-            pass
-    return f"{format_value(ts)} (not a time)"
+    return local_time(shown_time(ts), fmt, missing="") or f"{format_value(ts)} (not a time)"
 
 
 def _duration(seconds: float) -> str:
