@@ -31,7 +31,7 @@ from trainguard.core.kafka import partition_for
 from trainguard.producers.control import ControlListener
 from trainguard.producers.trainer import TrainerLogger
 from trainguard.schemas import events as ev
-from trainguard.schemas.signing import Keyring, SigningKey, exports, new_key_line
+from trainguard.schemas.signing import Keyring, Scope, SigningKey, exports, new_key_line
 
 HEALTHY = {"actor/pg_loss": -0.01, "actor/kl_loss": 0.001}
 
@@ -42,7 +42,7 @@ class _Victim:
     def __init__(self, settings, master: SigningKey, run_id: str):
         self.run_id = run_id
         env = {k: v.strip("'") for k, _, v in (e.removeprefix("export ").partition("=")
-                                               for e in exports(master, "trainer", run_id))}
+                                               for e in exports(master, "trainer", Scope.run(run_id)))}
         # The trainer side reads its key once per run, on first use: here, inside its environment.
         with _environment(**env):
             self.logger = TrainerLogger(run_id, settings, host="chaos")
