@@ -53,8 +53,10 @@ def sequence(shape: str, seed: int, extreme: float | None = None, position: int 
     rng, proxies = random.Random(seed), random.Random(seed + 1000)
     out = []
     for i in range(ONSET + SHAPE_LEN):
-        if i < ONSET:
-            x = extreme if extreme is not None and i == position else _normal(rng)
+        if i < ONSET:  # the normal value is drawn either way, so the rest of the run is the same
+            x = _normal(rng)
+            if extreme is not None and i == position:
+                x = extreme
         else:
             x = SHAPES[shape](rng, i - ONSET)
         proxy = 2.0 * (1 + proxies.gauss(0, NOISE)) if i < ONSET else 2.0 * (1 + 0.1 * (i - ONSET))
