@@ -61,6 +61,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from trainguard.operate import format_status  # noqa: E402
 from trainguard.schemas import events as ev  # noqa: E402
 from trainguard.simulator import Fault, SimulatedPPO, SimulatedSFT  # noqa: E402
 from trainguard.streams import rules as rules_mod  # noqa: E402
@@ -188,7 +189,9 @@ def _untruthful(status: dict | None, out: Outcome) -> str | None:
     """What the worker's status claims that the trainer did not do, or None."""
     if not status:
         return None
-    if not out.stopped and (status.get("outcome") == "stopped" or status["breaker"]["status"] == "stopped"):
+    # What a person reads (`trainguard status`), not the breaker's own state: a breaker that sent a
+    # stop has stopped acting, which is no claim that the run stopped.
+    if not out.stopped and "stopped" in format_status(status).splitlines()[0]:
         return "stopped"
     if out.rollbacks == 0 and status["breaker"].get("restored_step") is not None:
         return "rolled back"

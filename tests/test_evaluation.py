@@ -301,6 +301,28 @@ def test_the_closed_loop_rolls_back_every_kind_a_rollback_cures(scenario):
     assert out.recovered and out.nonfinite_steps == 0 and not out.untruthful, out
 
 
+@pytest.mark.parametrize("scenario", ["nan_batches_3", "nan_after_rollback"])
+def test_a_nan_that_comes_back_after_the_rollback_climbs_the_ladder(scenario):
+    """Bad data over consecutive batches, or a NaN on the first step after the rollback: the same
+    incident coming back, passed by the wider rewind, never trained on NaN weights."""
+    recovery = _evaluation_module("recovery")
+    from trainguard.streams import rules
+
+    out = recovery.run_one(scenario, 0, rules.default())
+    assert out.commands.count("rollback") == 2 and "stop" not in out.commands, out
+    assert out.recovered and out.nonfinite_steps == 0 and not out.unsafe_healthy and not out.untruthful, out
+
+
+def test_a_trainer_that_refuses_every_command_is_said_so_never_called_stopped():
+    recovery = _evaluation_module("recovery")
+    from trainguard.streams import rules
+
+    out = recovery.run_one("trainer_refuses", 0, rules.default())
+    assert out.commands and not out.recovered, out
+    assert out.said_not_applied, "the worker pages that its command was not applied"
+    assert not out.untruthful, f"status claimed what the trainer did not do: {out.untruthful}"
+
+
 def test_the_recovery_figures_count_steps_on_nan_weights_and_nan_checkpoints_called_healthy(tmp_path):
     """With a NaN that only warns, the loop trains on NaN weights and the worker calls the NaN
     checkpoints healthy: the figures that must stay at 0 say so."""
