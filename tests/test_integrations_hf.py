@@ -466,11 +466,19 @@ def test_a_loss_that_diverges_and_stays_up_is_paged_and_rolled_back_by_the_callb
         events = TopicReader(kafka, kafka.topics.events)
         events.wait_for(lambda e: e["run_id"] == run_id and e["schema"] == ev.LIFECYCLE
                         and e["event"] in ("finished", "stopped"), timeout=20, what="the run's end")
-        losses = {e["step"]: e["metrics"]["train/total_loss"] for e in events.seen
-                  if e["run_id"] == run_id and e["schema"] == ev.METRICS and "train/total_loss" in e["metrics"]}
+        mine = [e for e in events.seen if e["run_id"] == run_id]
         events.close()
-        healthy = max(losses[s] for s in range(10, 16))
-        assert min(losses[s] for s in range(20, 26)) > 3 * healthy, losses  # diverged and stayed up
+        losses = {e["step"]: e["metrics"]["train/total_loss"] for e in mine  # a step logged again: its last value
+                  if e["schema"] == ev.METRICS and "train/total_loss" in e["metrics"]}
+        before = []  # the losses of the branch the rollback abandoned, in the order they were logged
+        for e in mine:
+            if e["schema"] == ev.LIFECYCLE and e["event"] == "rolled_back":
+                break
+            if e["schema"] == ev.METRICS and "train/total_loss" in e["metrics"]:
+                before.append((e["step"], e["metrics"]["train/total_loss"]))
+        healthy = max(v for s, v in before if 10 <= s < 16)
+        diverged = [v for s, v in before if s >= 18]  # step 17 is logged on weights one such step old
+        assert diverged and min(diverged) > 3 * healthy, before  # diverged and stayed up until the rollback
 
         alerts = TopicReader(kafka, kafka.topics.alerts)
         page = alerts.wait_for(lambda a: a["run_id"] == run_id and a["status"] == "firing"
