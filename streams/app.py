@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import cast
 
 import faust
+from faust.types.enums import ProcessingGuarantee
 
 from trainguard.core.admin import control_partitions_of, partitions_of
 from trainguard.core.kafka import KafkaSettings, faust_credentials
@@ -39,6 +40,7 @@ from trainguard.streams.transport import (
     BULK_LANE_SUPPORTED,
     BytesTable,
     Memberships,
+    Transactions,
     WindowedBytesTable,
     WorkerApp,
     WorkerTableManager,
@@ -77,6 +79,10 @@ class _TableChangelog:
 
     def __init__(self, table):
         self.table = table
+
+    @property
+    def topic(self) -> str:
+        return self.table.changelog_topic.get_topic_name()
 
     def send(self, partition: int, key: bytes, value: bytes | None) -> None:
         self.table.send_changelog(partition, key, value, key_serializer="raw", value_serializer="raw")
@@ -160,10 +166,12 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     if not app.conf.consumer_group_instance_id:  # static members are replaced by the broker itself
         app.trainguard_members = Memberships(data_dir(app_id), app_id)
 
-    output_producer = output_publisher(settings)
-    atexit.register(output_producer.flush, 5.0)
+    exactly_once = app.conf.processing_guarantee == ProcessingGuarantee.EXACTLY_ONCE
+    output_producer = None if exactly_once else output_publisher(settings)  # else in the transactions
+    if output_producer is not None:
+        atexit.register(output_producer.flush, 5.0)
     router = OutputRouter(output_producer, settings.topics, control_partitions_of(settings),
-                          max_bytes=engine.limits.record_bytes)
+                          max_bytes=engine.limits.record_bytes, events_partitions=engine.partitions)
     message_out = app.sensors.on_message_out
 
     async def ack(item) -> None:
@@ -181,7 +189,8 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
         [(engine, _TableChangelog(state_table), lambda key: key),
          (engine.windows, _TableChangelog(window_table), engine.windows.encode_key)],
         deliver_outputs=router.delivered, deliver_changelogs=lambda: app.producer.flush(), ack=ack,
-        every_s=state_flush_s, max_held=20 * batch_max, max_record_bytes=engine.limits.record_bytes)
+        every_s=state_flush_s, max_held=20 * batch_max, max_record_bytes=engine.limits.record_bytes,
+        transaction=Transactions(app, router, state_table.changelog_topic.get_topic_name()) if exactly_once else None)
     exporter, feed = _serve_prometheus(app, engine, prometheus_port, prometheus_addr)
     detection = Detection(engine, router, checkpoint, exporter, feed)
     _agents_and_timers(app, detection, settings, batch_max, batch_within_s)

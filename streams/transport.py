@@ -65,6 +65,12 @@ UPSTREAM = {
     # WorkerTransport retries these when a broker died but is not fenced yet
     "faust.transport.drivers.aiokafka:Transport._really_create_topic": "698806ec237ce0d7",
     "faust.transport.drivers.aiokafka:Transport._get_controller_node": "5f99da292a60e6de",
+    # Transactions: WorkerConsumer.commit stands down under exactly-once, and the checkpoint's
+    # commit follows Faust's (its offsets, its producers per transactional id and their locks)
+    "faust.transport.consumer:Consumer.commit": "a354437baaa08bf8",
+    "faust.transport.consumer:Consumer._filter_committable_offsets": "dc5e9baf5d994485",
+    "faust.transport.drivers.aiokafka:Producer.commit_transactions": "70091e6f431974e9",
+    "faust.transport.drivers.aiokafka:Producer.begin_transaction": "970978bd2a00bb12",
 }
 
 
@@ -118,6 +124,11 @@ class WorkerConsumer(aiokafka_driver.Consumer):
 
     def _new_consumer_thread(self):
         return QuickFetchThread(self, loop=self.loop, beacon=self.beacon)
+
+    async def commit(self, topics=None, start_new_transaction: bool = True) -> bool:
+        if self.in_transaction:  # the checkpoint commits, with the outputs and state of the same events
+            return False
+        return await super().commit(topics, start_new_transaction=start_new_transaction)
 
     async def _drain_messages(self, fetcher) -> None:  # pragma: no cover - run by every worker test
         lane = getattr(self.app, "trainguard_bulk_lane", None)
@@ -338,3 +349,109 @@ class WindowedBytesTable(BytesTable):
 
     def _to_key(self, k):
         return self.decode_key(k)
+
+
+class Transactions:
+    """Exactly-once delivery (``processing_guarantee=exactly_once``) on Faust's transactional
+    producers, one per events partition (``{app id}-{group}-{partition}``, so the next owner of
+    a partition fences this worker and aborts what it left open). The checkpoint drives them
+    (``streams/checkpoint.py``'s :class:`Transaction`): each output rides in the transaction of
+    the events partition whose run caused it, beside that run's changelog records, and commits
+    with the offsets of the events acknowledged; Faust's own timer commit is off (it would
+    commit outputs and state with the offsets of earlier events, which a restart reads again)."""
+
+    def __init__(self, app: "WorkerApp", router, state_changelog_topic: str):
+        self.app = app
+        self.router = router  # its `pending`: outputs routed since the last take
+        self.state_changelog_topic = state_changelog_topic
+
+    def take(self) -> list:
+        taken, self.router.pending = self.router.pending, []
+        return taken
+
+    def pending(self) -> int:
+        return len(self.router.pending)
+
+    def give_back(self, outputs: list) -> None:
+        self.router.pending[:0] = outputs
+
+    def _id(self, topic: str, partition: int) -> str:
+        return f"{self.app.conf.id}-{self.app.assignor.group_for_topic(topic)}-{partition}"
+
+    def _producer(self, transactional_id: str):
+        return self.app.producer._transaction_producers.get(transactional_id)
+
+    def _ids_of(self, outputs: list, written: set) -> set[str]:
+        ids = {self._id(self.state_changelog_topic, source) for source, *_ in outputs if source >= 0}
+        ids.update(self._id(changelog.topic, partition) for changelog, partition in written)
+        return ids
+
+    def _fallback_id(self) -> str:
+        """A transaction for an output with no events partition of its own (a dead letter with
+        no partition): any this worker holds."""
+        ids = sorted(self.app.producer._transaction_producers)
+        if not ids:
+            raise RuntimeError("no transactional producer: this worker holds no events partition")
+        return ids[0]
+
+    async def send(self, outputs: list) -> None:
+        """Each output into its transaction; returns once the broker has them all (not yet
+        visible to read_committed readers: that is the commit)."""
+        futures = []
+        locks = self.app.producer._trn_locks
+        for source, _kind, topic, key, value, partition in outputs:
+            transactional_id = self._id(self.state_changelog_topic, source) if source >= 0 else ""
+            producer = self._producer(transactional_id) if transactional_id else None
+            if producer is None:
+                transactional_id = self._fallback_id()
+                producer = self._producer(transactional_id)
+            async with locks[transactional_id]:
+                futures.append(await producer.send(topic, value, key=key.encode() if key else None,
+                                                   partition=partition))
+        if futures:
+            await asyncio.gather(*futures)
+
+    async def commit(self, outputs: list, written: set) -> None:
+        """Commit every transaction this flush wrote to, each with the acknowledged offsets of
+        its events partitions; the offsets go after the outputs and state they cover."""
+        consumer = self.app.consumer
+        assignment = consumer.assignment()
+        offsets = {tp: offset for tp, offset in consumer._filter_committable_offsets(list(consumer._acked)).items()
+                   if tp in assignment}
+        by_id: dict[str, dict] = {transactional_id: {} for transactional_id in self._ids_of(outputs, written)}
+        for tp, offset in offsets.items():
+            by_id.setdefault(self._id(tp.topic, tp.partition), {})[tp] = offset
+        locks = self.app.producer._trn_locks
+        carrying = self._ids_of(outputs, written)
+        # Transactions holding outputs and state first: a kill between two commits then leaves
+        # state ahead of the offsets, whose events the engine skips as replays.
+        for transactional_id in sorted(by_id, key=lambda i: i not in carrying):
+            producer = self._producer(transactional_id)
+            if producer is None:
+                raise RuntimeError(f"transaction {transactional_id} is gone (its partition was revoked)")
+            async with locks[transactional_id]:
+                if by_id[transactional_id]:
+                    await producer.send_offsets_to_transaction(by_id[transactional_id], self.app.conf.id)
+                await producer.commit_transaction()
+                await producer.begin_transaction()
+        consumer._committed_offset.update(offsets)
+
+    async def abort(self, outputs: list, written: set) -> None:
+        """Abort what this flush wrote (the next flush sends it again); a producer that cannot
+        abort was fenced or failed for good, and the worker stops (its successor takes over)."""
+        locks = self.app.producer._trn_locks
+        for transactional_id in self._ids_of(outputs, written) | set(self.app.producer._transaction_producers):
+            producer = self._producer(transactional_id)
+            if producer is None:
+                continue  # revoked: the partition's next owner aborts it
+            try:
+                async with locks[transactional_id]:
+                    if producer._txn_manager.is_in_transaction():
+                        await producer.abort_transaction()
+                    await producer.begin_transaction()
+            except Exception as exc:
+                log.error("trainguard: aborting transaction %s failed (%s: %s): the worker stops, and the next "
+                          "owner of its partitions reads their events again", transactional_id,
+                          type(exc).__name__, exc)
+                await self.app.crash(exc)
+                raise
