@@ -358,12 +358,16 @@ class Transactions:
     (``streams/checkpoint.py``'s :class:`Transaction`): each output rides in the transaction of
     the events partition whose run caused it, beside that run's changelog records, and commits
     with the offsets of the events acknowledged; Faust's own timer commit is off (it would
-    commit outputs and state with the offsets of earlier events, which a restart reads again)."""
+    commit outputs and state with the offsets of earlier events, which a restart reads again).
+    One flush at a time (the checkpoint's), so the ids below are those of the flush in flight."""
 
     def __init__(self, app: "WorkerApp", router, state_changelog_topic: str):
         self.app = app
         self.router = router  # its `pending`: outputs routed since the last take
         self.state_changelog_topic = state_changelog_topic
+        self._sent: dict[int, str] = {}  # id(output) -> the transaction it went into, until committed or given back
+        self._done: set[int] = set()  # id(output) of outputs committed by a flush that then failed
+        self._committed: set[str] = set()  # transactions the commit in progress has committed
 
     def take(self) -> list:
         taken, self.router.pending = self.router.pending, []
@@ -373,7 +377,14 @@ class Transactions:
         return len(self.router.pending)
 
     def give_back(self, outputs: list) -> None:
-        self.router.pending[:0] = outputs
+        """A failed flush's outputs, less those whose transaction committed before it failed."""
+        self.router.pending[:0] = [out for out in outputs if id(out) not in self._done]
+        self._forget(outputs)
+
+    def _forget(self, outputs: list) -> None:
+        for out in outputs:
+            self._sent.pop(id(out), None)
+            self._done.discard(id(out))
 
     def _id(self, topic: str, partition: int) -> str:
         return f"{self.app.conf.id}-{self.app.assignor.group_for_topic(topic)}-{partition}"
@@ -381,50 +392,47 @@ class Transactions:
     def _producer(self, transactional_id: str):
         return self.app.producer._transaction_producers.get(transactional_id)
 
-    def _ids_of(self, outputs: list, written: set) -> set[str]:
-        ids = {self._id(self.state_changelog_topic, source) for source, *_ in outputs if source >= 0}
+    def _carrying(self, outputs: list, written: set) -> set[str]:
+        """The transactions a flush put these outputs and state into."""
+        ids = {self._sent[id(out)] for out in outputs if id(out) in self._sent}
         ids.update(self._id(changelog.topic, partition) for changelog, partition in written)
         return ids
-
-    def _fallback_id(self) -> str:
-        """A transaction for an output with no events partition of its own (a dead letter with
-        no partition): any this worker holds."""
-        ids = sorted(self.app.producer._transaction_producers)
-        if not ids:
-            raise RuntimeError("no transactional producer: this worker holds no events partition")
-        return ids[0]
 
     async def send(self, outputs: list) -> None:
         """Each output into its transaction; returns once the broker has them all (not yet
         visible to read_committed readers: that is the commit)."""
         futures = []
+        producers = self.app.producer._transaction_producers
         locks = self.app.producer._trn_locks
-        for source, _kind, topic, key, value, partition in outputs:
+        for out in outputs:
+            source, _kind, topic, key, value, partition = out
             transactional_id = self._id(self.state_changelog_topic, source) if source >= 0 else ""
-            producer = self._producer(transactional_id) if transactional_id else None
-            if producer is None:
-                transactional_id = self._fallback_id()
-                producer = self._producer(transactional_id)
+            if transactional_id not in producers:  # no events partition of its own, or not this worker's
+                if not producers:
+                    raise RuntimeError("no transactional producer: this worker holds no events partition")
+                transactional_id = min(producers)
+            self._sent[id(out)] = transactional_id
             async with locks[transactional_id]:
-                futures.append(await producer.send(topic, value, key=key.encode() if key else None,
-                                                   partition=partition))
+                futures.append(await producers[transactional_id].send(
+                    topic, value, key=key.encode() if key else None, partition=partition))
         if futures:
             await asyncio.gather(*futures)
 
     async def commit(self, outputs: list, written: set) -> None:
         """Commit every transaction this flush wrote to, each with the acknowledged offsets of
-        its events partitions; the offsets go after the outputs and state they cover."""
+        its events partitions."""
         consumer = self.app.consumer
         assignment = consumer.assignment()
         offsets = {tp: offset for tp, offset in consumer._filter_committable_offsets(list(consumer._acked)).items()
                    if tp in assignment}
-        by_id: dict[str, dict] = {transactional_id: {} for transactional_id in self._ids_of(outputs, written)}
+        carrying = self._carrying(outputs, written)
+        self._committed = set()
+        by_id: dict[str, dict] = {transactional_id: {} for transactional_id in carrying}
         for tp, offset in offsets.items():
             by_id.setdefault(self._id(tp.topic, tp.partition), {})[tp] = offset
         locks = self.app.producer._trn_locks
-        carrying = self._ids_of(outputs, written)
-        # Transactions holding outputs and state first: a kill between two commits then leaves
-        # state ahead of the offsets, whose events the engine skips as replays.
+        # Outputs and state first: a kill between two commits then leaves state ahead of the
+        # offsets, and the engine skips the events read again as replays.
         for transactional_id in sorted(by_id, key=lambda i: i not in carrying):
             producer = self._producer(transactional_id)
             if producer is None:
@@ -433,14 +441,18 @@ class Transactions:
                 if by_id[transactional_id]:
                     await producer.send_offsets_to_transaction(by_id[transactional_id], self.app.conf.id)
                 await producer.commit_transaction()
+                self._committed.add(transactional_id)
+                self._done.update(id(out) for out in outputs if self._sent.get(id(out)) == transactional_id)
                 await producer.begin_transaction()
         consumer._committed_offset.update(offsets)
+        self._forget(outputs)
 
     async def abort(self, outputs: list, written: set) -> None:
-        """Abort what this flush wrote (the next flush sends it again); a producer that cannot
-        abort was fenced or failed for good, and the worker stops (its successor takes over)."""
+        """Abort what this flush wrote and did not commit (the next flush sends it again); a
+        producer that cannot abort was fenced or failed for good, and the worker stops (the
+        next owner of its partitions reads their events again)."""
         locks = self.app.producer._trn_locks
-        for transactional_id in self._ids_of(outputs, written) | set(self.app.producer._transaction_producers):
+        for transactional_id in self._carrying(outputs, written) - self._committed:
             producer = self._producer(transactional_id)
             if producer is None:
                 continue  # revoked: the partition's next owner aborts it
@@ -450,8 +462,7 @@ class Transactions:
                         await producer.abort_transaction()
                     await producer.begin_transaction()
             except Exception as exc:
-                log.error("trainguard: aborting transaction %s failed (%s: %s): the worker stops, and the next "
-                          "owner of its partitions reads their events again", transactional_id,
+                log.error("trainguard: aborting transaction %s failed (%s: %s): the worker stops", transactional_id,
                           type(exc).__name__, exc)
                 await self.app.crash(exc)
                 raise
