@@ -80,10 +80,6 @@ class _TableChangelog:
     def __init__(self, table):
         self.table = table
 
-    @property
-    def topic(self) -> str:
-        return self.table.changelog_topic.get_topic_name()
-
     def send(self, partition: int, key: bytes, value: bytes | None) -> None:
         self.table.send_changelog(partition, key, value, key_serializer="raw", value_serializer="raw")
 
@@ -185,12 +181,15 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     # State is written to the changelog at most every `state_flush_s`, not after every batch:
     # under a steady trickle of events, batches are small and the same entries would be
     # rewritten many times a second. streams/checkpoint.py holds the protocol.
+    transactions = Transactions(app, router, state_table.changelog_topic.get_topic_name()) if exactly_once else None
+    changelog = _TableChangelog if transactions is None else transactions.changelog
     checkpoint = Checkpoint(
-        [(engine, _TableChangelog(state_table), lambda key: key),
-         (engine.windows, _TableChangelog(window_table), engine.windows.encode_key)],
-        deliver_outputs=router.delivered, deliver_changelogs=lambda: app.producer.flush(), ack=ack,
+        [(engine, changelog(state_table), lambda key: key),
+         (engine.windows, changelog(window_table), engine.windows.encode_key)],
+        deliver_outputs=router.delivered, ack=ack,
+        deliver_changelogs=lambda: app.producer.flush() if transactions is None else transactions.deliver_changelogs(),
         every_s=state_flush_s, max_held=20 * batch_max, max_record_bytes=engine.limits.record_bytes,
-        transaction=Transactions(app, router, state_table.changelog_topic.get_topic_name()) if exactly_once else None)
+        transaction=transactions)
     exporter, feed = _serve_prometheus(app, engine, prometheus_port, prometheus_addr)
     detection = Detection(engine, router, checkpoint, exporter, feed)
     _agents_and_timers(app, detection, settings, batch_max, batch_within_s)

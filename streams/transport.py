@@ -368,6 +368,8 @@ class Transactions:
         self._sent: dict[int, str] = {}  # id(output) -> the transaction it went into, until committed or given back
         self._done: set[int] = set()  # id(output) of outputs committed by a flush that then failed
         self._committed: set[str] = set()  # transactions the commit in progress has committed
+        self._records: list[tuple] = []  # changelog records queued by the flush in flight
+        self._record_ids: set[str] = set()  # the transactions they went into
 
     def take(self) -> list:
         taken, self.router.pending = self.router.pending, []
@@ -392,31 +394,55 @@ class Transactions:
     def _producer(self, transactional_id: str):
         return self.app.producer._transaction_producers.get(transactional_id)
 
-    def _carrying(self, outputs: list, written: set) -> set[str]:
-        """The transactions a flush put these outputs and state into."""
-        ids = {self._sent[id(out)] for out in outputs if id(out) in self._sent}
-        ids.update(self._id(changelog.topic, partition) for changelog, partition in written)
-        return ids
+    def _carrying(self, outputs: list) -> set[str]:
+        """The transactions a flush put these outputs and its state into."""
+        return {self._sent[id(out)] for out in outputs if id(out) in self._sent} | self._record_ids
+
+    def _transaction_of(self, source: int) -> str:
+        """The transaction of an events partition (where its runs' state goes); any this
+        worker holds for what has no partition of its own, or one no longer this worker's."""
+        producers = self.app.producer._transaction_producers
+        try:
+            transactional_id = self._id(self.state_changelog_topic, source) if source >= 0 else ""
+        except KeyError:  # the assignor gave the topic no group (seen for the windows' changelog)
+            transactional_id = ""
+        if transactional_id not in producers:
+            if not producers:
+                raise RuntimeError("no transactional producer: this worker holds no events partition")
+            transactional_id = min(producers)
+        return transactional_id
+
+    def changelog(self, table) -> "TransactionalChangelog":
+        return TransactionalChangelog(table, self._records)
+
+    async def deliver_changelogs(self) -> None:
+        """Send the queued changelog records, each in the transaction of its partition (the
+        windows' changelog has no topic group of its own in Faust's assignor, so none of
+        Faust's transactions), and wait until the broker has them."""
+        records, self._records[:] = list(self._records), []
+        await self._send_each((partition, topic, key, value, partition) for topic, partition, key, value in records)
+
+    async def _send_each(self, messages) -> list[str]:
+        futures, used = [], []
+        producers = self.app.producer._transaction_producers
+        locks = self.app.producer._trn_locks
+        for source, topic, key, value, partition in messages:
+            transactional_id = self._transaction_of(source)
+            used.append(transactional_id)
+            self._record_ids.add(transactional_id)  # aborted with the rest if a send fails
+            async with locks[transactional_id]:
+                futures.append(await producers[transactional_id].send(topic, value, key=key, partition=partition))
+        if futures:
+            await asyncio.gather(*futures)
+        return used
 
     async def send(self, outputs: list) -> None:
         """Each output into its transaction; returns once the broker has them all (not yet
         visible to read_committed readers: that is the commit)."""
-        futures = []
-        producers = self.app.producer._transaction_producers
-        locks = self.app.producer._trn_locks
         for out in outputs:
-            source, _kind, topic, key, value, partition = out
-            transactional_id = self._id(self.state_changelog_topic, source) if source >= 0 else ""
-            if transactional_id not in producers:  # no events partition of its own, or not this worker's
-                if not producers:
-                    raise RuntimeError("no transactional producer: this worker holds no events partition")
-                transactional_id = min(producers)
-            self._sent[id(out)] = transactional_id
-            async with locks[transactional_id]:
-                futures.append(await producers[transactional_id].send(
-                    topic, value, key=key.encode() if key else None, partition=partition))
-        if futures:
-            await asyncio.gather(*futures)
+            self._sent[id(out)] = self._transaction_of(out[0])
+        await self._send_each((source, topic, key.encode() if key else None, value, partition)
+                              for source, _kind, topic, key, value, partition in outputs)
 
     async def commit(self, outputs: list, written: set) -> None:
         """Commit every transaction this flush wrote to, each with the acknowledged offsets of
@@ -425,7 +451,7 @@ class Transactions:
         assignment = consumer.assignment()
         offsets = {tp: offset for tp, offset in consumer._filter_committable_offsets(list(consumer._acked)).items()
                    if tp in assignment}
-        carrying = self._carrying(outputs, written)
+        carrying = self._carrying(outputs)
         self._committed = set()
         by_id: dict[str, dict] = {transactional_id: {} for transactional_id in carrying}
         for tp, offset in offsets.items():
@@ -446,13 +472,16 @@ class Transactions:
                 await producer.begin_transaction()
         consumer._committed_offset.update(offsets)
         self._forget(outputs)
+        self._record_ids.clear()
 
     async def abort(self, outputs: list, written: set) -> None:
         """Abort what this flush wrote and did not commit (the next flush sends it again); a
         producer that cannot abort was fenced or failed for good, and the worker stops (the
         next owner of its partitions reads their events again)."""
         locks = self.app.producer._trn_locks
-        for transactional_id in self._carrying(outputs, written) - self._committed:
+        self._records.clear()
+        carrying, self._record_ids = self._carrying(outputs), set()
+        for transactional_id in carrying - self._committed:
             producer = self._producer(transactional_id)
             if producer is None:
                 continue  # revoked: the partition's next owner aborts it
@@ -466,3 +495,18 @@ class Transactions:
                           type(exc).__name__, exc)
                 await self.app.crash(exc)
                 raise
+
+
+class TransactionalChangelog:
+    """A table's changelog under exactly-once: records wait for ``Transactions.deliver_changelogs``."""
+
+    def __init__(self, table, records: list):
+        self.table = table
+        self.records = records
+
+    @property
+    def topic(self) -> str:
+        return self.table.changelog_topic.get_topic_name()
+
+    def send(self, partition: int, key: bytes, value: bytes | None) -> None:
+        self.records.append((self.topic, partition, key, value))

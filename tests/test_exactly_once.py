@@ -50,7 +50,7 @@ def test_a_worker_killed_mid_stream_publishes_each_alert_once(kafka, tmp_path):
             assert time.monotonic() < deadline, worker.log()[-3000:]
             seen += _nan_alerts(committed, 0.05)
         worker.kill(signal.SIGKILL)
-        worker = WorkerProcess(kafka, tmp_path, app_id=worker.app_id, extra_env=EXACTLY_ONCE).start()
+        first, worker = worker, WorkerProcess(kafka, tmp_path, app_id=worker.app_id, extra_env=EXACTLY_ONCE).start()
         worker.wait_ready(90)
         deadline = time.monotonic() + 90
         while {a["run_id"] for a in seen} < ids:
@@ -58,6 +58,8 @@ def test_a_worker_killed_mid_stream_publishes_each_alert_once(kafka, tmp_path):
             seen += _nan_alerts(committed, 0.3)
         seen += _nan_alerts(committed, 3.0)  # anything published again comes within the flush interval
         assert worker.proc.poll() is None, worker.log()[-3000:]
+        for log in (first.log(), worker.log()):  # every flush committed: none failed and was sent again
+            assert "writing state to the changelog failed" not in log, log[-3000:]
         twice = {alert_id: n for alert_id, n in Counter(a["id"] for a in seen).items() if n > 1}
         assert not twice, (twice, len(_nan_alerts(everything, 1.0)))
         assert len(seen) == runs
