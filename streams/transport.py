@@ -37,7 +37,7 @@ import inspect
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import faust
 from aiokafka.client import AIOKafkaClient, CoordinationType
@@ -388,11 +388,15 @@ class Transactions:
             self._sent.pop(id(out), None)
             self._done.discard(id(out))
 
+    @property
+    def _faust_producer(self) -> Any:  # its producers per transactional id and their locks (private)
+        return self.app.producer
+
     def _id(self, topic: str, partition: int) -> str:
         return f"{self.app.conf.id}-{self.app.assignor.group_for_topic(topic)}-{partition}"
 
     def _producer(self, transactional_id: str):
-        return self.app.producer._transaction_producers.get(transactional_id)
+        return self._faust_producer._transaction_producers.get(transactional_id)
 
     def _carrying(self, outputs: list) -> set[str]:
         """The transactions a flush put these outputs and its state into."""
@@ -401,7 +405,7 @@ class Transactions:
     def _transaction_of(self, source: int) -> str:
         """The transaction of an events partition (where its runs' state goes); any this
         worker holds for what has no partition of its own, or one no longer this worker's."""
-        producers = self.app.producer._transaction_producers
+        producers = self._faust_producer._transaction_producers
         try:
             transactional_id = self._id(self.state_changelog_topic, source) if source >= 0 else ""
         except KeyError:  # the assignor gave the topic no group (seen for the windows' changelog)
@@ -424,8 +428,8 @@ class Transactions:
 
     async def _send_each(self, messages) -> list[str]:
         futures, used = [], []
-        producers = self.app.producer._transaction_producers
-        locks = self.app.producer._trn_locks
+        producers = self._faust_producer._transaction_producers
+        locks = self._faust_producer._trn_locks
         for source, topic, key, value, partition in messages:
             transactional_id = self._transaction_of(source)
             used.append(transactional_id)
@@ -447,7 +451,7 @@ class Transactions:
     async def commit(self, outputs: list, written: set) -> None:
         """Commit every transaction this flush wrote to, each with the acknowledged offsets of
         its events partitions."""
-        consumer = self.app.consumer
+        consumer: Any = self.app.consumer  # Faust's private offset bookkeeping
         assignment = consumer.assignment()
         offsets = {tp: offset for tp, offset in consumer._filter_committable_offsets(list(consumer._acked)).items()
                    if tp in assignment}
@@ -456,7 +460,7 @@ class Transactions:
         by_id: dict[str, dict] = {transactional_id: {} for transactional_id in carrying}
         for tp, offset in offsets.items():
             by_id.setdefault(self._id(tp.topic, tp.partition), {})[tp] = offset
-        locks = self.app.producer._trn_locks
+        locks = self._faust_producer._trn_locks
         # Outputs and state first: a kill between two commits then leaves state ahead of the
         # offsets, and the engine skips the events read again as replays.
         for transactional_id in sorted(by_id, key=lambda i: i not in carrying):
@@ -478,7 +482,7 @@ class Transactions:
         """Abort what this flush wrote and did not commit (the next flush sends it again); a
         producer that cannot abort was fenced or failed for good, and the worker stops (the
         next owner of its partitions reads their events again)."""
-        locks = self.app.producer._trn_locks
+        locks = self._faust_producer._trn_locks
         self._records.clear()
         carrying, self._record_ids = self._carrying(outputs), set()
         for transactional_id in carrying - self._committed:
