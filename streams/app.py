@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import cast
 
 import faust
+from faust.types.enums import ProcessingGuarantee
 
 from trainguard.core.admin import control_partitions_of, partitions_of
 from trainguard.core.kafka import KafkaSettings, faust_credentials
@@ -39,6 +40,7 @@ from trainguard.streams.transport import (
     BULK_LANE_SUPPORTED,
     BytesTable,
     Memberships,
+    Transactions,
     WindowedBytesTable,
     WorkerApp,
     WorkerTableManager,
@@ -160,10 +162,12 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     if not app.conf.consumer_group_instance_id:  # static members are replaced by the broker itself
         app.trainguard_members = Memberships(data_dir(app_id), app_id)
 
-    output_producer = output_publisher(settings)
-    atexit.register(output_producer.flush, 5.0)
+    exactly_once = app.conf.processing_guarantee == ProcessingGuarantee.EXACTLY_ONCE
+    output_producer = None if exactly_once else output_publisher(settings)  # else in the transactions
+    if output_producer is not None:
+        atexit.register(output_producer.flush, 5.0)
     router = OutputRouter(output_producer, settings.topics, control_partitions_of(settings),
-                          max_bytes=engine.limits.record_bytes)
+                          max_bytes=engine.limits.record_bytes, events_partitions=engine.partitions)
     message_out = app.sensors.on_message_out
 
     async def ack(item) -> None:
@@ -177,11 +181,15 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     # State is written to the changelog at most every `state_flush_s`, not after every batch:
     # under a steady trickle of events, batches are small and the same entries would be
     # rewritten many times a second. streams/checkpoint.py holds the protocol.
+    transactions = Transactions(app, router, state_table.changelog_topic.get_topic_name()) if exactly_once else None
+    changelog = _TableChangelog if transactions is None else transactions.changelog
     checkpoint = Checkpoint(
-        [(engine, _TableChangelog(state_table), lambda key: key),
-         (engine.windows, _TableChangelog(window_table), engine.windows.encode_key)],
-        deliver_outputs=router.delivered, deliver_changelogs=lambda: app.producer.flush(), ack=ack,
-        every_s=state_flush_s, max_held=20 * batch_max, max_record_bytes=engine.limits.record_bytes)
+        [(engine, changelog(state_table), lambda key: key),
+         (engine.windows, changelog(window_table), engine.windows.encode_key)],
+        deliver_outputs=router.delivered, ack=ack,
+        deliver_changelogs=lambda: app.producer.flush() if transactions is None else transactions.deliver_changelogs(),
+        every_s=state_flush_s, max_held=20 * batch_max, max_record_bytes=engine.limits.record_bytes,
+        transaction=transactions)
     exporter, feed = _serve_prometheus(app, engine, prometheus_port, prometheus_addr)
     detection = Detection(engine, router, checkpoint, exporter, feed)
     _agents_and_timers(app, detection, settings, batch_max, batch_within_s)

@@ -32,6 +32,12 @@ before its state is written. A state entry that
 cannot be written (it fails to serialise, or is larger than a broker takes in one message) is
 left out of the changelog and said in the log; it never ends the flush.
 
+Under ``processing_guarantee=exactly_once`` a :class:`Transaction` replaces step a and
+commits after c: the flush puts the outputs of its events (taken when it begins), their state
+and the markers into the open transactions, acknowledges the events, then commits the
+transactions with the events' offsets, so outputs, state and offsets of the same events become
+visible together or not at all. A failed flush aborts them and hands its outputs to the next.
+
 Kafka and Faust stay outside: the checkpoint gets the engine's dirty maps, the changelogs
 and the delivery waits as small objects, so its protocol is tested without a broker.
 """
@@ -71,6 +77,24 @@ class DirtyEntries(Protocol):
     def serialize(self, key: Any) -> bytes | None: ...
 
 
+class Transaction(Protocol):
+    """Exactly-once delivery: ``take`` the outputs routed so far (``give_back`` puts them in
+    front again), ``send`` them into the open transactions, then ``commit`` those with the
+    acknowledged events' offsets and the changelog partitions ``written``, or ``abort``."""
+
+    def take(self) -> list: ...
+
+    def pending(self) -> int: ...
+
+    def give_back(self, outputs: list) -> None: ...
+
+    async def send(self, outputs: list) -> None: ...
+
+    async def commit(self, outputs: list, written: set) -> None: ...
+
+    async def abort(self, outputs: list, written: set) -> None: ...
+
+
 class Checkpoint:
     """Hold, due, flush (see the module's docstring). ``changelogs`` pairs each changed-entry
     source with its changelog and a key encoder; ``deliver_outputs`` waits for the outputs
@@ -81,8 +105,9 @@ class Checkpoint:
                  deliver_outputs: Callable[[], Awaitable[int]], deliver_changelogs: Callable[[], Awaitable[None]],
                  ack: Callable[[Any], Awaitable[None]], every_s: float = 0.5, max_held: int = 20_000,
                  max_record_bytes: int = 1_000_000, retry_s: float = 1.0, changelog_timeout_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, transaction: Transaction | None = None):
         self.changelogs = changelogs
+        self.transaction = transaction
         self.deliver_outputs = deliver_outputs
         self.deliver_changelogs = deliver_changelogs
         self.ack = ack
@@ -107,7 +132,8 @@ class Checkpoint:
 
     # 2. due
     def due(self) -> bool:
-        return bool(self.held) and (self.clock() - self.last_flush >= self.every_s or len(self.held) >= self.max_held)
+        waiting = bool(self.held) or (self.transaction is not None and self.transaction.pending() > 0)
+        return waiting and (self.clock() - self.last_flush >= self.every_s or len(self.held) >= self.max_held)
 
     # 2. flush
     def flush(self) -> bool:
@@ -115,6 +141,7 @@ class Checkpoint:
         if self.in_flight is not None and not self.in_flight.done():
             return False
         held, self.held = self.held, []
+        outputs = self.transaction.take() if self.transaction is not None else []  # exactly these events'
         records: list = []  # (changelog, partition, key, value), written once the outputs are delivered
         taken: list = []    # (entries, key, partition): changed again if this flush fails
         for entries, changelog, encode_key in self.changelogs:
@@ -128,8 +155,11 @@ class Checkpoint:
                         told(key, value)
             entries.dirty.clear()
         self.last_flush = self.clock()  # also when the flush in flight began
-        self.in_flight = asyncio.ensure_future(self._finish(held, records))
-        self.in_flight.add_done_callback(lambda task: self._finished(task, held, taken))
+        if self.transaction is None:
+            self.in_flight = asyncio.ensure_future(self._finish(held, records))
+        else:
+            self.in_flight = asyncio.ensure_future(self._finish_transaction(self.transaction, held, records, outputs))
+        self.in_flight.add_done_callback(lambda task: self._finished(task, held, taken, outputs))
         return True
 
     def _record(self, entries: DirtyEntries, key: Any) -> bytes | None | Literal[False]:
@@ -168,6 +198,36 @@ class Checkpoint:
             await self.ack(event)
         self.stage = ""
 
+    async def _finish_transaction(self, transaction: Transaction, held: list, records: list, outputs: list) -> None:
+        """The flush under exactly-once: outputs, state and markers into the transactions, the
+        events acknowledged, then everything committed with their offsets (aborted on failure)."""
+        written: set = set()  # (changelog, partition)
+        try:
+            self.stage = f"{len(outputs)} alerts/commands of {len(held)} events to be sent in their transactions"
+            await transaction.send(outputs)
+            for changelog, partition, key, value in records:
+                changelog.send(partition, key, value)
+                written.add((changelog, partition))
+            for changelog, partition in written:
+                changelog.send(partition, FLUSH_MARKER, b"")
+            self.stage = f"{len(records)} state records to be delivered to the changelogs"
+            try:
+                await asyncio.wait_for(self.deliver_changelogs(), self.changelog_timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"the changelogs took {len(records)} records but did not confirm them within "
+                                   f"{self.changelog_timeout_s:.0f} s") from None
+            self.stage = f"{len(held)} events to be acknowledged"
+            for event in held:
+                await self.ack(event)
+            self.stage = f"the transactions of {len(held)} events to be committed"
+            await transaction.commit(outputs, written)
+        except asyncio.CancelledError:
+            raise  # stopping: the next owner of these partitions aborts what is open
+        except BaseException:
+            await transaction.abort(outputs, written)
+            raise
+        self.stage = ""
+
     def stalled(self, after_s: float = 15.0, every_s: float = 30.0) -> str | None:
         """A line for the log when the flush in flight has waited ``after_s`` or more (at most
         one every ``every_s``): what it waits for, and how many events wait behind it."""
@@ -198,7 +258,7 @@ class Checkpoint:
         log.warning("trainguard: the held alerts/commands are delivered after %.0f s; acknowledging %d events",
                     self.clock() - started, events)
 
-    def _finished(self, task: asyncio.Future, held: list, taken: list) -> None:
+    def _finished(self, task: asyncio.Future, held: list, taken: list, outputs: list) -> None:
         """A flush that failed is tried again by the next: its events held again (in front, in
         order) and its entries changed again. Dropping them would leave events that are never
         acknowledged and never read again while this worker owns their partitions, and a
@@ -207,6 +267,8 @@ class Checkpoint:
             return
         self.failures += 1
         self.held[:0] = held
+        if self.transaction is not None:  # aborted with the state: sent again by the next flush
+            self.transaction.give_back(outputs)
         for entries, key, partition in taken:
             entries.dirty.setdefault(key, partition)
         log.error("trainguard: writing state to the changelog failed (%r); its %d events stay unacknowledged "
@@ -223,9 +285,11 @@ class OutputRouter:
     is; the checkpoint holds the events behind it meanwhile. One larger than a broker takes
     (``max_bytes``) could never be delivered: it goes to the DLQ as a dead letter instead."""
 
-    def __init__(self, publisher: Publisher, topics: Topics, control_partitions: int,
-                 max_bytes: int = 1_000_000):
-        self.publisher = publisher
+    def __init__(self, publisher: Publisher | None, topics: Topics, control_partitions: int,
+                 max_bytes: int = 1_000_000, events_partitions: int | None = None):
+        self.publisher = publisher  # None: exactly-once, outputs wait in `pending` for their transaction
+        self.events_partitions = events_partitions
+        self.pending: list[tuple] = []  # (events partition, kind, topic, key, value, partition)
         self.topics = topics
         self.control_partitions = control_partitions
         self.max_bytes = max_bytes
@@ -257,6 +321,14 @@ class OutputRouter:
 
     def _send(self, message: tuple) -> None:
         kind, topic, key, value, partition = message
+        if self.publisher is None:  # sent in the transaction of the events partition that caused it
+            if kind == "dlq":
+                source = orjson.loads(value).get("partition", -1)
+            else:
+                assert self.events_partitions, "exactly-once needs the events topic's partition count"
+                source = partition_for(key, self.events_partitions) if key else -1
+            self.pending.append((source, *message))
+            return
 
         def failed(err, message=message) -> None:  # on the thread that serves delivery reports
             if err is not None:
@@ -270,6 +342,8 @@ class OutputRouter:
     async def delivered(self, timeout_s: float = 30.0) -> int:
         """Send again what failed, wait (off the event loop) until what was routed is
         delivered; how many are not (queued, or failed and waiting to be sent again)."""
+        if self.publisher is None:  # exactly-once: the checkpoint's transaction sends them
+            return 0
         retry, self.retry = self.retry, []
         if retry:
             log.warning("trainguard: sending %d alerts/commands again (%s)", len(retry), self._last_failure)

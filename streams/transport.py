@@ -37,7 +37,7 @@ import inspect
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import faust
 from aiokafka.client import AIOKafkaClient, CoordinationType
@@ -65,6 +65,12 @@ UPSTREAM = {
     # WorkerTransport retries these when a broker died but is not fenced yet
     "faust.transport.drivers.aiokafka:Transport._really_create_topic": "698806ec237ce0d7",
     "faust.transport.drivers.aiokafka:Transport._get_controller_node": "5f99da292a60e6de",
+    # Transactions: WorkerConsumer.commit stands down under exactly-once, and the checkpoint's
+    # commit follows Faust's (its offsets, its producers per transactional id and their locks)
+    "faust.transport.consumer:Consumer.commit": "a354437baaa08bf8",
+    "faust.transport.consumer:Consumer._filter_committable_offsets": "dc5e9baf5d994485",
+    "faust.transport.drivers.aiokafka:Producer.commit_transactions": "70091e6f431974e9",
+    "faust.transport.drivers.aiokafka:Producer.begin_transaction": "970978bd2a00bb12",
 }
 
 
@@ -118,6 +124,11 @@ class WorkerConsumer(aiokafka_driver.Consumer):
 
     def _new_consumer_thread(self):
         return QuickFetchThread(self, loop=self.loop, beacon=self.beacon)
+
+    async def commit(self, topics=None, start_new_transaction: bool = True) -> bool:
+        if self.in_transaction:  # the checkpoint commits, with the outputs and state of the same events
+            return False
+        return await super().commit(topics, start_new_transaction=start_new_transaction)
 
     async def _drain_messages(self, fetcher) -> None:  # pragma: no cover - run by every worker test
         lane = getattr(self.app, "trainguard_bulk_lane", None)
@@ -361,3 +372,168 @@ class WindowedBytesTable(BytesTable):
 
     def _to_key(self, k):
         return self.decode_key(k)
+
+
+class Transactions:
+    """Exactly-once delivery (``processing_guarantee=exactly_once``) on Faust's transactional
+    producers, one per events partition (``{app id}-{group}-{partition}``, so the next owner of
+    a partition fences this worker and aborts what it left open). The checkpoint drives them
+    (``streams/checkpoint.py``'s :class:`Transaction`): each output rides in the transaction of
+    the events partition whose run caused it, beside that run's changelog records, and commits
+    with the offsets of the events acknowledged; Faust's own timer commit is off (it would
+    commit outputs and state with the offsets of earlier events, which a restart reads again).
+    One flush at a time (the checkpoint's), so the ids below are those of the flush in flight."""
+
+    def __init__(self, app: "WorkerApp", router, state_changelog_topic: str):
+        self.app = app
+        self.router = router  # its `pending`: outputs routed since the last take
+        self.state_changelog_topic = state_changelog_topic
+        self._sent: dict[int, str] = {}  # id(output) -> the transaction it went into, until committed or given back
+        self._done: set[int] = set()  # id(output) of outputs committed by a flush that then failed
+        self._committed: set[str] = set()  # transactions the commit in progress has committed
+        self._records: list[tuple] = []  # changelog records queued by the flush in flight
+        self._record_ids: set[str] = set()  # the transactions they went into
+
+    def take(self) -> list:
+        taken, self.router.pending = self.router.pending, []
+        return taken
+
+    def pending(self) -> int:
+        return len(self.router.pending)
+
+    def give_back(self, outputs: list) -> None:
+        """A failed flush's outputs, less those whose transaction committed before it failed."""
+        self.router.pending[:0] = [out for out in outputs if id(out) not in self._done]
+        self._forget(outputs)
+
+    def _forget(self, outputs: list) -> None:
+        for out in outputs:
+            self._sent.pop(id(out), None)
+            self._done.discard(id(out))
+
+    @property
+    def _faust_producer(self) -> Any:  # its producers per transactional id and their locks (private)
+        return self.app.producer
+
+    def _id(self, topic: str, partition: int) -> str:
+        return f"{self.app.conf.id}-{self.app.assignor.group_for_topic(topic)}-{partition}"
+
+    def _producer(self, transactional_id: str):
+        return self._faust_producer._transaction_producers.get(transactional_id)
+
+    def _carrying(self, outputs: list) -> set[str]:
+        """The transactions a flush put these outputs and its state into."""
+        return {self._sent[id(out)] for out in outputs if id(out) in self._sent} | self._record_ids
+
+    def _transaction_of(self, source: int) -> str:
+        """The transaction of an events partition (where its runs' state goes); any this
+        worker holds for what has no partition of its own, or one no longer this worker's."""
+        producers = self._faust_producer._transaction_producers
+        try:
+            transactional_id = self._id(self.state_changelog_topic, source) if source >= 0 else ""
+        except KeyError:  # the assignor gave the topic no group (seen for the windows' changelog)
+            transactional_id = ""
+        if transactional_id not in producers:
+            if not producers:
+                raise RuntimeError("no transactional producer: this worker holds no events partition")
+            transactional_id = min(producers)
+        return transactional_id
+
+    def changelog(self, table) -> "TransactionalChangelog":
+        return TransactionalChangelog(table, self._records)
+
+    async def deliver_changelogs(self) -> None:
+        """Send the queued changelog records, each in the transaction of its partition (the
+        windows' changelog has no topic group of its own in Faust's assignor, so none of
+        Faust's transactions), and wait until the broker has them."""
+        records, self._records[:] = list(self._records), []
+        await self._send_each((partition, topic, key, value, partition) for topic, partition, key, value in records)
+
+    async def _send_each(self, messages) -> list[str]:
+        futures, used = [], []
+        producers = self._faust_producer._transaction_producers
+        locks = self._faust_producer._trn_locks
+        for source, topic, key, value, partition in messages:
+            transactional_id = self._transaction_of(source)
+            used.append(transactional_id)
+            self._record_ids.add(transactional_id)  # aborted with the rest if a send fails
+            async with locks[transactional_id]:
+                futures.append(await producers[transactional_id].send(topic, value, key=key, partition=partition))
+        if futures:
+            await asyncio.gather(*futures)
+        return used
+
+    async def send(self, outputs: list) -> None:
+        """Each output into its transaction; returns once the broker has them all (not yet
+        visible to read_committed readers: that is the commit)."""
+        for out in outputs:
+            self._sent[id(out)] = self._transaction_of(out[0])
+        await self._send_each((source, topic, key.encode() if key else None, value, partition)
+                              for source, _kind, topic, key, value, partition in outputs)
+
+    async def commit(self, outputs: list, written: set) -> None:
+        """Commit every transaction this flush wrote to, each with the acknowledged offsets of
+        its events partitions."""
+        consumer: Any = self.app.consumer  # Faust's private offset bookkeeping
+        assignment = consumer.assignment()
+        offsets = {tp: offset for tp, offset in consumer._filter_committable_offsets(list(consumer._acked)).items()
+                   if tp in assignment}
+        carrying = self._carrying(outputs)
+        self._committed = set()
+        by_id: dict[str, dict] = {transactional_id: {} for transactional_id in carrying}
+        for tp, offset in offsets.items():
+            by_id.setdefault(self._id(tp.topic, tp.partition), {})[tp] = offset
+        locks = self._faust_producer._trn_locks
+        # Outputs and state first: a kill between two commits then leaves state ahead of the
+        # offsets, and the engine skips the events read again as replays.
+        for transactional_id in sorted(by_id, key=lambda i: i not in carrying):
+            producer = self._producer(transactional_id)
+            if producer is None:
+                raise RuntimeError(f"transaction {transactional_id} is gone (its partition was revoked)")
+            async with locks[transactional_id]:
+                if by_id[transactional_id]:
+                    await producer.send_offsets_to_transaction(by_id[transactional_id], self.app.conf.id)
+                await producer.commit_transaction()
+                self._committed.add(transactional_id)
+                self._done.update(id(out) for out in outputs if self._sent.get(id(out)) == transactional_id)
+                await producer.begin_transaction()
+        consumer._committed_offset.update(offsets)
+        self._forget(outputs)
+        self._record_ids.clear()
+
+    async def abort(self, outputs: list, written: set) -> None:
+        """Abort what this flush wrote and did not commit (the next flush sends it again); a
+        producer that cannot abort was fenced or failed for good, and the worker stops (the
+        next owner of its partitions reads their events again)."""
+        locks = self._faust_producer._trn_locks
+        self._records.clear()
+        carrying, self._record_ids = self._carrying(outputs), set()
+        for transactional_id in carrying - self._committed:
+            producer = self._producer(transactional_id)
+            if producer is None:
+                continue  # revoked: the partition's next owner aborts it
+            try:
+                async with locks[transactional_id]:
+                    if producer._txn_manager.is_in_transaction():
+                        await producer.abort_transaction()
+                    await producer.begin_transaction()
+            except Exception as exc:
+                log.error("trainguard: aborting transaction %s failed (%s: %s): the worker stops", transactional_id,
+                          type(exc).__name__, exc)
+                await self.app.crash(exc)
+                raise
+
+
+class TransactionalChangelog:
+    """A table's changelog under exactly-once: records wait for ``Transactions.deliver_changelogs``."""
+
+    def __init__(self, table, records: list):
+        self.table = table
+        self.records = records
+
+    @property
+    def topic(self) -> str:
+        return self.table.changelog_topic.get_topic_name()
+
+    def send(self, partition: int, key: bytes, value: bytes | None) -> None:
+        self.records.append((self.topic, partition, key, value))

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from tests.integration import TopicReader
+from trainguard.core.kafka import Topics, partition_for
 from trainguard.core.publisher import Publisher
 from trainguard.streams.checkpoint import Checkpoint, OutputRouter
 from trainguard.streams.engine import Output, OutputKind
@@ -523,3 +524,88 @@ def test_a_flush_leaves_an_idle_tiny_run_held_as_the_bytes_it_wrote():
     assert len(tiny) == 2 and all(engine.store[k] is changelog[k] for k in tiny), changelog.keys()
     assert all(type(engine.store[k]) is not bytes for k in changelog if k.startswith(b"long"))
     assert engine.status("tiny")["last_step"] == 1
+
+
+class RecordingTransaction:
+    """Exactly-once's side of the checkpoint over a real router that holds outputs for it (no
+    publisher): what went into the transaction, then the commit or the abort, in order."""
+
+    def __init__(self, world: World, router: OutputRouter, commit_fails: int = 0):
+        self.world, self.router, self.commit_fails = world, router, commit_fails
+
+    def take(self):
+        taken, self.router.pending = self.router.pending, []
+        return taken
+
+    def pending(self):
+        return len(self.router.pending)
+
+    def give_back(self, outputs):
+        self.router.pending[:0] = outputs
+
+    async def send(self, outputs):
+        self.world.log.extend(("sent", source, orjson.loads(value)["id"]) for source, _, _, _, value, _ in outputs)
+
+    async def commit(self, outputs, written):
+        if self.commit_fails:
+            self.commit_fails -= 1
+            raise RuntimeError("transaction coordinator gone")
+        self.world.log.append(("commit", sorted(p for _, p in written)))
+
+    async def abort(self, outputs, written):
+        self.world.log.append(("abort",))
+
+
+def test_under_exactly_once_outputs_state_and_acks_of_the_same_events_end_in_one_commit():
+    async def scenario():
+        world = World()
+        router = OutputRouter(None, Topics(), control_partitions=4, events_partitions=4)
+        cp = world.checkpoint(transaction=RecordingTransaction(world, router))
+        router.route([_alert(1)])
+        world.state.change(b"run-1", b"s1", partition=partition_for("run-1", 4))
+        cp.hold(["e1"])
+        assert cp.flush()
+        router.route([_alert(2)])  # caused by an event read after the flush began: the next's
+        cp.hold(["e2"])
+        await cp.in_flight
+        first = list(world.log)
+        world.log.clear()
+        assert cp.flush()
+        await cp.in_flight
+        return first, world.log
+
+    first, second = run(scenario())
+    p = partition_for("run-1", 4)
+    assert first[0] == ("sent", p, "a1"), "an output rides in the transaction of its run's events partition"
+    assert first[1] == ("send", "state", p, b"run-1", b"s1")
+    assert ("changelogs delivered",) in first and first[-2:] == [("ack", "e1"), ("commit", [p])], \
+        "acknowledged, then committed with the outputs and state of the same events"
+    assert ("sent", p, "a2") not in first and second[0] == ("sent", p, "a2")
+    assert second[-2:] == [("ack", "e2"), ("commit", [])]
+
+
+def test_under_exactly_once_a_failed_commit_aborts_and_the_next_flush_sends_the_same_outputs_again(caplog):
+    async def scenario():
+        world = World()
+        router = OutputRouter(None, Topics(), control_partitions=4, events_partitions=4)
+        cp = world.checkpoint(transaction=RecordingTransaction(world, router, commit_fails=1))
+        router.route([_alert(1)])
+        world.state.change(b"run-1", b"s1")
+        cp.hold(["e1"])
+        cp.flush()
+        with pytest.raises(RuntimeError):
+            await cp.in_flight
+        await asyncio.sleep(0)  # the done callback
+        failed = list(world.log)
+        world.log.clear()
+        assert cp.due() is False and cp.held == ["e1"]  # held again, flushed when due
+        assert cp.flush()
+        await cp.in_flight
+        return failed, world.log
+
+    failed, log = run(scenario())
+    assert failed[-1] == ("abort",) and ("commit", [0]) not in failed
+    assert log[:2] == [("sent", partition_for("run-1", 4), "a1"), ("send", "state", 0, b"run-1", b"s1")], \
+        "the aborted flush's outputs and state go into the next transaction"
+    assert log[-2:] == [("ack", "e1"), ("commit", [0])]
+    assert "the next flush tries again" in caplog.text

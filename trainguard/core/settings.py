@@ -110,7 +110,8 @@ SETTINGS: tuple[Setting, ...] = (
             "copies of each changelog topic the worker creates; a cluster's own (3) in production, so a lost "
             "broker takes no table partition"),
     Setting("TRAINGUARD_PROCESSING_GUARANTEE", "at_least_once", _WORKER,
-            "`exactly_once`: Faust's transactions (Apache Kafka only; see docs/reliability.md)"),
+            "`exactly_once`: alerts, commands, state and offsets of the same events in one transaction per "
+            "partition (Apache Kafka only; readers read_committed; see docs/reliability.md)"),
     Setting("TRAINGUARD_BULK_LANE", "1", _WORKER, "`0`: Faust's agent path instead of the bulk lane (to compare)"),
     Setting("TRAINGUARD_FETCH_MAX_WAIT_MS", "20", _WORKER, "how long a fetch waits for data (Faust fixes 1500)"),
     Setting("TRAINGUARD_PROMETHEUS_PORT", None, "worker, sinks",
