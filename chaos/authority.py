@@ -27,9 +27,8 @@ from pathlib import Path
 
 import orjson
 
-from chaos.scenarios import _environment, _settings, broker_on
-from trainguard.broker import free_port
-from trainguard.core.admin import create_topics
+from chaos.hostile_runs import broker_for
+from chaos.scenarios import _environment
 from trainguard.core.kafka import KafkaSettings
 from trainguard.schemas import events as ev
 from trainguard.schemas.signing import (
@@ -50,19 +49,6 @@ def _trainer_env(master: SigningKey, scope: Scope) -> dict:
     """The trainer's part of the keys, as its exports give it, and no secret."""
     lines = exports(master, "trainer", scope)
     return {k: v.strip("'") for k, _, v in (e.removeprefix("export ").partition("=") for e in lines)}
-
-
-@contextlib.contextmanager
-def _broker(settings: KafkaSettings | None):
-    if settings is not None:
-        create_topics(settings)
-        yield settings
-        return
-    port = free_port()
-    own = _settings(port)
-    with broker_on(port):
-        create_topics(own)
-        yield own
 
 
 def _forged_steps(run_id: str, first: int, values: list[float], src: dict) -> list[dict]:
@@ -100,7 +86,7 @@ def unsigned_metric_commands(settings: KafkaSettings | None = None, log_dir=None
                 gates[batch].wait(240)
             return super().train_one_step(batch)
 
-    with _broker(settings) as settings:
+    with broker_for(settings) as settings:
         env = {"TRAINGUARD_BOOTSTRAP": settings.bootstrap, "TRAINGUARD_PARTITIONS": str(settings.partitions),
                "TRAINGUARD_TOPIC_PREFIX": settings.topics.events.rsplit(".", 1)[0],
                "TRAINGUARD_COMMAND_KEY": "", "TRAINGUARD_COMMAND_KEY_FILE": "", "TRAINGUARD_ALLOW_UNSIGNED": "",
@@ -220,7 +206,7 @@ def scope_forgeries_accepted(settings: KafkaSettings | None = None, log_dir=None
         "its own run's key, a prefix claimed": (own, "prefix:exp"),
         "its own run's key": (own, f"run:{mine}")}
     src = ev.source("trainer", "forger", 0)
-    with _broker(settings) as settings:
+    with broker_for(settings) as settings:
         env = {"TRAINGUARD_BOOTSTRAP": settings.bootstrap, "TRAINGUARD_PARTITIONS": str(settings.partitions),
                "TRAINGUARD_TOPIC_PREFIX": settings.topics.events.rsplit(".", 1)[0],
                "TRAINGUARD_COMMAND_KEY": "", "TRAINGUARD_COMMAND_KEY_FILE": "", "TRAINGUARD_ALLOW_UNSIGNED": "",

@@ -103,10 +103,11 @@ def _secret() -> tuple[str, SigningKey]:
 
 
 @contextmanager
-def _broker(settings):
+def broker_for(settings):
     """The scenario's settings on a broker: its own (embedded, or ``make chaos``'s cluster), or the
-    one ``settings`` name, whose topics exist (a test's)."""
+    one ``settings`` name (a test's), its topics made where they are missing."""
     if settings is not None:
+        create_topics(settings)
         yield settings
         return
     port = free_port()
@@ -126,7 +127,7 @@ def cross_partition(log_dir=None, fillers: int = 200, settings=None) -> dict:
     runs = {"before_restart": f"chaos-xpart-a-{tag}", "after_restart": f"chaos-xpart-b-{tag}"}
     victims: dict[str, _Victim] = {}
     found: dict[str, dict] = {}
-    with _broker(settings) as settings, _environment(TRAINGUARD_COMMAND_KEY="", TRAINGUARD_COMMAND_KEY_FILE=""):
+    with broker_for(settings) as settings, _environment(TRAINGUARD_COMMAND_KEY="", TRAINGUARD_COMMAND_KEY_FILE=""):
         line, master = _secret()
         worker = _keyed_worker(settings, log_dir, line)
         second = None
@@ -192,7 +193,7 @@ def oversize(log_dir=None, hosts: int = 4, settings=None) -> dict:
 
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-"))
     run_id = f"chaos-oversize-{uuid.uuid4().hex[:6]}"
-    with _broker(settings) as settings, _environment(TRAINGUARD_COMMAND_KEY="", TRAINGUARD_COMMAND_KEY_FILE=""):
+    with broker_for(settings) as settings, _environment(TRAINGUARD_COMMAND_KEY="", TRAINGUARD_COMMAND_KEY_FILE=""):
         line, master = _secret()
         worker = _keyed_worker(settings, log_dir, line)
         alerts = TopicReader(settings, settings.topics.alerts)
