@@ -24,6 +24,7 @@ from trainguard.core.settings import value
 from trainguard.sinks.base import Sink, read_state, write_state
 from trainguard.sinks.paging import DIGEST_SCHEMA, delivery_key
 from trainguard.sinks.webhooks.messages import Templates, plain_form
+from trainguard.streams.exporter import NOTIFICATIONS
 
 log = logging.getLogger("trainguard.sinks.webhooks")
 
@@ -130,14 +131,6 @@ class Outbox:
         self._keys.discard(item.key)
 
 
-def _counter():
-    try:
-        from trainguard.sinks.prometheus import NOTIFICATIONS
-        return NOTIFICATIONS
-    except ImportError:  # prometheus-client not installed: the sink still works
-        return None
-
-
 class WebhookSink(Sink):
     """Base of the HTTP sinks: subclasses say where to POST (:meth:`url`) and what (:meth:`payload`)."""
 
@@ -177,7 +170,6 @@ class WebhookSink(Sink):
         self._stop = False
         self._busy = False
         self._probed_for: Item | None = None  # the head whose refusals the item being tried tests
-        self._metric = _counter()
         self._thread = threading.Thread(target=self._loop, name=f"trainguard-{self.name}", daemon=True)
         self._thread.start()
 
@@ -297,8 +289,7 @@ class WebhookSink(Sink):
             raise Refused(str(exc)) from None
 
     def _count(self, outcome: str, n: int = 1) -> None:
-        if self._metric is not None:
-            self._metric.labels(self.name, outcome).inc(n)
+        NOTIFICATIONS.labels(self.name, outcome).inc(n)
 
     def _ready_in(self) -> float | None:
         """Seconds until a pending item may be tried (0: now), None when none is pending."""
