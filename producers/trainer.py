@@ -37,6 +37,7 @@ from trainguard.schemas import events as ev
 from trainguard.schemas.signing import signed_bytes
 
 log = logging.getLogger("trainguard.trainer")
+_FLOATS = frozenset({float})
 
 
 def _as_float(v) -> float:
@@ -89,8 +90,8 @@ class TrainerLogger:
         """Publish one step's metrics as one event. Never raises; False if it was not queued."""
         if self._announce:
             self.lifecycle("started", step=step if type(step) is int else None)
-        if all(type(v) is float for v in metrics.values()):
-            values = dict(metrics)  # the common case: nothing to convert
+        if type(metrics) is dict and _FLOATS.issuperset(map(type, metrics.values())):
+            values = metrics  # the common case: nothing to convert, encoded (not kept) before returning
         else:
             values = {}
             for name, v in metrics.items():
@@ -100,18 +101,19 @@ class TrainerLogger:
                     self.skipped_values += 1  # strings, lists, None ...: not metrics
         lost = self.publisher.lost()
         if lost:
-            values["trainguard/dropped_events"] = float(lost)
+            values = {**values, "trainguard/dropped_events": float(lost)}
         event = ev.metrics_event(self.run_id, int(step), values, src=self.source,
                                  ts=time.time() if ts is None else ts, tags=tags)
-        payload = self._accepted(event)
+        payload = self._accepted(event, own_clock=ts is None)
         if payload is None:
             return False
         self._last_step = event["step"]
         return self.publisher.publish(self._topic, self.run_id, payload)
 
-    def _accepted(self, event: dict) -> bytes | None:
+    def _accepted(self, event: dict, *, own_clock: bool = False) -> bytes | None:
         """The event encoded when the worker would take it; else None, counted as rejected and its
-        cause said once (the worker would only dead-letter it)."""
+        cause said once (the worker would only dead-letter it). ``own_clock``: its ``ts`` is this
+        process's ``time.time()``, nothing to check."""
         try:
             # The whole event once; then what changes per step (run id and source are fixed), the
             # names only when they change: a loop logs the same ones every step, and checking 50
@@ -121,7 +123,9 @@ class TrainerLogger:
                 ev.validate(event)
                 self._names_checked = frozenset(names)
             elif names == self._names_checked:
-                ev.check_step({**event, "metrics": {}})
+                if not (own_clock and 0 <= event["step"] < 2**63 and "tags" not in event):
+                    # the values and their names are known good; a millisecond clock is converted
+                    event["ts"] = ev.check_step({**event, "metrics": {}})["ts"]
             else:
                 ev.check_step(event)
                 self._names_checked = frozenset(names)

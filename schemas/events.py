@@ -495,9 +495,10 @@ def _validate_metrics(event: dict) -> None:
 
 def check_step(event: dict) -> dict:
     """The fields of a metrics event that change from step to step (step, ts, metrics, tags), checked
-    as :func:`validate` checks them: for a producer that validated its run id and source once."""
+    as :func:`validate` checks them (a millisecond clock converted in place): for a producer that
+    validated its run id and source once."""
     _int(event, "step")
-    _time(event, "ts")
+    _time(event, "ts", stamp=True)
     _check_metrics(event)
     _check_tags(event)
     return event

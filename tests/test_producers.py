@@ -68,6 +68,29 @@ def test_log_never_blocks_or_raises_when_the_broker_is_down():
     assert stats["undelivered_at_close"] == 100
 
 
+def test_every_step_after_the_first_is_checked_for_what_can_change():
+    """log() validates the first step whole and later ones only where they can differ; what the
+    worker would refuse in a later step is still refused, and the caller's dict is never changed."""
+    down = KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}")
+    publisher = Publisher(down, queue_max=100)
+    logger = TrainerLogger("fast-1", down, publisher=publisher)
+    metrics = {f"actor/m{i}": float(i) for i in range(50)}
+    assert logger.log(metrics, 1) and logger.log(metrics, 2)
+    assert not logger.log(metrics, -3), "a negative step"
+    assert not logger.log(metrics, 4, ts=math.nan), "a NaN time stamp"
+    assert not logger.log(metrics, 5, ts=time.time() * 1e3 + 10 * 86_400e3), "a millisecond clock ten days ahead"
+    assert not logger.log(metrics, 6, tags={"phase": ["not", "a", "string"]}), "a tag that is no string"
+    assert logger.log(metrics, 7, tags={"phase": "rollout"}) and logger.log(metrics, 8, ts=time.time())
+    assert logger.rejected == 4
+    sent = []
+    publisher.publish = lambda topic, key, payload: sent.append(orjson.loads(payload)) or True
+    now_ms = time.time() * 1e3
+    assert logger.log(metrics, 8, ts=now_ms) and abs(sent[-1]["ts"] - now_ms / 1e3) < 1, "sent in seconds"
+    publisher.dropped = 5  # events lost: the next step says so in its own metrics, not in the caller's
+    assert logger.log(metrics, 9) and metrics == {f"actor/m{i}": float(i) for i in range(50)}
+    logger.close(timeout=0.1, quiet=True)
+
+
 def _command(run_id, action="stop", expires_in=300.0, **extra):
     now = time.time()
     return {"schema": "command/1", "id": uuid.uuid4().hex[:12], "run_id": run_id, "action": action,
