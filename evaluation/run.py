@@ -84,8 +84,9 @@ def _firing(outputs, t: float, step: int, sink: list) -> None:
             sink.append((v["rule"], step, t, v.get("severity"), bool(v.get("critical"))))
 
 
-def drive(sc: Scenario, rules=None) -> dict:
-    """Run one scenario through a fresh engine; return what fired and when."""
+def drive(sc: Scenario, rules=None, outputs: list | None = None) -> dict:
+    """Run one scenario through a fresh engine; return what fired and when (``outputs``: every
+    output's value appended, for ``evaluation/digest.py``)."""
     rules = rules or _RULES
     sim = SimulatedPPO(seed=sc.seed, host=f"sim-{sc.seed}", ranks=sc.ranks)
     if sc.fault:
@@ -107,11 +108,16 @@ def drive(sc: Scenario, rules=None) -> dict:
     next_tick = math.floor(sim.ts) + 1
     steps_published = 0
 
+    def kept(outs):
+        if outputs is not None:
+            outputs.extend(getattr(o, "value", o) for o in outs or ())
+        return outs
+
     def send(event):
         nonlocal offset
         outs = engine.handle(ev.encode(event), 0, offset)
         offset += 1
-        return outs
+        return kept(outs)
 
     while True:
         m = sim.step()
@@ -121,7 +127,7 @@ def drive(sc: Scenario, rules=None) -> dict:
             last = step - 1 if m is not None else step
             while next_tick <= now:
                 clock[0] = float(next_tick)
-                _firing(tick(float(next_tick)), next_tick, last, fired)
+                _firing(kept(tick(float(next_tick))), next_tick, last, fired)
                 next_tick += 1
             clock[0] = now
         if m is not None:
