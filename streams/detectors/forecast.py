@@ -7,6 +7,7 @@ import statistics
 from array import array
 from bisect import insort
 from collections import deque
+from functools import lru_cache
 
 import numpy as np
 
@@ -23,6 +24,18 @@ def _median(ordered: np.ndarray) -> float:
     n = len(ordered)
     h = n // 2
     return float(ordered[h]) if n % 2 else (float(ordered[h - 1]) + float(ordered[h])) / 2.0
+
+
+@lru_cache(maxsize=64)
+def _pairs_apart(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Index pairs i < j of a window of n and their distances (the same few sizes over and over)."""
+    i, j = _pairs(n)
+    return i, j, (j - i).astype(float)
+
+
+@lru_cache(maxsize=16)
+def _z(confidence: float) -> float:
+    return statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
 
 
 class Forecast(Detector):
@@ -150,20 +163,33 @@ class Forecast(Detector):
         target = self._target()
         if not self.ready or target is None or (self.transform == "log" and target <= 0):
             return False
+        return self._fit(x, target, cheap=True)
+
+    def _fit(self, x: float, target: float, cheap: bool = False) -> bool:
+        """The line, its interval and the ETA, kept in ``last``; whether the point is flagged.
+        ``cheap``: where the interval cannot flag, only ``[x, target]`` is kept and the fit is
+        worked out when ``evidence()`` asks (an alert opens rarely; a point arrives every step)."""
         y = np.fromiter(self.ys, float, len(self.ys))
         n = len(y)
-        i, j = _pairs(n)
-        slopes = np.sort((y[j] - y[i]) / (j - i))
+        i, j, apart = _pairs_apart(n)
+        slopes = (y[j] - y[i]) / apart
+        # Sen's interval (Gilbert 1987, 16.4): the M1-th and (M2+1)-th smallest of the N pairwise
+        # slopes, M1,2 = (N -+ z sqrt(Var S)) / 2 with the Mann-Kendall variance; rounded outwards.
+        big = len(slopes)
+        c = _z(self.confidence) * math.sqrt(n * (n - 1) * (2 * n + 5) / 18.0)
+        at_lo = min(big - 1, max(0, math.floor((big - c) / 2.0) - 1))
+        at_hi = min(big - 1, max(0, math.ceil((big + c) / 2.0)))
+        # Only an interval wholly on the line's side can flag, and counting signs says whether it is
+        # (the k-th smallest slope is > 0 when at most k are <= 0), without the sorts.
+        if cheap and (np.count_nonzero(slopes <= 0.0) > at_lo if self.direction == "up"
+                      else np.count_nonzero(slopes < 0.0) <= at_hi):
+            self.last = [x, target]
+            return False
+        slopes.sort()
         slope = _median(slopes)
         # the level at the window's first point
         intercept = _median(np.sort(y - slope * np.arange(n, dtype=float)))
-        # Sen's interval (Gilbert 1987, 16.4): the M1-th and (M2+1)-th smallest of the N pairwise
-        # slopes, M1,2 = (N -+ z sqrt(Var S)) / 2 with the Mann-Kendall variance; rounded outwards.
-        z = statistics.NormalDist().inv_cdf(0.5 + self.confidence / 2)
-        big = len(slopes)
-        c = z * math.sqrt(n * (n - 1) * (2 * n + 5) / 18.0)
-        lo = float(slopes[min(big - 1, max(0, math.floor((big - c) / 2.0) - 1))])
-        hi = float(slopes[min(big - 1, max(0, math.ceil((big + c) / 2.0)))])
+        lo, hi = float(slopes[at_lo]), float(slopes[at_hi])
         goal = math.log(target) if self.transform == "log" else target
         now = intercept + slope * (n - 1)
         sign = -1.0 if self.direction == "down" else 1.0
@@ -183,6 +209,8 @@ class Forecast(Detector):
     def evidence(self) -> dict:
         if self.last is None:
             return {"detector": self.kind, "ready": self.ready, "samples": len(self.ys)}
+        if len(self.last) == 2:  # judged without the fit: it could not flag
+            self._fit(*self.last)
         x, target, slope, intercept, lo, hi, eta, eta_lo, eta_hi, flagged = self.last
         n = len(self.ys)
         spacing = statistics.median(b - a for a, b in zip(list(self.ts), list(self.ts)[1:], strict=False)) \
