@@ -40,6 +40,7 @@ import urllib.request
 from pathlib import Path
 
 import orjson
+import workload
 from throughput import consume, cpu_seconds
 from workload import CLEANUP, ROOT, Steps, fresh_settings, percentile, prefill, progress
 
@@ -495,9 +496,11 @@ def main(argv=None) -> int:
 
 def run(bootstrap: str, steps: Steps, log_dir: Path, quick: bool, rate: float | None = None) -> dict:
     if quick:
+        smoke = workload.SMOKE
         out = fleet(bootstrap, steps, log_dir, partitions=8, runs=16, nodes=2, rate=rate or 200, counts=(1, 2),
-                    window_s=5.0, settle_s=1.0, leave=False, catch_up_s=20.0)
-        out.update(hot_run(bootstrap, steps, log_dir, ranks=1024, n_steps=10, partitions=8, measure_s=10.0))
+                    window_s=2.0 if smoke else 5.0, settle_s=1.0, leave=False, catch_up_s=20.0)
+        out.update(hot_run(bootstrap, steps, log_dir, ranks=1024, n_steps=4 if smoke else 10, partitions=8,
+                           measure_s=3.0 if smoke else 10.0))
     else:
         out = fleet(bootstrap, steps, log_dir, rate=rate or 400)
         out.update(hot_run(bootstrap, steps, log_dir))

@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 
 import orjson
+import workload
 from workload import (
     TRAINER_SRC,
     Child,
@@ -156,7 +157,7 @@ def run(bootstrap: str, steps: Steps, rate: float, log_dir: Path, quick: bool = 
         load.start()
         progress(f"  latency: load {rate:.0f} events/s; produce -> alert")
         time.sleep(2.0)
-        duration = 6.0 if quick else 15.0
+        duration = 2.0 if workload.SMOKE else 6.0 if quick else 15.0
         sent: dict[str, float] = {}
         t_end = time.monotonic() + duration
         i = 0

@@ -63,9 +63,9 @@ def _median_runs(fn, repeats: int) -> dict:
 def throughput(bootstrap: str, steps: Steps, quick: bool, log_dir: Path) -> dict:
     from throughput import consume
 
-    n = 20_000 if quick else 100_000
+    n = 4_000 if workload.SMOKE else 20_000 if quick else 100_000
     repeats = 1 if quick else 2  # two brokers in one run: two each keeps make bench near 15 minutes
-    cap_bare, cap_worker = (5.0, 8.0) if quick else (12.0, 20.0)
+    cap_bare, cap_worker = (2.0, 2.0) if workload.SMOKE else (5.0, 8.0) if quick else (12.0, 20.0)
     events = encoded_events(steps, n, 16)
     settings = fresh_settings(bootstrap, 4, "tp")
     progress(f"throughput: pre-filling {n} events (4 partitions)")
@@ -97,8 +97,8 @@ def throughput(bootstrap: str, steps: Steps, quick: bool, log_dir: Path) -> dict
 def scaling(bootstrap: str, steps: Steps, quick: bool, log_dir: Path) -> dict:
     from throughput import consume
 
-    n = 30_000 if quick else 100_000
-    cap = 8.0 if quick else 15.0
+    n = 6_000 if workload.SMOKE else 30_000 if quick else 100_000
+    cap = 2.0 if workload.SMOKE else 8.0 if quick else 15.0
     repeats = 1 if quick else 2
     events = encoded_events(steps, n, 32, prefix="scale")
     settings = fresh_settings(bootstrap, 8, "sc")
@@ -281,12 +281,17 @@ def table(r: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller sizes, one run each (about 4 minutes)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--quick at sizes that only prove every figure works (the test suite's run; numbers mean "
+                         "nothing)")
     ap.add_argument("--only", default="", help=f"comma-separated figures: {','.join(FIGURES)}")
     ap.add_argument("--brokers", default=",".join(BROKERS),
                     help="where the broker figures run: tansu, kafka or both (default: %(default)s)")
     ap.add_argument("--rate", type=float, default=None,
                     help="load for the latency figure in events/s (default: half the measured worker rate)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        workload.SMOKE = args.quick = True
     only = [f for f in args.only.split(",") if f] or list(FIGURES)
     brokers = [b for b in args.brokers.split(",") if b]
     unknown = set(only) - set(FIGURES)
@@ -377,6 +382,7 @@ def main(argv=None) -> int:
         CLEANUP.run()
     results["bench_seconds"] = round(time.time() - started, 1)
     results["quick"] = args.quick
+    results["smoke"] = workload.SMOKE
     results["cpus"] = os.cpu_count()
     results["python"] = platform.python_version()
     progress(f"done in {results['bench_seconds']:.0f}s")

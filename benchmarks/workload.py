@@ -50,6 +50,11 @@ EXTRA_VERL = {
 }
 
 
+# ``run.py --smoke`` (the test suite's run): every figure's code path at sizes that only prove it
+# works; its numbers mean nothing.
+SMOKE = False
+
+
 def progress(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
