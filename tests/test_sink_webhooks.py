@@ -14,7 +14,6 @@ import pytest
 
 from tests.integration import Receiver
 from trainguard.broker import free_port
-from trainguard.streams.exporter import REGISTRY
 from trainguard.sinks.webhooks import (
     DingTalkSink,
     GenericWebhookSink,
@@ -26,6 +25,7 @@ from trainguard.sinks.webhooks import (
     dingtalk_sign,
     render,
 )
+from trainguard.streams.exporter import REGISTRY
 
 
 def _alert(i: int = 0, status: str = "firing", **extra) -> dict:
