@@ -131,7 +131,7 @@ class TensorBoardSink(TrackerSink):
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             try:
-                from tensorboardX import SummaryWriter  # type: ignore[no-redef]
+                from tensorboardX import SummaryWriter
             except ImportError:
                 raise RuntimeError("TRAINGUARD_TENSORBOARD_DIR needs torch and tensorboard, or tensorboardX: "
                                    "pip install tensorboard") from None

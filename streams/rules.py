@@ -106,6 +106,8 @@ class Rule:
 
     def make_detector(self):
         """A fresh detector for one metric (series detectors only)."""
+        if self.detector is None:
+            raise ValueError(f"rule {self.name!r} (line {self.line}) names no detector: it is judged on its baseline")
         params = {k: v for k, v in self.detector.items() if k != "kind"}
         return REGISTRY[self.detector["kind"]](**params)
 

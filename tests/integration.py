@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -216,6 +217,31 @@ class Receiver:
         self.server.server_close()
         self.thread.join(timeout=5)
 
+
+class SinksMetricsPage:
+    """The ``/metrics`` a sinks process serves (TRAINGUARD_PROMETHEUS_PORT), read over HTTP as
+    Prometheus scrapes it."""
+
+    def __init__(self):
+        from trainguard.broker import free_port
+        from trainguard.sinks.prometheus import PrometheusSink
+
+        port = free_port()
+        self.sink = PrometheusSink.from_env({"TRAINGUARD_PROMETHEUS_PORT": str(port),
+                                             "TRAINGUARD_PROMETHEUS_ADDR": "127.0.0.1"})
+        self.url = f"http://127.0.0.1:{port}/metrics"
+
+    def sample(self, name: str, **labels: str) -> float:
+        """One sample of the page (0 while the series is absent, as a counter not yet incremented)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url, timeout=5) as resp:
+            page = resp.read().decode()
+        return next((s.value for family in text_string_to_metric_families(page) for s in family.samples
+                     if s.name == name and s.labels == labels), 0.0)
+
+    def close(self) -> None:
+        self.sink.close()
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

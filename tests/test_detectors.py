@@ -598,6 +598,15 @@ def test_a_rule_naming_a_parameter_its_detector_lacks_is_told_the_valid_ones(kin
         rules_mod.parse(_rule_with(f"{{kind: {kind}, {first.name}: [1]}}"), "team.yaml")
 
 
+def test_a_rule_judged_on_its_baseline_says_it_has_no_detector_to_make():
+    from trainguard.streams import rules as rules_mod
+
+    (rule,) = rules_mod.parse("version: 1\nrules:\n  - name: a\n    metric: x\n    above: 1\n", "team.yaml").rules
+    assert rule.kind == "baseline"
+    with pytest.raises(ValueError, match=r"rule 'a' \(line 3\) names no detector: it is judged on its baseline"):
+        rule.make_detector()
+
+
 @pytest.mark.parametrize("kind", sorted(__import__("trainguard.streams.detectors", fromlist=["REGISTRY"]).REGISTRY))
 def test_declared_choices_are_the_ones_the_constructor_takes(kind):
     from trainguard.streams.detectors import REGISTRY

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.integration import wait_until
+from tests.integration import SinksMetricsPage, wait_until
 from trainguard.broker import free_port
 from trainguard.sinks.alertmanager import AlertmanagerSink
 
@@ -119,6 +119,12 @@ def test_firing_then_resolved_through_a_real_alertmanager(alertmanager):
     base, hook = alertmanager
     run = f"ppo-{uuid.uuid4().hex[:6]}"
     sink = AlertmanagerSink(base, resend_s=0.5, backoff_s=0.05, max_backoff_s=0.5)
+    page = SinksMetricsPage()
+
+    def delivered() -> float:
+        return page.sample("trainguard_notifications_total", sink="alertmanager", outcome="delivered")
+
+    delivered_before = delivered()
     try:
         firing = _alert(run)
         sink.deliver([firing])
@@ -148,8 +154,11 @@ def test_firing_then_resolved_through_a_real_alertmanager(alertmanager):
         assert done["labels"]["run"] == run and done["endsAt"] >= done["startsAt"]
         assert sink.active() == []
         assert sink.undelivered() == []
+        # the scraped /metrics counts the firing alert and its resolution; keep-alive re-sends notify no one
+        assert delivered() - delivered_before == 2
     finally:
         sink.close(timeout=1)
+        page.close()
 
 
 def test_alerts_wait_in_the_outbox_while_alertmanager_is_down(tmp_path):

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from tests.integration import Receiver
+from tests.integration import Receiver, SinksMetricsPage
 from trainguard.broker import free_port
 from trainguard.sinks.webhooks import (
     DingTalkSink,
@@ -72,12 +72,18 @@ def servers():
 FAST = dict(backoff_s=0.05, max_backoff_s=0.4, timeout_s=5)
 
 
-def _notifications(sink: str, outcome: str) -> float:
-    return REGISTRY.get_sample_value("trainguard_notifications_total", {"sink": sink, "outcome": outcome}) or 0.0
+@pytest.fixture(scope="module")
+def metrics_page():
+    page = SinksMetricsPage()
+    yield page
+    page.close()
 
 
-def test_every_alert_arrives_exactly_once_through_refused_connections_and_500s(servers, caplog):
-    counted = {o: _notifications("webhook", o) for o in ("delivered", "retried")}
+def test_every_alert_arrives_exactly_once_through_refused_connections_and_500s(servers, caplog, metrics_page):
+    def notifications(outcome: str) -> float:
+        return metrics_page.sample("trainguard_notifications_total", sink="webhook", outcome=outcome)
+
+    counted = {o: notifications(o) for o in ("delivered", "retried")}
     port = free_port()  # nothing listens yet: connection refused
     sink = GenericWebhookSink(f"http://127.0.0.1:{port}/hook", **FAST)
     servers.sinks.append(sink)
@@ -99,9 +105,9 @@ def test_every_alert_arrives_exactly_once_through_refused_connections_and_500s(s
     assert sink.flush(timeout=5)
     assert len(receiver.bodies()) == len(want)
     assert "delivery of" in caplog.text  # the outage was logged
-    # /metrics counts what happened: every delivery once, and the retries of the outage
-    assert _notifications("webhook", "delivered") - counted["delivered"] == len(want)
-    assert _notifications("webhook", "retried") - counted["retried"] >= 5
+    # the scraped /metrics counts what happened: every delivery once, and the retries of the outage
+    assert notifications("delivered") - counted["delivered"] == len(want)
+    assert notifications("retried") - counted["retried"] >= 5
 
 
 def test_refused_for_good_and_overflow_are_visible(servers):

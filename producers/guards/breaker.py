@@ -99,7 +99,7 @@ class CircuitBreaker:
         if type(failure_threshold) is not int or failure_threshold < 1:
             raise ValueError(f"failure_threshold must be an int >= 1, got {failure_threshold!r}")
         self.fn = fn
-        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self.name: str = name or getattr(fn, "__name__", None) or type(fn).__name__
         self.timeout_s, self.failure_threshold = float(timeout_s), failure_threshold
         self.fallback, self.probe = fallback, probe
         self.probe_interval_s, self.reset_after_s = probe_interval_s, reset_after_s

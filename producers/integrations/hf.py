@@ -79,6 +79,7 @@ import math
 import os
 import sys
 import time
+from types import FrameType
 
 from transformers import TrainerCallback
 
@@ -295,7 +296,7 @@ def verified(path: str | os.PathLike, *, hashes: bool = True) -> str | None:
 def _running_trainer(callback):
     """The Trainer whose ``train()`` is calling ``callback`` (its callback handler holds it), found on
     the call stack: a callback's arguments do not include it."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         if callback in getattr(getattr(owner, "callback_handler", None), "callbacks", ()):
@@ -372,10 +373,10 @@ class _HFGuard(GuardBase):
         # every file checked (the loaded ones as they are read) before anything changes
         _, states = load_verified(path, loaders, require=("parameters",), events=self.logger, step=step)
         loaded = [os.path.basename(load_model_weights(model, path, loaded=states))]
-        if "optimizer.pt" in states:
+        if optimizer is not None and "optimizer.pt" in states:
             optimizer.load_state_dict(states["optimizer.pt"])
             loaded.append("optimizer.pt")
-        if "scheduler.pt" in states:
+        if scheduler is not None and "scheduler.pt" in states:
             scheduler.load_state_dict(states["scheduler.pt"])
             loaded.append("scheduler.pt")
         decision.extra["loaded"] = loaded
@@ -424,7 +425,7 @@ class TrainguardCallback(TrainerCallback):
         self.skipped_batches = 0
         self._skip_left = 0
         self._ctx: dict = {}
-        self._pending_rolled_back = None
+        self._pending_rolled_back: tuple[dict, int, int | None] | None = None  # command, restored step, from step
         self._hooked = None  # the Trainer whose rotation and loss accumulator this callback hooked
         self._said_loss_reset = False
         self._wait_for_ranks = True  # for every rank's RNG state before a manifest (until one never comes)

@@ -371,7 +371,9 @@ def attach(trainer, run_id: str, settings: KafkaSettings | None = None, *, track
     if backend is not None:
         return backend
     if tracking_cls is None:
-        from verl.utils.tracking import Tracking as tracking_cls  # noqa: N813
+        from verl.utils.tracking import Tracking
+
+        tracking_cls = Tracking
     backend = VerlBackend(run_id, settings, trainer=trainer, **kwargs)
     hook(tracking_cls, "__init__", _tracking_init)
 
@@ -489,7 +491,9 @@ def task_runner(runner_cls=None, *, run_id: str | None = None, trainer_classes=N
     from trainguard.core import settings
 
     if runner_cls is None:
-        from verl.trainer.main_ppo import TaskRunnerV1 as runner_cls
+        from verl.trainer.main_ppo import TaskRunnerV1
+
+        runner_cls = TaskRunnerV1
     base = getattr(runner_cls, "__ray_actor_class__", runner_cls)
     classes = trainer_classes if trainer_classes is not None else TRAINER_CLASSES
 

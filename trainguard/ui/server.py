@@ -111,15 +111,15 @@ def steps_range(query: str) -> tuple[int, int] | None:
 
 
 def make_handler(board: Board, access: Access | None = None):
-    access = access or Access("127.0.0.1")
+    gate = access or Access("127.0.0.1")
     errors_seen: set[str] = set()
 
     class Handler(BaseHTTPRequestHandler):
         timeout = REQUEST_TIMEOUT_S  # per read and write of this connection's socket
 
         def setup(self):
-            self.timeout = getattr(self.server, "request_timeout_s", REQUEST_TIMEOUT_S)
             super().setup()
+            self.connection.settimeout(getattr(self.server, "request_timeout_s", REQUEST_TIMEOUT_S))
 
         def parse_request(self) -> bool:
             done = super().parse_request()
@@ -129,18 +129,18 @@ def make_handler(board: Board, access: Access | None = None):
 
         def do_GET(self):  # noqa: N802 - the http.server name
             self._cookie = None
-            if not access.host_allowed(self.headers.get("Host")):
+            if not gate.host_allowed(self.headers.get("Host")):
                 return self._send(403, f"trainguard ui: this server does not answer to Host "
                                        f"{self.headers.get('Host')!r}; add the name to TRAINGUARD_UI_ALLOWED_HOSTS\n",
                                   "text/plain; charset=utf-8")
             split = urllib.parse.urlsplit(self.path)
-            allowed, set_cookie = access.token_given(split.query, self.headers.get("Cookie"))
+            allowed, set_cookie = gate.token_given(split.query, self.headers.get("Cookie"))
             if not allowed:
                 return self._send(401, "trainguard ui: this page needs its token: open the address `trainguard ui` "
                                        "printed (it ends in ?token=...), or set TRAINGUARD_UI_TOKEN\n",
                                   "text/plain; charset=utf-8")
             if set_cookie:
-                self._cookie = f"{TOKEN_COOKIE}={access.token}; Path=/; HttpOnly; SameSite=Strict"
+                self._cookie = f"{TOKEN_COOKIE}={gate.token}; Path=/; HttpOnly; SameSite=Strict"
             try:
                 return self._route([urllib.parse.unquote(p) for p in split.path.split("/") if p], split.query)
             except Exception as exc:  # a page that cannot be built: say so, keep serving the others
