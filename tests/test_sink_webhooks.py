@@ -25,7 +25,6 @@ from trainguard.sinks.webhooks import (
     dingtalk_sign,
     render,
 )
-from trainguard.streams.exporter import REGISTRY
 
 
 def _alert(i: int = 0, status: str = "firing", **extra) -> dict:
