@@ -60,8 +60,10 @@ system:
 demo:
 	@start=$$(date +%s); $(MAKE) --no-print-directory setup && TRAINGUARD_DEMO_SETUP_STARTED=$$start $(BIN)/trainguard demo
 
+# Three test processes on two cores (most tests wait on brokers and timers), a file to each so that
+# a module's broker and worker stay with it; the 15 slowest tests printed at the end.
 test: setup frameworks system kafka
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --durations=15
 
 test-unit: setup frameworks
 	$(BIN)/python -m pytest -q -m "not integration"
