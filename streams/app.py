@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import cast
+from typing import Any, Awaitable, Callable, cast
 
 import faust
 from faust.types.enums import ProcessingGuarantee
@@ -34,7 +34,7 @@ from trainguard.core.settings import integer, number
 from trainguard.core.settings import value as setting
 from trainguard.schemas.signing import load_keys, signing_key_for_worker, unsigned_allowed
 from trainguard.streams import rules as rules_mod
-from trainguard.streams.checkpoint import Checkpoint, OutputRouter
+from trainguard.streams.checkpoint import Changelog, ChangelogWriter, Checkpoint, OutputRouter
 from trainguard.streams.engine import Engine, Limits
 from trainguard.streams.transport import (
     BULK_LANE_SUPPORTED,
@@ -72,16 +72,6 @@ def data_dir(app_id: str) -> Path:
     path = Path(root) / f"{app_id}-data"
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
-
-
-class _TableChangelog:
-    """A Faust table's changelog as the checkpoint writes it: raw bytes, explicit partition."""
-
-    def __init__(self, table):
-        self.table = table
-
-    def send(self, partition: int, key: bytes, value: bytes | None) -> None:
-        self.table.send_changelog(partition, key, value, key_serializer="raw", value_serializer="raw")
 
 
 class _ExporterFeed:
@@ -182,12 +172,18 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     # under a steady trickle of events, batches are small and the same entries would be
     # rewritten many times a second. streams/checkpoint.py holds the protocol.
     transactions = Transactions(app, router, state_table.changelog_topic.get_topic_name()) if exactly_once else None
-    changelog = _TableChangelog if transactions is None else transactions.changelog
+    changelog: Callable[[Any], Changelog]
+    deliver_changelogs: Callable[[], Awaitable[None]]
+    if transactions is not None:
+        changelog, deliver_changelogs = transactions.changelog, transactions.deliver_changelogs
+    else:
+        writer = ChangelogWriter(output_publisher(settings))
+        atexit.register(writer.publisher.flush, 5.0)
+        changelog, deliver_changelogs = writer.changelog, writer.deliver
     checkpoint = Checkpoint(
         [(engine, changelog(state_table), lambda key: key),
          (engine.windows, changelog(window_table), engine.windows.encode_key)],
-        deliver_outputs=router.delivered, ack=ack,
-        deliver_changelogs=lambda: app.producer.flush() if transactions is None else transactions.deliver_changelogs(),
+        deliver_outputs=router.delivered, ack=ack, deliver_changelogs=deliver_changelogs,
         every_s=state_flush_s, max_held=20 * batch_max, max_record_bytes=engine.limits.record_bytes,
         transaction=transactions)
     exporter, feed = _serve_prometheus(app, engine, prometheus_port, prometheus_addr)

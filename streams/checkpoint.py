@@ -351,3 +351,56 @@ class OutputRouter:
                 self._send(message)
         pending = await asyncio.get_running_loop().run_in_executor(None, self.publisher.flush, timeout_s)
         return pending + len(self.retry)
+
+
+class ChangelogWriter:
+    """The tables' changelogs under at-least-once, written through a librdkafka producer of
+    their own (a :class:`Publisher`) rather than Faust's: Faust queues each record as a
+    Python ``FutureMessage`` with a callback and builds aiokafka's batches in Python, so a burst
+    of records (two per run, then two tombstones, when thousands of invented runs come and go)
+    held tens of MB of small objects, whose part-used arenas stayed with the worker after they
+    were sent. librdkafka copies the bytes into its own C buffers, which it frees.
+
+    Faust still reads these topics back (recovery, standby replicas): it does not care who
+    wrote them. Records go to their explicit partition, in order (one request in flight).
+    :meth:`deliver` raises when any record was not delivered, which fails the flush: its
+    events stay unacknowledged and its entries are written again by the next."""
+
+    def __init__(self, publisher: Publisher):
+        self.publisher = publisher
+        self._failed = 0
+        self._why = ""
+
+    def changelog(self, table) -> "_WrittenChangelog":
+        return _WrittenChangelog(self, table.changelog_topic.get_topic_name())
+
+    def send(self, topic: str, partition: int, key: bytes, value: bytes | None) -> None:
+        if not self.publisher.publish(topic, key, value, partition=partition, on_delivery=self._delivered):
+            self._failed += 1
+            self._why = "the producer's queue is full or it refused the record"
+
+    def _delivered(self, err) -> None:  # on the thread that serves delivery reports
+        if err is not None:
+            self._failed += 1
+            self._why = str(err)
+
+    async def deliver(self, timeout_s: float = 60.0) -> None:
+        """Wait (off the event loop) until every record sent so far is delivered."""
+        pending = await asyncio.get_running_loop().run_in_executor(None, self.publisher.flush, timeout_s)
+        failed, self._failed = self._failed, 0
+        if failed or pending:
+            raise RuntimeError(f"{failed} changelog records failed and {pending} are unconfirmed "
+                               f"({self._why or 'timed out'})")
+
+
+class _WrittenChangelog:
+    """One table's changelog as the checkpoint writes it (:class:`Changelog`)."""
+
+    __slots__ = ("writer", "topic")
+
+    def __init__(self, writer: ChangelogWriter, topic: str):
+        self.writer = writer
+        self.topic = topic
+
+    def send(self, partition: int, key: bytes, value: bytes | None) -> None:
+        self.writer.send(self.topic, partition, key, value)

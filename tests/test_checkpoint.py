@@ -5,6 +5,7 @@ acknowledged before the state it changed and the outputs it caused are delivered
 from __future__ import annotations
 
 import asyncio
+import time
 
 import orjson
 import pytest
@@ -12,7 +13,8 @@ import pytest
 from tests.integration import TopicReader
 from trainguard.core.kafka import Topics, partition_for
 from trainguard.core.publisher import Publisher
-from trainguard.streams.checkpoint import Checkpoint, OutputRouter
+from trainguard.core.reader import topic_reader
+from trainguard.streams.checkpoint import ChangelogWriter, Checkpoint, OutputRouter
 from trainguard.streams.engine import Output, OutputKind
 from trainguard.streams.keys import FLUSH_MARKER
 
@@ -346,6 +348,104 @@ def test_outputs_the_producer_refused_are_sent_again_before_their_events_are_ack
     assert sorted(a["id"] for a in alerts.seen) == [f"a{i}" for i in range(5)]
     assert "over the 20000-byte message limit" in dead["reason"] and dead["size"] > 30_000
     assert "sending" in caplog.text and "again" in caplog.text
+
+
+class _Table:
+    """What the writer reads of a Faust table: its changelog topic's name."""
+
+    def __init__(self, topic):
+        self.changelog_topic = type("Topic", (), {"get_topic_name": lambda _self: topic})()
+
+
+def _records(settings, topic, count, timeout=20.0):
+    """(partition, key, value) of ``count`` records of ``topic``, in each partition's order."""
+    consumer, missing = topic_reader(settings, [topic])
+    assert not missing
+    seen: list = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(seen) < count and time.monotonic() < deadline:
+            msg = consumer.poll(0.2)
+            if msg is not None and not msg.error():
+                seen.append((msg.partition(), msg.offset(), msg.key(), msg.value()))
+    finally:
+        consumer.close()
+    return [(p, k, v) for p, _, k, v in sorted(seen)]
+
+
+@pytest.mark.integration
+def test_the_changelog_writer_puts_each_record_on_its_partition_in_order_before_the_events_are_acked(kafka):
+    """Under at-least-once the changelogs go through a librdkafka producer of their own: a
+    run's record, its tombstone a flush later, and each written partition's marker arrive on
+    the partition the checkpoint named, in order, and the events are acknowledged only after."""
+    writer = ChangelogWriter(Publisher(kafka, linger_ms=1))
+    topic = kafka.topics.dlq  # any topic of four partitions stands in for a table's changelog
+    state = Entries()
+    acked: list = []
+
+    async def ack(event):
+        acked.append((event, len(_records(kafka, topic, 2, timeout=5.0))))
+
+    async def scenario():
+        cp = Checkpoint([(state, writer.changelog(_Table(topic)), lambda k: k)], deliver_outputs=_none_undelivered,
+                        deliver_changelogs=writer.deliver, ack=ack)
+        state.change(b"run-a", b"v1", partition=3)
+        state.change(b"run-b", b"w1", partition=1)
+        cp.hold(["e1"])
+        cp.flush()
+        await cp.in_flight
+        state.change(b"run-a", None, partition=3)  # forgotten: its tombstone
+        cp.hold(["e2"])
+        cp.flush()
+        await cp.in_flight
+        await writer.deliver()  # the second flush's marker
+
+    run(scenario())
+    assert [a[0] for a in acked] == ["e1", "e2"] and acked[0][1] >= 2, "acked once its two records were on the topic"
+    assert _records(kafka, topic, 6) == [
+        (1, b"run-b", b"w1"), (1, FLUSH_MARKER, b""),
+        (3, b"run-a", b"v1"), (3, FLUSH_MARKER, b""), (3, b"run-a", None), (3, FLUSH_MARKER, b""),
+    ]
+
+
+def test_a_changelog_record_the_broker_never_takes_fails_the_flush_and_its_events_stay_held(caplog):
+    """No broker at the address: the record times out in librdkafka, the flush fails with the
+    count, nothing is acknowledged and the entry is changed again for the next flush."""
+    from trainguard.core.kafka import KafkaSettings
+
+    dead = KafkaSettings(bootstrap=f"127.0.0.1:{_closed_port()}")
+    writer = ChangelogWriter(Publisher(dead, producer_config={"message.timeout.ms": 500}))
+    state = Entries()
+    acked: list = []
+
+    async def ack(event):
+        acked.append(event)
+
+    async def scenario():
+        cp = Checkpoint([(state, writer.changelog(_Table("state-changelog")), lambda k: k)],
+                        deliver_outputs=_none_undelivered, deliver_changelogs=lambda: writer.deliver(5.0), ack=ack)
+        state.change(b"run-a", b"v1", partition=0)
+        cp.hold(["e1"])
+        cp.flush()
+        with pytest.raises(RuntimeError, match="1 changelog records failed"):
+            await cp.in_flight
+        return cp
+
+    cp = run(scenario())
+    assert acked == [] and cp.held == ["e1"] and b"run-a" in state.dirty
+    assert "writing state to the changelog failed" in caplog.text
+
+
+async def _none_undelivered() -> int:
+    return 0
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.integration

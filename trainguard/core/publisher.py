@@ -124,7 +124,7 @@ class Publisher:
 
     # -- the caller's side ----------------------------------------------------------------
 
-    def publish(self, topic: str, key: str | None, value: bytes | None, partition: int | None = None,
+    def publish(self, topic: str, key: str | bytes | None, value: bytes | None, partition: int | None = None,
                 on_delivery: Callable[[Any], None] | None = None) -> bool:
         """Queue one message; False (and counted) when it could not be queued. ``on_delivery``
         is called with the error if delivery fails (and with None once delivered, where
