@@ -493,6 +493,7 @@ class RepeatFilter(logging.Filter):
         super().__init__()
         self.interval_s = interval_s
         self._seen: dict[tuple, list] = {}  # (logger, message) -> [last said, repeats since]
+        self._swept = time.monotonic()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.CRITICAL:
@@ -510,9 +511,18 @@ class RepeatFilter(logging.Filter):
         if entry is not None and entry[1]:
             record.msg, record.args = f"{text} [and {entry[1]} more like it in the last {now - entry[0]:.0f} s]", None
         self._seen[key] = [now, 0]
+        if now - self._swept >= self.interval_s:
+            self._sweep(now)
         if len(self._seen) > 10_000:
             self._seen.clear()
         return True
+
+    def _sweep(self, now: float) -> None:
+        """Forget lines said once and not since: there is no count to add to them, and a line
+        per run (thousands of invented ones) would stay in memory for good."""
+        self._swept = now
+        self._seen = {key: entry for key, entry in self._seen.items()
+                      if entry[1] or now - entry[0] < self.interval_s}
 
 
 def leave_orphaned_memberships(app) -> None:

@@ -95,6 +95,20 @@ def test_runs_their_trainer_never_started_are_forgotten_soon_whatever_their_even
     assert engine.dirty.get(b"invented") is not None, "forgotten with a tombstone in the changelog"
 
 
+def test_a_tick_that_forgets_many_runs_says_so_in_one_line(caplog):
+    engine = Engine(RULES, limits=Limits(tiny_run_ttl_s=60))
+    now = [10_000.0]
+    engine.clock = lambda: now[0]
+    for i in range(12):
+        feed(engine, f"tiny-{i}", 1, {"actor/kl_loss": 0.01}, first_offset=i)
+    caplog.set_level(logging.INFO, logger="trainguard")
+    now[0] += 61
+    engine.tick()
+    said = [r.getMessage() for r in caplog.records if "forgot" in r.getMessage()]
+    assert said == ["trainguard: forgot 12 runs (idle): tiny-0, tiny-1, tiny-2, tiny-3, tiny-4 and 7 more"], said
+    assert not any(k.startswith(b"tiny-") for k in engine.store)
+
+
 def test_a_tiny_run_that_reported_a_checkpoint_keeps_it_for_the_usual_time():
     engine = Engine(RULES, idle_ttl_s=7 * 86400, limits=Limits(tiny_run_events=3, tiny_run_ttl_s=60))
     now = [10_000.0]

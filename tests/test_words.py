@@ -121,6 +121,24 @@ def test_a_repeated_line_is_counted_only_when_it_says_the_same():
     assert again.getMessage() == "command c1 for run run-a not sent [and 1 more like it in the last 61 s]"
 
 
+def test_lines_said_once_are_forgotten_after_the_interval_and_repeated_ones_kept_for_their_count():
+    from trainguard.streams.app import RepeatFilter
+
+    repeats = RepeatFilter(interval_s=30.0)
+
+    def record(run_id):
+        return logging.LogRecord("trainguard.worker", logging.INFO, __file__, 1, "run %s idle", (run_id,), None)
+
+    for i in range(1000):
+        repeats.filter(record(f"tiny-{i}"))
+    repeats.filter(record("tiny-0"))  # a repeat, counted
+    for entry in repeats._seen.values():
+        entry[0] -= 31  # the interval passed for every line
+    repeats._swept -= 31
+    repeats.filter(record("new"))
+    assert set(repeats._seen) == {("trainguard.worker", "run tiny-0 idle"), ("trainguard.worker", "run new idle")}
+
+
 def test_signing_with_a_key_is_information_not_a_warning(monkeypatch, caplog):
     from trainguard.streams.app import _keys
 

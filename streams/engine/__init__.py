@@ -91,6 +91,7 @@ class Engine(Judging, OperatorActions):
         self.finished_grace_s = float(finished_grace_s)
         self.idle_ttl_s = float(idle_ttl_s)
         self.forgotten = 0
+        self._forgotten_now: dict[str, list[str]] = {}  # why -> run ids forgotten in this tick, said at its end
         self.store: MutableMapping[bytes, Any] = {} if store is None else store
         # Per-interval aggregates of the resampled metrics (a windowed table in the worker).
         self.windows = MinuteWindows(rules.window_s, windows, keep_s=rules.window_keep_s)
@@ -318,7 +319,19 @@ class Engine(Judging, OperatorActions):
                                          "last_step": step}, run.breaker.attempt)
                     self._add(outputs, self._fire(run, alert, rule, STALE, f"{rule.name}|{kind}"))
                     self._changed(key, run.partition)
+        self._say_forgotten()
         return self._bounded(outputs)
+
+    def _say_forgotten(self, named: int = 5) -> None:
+        """One line per reason for the runs a tick forgot: thousands of invented runs expire at
+        once, and a line each was noise (and, through the repeat filter, memory)."""
+        for why, run_ids in self._forgotten_now.items():
+            if len(run_ids) == 1:
+                log.info("trainguard: forgot run %s (%s)", run_ids[0], why)
+            else:
+                more = f" and {len(run_ids) - named} more" if len(run_ids) > named else ""
+                log.info("trainguard: forgot %d runs (%s): %s%s", len(run_ids), why, ", ".join(run_ids[:named]), more)
+        self._forgotten_now = {}
 
     def vouched(self, run_id: str) -> bool:
         """Whether this engine holds ``run_id`` as vouched for by its trainer (``_authenticated``);
@@ -366,5 +379,4 @@ class Engine(Judging, OperatorActions):
         del self.store[run_key]
         self._changed(run_key, run.partition)  # its summary replaces its status
         self.forgotten += 1
-        log.info("trainguard: forgot run %s (%s)", run_key.decode(errors="replace"),
-                 "finished" if run.finished else "idle")
+        self._forgotten_now.setdefault("finished" if run.finished else "idle", []).append(run_id)
