@@ -160,10 +160,30 @@ def test_the_worker_writes_nothing_in_its_working_directory(kafka, tmp_path):
     worker = WorkerProcess(kafka, tmp_path, cwd=workdir, extra_env={"TRAINGUARD_DATA_DIR": str(data)}).start()
     try:
         worker.wait_ready()
+        environment = _environment(worker.proc.pid)
     finally:
         worker.kill()
     assert list(workdir.iterdir()) == []
     assert (data / f"{worker.app_id}-data").is_dir()
+    assert "PYTHONMALLOC=malloc" in environment, "the worker runs on glibc's malloc, which gives memory back"
+
+
+def test_a_worker_started_with_pythonmalloc_set_keeps_that_allocator(kafka, tmp_path):
+    from tests.integration import WorkerProcess
+
+    worker = WorkerProcess(kafka, tmp_path, extra_env={"PYTHONMALLOC": "pymalloc"}).start()
+    try:
+        worker.wait_ready()
+        environment = _environment(worker.proc.pid)
+    finally:
+        worker.kill()
+    assert "PYTHONMALLOC=pymalloc" in environment and "PYTHONMALLOC=malloc" not in environment
+
+
+def _environment(pid: int) -> list[str]:
+    """The environment a process runs with now (after any exec of its own)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read().decode(errors="replace").split("\0")
 
 
 def test_a_worker_writing_to_a_log_file_writes_no_terminal_codes(kafka, tmp_path):
