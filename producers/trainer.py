@@ -25,16 +25,19 @@ prints every count by its cause.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import sys
 import time
+
+import orjson
 
 from trainguard.core.kafka import KafkaSettings
 from trainguard.core.publisher import Publisher
 from trainguard.producers.control import authored, trainer_key
 from trainguard.producers.never_raise import never_raises
 from trainguard.schemas import events as ev
-from trainguard.schemas.signing import signed_bytes
+from trainguard.schemas.signing import signed_bytes, signed_canonical
 
 log = logging.getLogger("trainguard.trainer")
 _FLOATS = frozenset({float})
@@ -71,6 +74,10 @@ class TrainerLogger:
         self._pending: dict[str, float] = {}
         self._pending_tags: dict[str, str] = {}
         self._topic = self.settings.topics.events
+        self._key = self.run_id.encode()
+        # What a metrics event of this logger holds between its metrics and its step, canonical.
+        self._envelope = orjson.dumps({"run_id": self.run_id, "schema": ev.METRICS, "source": self.source},
+                                      option=orjson.OPT_SORT_KEYS)[1:-1].join((b",", b',"step":'))
         self._closed = False
         self._last_step: int | None = None
         self.ended: str | None = None      # "finished" / "stopped" once reported
@@ -90,6 +97,11 @@ class TrainerLogger:
         """Publish one step's metrics as one event. Never raises; False if it was not queued."""
         if self._announce:
             self.lifecycle("started", step=step if type(step) is int else None)
+        if tags is None and ts is None:
+            payload = self._steady(metrics, step)
+            if payload is not None:
+                self._last_step = step
+                return self.publisher.publish(self._topic, self._key, payload)
         if type(metrics) is dict and _FLOATS.issuperset(map(type, metrics.values())):
             values = metrics  # the common case: nothing to convert, encoded (not kept) before returning
         else:
@@ -108,7 +120,23 @@ class TrainerLogger:
         if payload is None:
             return False
         self._last_step = event["step"]
-        return self.publisher.publish(self._topic, self.run_id, payload)
+        return self.publisher.publish(self._topic, self._key, payload)
+
+    def _steady(self, metrics, step) -> bytes | None:
+        """A loop's usual step, encoded straight to its canonical bytes (what ``_accepted`` would
+        send, byte for byte): the same metric names as the last accepted step, every value a
+        finite float, a plain step, this process's clock, nothing lost to report. Anything else
+        is None, and takes the general path."""
+        if (type(metrics) is not dict or type(step) is not int or not 0 <= step < 2**63
+                or metrics.keys() != self._names_checked or not _FLOATS.issuperset(map(type, metrics.values()))
+                or not math.isfinite(sum(metrics.values())) or self.publisher.lost()):
+            return None
+        # Sorted keys: metrics, run_id, schema, source, step, ts (canonical_bytes' order).
+        body = b"".join((b'{"metrics":', orjson.dumps(metrics, option=orjson.OPT_SORT_KEYS), self._envelope,
+                         str(step).encode(), b',"ts":', orjson.dumps(time.time()), b"}"))
+        key = trainer_key(self.run_id)
+        payload = body if key is None else signed_canonical(body, key)
+        return payload if len(payload) <= ev.MAX_EVENT_BYTES else None
 
     def _accepted(self, event: dict, *, own_clock: bool = False) -> bytes | None:
         """The event encoded when the worker would take it; else None, counted as rejected and its

@@ -372,16 +372,27 @@ def _mac(key: bytes, event: dict) -> str:
 
 
 @lru_cache(maxsize=1024)
-def _keyed(key: bytes) -> "hmac.HMAC":
-    """An HMAC-SHA256 already keyed with ``key``: a copy per message skips the key schedule and
-    the digest lookup, most of an HMAC's cost on a 2 KB event (``log()``, the worker)."""
-    return hmac.new(key, digestmod=hashlib.sha256)
+def _keyed(key: bytes) -> tuple["hashlib._Hash", "hashlib._Hash"]:
+    """HMAC-SHA256 (RFC 2104) split into its inner and outer hashes, already fed their padded
+    key: a copy of each per message skips the key schedule, and two C-level hash copies cost
+    about a third less than ``hmac.HMAC.copy()`` on a 2 KB event (``log()``, the worker)."""
+    if len(key) > 64:  # SHA-256's block: longer keys are hashed first, as RFC 2104 says
+        key = hashlib.sha256(key).digest()
+    key = key.ljust(64, b"\0")
+    return (hashlib.sha256(key.translate(_IPAD)), hashlib.sha256(key.translate(_OPAD)))
+
+
+_IPAD = bytes(b ^ 0x36 for b in range(256))
+_OPAD = bytes(b ^ 0x5C for b in range(256))
 
 
 def _hex_mac(key: bytes, body: bytes) -> str:
-    mac = _keyed(key).copy()
-    mac.update(body)
-    return mac.hexdigest()
+    inner, outer = _keyed(key)
+    inner = inner.copy()
+    inner.update(body)
+    outer = outer.copy()
+    outer.update(inner.digest())
+    return outer.hexdigest()
 
 
 def _signature(key: TrainerKey, mac: str) -> dict:
@@ -401,9 +412,13 @@ def signed_bytes(event: dict, key: TrainerKey | None) -> bytes:
     encoded once and the signature appended to them (``log()`` pays one encoding and one HMAC)."""
     if key is None:
         return ev.encode(event)
-    body = canonical_bytes(event)
+    return signed_canonical(canonical_bytes(event), key)
+
+
+def signed_canonical(body: bytes, key: TrainerKey) -> bytes:
+    """An event's canonical bytes (``canonical_bytes``) as they go out, with the key's MAC."""
     head, tail = key.signature_parts
-    return b"".join((body[:-1], head, _hex_mac(key.secret, body).encode(), tail))
+    return b"".join((memoryview(body)[:-1], head, _hex_mac(key.secret, body).encode(), tail))
 
 
 def authenticate(event: dict, masters: Mapping[str, SigningKey]) -> tuple[str | None, str | None]:

@@ -535,3 +535,16 @@ def test_a_command_never_acked_within_its_ttl_is_paged_as_not_applied():
     assert engine.status(RUN)["command"]["said"] == ("rollback sent at step 13, not applied: no ack from the trainer "
                                                      "before it expired")
     assert [o for o in engine.tick() if o.kind == "alert"] == [], "paged once"
+
+
+@given(st.binary(max_size=200), st.binary(max_size=5000))
+@settings(max_examples=200, deadline=None)
+def test_the_trainer_mac_is_rfc_2104_hmac_sha256_for_any_key_and_body(secret, body):
+    """The MAC is computed from pre-keyed inner and outer hashes (cheaper per event): it must stay
+    the standard HMAC-SHA256 any other producer computes, keys past SHA-256's block included."""
+    import hashlib
+    import hmac
+
+    from trainguard.schemas.signing import _hex_mac
+
+    assert _hex_mac(secret, body) == hmac.new(secret, body, hashlib.sha256).hexdigest()

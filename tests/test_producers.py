@@ -91,6 +91,63 @@ def test_every_step_after_the_first_is_checked_for_what_can_change():
     logger.close(timeout=0.1, quiet=True)
 
 
+@pytest.mark.parametrize("keyed", [True, False], ids=["signed", "unsigned"])
+def test_a_steady_step_goes_out_byte_for_byte_as_the_checked_path_would_send_it(monkeypatch, keyed):
+    """log()'s short path for a loop's usual step (same names, finite floats) writes the canonical
+    bytes itself: they must be exactly what signing the checked event gives, and every other step
+    (a new name, a bool, a NaN, a numpy value, an int, a lost event to report) takes the checked path."""
+    import random
+
+    from trainguard.producers import control
+    from trainguard.schemas.signing import Scope, canonical_bytes, signed_bytes, verify_trainer
+
+    master = SigningKey("prod", b"the-worker-secret-nobody-else-has")
+    key = master.trainer_key(Scope.run("steady-1"), "trainer") if keyed else None
+    monkeypatch.setitem(control._TRAINER_KEYS, "steady-1", key)
+    down = KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}")
+    publisher = Publisher(down, queue_max=100)
+    logger = TrainerLogger("steady-1", down, host='h"\\ost', publisher=publisher)
+    sent = []
+    publisher.publish = lambda topic, k, payload: sent.append((k, payload)) or True
+    rng = random.Random(3)
+    steady_expected, checked = 0, []
+    accepted = logger._accepted
+    logger._accepted = lambda event, **kw: checked.append(event["step"]) or accepted(event, **kw)
+    specials = [0.0, -0.0, 5e-324, -1.7976931348623157e308, 1e16, 1e-7, 123456789.125, 2.0 ** 60]
+    names = [f"actor/m{i}" for i in range(40)] + ["é/ünïcode", 'quote"name', "critic/score/mean"]
+    for step in range(1, 60):
+        metrics = {n: rng.choice(specials) if rng.random() < 0.2 else rng.uniform(-1e6, 1e6) for n in names}
+        assert logger.log(metrics, step)
+        k, payload = sent[-1]
+        event = orjson.loads(payload)
+        expected = ev.metrics_event("steady-1", step, metrics, src=logger.source, ts=event["ts"])
+        # Unsigned, the checked path keeps the caller's order and the short path writes the sorted form.
+        short = signed_bytes(expected, key) if keyed else canonical_bytes(expected)
+        assert payload in (short, ev.encode(expected) if not keyed else short), f"step {step}"
+        # the first step is checked whole; a sum that overflows (two values near fp64's max) too
+        steady_expected += step > 1 and math.isfinite(sum(metrics.values()))
+        assert k == b"steady-1"
+        if keyed:
+            assert verify_trainer(event, {"prod": master}) is None
+        else:
+            assert "signature" not in event
+    assert 59 - len(checked) == steady_expected > 30, checked
+    import numpy as np
+
+    others = [({**metrics, "new/name": 1.0}, 1.0), ({**metrics, "actor/m0": True}, 1.0),
+              ({**metrics, "actor/m0": math.nan}, "NaN"), ({**metrics, "actor/m0": np.float32(2.5)}, 2.5),
+              ({**metrics, "actor/m0": 7}, 7.0)]
+    for step, (metrics, first) in enumerate(others, start=100):
+        assert logger.log(metrics, step)
+        event = ev.decode(sent[-1][1])
+        value = event["metrics"].get("new/name", event["metrics"]["actor/m0"])
+        assert value == first or (first == "NaN" and math.isnan(value)), (step, value)
+    publisher.dropped = 3  # the next step reports the loss in its own metrics
+    assert logger.log({n: 1.0 for n in names}, 200)
+    assert orjson.loads(sent[-1][1])["metrics"]["trainguard/dropped_events"] == 3.0
+    logger.close(timeout=0.1, quiet=True)
+
+
 def _command(run_id, action="stop", expires_in=300.0, **extra):
     now = time.time()
     return {"schema": "command/1", "id": uuid.uuid4().hex[:12], "run_id": run_id, "action": action,
