@@ -6,6 +6,11 @@ broker down (bootstrap on a closed port) the run is long enough to fill librdkaf
 percentiles are reported too. The reference is librdkafka's own ``produce()`` of the same
 step already encoded: what any Kafka trainer-side client pays at least.
 
+``TrainerLogger``'s own publisher hands each step to a sender thread, which encodes, signs and
+produces it: ``log()``'s figures are what the training loop's thread pays, and
+``log_sender_cpu_us_per_step`` is the CPU the sender spends per step beside it (off the loop's
+thread; with the GIL it runs while the loop waits on the GPU or on I/O).
+
 With a key configured (``make bench`` makes one) ``log()`` signs every step with the run's trainer
 key (an HMAC); the same run measures a logger of a run it holds no key for beside it, so the
 MAC's cost is read off one table: ``log_p99_us_broker_up`` against ``log_p99_us_unsigned_broker_up``.
@@ -14,7 +19,9 @@ MAC's cost is read off one table: ``log_p99_us_broker_up`` against ``log_p99_us_
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 from workload import Steps, fresh_settings
@@ -59,6 +66,13 @@ def _raw_produce(settings, steps: Steps, calls: int) -> np.ndarray:
     return ns / 1000.0
 
 
+def _sender_cpu_s(publisher: Publisher) -> float:
+    """CPU seconds of the publisher's sender thread so far (Linux: its /proc task entry), the work
+    log() hands over: encoding, the MAC, produce(). It runs while the loop waits on the GPU."""
+    fields = Path(f"/proc/self/task/{publisher._sender.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def _stats(us: np.ndarray) -> dict:
     if not len(us):
         return {"p50": float("nan"), "p99": float("nan"), "calls": 0}
@@ -82,7 +96,11 @@ def run(bootstrap: str, steps: Steps, quick: bool = False) -> dict:
     unsigned.close(10, quiet=True)
     up = TrainerLogger("bench-log-up", settings, host="bench")
     _timed(up, steps, 500)
+    up.publisher.flush(30)
+    sender_before = _sender_cpu_s(up.publisher)
     us_up, ok_up = _timed(up, steps, calls_up)
+    up.publisher.flush(30)  # what log() handed over, encoded, signed and produced
+    sender_us = (_sender_cpu_s(up.publisher) - sender_before) * 1e6 / calls_up
     up.close(10, quiet=True)
     signed = control.trainer_key("bench-log-up") is not None
 
@@ -90,7 +108,7 @@ def run(bootstrap: str, steps: Steps, quick: bool = False) -> dict:
                                   topics=Topics.with_prefix("benchlogdown"))
     logging.getLogger("trainguard.producer").setLevel(logging.ERROR)  # "broker down" once, not per retry
     down = TrainerLogger("bench-log-down", down_settings, host="bench",
-                         publisher=Publisher(down_settings, queue_max=queue_max))
+                         publisher=Publisher(down_settings, queue_max=queue_max, background=True))
     us_down, ok_down = _timed(down, steps, calls_down)
     dropped = int((~ok_down).sum())
     down.close(0.1, quiet=True)
@@ -108,4 +126,5 @@ def run(bootstrap: str, steps: Steps, quick: bool = False) -> dict:
         "log_p99_us_queued_broker_down": _stats(us_down[ok_down])["p99"],
         "log_p99_us_drop_path": _stats(us_down[~ok_down])["p99"],
         "log_queue_max_broker_down": queue_max,
+        "log_sender_cpu_us_per_step": sender_us,
     }

@@ -184,7 +184,8 @@ def rows(r: dict) -> list[tuple]:
         if "log_p99_us_unsigned_broker_up" in r:
             signed = g("log_p99_us_broker_up") / raw
             out.append(("log_mac", f"log() p99 {'with the MAC' if g('log_signed') else 'UNSIGNED (no key)'}; "
-                        f"unsigned p99 {_fmt(g('log_p99_us_unsigned_broker_up'))} us",
+                        f"unsigned p99 {_fmt(g('log_p99_us_unsigned_broker_up'))} us; "
+                        f"sender thread {_fmt(g('log_sender_cpu_us_per_step'))} us CPU/step",
                         _fmt(g("log_p99_us_broker_up"), " us"), "librdkafka produce() p99", _fmt(raw, " us"),
                         f"{signed:.1f}", "<= 4x", bool(g("log_signed")) and signed <= 4))
         out.append(("log_down", f"log() p99, broker down, queue full after {g('log_queue_max_broker_down')} "

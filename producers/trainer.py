@@ -20,6 +20,11 @@ the events schema's own checks) is rejected at once, ``log()`` returning False, 
 said once per cause; events that cannot be queued are dropped and counted, and the count of
 those lost travels in the run's own metrics (``trainguard/dropped_events``). ``close()``
 prints every count by its cause.
+
+A logger's own publisher sends from a thread of its own: ``log()`` checks a step, copies it and
+hands it over (about 5 us); encoding it, its MAC and ``produce()`` happen on that thread, in the
+order the events were made, while the loop waits on its GPU. ``close()`` and ``flush()`` wait
+for what was handed over. A publisher passed in (shared with a node logger, say) is used as it is.
 """
 
 from __future__ import annotations
@@ -57,33 +62,51 @@ def _as_float(v) -> float:
 class TrainerLogger:
     def __init__(self, run_id: str, settings: KafkaSettings | None = None, *, host: str | None = None,
                  rank: int | None = 0, kind: str = "trainer", publisher: Publisher | None = None):
-        try:
-            self.run_id = ev.check_run_id(run_id)
-        except ev.SchemaError as exc:
-            raise ValueError(str(exc)) from None
-        self.settings = settings or KafkaSettings.from_env()
         self.source = ev.source(kind, host or socket.gethostname(), rank)
-        self.publisher = publisher or Publisher(self.settings)
+        self.run_id = run_id
+        self.settings = settings or KafkaSettings.from_env()
+        # Its own publisher sends from a thread of its own: log() pays a few checks and a queue put.
+        self.publisher = publisher or Publisher(self.settings, background=True)
         self.skipped_values = 0
         self.rejected = 0                  # steps the worker would refuse, never sent
         self._rejections_said: set[str] = set()
-        # The metric names of the last accepted step; None until one whole event was checked (its
-        # run id and source hold for every later one).
-        self._names_checked: frozenset | None = None
+        self._make_steady = self._steady_bytes  # one bound method, not one per step
+        # A publisher that can encode on its own thread does; one that cannot (the rank relay, a
+        # caller's own) is handed the bytes.
+        self._publish_made = getattr(self.publisher, "publish_made", None) or self._publish_now
         self._pending_step: int | None = None
         self._pending: dict[str, float] = {}
         self._pending_tags: dict[str, str] = {}
         self._topic = self.settings.topics.events
-        self._key = self.run_id.encode()
-        # What a metrics event of this logger holds between its metrics and its step, canonical.
-        self._envelope = orjson.dumps({"run_id": self.run_id, "schema": ev.METRICS, "source": self.source},
-                                      option=orjson.OPT_SORT_KEYS)[1:-1].join((b",", b',"step":'))
         self._closed = False
         self._last_step: int | None = None
         self.ended: str | None = None      # "finished" / "stopped" once reported
         # A trainer says once that its run started (signed where keys are set: the worker tells it
         # from invented run ids), at its first step unless an integration said so before.
         self._announce = kind == "trainer"
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    @run_id.setter
+    def run_id(self, run_id: str) -> None:
+        """A logger may be pointed at another run between runs: what its events carry follows."""
+        try:
+            run_id = ev.check_run_id(run_id)
+        except ev.SchemaError as exc:
+            raise ValueError(str(exc)) from None
+        self._run_id, self._key = run_id, run_id.encode()
+        # What a steady step's bytes hold besides its step, time and metrics, taken at log() (the
+        # sender encodes later): the run, the canonical form's part between the metrics and the step
+        # (sorted keys), and ev.encode's up to the step.
+        fixed = {"schema": ev.METRICS, "run_id": run_id, "source": self.source}
+        self._wire = (run_id, orjson.dumps(fixed, option=orjson.OPT_SORT_KEYS)[1:-1].join((b",", b',"step":')),
+                      orjson.dumps(fixed)[:-1] + b',"step":')
+        # The metric names of the last accepted step; None until one whole event was checked (its
+        # run id and source hold for every later one).
+        self._names_checked: frozenset | None = None
+        self._steady_fits = False
 
     def _failed(self, what: str, exc: BaseException) -> None:
         """An event that could not be made (never_raises reports here): counted as dropped."""
@@ -97,11 +120,16 @@ class TrainerLogger:
         """Publish one step's metrics as one event. Never raises; False if it was not queued."""
         if self._announce:
             self.lifecycle("started", step=step if type(step) is int else None)
-        if tags is None and ts is None:
-            payload = self._steady(metrics, step)
-            if payload is not None:
-                self._last_step = step
-                return self.publisher.publish(self._topic, self._key, payload)
+        if (tags is None and ts is None and self._steady_fits and type(metrics) is dict and type(step) is int
+                and 0 <= step < 2**63 and metrics.keys() == self._names_checked
+                and _FLOATS.issuperset(map(type, metrics.values()))):
+            # A loop's usual step: the names of the last step checked whole (known to fit one event),
+            # every value a float, a plain step, this process's clock. Encoded by _steady_bytes on the
+            # publisher's sender thread where it has one (floats are immutable, the dict is copied: a
+            # loop may reuse it), in order with every other event.
+            self._last_step = step
+            return self._publish_made(self._topic, self._key, self._make_steady, self._wire, metrics.copy(), step,
+                                      time.time())
         if type(metrics) is dict and _FLOATS.issuperset(map(type, metrics.values())):
             values = metrics  # the common case: nothing to convert, encoded (not kept) before returning
         else:
@@ -122,21 +150,37 @@ class TrainerLogger:
         self._last_step = event["step"]
         return self.publisher.publish(self._topic, self._key, payload)
 
-    def _steady(self, metrics, step) -> bytes | None:
-        """A loop's usual step, encoded straight to its canonical bytes (what ``_accepted`` would
-        send, byte for byte): the same metric names as the last accepted step, every value a
-        finite float, a plain step, this process's clock, nothing lost to report. Anything else
-        is None, and takes the general path."""
-        if (type(metrics) is not dict or type(step) is not int or not 0 <= step < 2**63
-                or metrics.keys() != self._names_checked or not _FLOATS.issuperset(map(type, metrics.values()))
-                or not math.isfinite(sum(metrics.values())) or self.publisher.lost()):
-            return None
+    def _steady_bytes(self, wire: tuple[str, bytes, bytes], metrics: dict, step: int, ts: float) -> bytes:
+        """A steady step as it goes out, signed where there is a key: byte for byte what
+        ``_accepted`` sends for the same event, and with the same count of events lost so far."""
+        run_id, envelope, head = wire
+        key = trainer_key(run_id)
+        lost = self.publisher.lost()
+        if lost or not math.isfinite(sum(metrics.values())):  # NaN/Inf go as strings: the general form
+            if lost:
+                metrics["trainguard/dropped_events"] = float(lost)  # a copy of the caller's dict
+            return signed_bytes(ev.metrics_event(run_id, step, metrics, src=self.source, ts=ts), key)
+        if key is None:  # as ev.encode writes it: the caller's order of names (the worker's cap keeps the first)
+            return b"".join((head, str(step).encode(), b',"ts":', orjson.dumps(ts), b',"metrics":',
+                             orjson.dumps(metrics), b"}"))
         # Sorted keys: metrics, run_id, schema, source, step, ts (canonical_bytes' order).
-        body = b"".join((b'{"metrics":', orjson.dumps(metrics, option=orjson.OPT_SORT_KEYS), self._envelope,
-                         str(step).encode(), b',"ts":', orjson.dumps(time.time()), b"}"))
+        return signed_canonical(b"".join((b'{"metrics":', orjson.dumps(metrics, option=orjson.OPT_SORT_KEYS),
+                                          envelope, str(step).encode(), b',"ts":', orjson.dumps(ts), b"}")), key)
+
+    def _publish_now(self, topic: str, key: bytes, make, *args) -> bool:
+        value = make(*args)
+        return value is not None and self.publisher.publish(topic, key, value)
+
+    def _names_accepted(self, names) -> None:
+        """Remember the names of a step just checked whole, and whether a steady step of them
+        always fits one event (every value at its longest, 24 characters, the signature and a
+        count of events lost)."""
+        self._names_checked = frozenset(names)
         key = trainer_key(self.run_id)
-        payload = body if key is None else signed_canonical(body, key)
-        return payload if len(payload) <= ev.MAX_EVENT_BYTES else None
+        signature = 0 if key is None else sum(map(len, key.signature_parts)) + 64
+        longest = (len(orjson.dumps(dict.fromkeys(names, 0))) + 24 * len(self._names_checked)
+                   + len(self._wire[1]) + 64 + signature + len(b',"trainguard/dropped_events":') + 24)
+        self._steady_fits = longest <= ev.MAX_EVENT_BYTES
 
     def _accepted(self, event: dict, *, own_clock: bool = False) -> bytes | None:
         """The event encoded when the worker would take it; else None, counted as rejected and its
@@ -149,14 +193,14 @@ class TrainerLogger:
             names = event["metrics"].keys()
             if self._names_checked is None:
                 ev.validate(event)
-                self._names_checked = frozenset(names)
+                self._names_accepted(names)
             elif names == self._names_checked:
                 if not (own_clock and 0 <= event["step"] < 2**63 and "tags" not in event):
                     # the values and their names are known good; a millisecond clock is converted
                     event["ts"] = ev.check_step({**event, "metrics": {}})["ts"]
             else:
                 ev.check_step(event)
-                self._names_checked = frozenset(names)
+                self._names_accepted(names)
             # Signed with the trainer's key where there is one: only such metrics make a worker with
             # keys act (a rollback, a stop); one HMAC over the bytes encoded anyway.
             payload = signed_bytes(event, trainer_key(self.run_id))

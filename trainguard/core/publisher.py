@@ -20,6 +20,12 @@ for good. A duplicate after a lost acknowledgement costs the worker one repeated
 Any fatal error that still comes (a broken configuration, a revoked credential) makes the next
 ``publish()`` build a fresh producer, after counting what the dead one held.
 
+With ``background=True`` (the trainer's logger) ``publish()`` hands each message to a sender
+thread and returns: the queue it waits in counts towards ``queue_max``, messages go out in the
+order they were handed over, and ``publish_made`` hands over the work of encoding a message too.
+``flush()`` and ``close()`` wait for the sender first; what it still holds when ``close()`` gives
+up is counted in ``purged_at_close``.
+
 Broker outages are said once: one line naming the address and the way out when the broker
 cannot be reached, one line when events flow again; librdkafka's own log lines stay quiet.
 No Python lock is taken inside a librdkafka callback: callbacks run on the thread that polls
@@ -29,6 +35,8 @@ or flushes, and counters are only touched by that thread or under the GIL.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from typing import Any, Callable
 
@@ -42,7 +50,8 @@ _UNREACHABLE = ("_ALL_BROKERS_DOWN", "_TRANSPORT", "_RESOLVE", "_TIMED_OUT", "_M
 
 class Publisher:
     def __init__(self, settings: KafkaSettings | None = None, *, queue_max: int = 100_000,
-                 linger_ms: int = 5, producer_config: dict | None = None, report_success: bool = False):
+                 linger_ms: int = 5, producer_config: dict | None = None, report_success: bool = False,
+                 background: bool = False):
         self.settings = settings or KafkaSettings.from_env()
         self.queued = 0            # accepted by produce() (delivered later, or counted lost)
         self.delivered = 0         # acknowledged by the broker (counted with report_success only)
@@ -53,6 +62,13 @@ class Publisher:
         self.rebuilds = 0
         self._queue_max = queue_max
         self._report_success = report_success
+        # With ``background``, publish() hands each message to a sender thread (in order) and
+        # returns: the caller pays a queue put, and encoding handed over (publish_made) happens
+        # there too. The trainer's log() uses it; the queue counts towards ``queue_max``.
+        self._background = background
+        self._outbox: queue.SimpleQueue | None = None
+        self._sender: threading.Thread | None = None
+        self._abandoned = False
         self._last_error: str | None = None
         self._fatal: str | None = None
         self._unreachable_since: float | None = None
@@ -132,6 +148,75 @@ class Publisher:
         """Queue one message; False (and counted) when it could not be queued. ``on_delivery``
         is called with the error if delivery fails (and with None once delivered, where
         ``report_success`` asks for those reports)."""
+        if self._background:
+            return self._hand_over((topic, key, value, partition, on_delivery))
+        return self._produce(topic, key, value, partition, on_delivery)
+
+    def publish_made(self, topic: str, key: str | bytes | None, make: Callable[..., bytes | None],
+                     *args: Any) -> bool:
+        """Queue the message ``make(*args)`` encodes, in order with every other: made on the sender
+        thread where the publisher has one, else now. ``make`` returns None for a message that is
+        not to be sent (it counts that itself)."""
+        if self._background:
+            return self._hand_over((topic, key, make) + args)  # one tuple held per message
+        value = make(*args)
+        return value is not None and self.publish(topic, key, value)
+
+    # -- background sending ---------------------------------------------------------------
+
+    def _hand_over(self, item: tuple) -> bool:
+        outbox = self._outbox
+        if outbox is None:
+            outbox = self._start_sender()
+        if len(self._producer) + outbox.qsize() >= self._queue_max:
+            self.dropped += 1
+            return False
+        outbox.put(item)
+        return True
+
+    def _start_sender(self) -> "queue.SimpleQueue":
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox = outbox
+        self._sender = threading.Thread(target=self._send, args=(outbox,), name="trainguard-publisher", daemon=True)
+        self._sender.start()
+        return outbox
+
+    def _send(self, outbox: "queue.SimpleQueue") -> None:
+        """The sender thread: encodes what was handed over encoded-later, then produces, in order.
+        A flush's marker is set once everything before it was produced; None stops the thread."""
+        get, produce = outbox.get, self._produce
+        while True:
+            item = get()
+            if type(item) is tuple:
+                if self._abandoned:  # close() gave up on what is still here
+                    self.purged_at_close += 1
+                elif len(item) == 5:  # topic, key, value, partition, on_delivery
+                    produce(*item)
+                else:  # topic, key, make, its arguments
+                    try:
+                        value = item[2](*item[3:])
+                    except Exception as exc:
+                        self.dropped += 1
+                        log.debug("trainguard: an event could not be encoded: %s: %s", type(exc).__name__, exc)
+                        continue
+                    if value is not None:
+                        produce(item[0], item[1], value, None, None)
+            elif item is None:
+                return
+            else:
+                item.set()
+
+    def _drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the sender to produce everything handed over so far."""
+        outbox, sender = self._outbox, self._sender
+        if outbox is None or sender is None or not sender.is_alive():
+            return True
+        marker = threading.Event()
+        outbox.put(marker)
+        return marker.wait(max(0.0, timeout))
+
+    def _produce(self, topic: str, key: str | bytes | None, value: bytes | None, partition: int | None,
+                 on_delivery: Callable[[Any], None] | None) -> bool:
         if self._fatal is not None:
             self._replace_dead_producer()
         producer = self._producer
@@ -212,12 +297,15 @@ class Publisher:
             log.warning("trainguard: could not start a new Kafka producer (retrying with the next event): %s", exc)
 
     def pending(self) -> int:
-        return len(self._producer)
+        return len(self._producer) + (self._outbox.qsize() if self._outbox is not None else 0)
 
     def flush(self, timeout: float = 10.0) -> int:
         """Wait up to ``timeout`` for queued messages; return how many are still pending."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        if not self._drain(timeout):
+            return self.pending()
         try:
-            return self._producer.flush(max(0.0, timeout))
+            return self._producer.flush(max(0.0, deadline - time.monotonic()))
         except Exception as exc:
             self._on_error(exc)
             return self.pending()
@@ -227,6 +315,15 @@ class Publisher:
         ``purged_at_close``; how many were given up. Always returns within about ``timeout``."""
         deadline = time.monotonic() + max(0.0, timeout)
         left = self.flush(timeout)
+        outbox, sender = self._outbox, self._sender
+        if outbox is not None and sender is not None:
+            # What the sender still holds is given up, counted; then it stops.
+            self._abandoned = True
+            outbox.put(None)
+            sender.join(max(0.5, deadline - time.monotonic()))
+            if sender.is_alive():  # cannot happen short of a wedged interpreter: count, move on
+                self.purged_at_close += outbox.qsize()
+            self._outbox, self._background = None, False
         if left:
             self._closing = True
             try:
