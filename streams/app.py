@@ -273,7 +273,7 @@ def _serve_prometheus(app: WorkerApp, engine: Engine, port: int | None, addr: st
     from trainguard.streams.exporter import KEY_METRICS, Exporter
 
     more = [n.strip() for n in (setting("TRAINGUARD_PROMETHEUS_METRICS") or "").split(",") if n.strip()]
-    exporter = Exporter(key_metrics=(*KEY_METRICS, *more))
+    exporter = Exporter(key_metrics=(*KEY_METRICS, *more), incident_rules={i.name for i in engine.rules.incidents})
     feed = _ExporterFeed(exporter.wants, engine.vouched)
     engine.on_event.append(feed)
     addr = addr or cast(str, setting("TRAINGUARD_PROMETHEUS_ADDR"))
@@ -361,7 +361,18 @@ class Detection:
         elif self._release:
             release_memory()
             self._release = False
-        self.router.route(self.engine.status_outputs())
+        statuses = self.engine.status_outputs()
+        self.router.route(statuses if self.exporter is None else self._exported(statuses))
+
+    def _exported(self, statuses):
+        """The statuses on their way out, each also making the exporter's firing alerts its run's open
+        ones: what a restarted worker restored is exported within a tick."""
+        for out in statuses:
+            try:
+                self.exporter.observe_status(out.key, out.value)
+            except Exception:  # the exporter must never stop detection
+                log.exception("trainguard: exporter update failed")
+            yield out
 
     def flush_if_due(self) -> None:
         if self.checkpoint.due():

@@ -160,7 +160,8 @@ class Exporter:
     """
 
     def __init__(self, key_metrics: tuple[str, ...] | list[str] = KEY_METRICS, max_runs: int = 20,
-                 max_rules: int = 100, max_alert_ids: int = 50_000, max_metrics_per_run: int = 256):
+                 max_rules: int = 100, max_alert_ids: int = 50_000, max_metrics_per_run: int = 256,
+                 incident_rules: frozenset[str] | set[str] = frozenset()):
         if max_runs < 1 or max_rules < 1:
             raise ValueError("max_runs and max_rules must be at least 1")
         self.key_metrics = frozenset(key_metrics)
@@ -178,6 +179,9 @@ class Exporter:
         self._rules: set[str] = set()
         # firing alert id -> (run, rule, severity, incident); bounded by max_alert_ids
         self._firing: OrderedDict[str, tuple[str, str, str, str | None]] = OrderedDict()
+        self._firing_of_run: dict[str, set[str]] = {}  # run -> its firing alert ids
+        # An incident is an alert of these rules (the ruleset's incidents), or names one in "incident".
+        self.incident_rules = frozenset(incident_rules)
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # (alert id, status)
         self._anomalous: dict[tuple[str, str], int] = {}  # (run, rule) -> firing alert count
         self._incidents: OrderedDict[str, int] = OrderedDict()  # incident id -> firing alerts
@@ -214,9 +218,8 @@ class Exporter:
         for signal in self._run_signals.pop(run_id, ()):
             _remove(RUN_SIGNAL, run_id, signal)
         _remove(RUN_LAST_SEEN, run_id)
-        for aid, (run, _rule, _sev, _inc) in list(self._firing.items()):
-            if run == run_id:
-                self._unfire(aid)
+        for aid in list(self._firing_of_run.get(run_id, ())):
+            self._unfire(aid)
         for run, rule in [k for k in self._anomalous if k[0] == run_id]:
             del self._anomalous[(run, rule)]
             _remove(DETECTOR_ANOMALOUS, run, rule)
@@ -289,6 +292,11 @@ class Exporter:
 
     def _unfire(self, alert_id: str) -> None:
         run, rule, severity, incident = self._firing.pop(alert_id)
+        of_run = self._firing_of_run.get(run)
+        if of_run is not None:
+            of_run.discard(alert_id)
+            if not of_run:
+                del self._firing_of_run[run]
         ALERTS_FIRING.labels(rule, severity).dec()
         key = (run, rule)
         left = self._anomalous.get(key, 0) - 1
@@ -328,36 +336,57 @@ class Exporter:
             self._seen[(aid, status)] = None
             while len(self._seen) > self.max_alert_ids:
                 self._seen.popitem(last=False)
-            run = str(alert.get("run_id", ""))
             rule = self._rule_label(str(alert.get("rule", "")))
             severity = str(alert["severity"]) if alert.get("severity") in SEVERITIES else "P3"
             ALERTS.labels(rule, severity, "resolved" if status == "resolved" else "firing").inc()
-            incident = str(alert["incident"]) if alert.get("incident") else None
             if status == "resolved":
                 if aid in self._firing:
                     self._unfire(aid)
                 return
-            if aid in self._firing:
-                return
-            tracked = self._touch_run(run, vouched)
-            self._firing[aid] = (run, rule, severity, incident)
-            while len(self._firing) > self.max_alert_ids:
-                self._unfire(next(iter(self._firing)))
-            ALERTS_FIRING.labels(rule, severity).inc()
-            if tracked:
-                self._anomalous[(run, rule)] = self._anomalous.get((run, rule), 0) + 1
-                DETECTOR_ANOMALOUS.labels(run, rule).set(1)
-            if incident is not None:
-                if incident not in self._incidents:
+            if aid not in self._firing:
+                self._fire(aid, str(alert.get("run_id", "")), alert, vouched)
+
+    def observe_status(self, run_id: str, status: dict | None) -> None:
+        """Make the run's firing alerts those its status lists open (what ``trainguard runs``
+        shows): a restarted worker's exporter is rebuilt from the state it restored, and an alert
+        whose end it never saw (the run forgotten, or taken over by another worker) stops
+        counting. ``None``: the run was forgotten."""
+        with self._lock:
+            listed = {str(a["id"]): a for a in ((status or {}).get("open_alerts") or ())
+                      if isinstance(a, dict) and a.get("id")}
+            for aid in list(self._firing_of_run.get(run_id, ())):
+                if aid not in listed:
+                    self._unfire(aid)
+            for aid, alert in listed.items():
+                if aid not in self._firing:  # open before this process started: not counted again as new
+                    self._fire(aid, run_id, alert, False, new=False)
+
+    def _fire(self, aid: str, run: str, alert: dict, vouched: bool, new: bool = True) -> None:
+        rule = self._rule_label(str(alert.get("rule", "")))
+        severity = str(alert["severity"]) if alert.get("severity") in SEVERITIES else "P3"
+        incident = aid if alert.get("kind") == "incident" or alert.get("rule") in self.incident_rules else (
+            str(alert["incident"]) if alert.get("incident") else None)
+        tracked = self._touch_run(run, vouched)
+        self._firing[aid] = (run, rule, severity, incident)
+        self._firing_of_run.setdefault(run, set()).add(aid)
+        while len(self._firing) > self.max_alert_ids:
+            self._unfire(next(iter(self._firing)))
+        ALERTS_FIRING.labels(rule, severity).inc()
+        if tracked:
+            self._anomalous[(run, rule)] = self._anomalous.get((run, rule), 0) + 1
+            DETECTOR_ANOMALOUS.labels(run, rule).set(1)
+        if incident is not None:
+            if incident not in self._incidents:
+                if new:
                     INCIDENTS.inc()
-                    self._incidents[incident] = 0
-                    while len(self._incidents) > self.max_alert_ids:
-                        old, n = self._incidents.popitem(last=False)
-                        if n > 0:
-                            INCIDENTS_OPEN.dec()
-                if self._incidents[incident] == 0:
-                    INCIDENTS_OPEN.inc()
-                self._incidents[incident] += 1
+                self._incidents[incident] = 0
+                while len(self._incidents) > self.max_alert_ids:
+                    old, n = self._incidents.popitem(last=False)
+                    if n > 0:
+                        INCIDENTS_OPEN.dec()
+            if self._incidents[incident] == 0:
+                INCIDENTS_OPEN.inc()
+            self._incidents[incident] += 1
 
     def observe_dlq(self, reason: str) -> None:
         DLQ.labels(dlq_reason(reason)).inc()

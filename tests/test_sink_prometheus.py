@@ -170,6 +170,36 @@ def test_alerts_counted_once_per_id_and_status(exporter):
     assert _value("trainguard_incidents_open") == open_before
 
 
+def test_a_runs_status_rebuilds_its_firing_alerts_and_incidents():
+    """What a restarted worker restored reaches the exporter through the run's status: its open
+    alerts fire again (not counted as new), an incident rule's alert is an open incident, an alert
+    the status no longer lists stops firing, and a forgotten run's alerts all stop."""
+    exp = Exporter(incident_rules={"dataflow_collapse"})
+    run, rule = _run(), f"rule_{uuid.uuid4().hex[:6]}"
+    incident_id, member, gone = "inc-" + run, "m-" + run, "g-" + run
+    opened_before = _value("trainguard_incidents_open") or 0
+    total_before = _value("trainguard_alerts_total", rule=rule, severity="P1", status="firing") or 0
+    exp.observe_alert(_alert(run, rule, aid=gone))  # seen live before the restart
+    status = {"run_id": run, "open_alerts": [
+        {"id": incident_id, "rule": "dataflow_collapse", "severity": "P0", "step": 41},
+        {"id": member, "rule": rule, "severity": "P1", "step": 41}]}
+    try:
+        exp.observe_status(run, status)
+        assert _value("trainguard_incidents_open") == opened_before + 1
+        assert _value("trainguard_alerts_firing", rule=rule, severity="P1") == 1  # member; "gone" ended
+        assert _value("trainguard_alerts_total", rule=rule, severity="P1", status="firing") == total_before + 1
+        assert _value("trainguard_detector_anomalous", run=run, rule=rule) == 1
+        exp.observe_status(run, status)  # the next tick's status: nothing changes
+        assert _value("trainguard_incidents_open") == opened_before + 1
+        exp.observe_alert(_alert(run, "dataflow_collapse", status="resolved", aid=incident_id, severity="P0"))
+        assert _value("trainguard_incidents_open") == opened_before
+        exp.observe_status(run, None)  # forgotten
+        assert _value("trainguard_alerts_firing", rule=rule, severity="P1") == 0
+    finally:
+        for tracked in exp.tracked_runs():
+            exp.forget_run(tracked)
+
+
 def test_rule_label_is_bounded():
     exp = Exporter(max_rules=2)
     run = _run()
