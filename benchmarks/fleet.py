@@ -19,6 +19,10 @@ on) share one consumer group: one, then two, then four, then one of the four lea
   carries a NaN loss (``ts`` = its send time); a reader of the alerts topic stamps the run's
   ``non_finite`` alert on arrival. Only in the steady windows, one fault per run.
 
+Saturated: the same workers draining a pre-filled topic (8 partitions, 32 runs), 1, 2 and 4 of
+them, each busy the whole window: events per worker CPU-second against one worker's, the cost
+of scaling out with idle time taken out.
+
 Hot run: one run whose 1,024 ranks each log a step (6 compute metrics), pre-filled, drained by
 one worker (``throughput.consume``): every event of a run is keyed by the run, so one partition
 and one worker take them all. Reference: the same events spread over 32 runs of 32 ranks, same
@@ -389,6 +393,28 @@ def fleet(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 32, 
     }
 
 
+def saturated(bootstrap: str, steps: Steps, log_dir: Path, *, partitions: int = 8, runs: int = 32,
+              events: int = 60_000, measure_s: float = 15.0, counts: tuple[int, ...] = (1, 2, 4)) -> dict:
+    """The fleet at the workers' own speed: a pre-filled topic drained by 1, 2 and 4 workers of one
+    group, each busy the whole window. Events per worker CPU-second then measure what adding a
+    worker costs in work (group traffic, each worker's own timers), not idle overhead, which is
+    what the 400 events/s fleet mostly measures; events/s cannot scale on 2 cores, CPU-seconds can."""
+    settings = fresh_settings(bootstrap, partitions, "sat")
+    progress(f"fleet, saturated: pre-filling {events} events ({partitions} partitions, {runs} runs), "
+             f"drained by {'/'.join(map(str, counts))} workers")
+    prefill(settings, workload.encoded_events(steps, events, runs, prefix="sat"))
+    per_cpu: dict[str, float] = {}
+    for count in counts:
+        r = consume("trainguard", settings, events, log_dir, members=count, measure_s=measure_s)
+        per_cpu[str(count)] = r["events_per_cpu_s"]
+        progress(f"  {count} worker(s), saturated: {r['events_per_s']:.0f} events/s, {r['cpu_cores']:.2f} cores, "
+                 f"{r['events_per_cpu_s']:.0f} events per worker CPU-second ({r['members_used']} handled events)")
+    first = per_cpu.get(str(counts[0]))
+    return {"scale_saturated_events_per_worker_cpu_s": per_cpu,
+            "scale_saturated_per_cpu_ratio_vs_one": {k: v / first for k, v in per_cpu.items()} if first else {},
+            "scale_saturated_partitions": partitions}
+
+
 # --------------------------------------------------------------------------- the hot run
 
 RANK_METRICS = ("timing_s/step", "actor/forward_latency_ms", "actor/reduce_grad_ms", "perf/max_memory_allocated_gb",
@@ -499,10 +525,13 @@ def run(bootstrap: str, steps: Steps, log_dir: Path, quick: bool, rate: float | 
         smoke = workload.SMOKE
         out = fleet(bootstrap, steps, log_dir, partitions=8, runs=16, nodes=2, rate=rate or 200, counts=(1, 2),
                     window_s=2.0 if smoke else 5.0, settle_s=1.0, leave=False, catch_up_s=20.0)
+        out.update(saturated(bootstrap, steps, log_dir, events=6_000 if smoke else 30_000,
+                             measure_s=2.0 if smoke else 8.0, counts=(1, 2) if smoke else (1, 2, 4)))
         out.update(hot_run(bootstrap, steps, log_dir, ranks=1024, n_steps=4 if smoke else 10, partitions=8,
                            measure_s=3.0 if smoke else 10.0))
     else:
         out = fleet(bootstrap, steps, log_dir, rate=rate or 400)
+        out.update(saturated(bootstrap, steps, log_dir))
         out.update(hot_run(bootstrap, steps, log_dir))
     return out
 

@@ -16,8 +16,9 @@ KEYS = ("detector_speedup", "worker_samples_per_s", "worker_events_ratio_vs_bare
         "worker_events_ratio_vs_aiokafka", "alert_latency_p99_ms", "command_latency_p99_ms",
         "log_p99_us_broker_up", "log_p99_us_broker_down", "bytes_per_series", "two_worker_speedup",
         "kafka_worker_events_ratio_vs_bare_faust", "scale_events_per_worker_cpu_s", "scale_rebalance_pause_s",
-        "scale_max_lag_events", "hot_run_folded_rank_steps_per_s", "hot_run_folded_ratio_vs_spread")
-SCALARS = [k for k in KEYS if k != "scale_events_per_worker_cpu_s"]
+        "scale_max_lag_events", "scale_saturated_per_cpu_ratio_vs_one", "hot_run_folded_rank_steps_per_s",
+        "hot_run_folded_ratio_vs_spread")
+SCALARS = [k for k in KEYS if k not in ("scale_events_per_worker_cpu_s", "scale_saturated_per_cpu_ratio_vs_one")]
 
 
 def _bench(module: str):
@@ -47,8 +48,8 @@ def test_the_table_has_a_row_per_figure_with_target_and_verdict():
     assert "seed AdaptiveThreshold" in text and "bare Faust agent" in text
 
     # Apache Kafka's figures go beside Tansu's, on the same row; the fleet's after them.
-    fake.update(kafka_worker_events_per_s=900.0, kafka_bare_faust_events_per_s=1000.0,
-                kafka_worker_events_ratio_vs_bare_faust=0.9, kafka_worker_samples_per_s=4e5,
+    fake.update(kafka_worker_events_per_s=1600.0, kafka_bare_faust_events_per_s=1000.0,
+                kafka_worker_events_ratio_vs_bare_faust=1.6, kafka_worker_samples_per_s=4e5,
                 kafka_bare_faust_samples_per_s=4e5, kafka_aiokafka_events_per_s=6e4,
                 kafka_worker_events_ratio_vs_aiokafka=0.015,
                 scale_events_per_worker_cpu_s={"1": 2000.0, "2": 1900.0, "4": 1500.0}, scale_partitions=32,
@@ -60,12 +61,19 @@ def test_the_table_has_a_row_per_figure_with_target_and_verdict():
                 kafka_command_latency_p99_ms=300.0, kafka_commands_measured=15,
                 hot_run_events_per_s=3000.0, hot_run_ranks=1024, spread_runs_events_per_s=4000.0,
                 hot_run_ratio_vs_spread=0.75, hot_run_folded_rank_steps_per_s=20000.0, hot_run_folded_lift=6.7,
-                hot_run_folded_ratio_vs_spread=5.0)
+                hot_run_folded_ratio_vs_spread=5.0,
+                scale_saturated_events_per_worker_cpu_s={"1": 3000.0, "2": 2700.0, "4": 2100.0},
+                scale_saturated_per_cpu_ratio_vs_one={"1": 1.0, "2": 0.9, "4": 0.7}, scale_saturated_partitions=8)
     lines = run.table(fake).splitlines()
-    assert len(lines) == 2 + 11 + 8
+    assert len(lines) == 2 + 11 + 11
     row = next(line for line in lines if line.startswith("worker events/s") and "bare Faust agent" in line)
-    assert "0.50" in row and "MISS" in row and "0.90" in row and "pass" in row  # Tansu misses, Kafka passes
-    assert any("4 workers" in line and "0.75" in line for line in lines)  # per CPU-second against one worker
+    assert "0.50" in row and "MISS" in row and "1.60" in row and "pass" in row  # Tansu misses, Kafka passes
+    fleet_4 = next(line for line in lines if "4 workers" in line and "saturated" not in line)
+    assert "0.75" in fleet_4 and "MISS" in fleet_4  # per CPU-second against one worker, target 0.8
+    saturated = {n: next(line for line in lines if "saturated" in line and line.rstrip().endswith(("-", "0.80"))
+                         and f"{n} worker" in line) for n in ("2", "4")}
+    assert "0.90" in saturated["2"] and "pass" in saturated["2"]
+    assert "0.70" in saturated["4"] and "MISS" in saturated["4"]
     assert any("hot run" in line and "3,000" in line for line in lines)
     assert any("folded" in line and "20,000" in line and "5.00" in line for line in lines)
 
@@ -99,6 +107,7 @@ def test_the_bench_prints_one_table_and_every_figure_as_json_last():
         assert isinstance(result[k], (int, float)) and result[k] >= 0, (k, result[k])
         assert result[k] > 0 or k == "scale_max_lag_events", (k, result[k])
     assert set(result["scale_events_per_worker_cpu_s"]) == {"1", "2"}
+    assert set(result["scale_saturated_per_cpu_ratio_vs_one"]) == {"1", "2"}  # 4 workers at --quick and above
     assert set(result["brokers"]) == {"tansu", "kafka"}
     assert lines[0].startswith("figure") and any("two workers" in line for line in lines)
     assert "Tansu" in lines[0] and "Kafka" in lines[0]
