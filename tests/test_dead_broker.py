@@ -40,7 +40,12 @@ def test_topic_creation_waits_for_the_dead_node_to_be_fenced_instead_of_failing(
             began = time.monotonic()
             await transport._really_create_topic(owner, client, "t-ridden-out", 4, 3)
             waited = time.monotonic() - began
-            await client.force_metadata_update()
+            # A broker's metadata cache learns of a new topic a moment after the controller.
+            for _ in range(40):
+                await client.force_metadata_update()
+                if client.cluster.partitions_for_topic("t-ridden-out"):
+                    break
+                await asyncio.sleep(0.25)
             assert client.cluster.partitions_for_topic("t-ridden-out") == {0, 1, 2, 3}
             assert dead not in {b.nodeId for b in client.cluster.brokers()}, "created once the node was fenced"
             return waited
