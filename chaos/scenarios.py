@@ -1370,7 +1370,8 @@ def sinks_restart_lost_alerts(alerts: int = 3, settings: KafkaSettings | None = 
 
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-sinks-"))
     port = free_port()  # nothing listens yet: the receiver is down
-    env = sinks_env(f"http://127.0.0.1:{port}/hook", log_dir)
+    # every page its own message: the alerts are one run's, which its thread would fold
+    env = sinks_env(f"http://127.0.0.1:{port}/hook", log_dir, TRAINGUARD_GROUP_INTERVAL_S="0")
     group = f"chaos-sinks-{uuid.uuid4().hex[:6]}"
     receiver = None
     sent = []

@@ -9,8 +9,13 @@ Alertmanager's model, shared by every chat and generic-webhook sink:
   kept for incidents only pages nobody;
 - **dedup**: an alert (id, status and time: :func:`delivery_key`) is considered once (the worker
   replays a few after a restart);
-- **page** (``page`` severities, P0/P1 by default): each firing at once, and its resolution,
-  when its firing was paged here;
+- **page** (``page`` severities, P0/P1 by default): at once, as one **thread per run**: the
+  run's first page opens it; a further firing of no higher severity within ``group_interval_s``
+  of the thread's last message is folded into it (not sent); a more severe one, one that says
+  the breaker's command failed, or one after the interval, is sent as an update of the thread;
+  when the last of its alerts resolves, one message says so and what resolved it (the rollback:
+  where to, the batches skipped, at which step) and how many alerts it held. A self-healed
+  incident costs two messages per channel;
 - **digest** (``digest`` severities, P2 by default): one message per run per
   ``digest_interval_s``, listing what warned (rule, count, first and last step, how many still
   fire); their resolutions are not sent, and an interval whose warnings all resolved before it
@@ -43,6 +48,8 @@ DIGEST = "digest"
 DIGEST_SCHEMA = "digest/1"
 _RANK = {"P0": 0, "P1": 1, "P2": 2, "P3": 3}
 MAX_OPEN_PER_DIGEST = 1000  # warnings a digest follows to their resolution
+# Alerts that say the loop itself failed: never folded into a run's thread.
+ALWAYS_SENT = frozenset({"command_not_applied", "command_failed", "rerun_verdict"})
 
 
 @dataclass(frozen=True)
@@ -52,9 +59,12 @@ class PagingSettings:
     page: tuple[str, ...] = field(default_factory=lambda: csv_values(default("TRAINGUARD_NOTIFY_SEVERITIES")))
     digest: tuple[str, ...] = field(default_factory=lambda: csv_values(default("TRAINGUARD_DIGEST_SEVERITIES")))
     digest_interval_s: float = field(default_factory=lambda: float(default("TRAINGUARD_DIGEST_INTERVAL_S")))
+    group_interval_s: float = field(default_factory=lambda: float(default("TRAINGUARD_GROUP_INTERVAL_S")))
     max_keys: int = 10_000                   # alerts remembered for dedup (replays are a few)
+    max_threads: int = 10_000                # runs with pages still open
 
-    settings = ("TRAINGUARD_NOTIFY_SEVERITIES", "TRAINGUARD_DIGEST_SEVERITIES", "TRAINGUARD_DIGEST_INTERVAL_S")
+    settings = ("TRAINGUARD_NOTIFY_SEVERITIES", "TRAINGUARD_DIGEST_SEVERITIES", "TRAINGUARD_DIGEST_INTERVAL_S",
+                "TRAINGUARD_GROUP_INTERVAL_S")
 
     @classmethod
     def from_env(cls, env=None) -> "PagingSettings":
@@ -63,7 +73,10 @@ class PagingSettings:
         interval = number("TRAINGUARD_DIGEST_INTERVAL_S", env)
         if interval <= 0:
             raise ValueError(f"TRAINGUARD_DIGEST_INTERVAL_S must be above 0, not {interval}")
-        return cls(page=page, digest=digest, digest_interval_s=interval)
+        group = number("TRAINGUARD_GROUP_INTERVAL_S", env)
+        if group < 0:
+            raise ValueError(f"TRAINGUARD_GROUP_INTERVAL_S must be 0 (every page its own message) or more, not {group}")
+        return cls(page=page, digest=digest, digest_interval_s=interval, group_interval_s=group)
 
 
 @dataclass(frozen=True)
@@ -124,6 +137,14 @@ class Pager:
         self._seen: OrderedDict[str, None] = OrderedDict.fromkeys(str(k) for k in state.get("seen", ()))
         self._paged: OrderedDict[str, None] = OrderedDict.fromkeys(str(k) for k in state.get("paged", ()))
         self._flapping: dict[str, str] = {str(k): str(v) for k, v in dict(state.get("flapping", {})).items()}
+        self._threads: dict[str, dict] = {}
+        for run_id, t in dict(state.get("threads", {})).items():
+            if (isinstance(t, dict) and isinstance(t.get("id"), str) and t.get("severity") in _RANK
+                    and _num(t.get("last_sent")) is not None and isinstance(t.get("open"), dict)
+                    and isinstance(t.get("rules"), dict) and all(type(n) is int for n in t["rules"].values())):
+                self._threads[str(run_id)] = t
+            else:
+                log.error("trainguard: paging state: the thread of run %r has an unknown shape; dropped", run_id)
         self._digests: dict[str, dict] = {}
         for run_id, d in dict(state.get("digests", {})).items():
             if (isinstance(d, dict) and all(_num(d.get(k)) is not None for k in ("since", "until"))
@@ -136,7 +157,7 @@ class Pager:
 
     def state(self) -> dict:
         return {"seen": list(self._seen), "paged": list(self._paged), "flapping": self._flapping,
-                "digests": self._digests}
+                "digests": self._digests, "threads": self._threads}
 
     def feed(self, alert: dict, now: float | None = None) -> list[Message]:
         """The messages due once ``alert`` arrived at ``now`` (default: its ``ts``; the sinks
@@ -155,7 +176,7 @@ class Pager:
         out = self.flush(now) if now is not None else []
         severity = alert.get("severity")
         if severity in self.settings.page:
-            page = self._page(alert)
+            page = self._page(alert, now)
             if page is not None:
                 out.append(page)
         elif severity in self.settings.digest:
@@ -180,7 +201,7 @@ class Pager:
 
     # -- pages
 
-    def _page(self, alert: dict) -> Message | None:
+    def _page(self, alert: dict, now: float | None = None) -> Message | None:
         aid, fkey = str(alert.get("id")), _flap_key(alert)
         flapping = bool(alert.get("flapping"))
         message = Message(PAGE, str(alert.get("run_id")), _num(alert.get("ts")) or 0.0, alert)
@@ -194,7 +215,7 @@ class Pager:
             if aid not in self._paged:  # its firing paged nobody here (muted, or before our start)
                 return None
             del self._paged[aid]
-            return message
+            return self._thread_resolved(alert, message)
         if muted(alert):
             return None
         if flapping:
@@ -203,10 +224,60 @@ class Pager:
             self._flapping[fkey] = aid
             while len(self._flapping) > self.settings.max_keys:
                 del self._flapping[next(iter(self._flapping))]
-        else:
-            self._flapping.pop(fkey, None)
+            self._remember(self._paged, aid)
+            return message
+        self._flapping.pop(fkey, None)
         self._remember(self._paged, aid)
-        return message
+        return self._thread_fired(alert, message, now)
+
+    # -- threads: one per run, from its first page until its last alert resolves
+
+    def _thread_fired(self, alert: dict, message: Message, now: float | None) -> Message | None:
+        run_id, aid = message.run_id, str(alert.get("id"))
+        severity = str(alert.get("severity"))
+        severity = severity if severity in _RANK else "P1"
+        now = message.ts if now is None else now
+        thread = self._threads.get(run_id)
+        if thread is None:
+            self._threads[run_id] = {"id": aid, "severity": severity, "last_sent": now,
+                                     "open": {aid: alert.get("rule")}, "rules": {str(alert.get("rule")): 1},
+                                     "folded": 0}
+            while len(self._threads) > self.settings.max_threads:
+                del self._threads[next(iter(self._threads))]
+            return message
+        thread["open"][aid] = alert.get("rule")
+        rules = thread["rules"]
+        rules[str(alert.get("rule"))] = rules.get(str(alert.get("rule")), 0) + 1
+        if (_RANK[severity] < _RANK[thread["severity"]] or alert.get("rule") in ALWAYS_SENT
+                or now - thread["last_sent"] >= self.settings.group_interval_s):
+            thread["severity"] = min(severity, thread["severity"], key=_RANK.__getitem__)
+            thread["last_sent"] = now
+            return Message(PAGE, run_id, message.ts, {**alert, "thread": self._said(thread, update=True)})
+        thread["folded"] += 1
+        return None
+
+    def _thread_resolved(self, alert: dict, message: Message) -> Message | None:
+        """None while another alert of the run's thread is open; then the thread's one resolution,
+        saying what resolved it (a rollback's words win over "the condition no longer holds")."""
+        thread = self._threads.get(message.run_id)
+        aid = str(alert.get("id"))
+        if thread is None or aid not in thread["open"]:
+            return message  # paged before threads were kept, or its thread was forgotten
+        del thread["open"][aid]
+        if alert.get("resolved_by") or "resolution" not in thread:
+            thread["resolution"] = {k: alert[k] for k in ("resolution", "resolved_by") if alert.get(k)}
+        if thread["open"]:
+            return None
+        del self._threads[message.run_id]
+        said = {**alert, **thread.get("resolution", {}), "thread": self._said(thread)}
+        return Message(PAGE, message.run_id, message.ts, said)
+
+    @staticmethod
+    def _said(thread: dict, update: bool = False) -> dict:
+        """What a thread's update or resolution tells about it: its first alert, how many alerts
+        it held, which rules, how many were folded without a message."""
+        return {"id": thread["id"], "update": update, "alerts": sum(thread["rules"].values()),
+                "rules": dict(thread["rules"]), "folded": thread["folded"], "open": len(thread["open"])}
 
     def _remember(self, keys: OrderedDict, key: str) -> None:
         keys[key] = None

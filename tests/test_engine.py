@@ -720,3 +720,47 @@ def test_a_garbled_history_in_a_source_state_starts_empty_and_the_source_goes_on
                                                                ts=1.7e9 + step)), 0, step)
     assert not [o for o in outputs if o.kind == "dlq"], outputs
     assert restarted._source(key, "trainer").history.n == 5, "the garbled history is dropped, new steps kept"
+
+
+def test_an_alert_says_whether_the_breaker_can_cure_it_and_its_resolution_names_the_rollback():
+    """The page's first line says "needs a human" when the breaker cannot act (no healthy
+    checkpoint yet, or a rule it never acts on); a rollback's resolution says where it went, what
+    it skipped and when, in words and as fields."""
+    engine, now, offset = Engine(rules_mod.default()), [1.7e9], [0]
+    engine.clock = lambda: now[0]
+
+    def feed(event):
+        offset[0] += 1
+        return [o.value for o in engine.handle(ev.encode(event), 0, offset[0])]
+
+    def step(n, metrics):
+        now[0] += 10
+        return feed(ev.metrics_event("cure", n, metrics, src=TRAINER, ts=now[0]))
+
+    feed(ev.lifecycle_event("cure", "started", step=0, ts=now[0], src=TRAINER))
+    step(1, {"actor/pg_loss": -0.01})
+    [early] = [a for a in step(2, {"actor/pg_loss": float("nan")}) if a.get("rule") == "non_finite"]
+    assert early["remedy"] == {"by": "human", "why": "no healthy checkpoint to roll back to: the breaker would "
+                                                     "stop the run"}
+    feed(ev.lifecycle_event("cure", "started", step=0, ts=now[0] + 1, src=TRAINER))  # a fresh process
+    for n in range(1, 31):
+        step(n, {"actor/pg_loss": -0.01 + 0.001 * (n % 3), "actor/kl_loss": 0.01})
+        if n % 10 == 0:
+            feed(ev.checkpoint_event("cure", n, f"/ckpt/global_step_{n}", ts=now[0]))
+    outs = step(31, {"actor/pg_loss": float("nan"), "actor/kl_loss": 0.01})
+    [nan] = [a for a in outs if a.get("rule") == "non_finite"]
+    assert nan["remedy"] == {"by": "breaker", "action": "rollback", "newest_healthy_step": 30, "after_steps": 1}
+    [command] = [o for o in outs if o.get("action") == "rollback" and "target" in o]
+    resolved = [a for a in feed(ev.lifecycle_event("cure", "rolled_back", step=command["target"]["step"],
+                                                   ts=now[0] + 1, src=TRAINER))
+                if a.get("status") == "resolved" and a["rule"] == "non_finite"]
+    skip = command["skip_batches"]
+    assert resolved[0]["resolution"] == (f"resolved by the rollback to step {command['target']['step']}"
+                                         + (f", skipping {skip} batch{'es' if skip != 1 else ''}" if skip else "")
+                                         + ", at step 31")
+    assert resolved[0]["resolved_by"] == {"action": "rollback", "by": "breaker", "to_step": command["target"]["step"],
+                                          "skip_batches": skip or 0, "at_step": 31, "command_id": command["id"]}
+    # a warning the breaker never acts on is a person's
+    kl = [a for n in range(32, 60) for a in step(n, {"actor/pg_loss": -0.01, "actor/kl_loss": 0.01 + n * 0.05})
+          if a.get("status") == "firing" and not a.get("critical")]
+    assert kl and all(a["remedy"] == {"by": "human", "why": "trainguard takes no action on this rule"} for a in kl)

@@ -163,7 +163,7 @@ def test_a_paging_state_of_another_shape_on_disk_starts_empty_or_drops_the_bad_d
     for bad in ([1, 2], {"seen": 5}, {"flapping": [1]}, {"digests": [1]}):
         path.write_text(json.dumps(bad))
         pager = PagingSink([], settings, state_path=path).pager
-        assert pager.state() == {"seen": [], "paged": [], "flapping": {}, "digests": {}}
+        assert pager.state() == {"seen": [], "paged": [], "flapping": {}, "digests": {}, "threads": {}}
         assert [m.kind for m in _run(pager, [_alert(0, "P0")])] == [PAGE]
     good = {"opened": T0, "since": T0, "until": T0, "open": {"a": "kl_spike"}, "entries": {
         "kl_spike": {"rule": "kl_spike", "severity": "P2", "count": 1, "first_step": 1, "last_step": 1}}}
@@ -171,3 +171,53 @@ def test_a_paging_state_of_another_shape_on_disk_starts_empty_or_drops_the_bad_d
                                                            "odd": {**good, "entries": [1]}, "str": "x"}}))
     pager = PagingSink([], settings, state_path=path).pager
     assert [m.run_id for m in pager.flush(T0 + 1000)] == ["ok"]
+
+
+def test_a_runs_pages_are_one_thread_that_resolves_once_naming_the_rollback():
+    """Four P1s of one incident and their resolutions by a rollback: one page, one resolution
+    that says what resolved it; an escalation and a failed command still go out at once."""
+    pager = Pager(PagingSettings(group_interval_s=300))
+    rules = ("kl_explosion", "grad_norm_spike", "pg_loss_spike", "entropy_spike")
+    fired = [_alert(i, "P1", rule=rule) for i, rule in enumerate(rules)]
+    [page] = _run(pager, fired)
+    assert page.event["id"] == fired[0]["id"] and "thread" not in page.event
+    rolled = {"resolution": "resolved by the rollback to step 100, skipping 6 batches, at step 107",
+              "resolved_by": {"action": "rollback", "to_step": 100, "skip_batches": 6, "at_step": 107}}
+    resolutions = [{**a, "status": "resolved", "ts": a["ts"] + 60, **(rolled if a is fired[2] else {})} for a in fired]
+    [done] = _run(pager, resolutions)
+    assert done.event["status"] == "resolved" and done.event["resolution"] == rolled["resolution"]
+    assert done.event["resolved_by"] == rolled["resolved_by"]
+    assert done.event["thread"] == {"id": fired[0]["id"], "update": False, "alerts": 4, "folded": 3, "open": 0,
+                                    "rules": dict.fromkeys(rules, 1)}
+    assert pager.state()["threads"] == {}
+
+    # a new thread: a P0 on top of a P1 is an update; so is the notice that a command failed
+    p1 = _alert(10, "P1", rule="kl_explosion", ts=T0 + 1000)
+    p0 = _alert(11, "P0", rule="non_finite", ts=T0 + 1001)
+    failed = _alert(12, "P1", rule="command_not_applied", ts=T0 + 1002)
+    again = _alert(13, "P1", rule="kl_spike", ts=T0 + 1003)
+    messages = _run(pager, [p1, p0, failed, again])
+    assert [m.event["id"] for m in messages] == [p1["id"], p0["id"], failed["id"]]
+    assert messages[1].event["thread"]["update"] and messages[1].event["thread"]["alerts"] == 2
+    # past the group interval, a further alert of the thread is an update, not silence
+    [late] = pager.feed(_alert(14, "P1", rule="kl_spike", id="late", ts=T0 + 1400))
+    assert late.event["thread"]["update"] and late.event["thread"]["alerts"] == 5
+
+    # other runs have threads of their own
+    assert [m.run_id for m in pager.feed(_alert(20, "P1", run="grpo-1"))] == ["grpo-1"]
+
+
+def test_threads_survive_a_restart_and_every_page_stands_alone_with_a_zero_interval(tmp_path):
+    pager = Pager(PagingSettings(group_interval_s=300))
+    fired = [_alert(i, "P1", rule=r) for i, r in enumerate(("kl_explosion", "grad_norm_spike"))]
+    assert len(_run(pager, fired)) == 1
+    again = Pager(PagingSettings(group_interval_s=300), json.loads(json.dumps(pager.state())))
+    assert again.feed({**fired[0], "status": "resolved"}) == []
+    [done] = again.feed({**fired[1], "status": "resolved"})
+    assert done.event["thread"]["alerts"] == 2
+    # damaged thread state on disk: dropped alone, said
+    broken = Pager(PagingSettings(), {"threads": {"r": {"id": 3}}, "paged": ["x"]})
+    assert broken.state()["threads"] == {} and broken.state()["paged"] == ["x"]
+
+    each = Pager(PagingSettings(group_interval_s=0))
+    assert len(_run(each, [_alert(i, "P1", rule=f"r{i}") for i in range(3)])) == 3

@@ -253,7 +253,8 @@ def test_a_new_group_sends_nothing_from_before_its_start_and_old_alerts_are_skip
     history = [_alert(run, i) for i in range(5)]
     _produce(kafka, [(run, encode(a)) for a in history])
     group = f"sinks-{uuid.uuid4().hex[:6]}"
-    env = sinks_env(receiver.url, tmp_path, TRAINGUARD_SINKS_MAX_AGE_S="600")
+    # every page its own message: the alerts are one run's, which a thread would fold
+    env = sinks_env(receiver.url, tmp_path, TRAINGUARD_SINKS_MAX_AGE_S="600", TRAINGUARD_GROUP_INTERVAL_S="0")
     sinks = sinks_started(SinksProcess(kafka, tmp_path, env, group=group).start())
     try:
         fresh = [_alert(run, 10 + i) for i in range(2)]

@@ -116,6 +116,48 @@ def title_of(event: dict) -> str:
     return " ".join(words)
 
 
+def _action(alert: dict, status: str) -> str:
+    """What was or will be done about it: the resolution, or who acts (the breaker, or a person)."""
+    if status == "resolved":
+        return _fmt(alert.get("resolution"))
+    remedy = alert.get("remedy")
+    if not isinstance(remedy, dict):
+        return ""
+    if remedy.get("by") == "human":
+        return f"needs a human: {_fmt(remedy.get('why'))}" if remedy.get("why") else "needs a human"
+    newest, after = remedy.get("newest_healthy_step"), remedy.get("after_steps")
+    said = "the breaker rolls back to a healthy checkpoint" + (f" (newest: step {_fmt(newest)})" if newest is not None
+                                                              else "")
+    return said + (f" if this holds for {_fmt(after)} steps" if type(after) is int and after > 1 else "")
+
+
+def _remedy_by(alert: dict) -> str | None:
+    remedy = alert.get("remedy")
+    return remedy.get("by") if isinstance(remedy, dict) else None
+
+
+def _thread(alert: dict) -> str:
+    """Where a message stands in its run's thread: an update, or the alerts a resolution closes."""
+    thread = alert.get("thread")
+    if not isinstance(thread, dict) or not isinstance(thread.get("rules"), dict):
+        return ""
+    rules = ", ".join(f"{title_of({'rule': r})}" + (f" x{n}" if type(n) is int and n > 1 else "")
+                      for r, n in list(thread["rules"].items())[:8])
+    count = thread.get("alerts")
+    if thread.get("update"):
+        return f"update of this run's thread ({_fmt(count)} alerts so far: {rules})"
+    return f"{_fmt(count)} alerts of this run, all resolved: {rules}" if type(count) is int and count > 1 else ""
+
+
+def _resolved(alert: dict, status: str) -> str:
+    if status != "resolved":
+        return ""
+    said = alert.get("resolution")
+    if not isinstance(said, str) or not said:
+        return " (resolved)"
+    return f" ({said})" if said.startswith("resolved by") else f" (resolved: {said})"
+
+
 def alert_fields(alert: dict, ui_url: str | None = None, escape=escape_markdown) -> dict[str, str]:
     """The placeholders a template can use, all strings (empty when the alert has no such field),
     each escaped with ``escape`` for the template's markup. With ``ui_url`` (where `trainguard
@@ -131,7 +173,11 @@ def alert_fields(alert: dict, ui_url: str | None = None, escape=escape_markdown)
         "rule": _fmt(alert.get("rule")),
         "title": title_of(alert),
         "status": status,
-        "resolved": " (resolved)" if status == "resolved" else "",
+        "resolved": _resolved(alert, status),
+        # the first line says it when the breaker can do nothing: a page nobody else acts on
+        "needs_human": " - needs a human" if status != "resolved" and _remedy_by(alert) == "human" else "",
+        "action": _action(alert, status),
+        "thread": _thread(alert),
         "flapping": " (flapping)" if alert.get("flapping") else "",
         "run": _fmt(alert.get("run_id")),
         "time": _clock(alert.get("ts")),

@@ -39,6 +39,7 @@ class AlertBook(StateAccess):
     _severity: dict[str, str]
     _fired: bool
     _vouched: Callable[..., dict]  # the breaker's: who vouched for an alert's evidence
+    _remedy: Callable[..., dict]   # the breaker's: what it can do about an alert, or why a person must
 
     def _open_alert(self, run: RunState, run_id: str, alert_id: str, close: bool = False) -> dict | None:
         """The open alert with this id; with ``close`` it is taken out of the book and its room
@@ -142,6 +143,7 @@ class AlertBook(StateAccess):
         self._book(run, alert, room, key)
         if alert.get("incident_only"):
             return None
+        alert["remedy"] = self._remedy(run, alert, rule)
         silence = self._silence_for(run, alert["rule"])
         if silence is not None:  # published and recorded, but no sink pages for it
             alert["silenced"] = dict(silence)

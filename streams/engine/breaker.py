@@ -373,7 +373,8 @@ class Breaker(AlertBook, StatusRoom):
     def _command_sent(run: RunState, command: dict, step) -> None:
         """The breaker's last command, for what status says it came to."""
         run.command = {"id": command["id"], "action": command["action"], "step": step if type(step) is int else None,
-                       "expires": command["expires"], "status": "sent"}
+                       "expires": command["expires"], "status": "sent",
+                       "to_step": (command.get("target") or {}).get("step"), "skip": command.get("skip_batches")}
 
     @staticmethod
     def _command_answered(run: RunState, ack: dict, unverified: str | None = None) -> None:
@@ -443,6 +444,50 @@ class Breaker(AlertBook, StatusRoom):
             outputs += self._decided(run, ack["run_id"], decision, event)
         return outputs
 
+    def _remedy(self, run: RunState, alert: dict, rule) -> dict:
+        """What the breaker can do about an alert as it opens: ``{"by": "breaker", ...}`` when a
+        rollback is within its reach should the alert persist, else ``{"by": "human", "why": ...}``,
+        which the chat sinks put in the page's first line (a page nobody acts on must say so)."""
+        def human(why: str) -> dict:
+            return {"by": "human", "why": why}
+
+        if not rule.critical:
+            return human("trainguard takes no action on this rule")
+        if alert.get("authority") == UNAUTHENTICATED:
+            return human("its metrics are unauthenticated, and the breaker sends no command on them")
+        if alert.get("kind") != "incident" and (alert.get("source") or {}).get("kind") not in \
+                self.rules.policy.step_sources:
+            return human("the breaker acts on the trainer's steps, not on this source's")
+        b, pol = run.breaker, self.rules.policy
+        if b.status == policy.STOPPED:
+            return human("the breaker already stopped the run")
+        healthy = [c["step"] for c in run.checkpoints if c.get("healthy")]
+        if not healthy:
+            return human("no healthy checkpoint to roll back to: the breaker would stop the run")
+        if len([t for t in b.rollback_ts if alert["ts"] - t < 3600]) >= pol.max_rollbacks_per_hour:
+            return human(f"the run was rolled back {pol.max_rollbacks_per_hour} times in the last hour "
+                         f"(max_rollbacks_per_hour): the breaker would stop the run")
+        return {"by": "breaker", "action": "rollback", "newest_healthy_step": max(healthy),
+                "after_steps": 1 if getattr(rule, "immediate", False) else pol.consecutive_critical}
+
+    @staticmethod
+    def _rollback_said(run: RunState, restored) -> dict:
+        """What resolved the alerts a rollback ended, in words and as fields: the rollback the
+        breaker sent (where to, how many batches skipped, at which step), or the trainer's own."""
+        command = run.command if run.command and run.command.get("action") == "rollback" else None
+        if command is not None and isinstance(restored, int) and command.get("to_step") not in (None, restored):
+            command = None  # the trainer restored another step than the breaker's last rollback named
+        to = restored if isinstance(restored, int) else (command or {}).get("to_step")
+        if command is None:
+            said = "the trainer rolled back" + (f" to step {to}" if isinstance(to, int) else "")
+            return {"resolution": said, "resolved_by": {"action": "rollback", "by": "trainer", "to_step": to}}
+        skip, at = command.get("skip"), command.get("step")
+        said = (f"resolved by the rollback to step {to}" + (f", {policy.skipping(skip)}" if skip else "")
+                + (f", at step {at}" if isinstance(at, int) else ""))
+        return {"resolution": said, "resolved_by": {"action": "rollback", "by": "breaker", "to_step": to,
+                                                    "skip_batches": skip or 0, "at_step": at,
+                                                    "command_id": command["id"]}}
+
     def _command_id(self, stable: str) -> str:
         return self.signing_key.command_id(stable) if self.signing_key is not None else stable
 
@@ -453,12 +498,13 @@ class Breaker(AlertBook, StatusRoom):
             run.checkpoints = [c for c in run.checkpoints if c["step"] <= restored]
             if run.nonfinite is not None and run.nonfinite[0] > restored:
                 run.nonfinite = None  # a NaN of the abandoned branch
+        resolved_by = self._rollback_said(run, restored)
         for sid in run.sources:  # the restored model is not what the windows saw
             key = keys.source_key(run_id, sid)
             src = self._source(key, "") if key in self.store else None
             if src is not None and src.kind in self.rules.policy.step_sources:
                 for alert in {a["id"]: a for a in src.firing.values()}.values():
-                    self._add(outputs, self._resolve(run, alert, event, resolution="the trainer rolled back"))
+                    self._add(outputs, self._resolve(run, alert, event, **resolved_by))
                     member = run.active.get(alert["rule"])
                     if member is not None and member["open"] <= 0:
                         member["last_ts"] = 0.0  # undone by the rollback: it joins no incident any more

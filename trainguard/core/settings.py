@@ -148,6 +148,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINGUARD_DIGEST_SEVERITIES", "P2", _SINKS,
             "chat and generic webhooks gather these into one digest per run per interval (resolutions not sent)"),
     Setting("TRAINGUARD_DIGEST_INTERVAL_S", "7200", _SINKS, "how often a run's digest of warnings is sent"),
+    Setting("TRAINGUARD_GROUP_INTERVAL_S", "300", _SINKS,
+            "a run's pages are one thread: a further alert of no higher severity is folded into it for this long "
+            "after its last message, and one message says how the thread resolved"),
     Setting("TRAINGUARD_SINKS_MAX_AGE_S", "3600", _SINKS,
             "a sinks group skips alerts published longer ago than this (a new group starts at its start)"),
     Setting("TRAINGUARD_OUTBOX_DIR", None, _SINKS,
