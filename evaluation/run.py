@@ -353,6 +353,9 @@ def main(argv=None) -> int:
     print()
     real.print_results(real_results)
     summary.update(real.summary(real_results))
+    own = real.inferred(_RULES or rules_mod.default())
+    real.print_inferred(own)
+    summary["real_inferred"] = real.inferred_summary(own)
 
     rec = recovery.evaluate(2 if args.quick else 3, _RULES)
     print()

@@ -21,6 +21,7 @@ from trainguard.schemas.events import SEVERITIES
 from trainguard.streams.alerts import DEFAULTS as LIFECYCLE_DEFAULTS
 from trainguard.streams.alerts import Lifecycle
 from trainguard.streams.detectors import REGISTRY, series_kinds
+from trainguard.streams.inference import infer_signal, words
 from trainguard.streams.policy import Policy
 from trainguard.streams.signals import COMPUTE, SIGNALS, base_name, signal_of
 
@@ -52,6 +53,14 @@ def _condition_holds(value: float, cond: dict) -> bool:
             and (cond.get("below") is None or value < cond["below"])
             and (cond.get("equals") is None or equal(value, cond["equals"]))
             and (cond.get("not_equals") is None or not equal(value, cond["not_equals"])))
+
+
+_DIALECT = object()  # Rule.watches: the signal a dialect gives the name
+
+
+def _plainer(a: str, b: str) -> bool:
+    """Whether name ``a`` says less besides its signal than ``b`` (fewer words; then the first)."""
+    return (len(words(a)), a) < (len(words(b)), b)
 
 
 class Patterns:
@@ -139,10 +148,14 @@ class Rule:
                 return False
         return True
 
-    def watches(self, metric: str) -> bool:
+    def watches(self, metric: str, signal: str | None | object = _DIALECT) -> bool:
+        """Whether it judges ``metric``: by name pattern, or by the signal the name stands for
+        (``signal``: what the rule set resolved it to; a dialect's by default)."""
         if self.unmapped:
             return self.metrics.match(metric) and signal_of(base_name(metric)) is None
-        return self.metrics.match(metric) or (bool(self.signals) and signal_of(base_name(metric)) in self.signals)
+        if signal is _DIALECT:
+            signal = signal_of(base_name(metric))
+        return self.metrics.match(metric) or (bool(self.signals) and signal in self.signals)
 
     @cached_property
     def has_threshold(self) -> bool:
@@ -182,8 +195,10 @@ class Baseline:
     clip_lower: bool = True
     signals: frozenset = frozenset()
 
-    def watches(self, metric: str) -> bool:
-        return self.metrics.match(metric) or (bool(self.signals) and signal_of(base_name(metric)) in self.signals)
+    def watches(self, metric: str, signal: str | None | object = _DIALECT) -> bool:
+        if signal is _DIALECT:
+            signal = signal_of(base_name(metric))
+        return self.metrics.match(metric) or (bool(self.signals) and signal in self.signals)
 
 
 @dataclass
@@ -194,6 +209,8 @@ class RuleSet:
     policy: Policy = field(default_factory=Policy)
     path: str = "<rules>"
     incidents: list[Incident] = field(default_factory=list)
+    # the file's ``names:``: a metric name pinned to a signal, or (None) refused any signal
+    names: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def breaker_rules(self) -> list[str]:
@@ -201,10 +218,46 @@ class RuleSet:
         return [r.name for r in self.rules if r.critical] + [i.name for i in self.incidents if i.critical]
 
     def baseline_for(self, metric: str) -> Baseline:
+        signal = self.signal_for(metric)
+        if signal is None:
+            signal = self.inferable(metric)
         for b in self.baselines:
-            if b.watches(metric):
+            if b.watches(metric, signal):
                 return b
         return Baseline(Patterns(["*"]), 50, 2.5)
+
+    # -- what a metric name stands for
+
+    def signal_for(self, metric: str) -> str | None:
+        """The signal ``metric`` stands for by the file's ``names:`` or a framework's dialect."""
+        base = base_name(metric)
+        return self.names[base] if base in self.names else signal_of(base)
+
+    def inferable(self, metric: str) -> str | None:
+        """The signal the words of a name that neither ``names:`` nor a dialect knows suggest."""
+        base = base_name(metric)
+        if base in self.names or signal_of(base) is not None:
+            return None
+        return infer_signal(base)
+
+    def inferred(self, names, source_kind: str = "trainer") -> dict[str, str]:
+        """``name -> signal`` for the names of one source judged by the signal their words suggest:
+        no dialect or ``names:`` entry maps them, no other name of the source maps that signal
+        (a verl run's second response-length name is not judged twice), and a rule of this
+        source kind judges it."""
+        names = list(names)
+        guessed = {n: s for n in names if (s := self.inferable(n)) is not None}
+        if not guessed:
+            return {}
+        mapped = {self.signal_for(n) for n in names}
+        judged = self._watch_index(source_kind)[1]
+        # One name per signal, the plainest: beside ``mean_reward``, ``rewards/match_format`` is a
+        # component of the reward, not the reward.
+        chosen: dict[str, str] = {}
+        for n, s in guessed.items():
+            if s not in mapped and s in judged and (s not in chosen or _plainer(n, chosen[s])):
+                chosen[s] = n
+        return {n: s for s, n in chosen.items()}
 
     def layer_for(self, metric: str) -> str:
         signal = signal_of(base_name(metric))
@@ -231,21 +284,31 @@ class RuleSet:
                     for r in self.rules if r.resample_s]
         return float(max(horizons, default=0))
 
-    def rules_for(self, metric: str, source_kind: str) -> list[int]:
+    def rules_for(self, metric: str, source_kind: str, inferred: str | None = None) -> list[int]:
+        """The rules that judge ``metric`` of a source of this kind; ``inferred``: the signal
+        :meth:`inferred` read from its name, for a name nothing else maps."""
+        signal = inferred or self.signal_for(metric)
         return [i for i, r in enumerate(self.rules)
-                if r.watches(metric) and (not r.sources or source_kind in r.sources)]
+                if r.watches(metric, signal) and (not r.sources or source_kind in r.sources)]
 
     def unwatched(self, names, source_kind: str = "trainer") -> list[str]:
         """The names no rule judges by value (a liveness rule such as ``trainer_hung`` listens
         to every name but judges none): the silent misses behind "it did not alert". One
         signal lookup and two pattern matches per name, whatever the number of rules (a source
         may send thousands of names no event before it had)."""
-        watched = self._watch_index(source_kind)
-        return [n for n in names if not watched(n)]
+        watched = self._watch_index(source_kind)[0]
+        names = list(names)
+        inferred = self.inferred(names, source_kind)
+        return [n for n in names if not watched(n) and n not in inferred]
+
+    def judges_as_logged(self, name: str, source_kind: str = "trainer") -> bool:
+        """Whether a rule judges ``name`` by its pattern or the signal a dialect (or ``names:``)
+        gives it: what no other name of the source changes."""
+        return self._watch_index(source_kind)[0](name)
 
     def _watch_index(self, source_kind: str):
-        """``watched(name)`` for the rules that judge values of this source kind: the union of
-        their signals and of their name patterns, each matched once."""
+        """``(watched(name), signals)`` for the rules that judge values of this source kind: the
+        union of their signals and of their name patterns, each matched once."""
         cache = self.__dict__.setdefault("_watch_indexes", {})
         if source_kind not in cache:
             judging = [r for r in self.rules if r.kind != "stale" and (not r.sources or source_kind in r.sources)]
@@ -254,11 +317,11 @@ class RuleSet:
             by_pattern = Patterns([p for r in judging if r.unmapped for p in r.metrics.patterns])
 
             def watched(name: str) -> bool:
-                signal = signal_of(base_name(name))
+                signal = self.signal_for(name)
                 return (signal is not None and signal in signals) or named.match(name) or \
-                    (signal is None and by_pattern.match(name))
+                    (signal_of(base_name(name)) is None and by_pattern.match(name))
 
-            cache[source_kind] = watched
+            cache[source_kind] = (watched, signals)
         return cache[source_kind]
 
     def by_pattern(self, names) -> list[str]:
@@ -544,7 +607,27 @@ def parse(text: str, path: str = "<rules>") -> RuleSet:
         if not isinstance(m, dict):
             raise _err(path, 0, f"each incident must be a mapping, got {m!r}")
         incidents.append(_incident(path, m, names, seen_incidents))
-    return RuleSet(rules, baselines, layers, policy, path, incidents)
+    return RuleSet(rules, baselines, layers, policy, path, incidents, _names(path, doc))
+
+
+def _names(path: str, doc: dict) -> dict[str, str | None]:
+    """``names:``: a metric name -> the signal it stands for, or null to judge it by no signal
+    (an inference refused)."""
+    raw = doc.get("names") or {}
+    if not isinstance(raw, dict):
+        raise _err(path, doc.get("__line__", 1), "'names' must map metric names to signals (or null)")
+    line = raw.get("__line__", 0)
+    names: dict[str, str | None] = {}
+    for name, signal in raw.items():
+        if name == "__line__":
+            continue
+        if not isinstance(name, str) or not name or any(c in name for c in "*?["):
+            raise _err(path, line, f"names: {name!r} must be one metric name as logged, not a pattern")
+        if signal is not None and signal not in SIGNALS:
+            raise _err(path, line, f"names: {name!r}: unknown signal {signal!r}; use one of "
+                                   f"{', '.join(SIGNALS)}, or null to refuse any")
+        names[base_name(name)] = signal
+    return names
 
 
 def _baselines(path: str, doc: dict) -> list[Baseline]:

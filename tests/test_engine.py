@@ -444,12 +444,12 @@ def test_status_names_the_metrics_no_rule_judges():
 
     engine = Engine(rules_mod.default())
     for step in (1, 2):
-        engine.handle(ev.encode(ev.metrics_event("uw", step, {"actor/pg_loss": 0.1, "my/custom_score": 3.0,
+        engine.handle(ev.encode(ev.metrics_event("uw", step, {"actor/pg_loss": 0.1, "my/custom_gauge": 3.0,
                                                                "my/other": 1.0}, src=TRAINER)), 0, step)
     status = engine.status("uw")
-    assert status["unwatched_metrics"] == ["my/custom_score", "my/other"]
-    assert ev.decode(ev.encode(status), expect=(ev.STATUS,))["unwatched_metrics"] == ["my/custom_score", "my/other"]
-    assert "logged but judged by no rule: my/custom_score, my/other" in format_status(status)
+    assert status["unwatched_metrics"] == ["my/custom_gauge", "my/other"]
+    assert ev.decode(ev.encode(status), expect=(ev.STATUS,))["unwatched_metrics"] == ["my/custom_gauge", "my/other"]
+    assert "logged but judged by no rule: my/custom_gauge, my/other" in format_status(status)
 
 
 def test_outputs_are_checked_against_their_schema_when_made():

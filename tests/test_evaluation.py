@@ -245,7 +245,8 @@ def test_run_quick_prints_the_summary_json_last():
                             "real_healthy", "real_false_alarms", "real_added", "nab",
                             "real_warnings_per_100_healthy_steps", "real_notifications_per_100_healthy_steps",
                             "real_pages_before_onset", "recovery", "forecast_lead_steps", "forecast_traces",
-                            "forecast_healthy"}
+                            "forecast_healthy", "real_inferred"}
+    assert set(summary["real_inferred"]) == {"caught", "failures", "healthy_silent", "healthy"}
     recovery = _evaluation_module("recovery")
     assert set(summary["recovery"]) == {"runs", "recovered_without_human", "curable_runs", "curable_recovered",
                                         "median_steps_lost", "rollbacks_per_incident", "steps_on_nonfinite_weights",

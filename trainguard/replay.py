@@ -72,6 +72,7 @@ class ReplayResult:
     metrics: list[str] = field(default_factory=list)    # every name the file logged, first seen first
     unwatched: list[str] = field(default_factory=list)  # names no rule judges
     by_pattern: list[str] = field(default_factory=list)  # names judged by their name pattern alone
+    inferred: dict[str, str] = field(default_factory=dict)  # name -> the signal its words suggest
     consecutive_critical: int = 3                        # the breaker's policy in the rules replayed
     breaker_rules: list[str] = field(default_factory=list)  # the rules the breaker acts on
 
@@ -250,6 +251,7 @@ def replay(path: str | os.PathLike, *, rules=None, fmt: str | None = None, run_i
     result.framework = recognise(result.metrics)
     result.unwatched = ruleset.unwatched(result.metrics)
     result.by_pattern = ruleset.by_pattern(result.metrics)
+    result.inferred = ruleset.inferred(result.metrics)
     result.steps = reader.steps
     result.consecutive_critical = ruleset.policy.consecutive_critical
     result.breaker_rules = ruleset.breaker_rules
@@ -388,6 +390,11 @@ def summary_lines(result: ReplayResult) -> list[str]:
         known = f"{result.framework} names" if result.framework else "no framework's names recognised"
         lines.append(f"metrics: {len(result.metrics)} ({known}); "
                      f"{len(result.metrics) - len(result.unwatched)} watched by the rules")
+        if result.inferred:
+            said = [f"{n} as {s}" for n, s in result.inferred.items()]
+            shown = ", ".join(said[:8]) + (f" (+{len(said) - 8} more)" if len(said) > 8 else "")
+            lines.append(f"judged as the signal their names suggest (no dialect knows them; pin or refuse one "
+                         f"under names: in a rules file): {shown}")
         if result.by_pattern:
             shown = ", ".join(result.by_pattern[:6]) + (f" (+{len(result.by_pattern) - 6} more)"
                                                         if len(result.by_pattern) > 6 else "")

@@ -25,7 +25,6 @@ from trainguard.streams.engine.state import (
 )
 
 __all__ = ["AlertBook", "CROSS", "INCIDENT", "LISTED", "NOTICE", "SOURCE", "STALE"]
-from trainguard.streams.signals import base_name, signal_of
 
 log = logging.getLogger("trainguard.engine")
 
@@ -161,6 +160,14 @@ class AlertBook(StateAccess):
         resolved.pop("flapping", None)  # it settled: the sinks end the flapping notice with it
         return Output(OutputKind.ALERT, alert["run_id"], resolved)
 
+    def _signal_judged(self, rule, metric: str) -> str | None:
+        """The signal the alert judged ``metric`` as: a dialect's, or the one its words suggest
+        when the rule watches signals and not that name."""
+        signal = self.rules.signal_for(metric)
+        if signal is None and rule.signals and not rule.metrics.match(metric):
+            signal = self.rules.inferable(metric)
+        return signal
+
     def _alert(self, event, run: RunState, run_id, sid, rule, metric, value, evidence, attempt) -> dict:
         step, value = event["step"], _json_value(value)
         first = evidence.get("first_spike") if isinstance(evidence, dict) else None
@@ -169,7 +176,7 @@ class AlertBook(StateAccess):
         return self._vouched(ev.alert_event(
             run_id, rule.name, alert_id=ev.alert_id(run_id, rule.name, sid, metric, step, attempt),
             severity=rule.severity, critical=rule.critical, summary=rule.summary, metric=metric, value=value,
-            signal=signal_of(base_name(metric)), metrics=[metric], values={metric: value},
+            signal=self._signal_judged(rule, metric), metrics=[metric], values={metric: value},
             layer=event.get("layer") or self.rules.layer_for(metric), source=event["source"], step=step,
             ts=event["ts"], evidence=evidence, diagnosis=rule.diagnosis, suggestion=rule.suggestion,
             onset=onset, node_snapshot=dict(run.nodes)))

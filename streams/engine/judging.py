@@ -26,7 +26,6 @@ from trainguard.streams.engine.state import (
 )
 from trainguard.streams.minutes import MinuteWindows
 from trainguard.streams.rules import Rule
-from trainguard.streams.signals import base_name, signal_of
 
 log = logging.getLogger("trainguard.engine")
 
@@ -150,8 +149,17 @@ class Judging(Correlation, Breaker):
             for n in new:
                 j = judged.get((kind, n))
                 if j is None:
-                    j = judged[(kind, n)] = not rules.unwatched((n,), kind) or signal_of(base_name(n)) in given
+                    j = judged[(kind, n)] = rules.judges_as_logged(n, kind) or rules.signal_for(n) in given
                 (wanted if j else unwatched).append(n)
+            if unwatched:  # a name no dialect knows, judged as the signal its words suggest
+                inferred = rules.inferred([*index, *names], kind)
+                if any(n in inferred for n in unwatched):
+                    said = [f"{n} as {inferred[n]}" for n in unwatched if n in inferred]
+                    log.info("trainguard: run %s, %s: judging %d metric(s) no framework's vocabulary names by the "
+                             "signal their names suggest: %s%s (pin or refuse one under names: in the rules file)",
+                             run_id, sid, len(said), ", ".join(said[:20]), " ..." if len(said) > 20 else "")
+                    wanted += [n for n in unwatched if n in inferred]
+                    unwatched = [n for n in unwatched if n not in inferred]
             if unwatched:
                 known = set(run.unwatched)
                 fresh = [n for n in unwatched if n not in known]

@@ -20,7 +20,6 @@ from trainguard.streams.baseline import BaselineBlock
 from trainguard.streams.detectors import detector_from_state
 from trainguard.streams.engine.outputs import _json_value, clipped, encoded_bytes
 from trainguard.streams.rules import ENGINE_KINDS, RuleSet
-from trainguard.streams.signals import base_name, signal_of
 
 log = logging.getLogger("trainguard.engine")
 
@@ -242,8 +241,11 @@ class SourceState:
         """Work out which rules watch each row added since the last call."""
         names = self.block.names
         shared = _SHARED_ROWS  # rows of every source watched by the same rules share one tuple
+        # Names judged as the signal their words suggest. A row keeps what it was bound with, even
+        # if a dialect's name of that signal comes later (a restart binds from all names at once).
+        inferred = rules.inferred(names, self.kind) if len(self.rule_rows) < len(names) else {}
         for row in range(len(self.rule_rows), len(names)):
-            watching = rules.rules_for(names[row], self.kind)
+            watching = rules.rules_for(names[row], self.kind, inferred.get(names[row]))
             plain = tuple(i for i in watching if rules.rules[i].detector is None)
             self.rule_rows.append(shared.setdefault(plain, plain))
             series = [i for i in watching if rules.rules[i].detector is not None
@@ -263,7 +265,8 @@ class SourceState:
         cv = np.full(len(names), np.inf)
         eq = np.full(len(names), np.nan)
         wanted = rules.given_signals
-        self.given_rows = {row: sig for row, sig in ((row, signal_of(base_name(n))) for row, n in enumerate(names))
+        self.given_rows = {row: sig for row, sig in ((row, rules.signal_for(n) or inferred.get(n))
+                                                     for row, n in enumerate(names))
                            if sig in wanted} if wanted else {}
         for row, idxs in enumerate(self.rule_rows):
             for i in idxs:
