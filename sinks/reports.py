@@ -335,23 +335,54 @@ def _tenths(xs: np.ndarray, ys: np.ndarray) -> str:
 _TENTHS = '<g transform="scale(0.1)">'
 
 
+def segments_of(steps) -> np.ndarray:
+    """Each point's segment: a step at or below the one before starts a new one (a rollback,
+    or a new trainer process, restored an earlier step)."""
+    st = np.asarray(steps)
+    return np.concatenate(([0], np.cumsum(np.diff(st) <= 0))) if len(st) else np.zeros(0, np.int64)
+
+
+def segment_at(ts, step, restarts, restarted_at, segments: int) -> int | None:
+    """The segment (0: the first) a run was on when an event of time ``ts`` at ``step`` came:
+    one past every restart whose restoring event came before it. ``restarts``: (step before,
+    restored step), the newest ones, with their events' times ``restarted_at``; ``segments``:
+    how many the series has. None where a time is unknown.
+
+    >>> segment_at(10.0, 105, [(107, 100)], [12.0], 2), segment_at(13.0, 105, [(107, 100)], [12.0], 2)
+    (0, 1)
+    """
+    if type(ts) not in (int, float) or not math.isfinite(ts) or len(restarted_at) != len(restarts):
+        return None
+    later = 0
+    for (before, restored), at in zip(restarts, restarted_at, strict=True):
+        if type(at) not in (int, float):
+            return None
+        # the same time: only a step the old branch had logged was logged before the restart
+        if ts < at or (ts == at and type(step) is int and restored < step <= before):
+            later += 1
+    return max(segments - 1 - later, 0)
+
+
 def svg_steps_plot(name: str, steps, values, *, band=None, x_range=None, alerts=(), decisions=(),
-                   clip_at_zero: bool = False, zoom_href=None, log_scale=None, restarts=None) -> str:
+                   clip_at_zero: bool = False, zoom_href=None, log_scale=None, restarts=None, starts=()) -> str:
     """A series by step, in the order it was logged: the values on real axes with ticks, one
     line per segment (a step lower than the one before starts a new segment: a rollback restored
-    an earlier step, so the line is never drawn back), the baseline band (clipped to zero for a
-    metric that never goes below it), non-finite values as red ticks on the top edge, alerts as
-    red circles (``alerts``: dicts with step, id, severity, state, note), breaker decisions
+    an earlier step, so the line is never drawn back), the part of a segment a later one
+    replaced in grey, the baseline band (clipped to zero for a metric that never goes below it),
+    non-finite values as red ticks on the top edge, alerts as red circles (``alerts``: dicts
+    with step, id, severity, state, note, and ``segment``, the one it fired on, where known:
+    else the newest that holds its step) on the line of their branch, breaker decisions
     (``decisions``: (step, text)) as dashed vertical lines, each rollback's restored step as a
-    dotted one (``restarts``: (step before, restored step), else seen in ``steps``). ``x_range``: the steps shown (the
-    whole series by default), downsampled to the pixels. A log scale when the values span two
-    decades or more (``log_scale`` forces it either way). Hovering shows the value under the
-    cursor; with ``zoom_href(first, last)`` a click zooms in there. Every value written is
+    dotted one (``restarts``: (step before, restored step), else seen in ``steps``), each new
+    trainer process (``starts``: (step, text)) as a purple one. ``x_range``: the steps shown
+    (the whole series by default), downsampled to the pixels. A log scale when the values span
+    two decades or more (``log_scale`` forces it either way). Hovering shows the value under
+    the cursor; with ``zoom_href(first, last)`` a click zooms in there. Every value written is
     escaped for where it goes."""
     esc = attr
     st = np.asarray(steps, float)
     vals = np.asarray(values, float)
-    seg = np.concatenate(([0], np.cumsum(np.diff(st) <= 0))) if len(st) else np.zeros(0, np.int64)
+    seg = segments_of(st)
     if x_range is None:
         x0, x1 = (float(st.min()), float(st.max())) if len(st) else (0.0, 1.0)
     else:
@@ -424,26 +455,37 @@ def svg_steps_plot(name: str, steps, values, *, band=None, x_range=None, alerts=
                 ok = ok[np.linspace(0, len(ok) - 1, 300).astype(np.int64)]
             if len(ok) > 1:
                 up, down = np.clip(fy(bhi[ok]), top, bottom), np.clip(fy(blo[ok]), top, bottom)
-                polys.append(f'<polygon class="band" points="{_tenths(xs[ok], up)} '
+                polys.append(f'<polygon class="band" data-segment="{s}" points="{_tenths(xs[ok], up)} '
                              f'{_tenths(xs[ok][::-1], down[::-1])}" fill="#2a7ae2" fill-opacity="0.12"/>')
         if polys:
             parts.append(f'{_TENTHS}{"".join(polys)}</g>')
-    # the line: broken at a new segment and at a non-finite value
+    # the line: broken at a new segment and at a non-finite value; from the step a later segment
+    # restored, a segment is what the run replaced: grey, joined to its live part
+    starts_at = np.flatnonzero(np.diff(seg) > 0) + 1
+    first_step = st[np.concatenate(([0], starts_at))] if len(st) else st
+    last_step = st[np.append(starts_at - 1, len(st) - 1)] if len(st) else st
+    replaced_from = np.append(np.minimum.accumulate(first_step[::-1])[::-1][1:], np.inf)
     fin_pos = np.flatnonzero(finite_kept)
     if len(fin_pos):
         nonfinite_before = np.cumsum(~finite_kept)
         cut = (np.diff(kseg[fin_pos]) != 0) | (np.diff(nonfinite_before[fin_pos]) != 0)
-        last_seg = int(seg[-1]) if len(seg) else 0
         lines = []
+        replaced_kept = st[kept] >= replaced_from[kseg]  # rises within a piece: live, then replaced
         for piece in np.split(fin_pos, np.flatnonzero(cut) + 1):
-            if len(piece) > 1:
-                s = int(kseg[piece[0]])
-                colour = "#333" if s == last_seg else "#999"  # a segment a rollback replaced is grey
-                lines.append(f'<polyline class="series" data-segment="{s}" points="{_tenths(xs[piece], ys[piece])}" '
-                             f'fill="none" stroke="{colour}" stroke-width="12"/>')
-            elif len(piece) == 1:
-                lines.append(f'<circle class="series point" cx="{xs[piece[0]] * 10:.0f}" '
-                             f'cy="{ys[piece[0]] * 10:.0f}" r="15" fill="#333"/>')
+            s = int(kseg[piece[0]])
+            if not replaced_kept[piece[-1]]:
+                live, replaced = piece, piece[:0]
+            else:
+                first_gone = int(np.argmax(replaced_kept[piece]))
+                live, replaced = piece[:first_gone], piece[max(first_gone - 1, 0):]
+            for drawn, kind, colour in ((live, "series", "#333"), (replaced, "series replaced", "#999")):
+                if len(drawn) > 1:
+                    lines.append(f'<polyline class="{kind}" data-segment="{s}" '
+                                 f'points="{_tenths(xs[drawn], ys[drawn])}" fill="none" stroke="{colour}" '
+                                 f'stroke-width="12"/>')
+                elif len(drawn) == 1 and not (kind == "series" and len(replaced)):
+                    lines.append(f'<circle class="{kind} point" data-segment="{s}" cx="{xs[drawn[0]] * 10:.0f}" '
+                                 f'cy="{ys[drawn[0]] * 10:.0f}" r="15" fill="{colour}"/>')
         parts.append(_TENTHS + "".join(lines) + "</g>")
     if restarts is None:
         restarts = [(int(st[i]), int(st[i + 1])) for i in np.flatnonzero(np.diff(seg) > 0).tolist()]
@@ -457,6 +499,12 @@ def svg_steps_plot(name: str, steps, values, *, band=None, x_range=None, alerts=
         parts.append(f'<line class="nonfinite" data-step="{esc(s)}" x1="{tx:.1f}" y1="{top}" x2="{tx:.1f}" '
                      f'y2="{top + 10}" stroke="#d62728" stroke-width="2"><title>{esc(str(kv[i]))} at step '
                      f'{esc(s)}</title></line>')
+    for s, text in sorted(set(starts)):
+        if inside(s):
+            tx = float(fx(s))
+            parts.append(f'<line class="marker attempt" data-step="{esc(s)}" x1="{tx:.1f}" y1="{top}" x2="{tx:.1f}" '
+                         f'y2="{bottom}" stroke="#9467bd" stroke-width="1.5" stroke-dasharray="1 2">'
+                         f'<title>{esc(text)}</title></line>')
     for s, text in sorted(set(decisions)):
         if inside(s):
             tx = float(fx(s))
@@ -467,18 +515,14 @@ def svg_steps_plot(name: str, steps, values, *, band=None, x_range=None, alerts=
         s = a["step"]
         if not inside(s):
             continue
-        at = np.flatnonzero(np.isclose(st[kept], s))
-        if len(at) and not finite_kept[at[-1]]:
-            cy = float(top + 5)  # on the non-finite tick
-        else:  # on the line: the drawn point nearest its step (downsampled, it may not be drawn itself)
-            near = np.flatnonzero(finite_kept)
-            cy = float(top + 5)
-            if len(near):
-                dist = np.abs(st[kept][near] - s)[::-1]
-                cy = float(ys[near[len(near) - 1 - int(np.argmin(dist))]])  # the newest of the nearest
+        holder = _holding_segment(first_step, last_step, s, a.get("segment"))
+        b0, b1 = (int(starts_at[holder - 1]) if holder else 0), (int(starts_at[holder]) if holder < len(starts_at)
+                                                                  else len(st))
+        cy = float(np.clip(_y_on_segment(st[b0:b1], vals[b0:b1], s, fy, top), top, bottom))
         colour = "#999" if a.get("state") == "resolved" else "#d62728"
         parts.append(f'<circle class="marker alert" data-step="{esc(s)}" data-alert="{esc(a.get("id"))}" '
                      f'data-severity="{esc(a.get("severity"))}" data-state="{esc(a.get("state"))}" '
+                     f'data-segment="{holder}" '
                      f'cx="{float(fx(s)):.1f}" cy="{cy:.1f}" r="5" fill="none" stroke="{colour}" stroke-width="2">'
                      f'<title>{esc(a.get("note") or "alert")}</title></circle>'
                      f'<text class="tick alert-label" x="{float(fx(s)) + 7:.1f}" y="{cy - 6:.1f}" fill="{colour}">'
@@ -487,6 +531,34 @@ def svg_steps_plot(name: str, steps, values, *, band=None, x_range=None, alerts=
     parts += [f'<text x="{_PL}" y="{top - 6}" font-size="13">{esc(name)}'
               f'{" (log scale)" if log_scale else ""}</text>', "</svg>"]
     return "".join(parts)
+
+
+def _holding_segment(first_step: np.ndarray, last_step: np.ndarray, step, branch) -> int:
+    """The segment whose points hold ``step`` on the branch that segment ``branch`` ends: a
+    branch is its own segment from its first step, and before it the branch it restored from.
+    Without ``branch``: the newest segment whose steps span ``step``, else the last."""
+    if not len(first_step):
+        return 0
+    last = len(first_step) - 1
+    if type(branch) is not int or not 0 <= branch <= last:
+        spans = np.flatnonzero((first_step <= step) & (step <= last_step))
+        return int(spans[-1]) if len(spans) else last
+    while branch > 0 and step < first_step[branch]:
+        branch -= 1
+    return branch
+
+
+def _y_on_segment(st: np.ndarray, vals: np.ndarray, step, fy, top: float) -> float:
+    """Where a marker at ``step`` sits on the line of a segment (its steps ``st``, rising, and
+    values ``vals``): its value there (between the values either side where that step was not
+    kept), the non-finite tick for a NaN."""
+    at = int(np.searchsorted(st, step))
+    if at < len(st) and st[at] == step:
+        return float(fy(vals[at])) if math.isfinite(vals[at]) else float(top + 5)
+    finite = np.isfinite(vals)
+    if not finite.any():
+        return float(top + 5)
+    return float(fy(np.interp(float(step), st[finite], vals[finite])))
 
 
 def _hover(st, kv, xs, ys, x0, x1, top, bottom, zoom_href) -> str:

@@ -1,13 +1,18 @@
 """The run page's SVG plots: each watched signal by step with the rolling baseline band its
 rule judges against, alerts and breaker decisions marked (drawn by
 :func:`trainguard.sinks.reports.svg_steps_plot`, shared with the report page), and the zoom
-links."""
+links.
+
+After a rollback a series holds two branches over the same steps: the one the run abandoned and
+the one it restored. Each is judged apart: the band of a branch comes from the values it holds
+(the old branch's up to the restored step, then its own), and an alert is drawn on the branch
+it fired on, told by its time against the restart's."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from trainguard.sinks.reports import int64, svg_steps_plot
+from trainguard.sinks.reports import int64, segment_at, segments_of, svg_steps_plot
 from trainguard.streams.rules import RuleSet
 
 
@@ -41,6 +46,42 @@ def rolling_band(values: np.ndarray, window: int, k: float) -> tuple[np.ndarray,
     return lo, hi
 
 
+MAX_BRANCHES = 64  # branches banded apart (the restarts a series keeps exactly); older ones as one
+
+
+def branch_band(steps: np.ndarray, values: np.ndarray, window: int, k: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`rolling_band` on each branch apart: a segment's band comes from the values of its
+    own branch, the finite values before its first step of the branch it restored from, then
+    its own; never from what that branch logged past the restored step.
+
+    >>> steps = np.array([1, 2, 3, 4, 3, 4])            # rolled back to step 3 after a spike at 3..4
+    >>> lo, hi = branch_band(steps, np.array([1.0, 1.0, 90.0, 90.0, 1.0, 1.0]), window=2, k=1.0)
+    >>> [float(v) for v in hi[4:]], [float(v) for v in hi[2:4]]
+    ([1.0, 1.0], [1.0, 90.0])
+    """
+    steps, values = np.asarray(steps), np.asarray(values, float)
+    starts = np.flatnonzero(np.diff(steps) <= 0) + 1
+    if not len(starts):
+        return rolling_band(values, window, k)
+    # the oldest segments past MAX_BRANCHES as one, as before any rollback: bounded work per page
+    merged = len(starts) > MAX_BRANCHES
+    bounds = [0, *starts[-MAX_BRANCHES:].tolist(), len(steps)]
+    lo, hi = np.full(len(steps), np.nan), np.full(len(steps), np.nan)
+    # the branch so far: its finite values by step, rising (a rollback cuts it)
+    branch_steps, branch_values = steps[:0], values[:0]
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=False)):
+        cut = int(np.searchsorted(branch_steps, steps[a]))
+        before = branch_values[max(cut - window, 0):cut]
+        seg_lo, seg_hi = rolling_band(np.concatenate((before, values[a:b])), window, k)
+        lo[a:b], hi[a:b] = seg_lo[len(before):], seg_hi[len(before):]
+        if b < len(steps):
+            own = int(starts[-MAX_BRANCHES - 1]) if i == 0 and merged else a  # steps rise within a segment only
+            finite = np.isfinite(values[own:b])
+            branch_steps = np.concatenate((branch_steps[:cut], steps[own:b][finite]))
+            branch_values = np.concatenate((branch_values[:cut], values[own:b][finite]))
+    return lo, hi
+
+
 def steps_extent(view: dict) -> tuple[int, int]:
     """The steps the run's series cover, first to last (0..1 before any)."""
     spans = [(int(s["steps"].min()), int(s["steps"].max())) for s in view["series"].values() if len(s["steps"])]
@@ -58,18 +99,23 @@ def zoom_href(first: int, last: int) -> str:
 
 
 def signal_plots(view: dict, rules: RuleSet, alerts: list[dict], decisions: list[tuple[int, str]],
-                 x_range: tuple[int, int]) -> list[str]:
+                 x_range: tuple[int, int], starts: list[tuple[int, str]] | None = None) -> list[str]:
     """One ``<figure>`` per series of ``view`` over the steps ``x_range``: its baseline band (the
-    rule's window and k), the alerts on its metric, and the breaker's ``decisions``."""
+    rule's window and k, per branch), the alerts on its metric on the branch each fired on (at
+    its ``fired`` time), the breaker's ``decisions`` and the trainer processes' ``starts``."""
     plots = []
     for name, series in view["series"].items():
         steps, values = series["steps"], series["values"]
         metric = name.split(" @")[0]
         base = rules.baseline_for(metric)
-        band = rolling_band(values, base.window, base.k)
-        markers = [{**a, "step": a["step"]} for a in alerts if metric in a["metrics"] and int64(a["step"]) is not None]
-        plot = svg_steps_plot(name, steps, values, band=band, x_range=x_range, alerts=markers,
-                              restarts=series["restarts"],
-                              decisions=decisions, clip_at_zero=base.clip_lower, zoom_href=zoom_href)
+        band = branch_band(steps, values, base.window, base.k)
+        segments = int(segments_of(steps)[-1]) + 1 if len(steps) else 1
+        restarts, restarted_at = series["restarts"], series.get("restarted_at") or []
+        markers = [{**a, "segment": segment_at(a.get("fired", a.get("ts")), a["step"], restarts, restarted_at,
+                                               segments)}
+                   for a in alerts if metric in a["metrics"] and int64(a["step"]) is not None]
+        plot = svg_steps_plot(name, steps, values, band=band, x_range=x_range, alerts=markers, restarts=restarts,
+                              decisions=decisions, starts=starts or (), clip_at_zero=base.clip_lower,
+                              zoom_href=zoom_href)
         plots.append(f"<figure>{plot}</figure>")
     return plots

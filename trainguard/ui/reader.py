@@ -101,7 +101,7 @@ class Board:
         if schema == ev.METRICS:
             points = self._watched_points(event)
             with self.lock:
-                self._metrics(self._touch(run_id), points)
+                self._metrics(self._touch(run_id), points, event["ts"])
         elif schema == ev.ALERT:
             view = alert_view(event)
             with self.lock:
@@ -152,14 +152,14 @@ class Board:
                 points.append((name + suffix, step, float(value)))
         return points
 
-    def _metrics(self, run: _Run, points) -> None:
+    def _metrics(self, run: _Run, points, ts: float) -> None:
         for name, step, value in points:
             entry = run.series.get(name)
             if entry is None:
                 if len(run.series) >= self.max_series:
                     continue
                 entry = run.series[name] = Series(self.max_points)
-            entry.add(step, value)
+            entry.add(step, value, ts)
 
     def _report(self, run: _Run, run_id: str, report: dict, size: int) -> None:
         if size > self.max_report_bytes:
@@ -203,7 +203,8 @@ class Board:
             commands = list(run.commands.values())
             acks = dict(run.acks)
             reports = [report_view(r) for r in run.reports.values()]
-            series = {name: (*s.copy(), list(s.restarts), s.stride) for name, s in run.series.items()}
+            series = {name: (*s.copy(), list(s.restarts), list(s.restarted_at), s.stride)
+                      for name, s in run.series.items()}
             status = run.status
         decisions = {r["command_id"]: r["step"] for r in reports}
         commands = [{**c, "ack": acks.get(c["id"]),
@@ -211,8 +212,9 @@ class Board:
         alerts.sort(key=lambda a: a["ts"])
         reports.sort(key=lambda r: r["ts"])
         return {"run_id": run_id, "status": status, "alerts": alerts, "commands": commands, "reports": reports,
-                "series": {name: {"steps": steps, "values": values, "restarts": restarts, "stride": stride}
-                           for name, (steps, values, restarts, stride) in series.items()}}
+                "series": {name: {"steps": steps, "values": values, "restarts": restarts, "restarted_at": at,
+                                  "stride": stride}
+                           for name, (steps, values, restarts, at, stride) in series.items()}}
 
     def run(self, run_id: str) -> dict:
         """The run as ``/api/run/<run>`` returns it (empty for a run the board does not know):
@@ -221,6 +223,7 @@ class Board:
         if view is None:
             return {"run_id": run_id, "status": None, "alerts": [], "commands": [], "reports": [], "series": {}}
         view["series"] = {name: {"steps": s["steps"].tolist(), "restarts": s["restarts"], "stride": s["stride"],
+                                 "restarted_at": s["restarted_at"],
                                  "values": [v if math.isfinite(v) else str(v) for v in s["values"].tolist()]}
                           for name, s in view["series"].items()}
         return view

@@ -14,14 +14,17 @@ class Series:
     turn, so the envelope survives) and later values are taken one per ``stride`` the same way.
     A 100,000-step run keeps one point per 16 steps in 10,000 points; its NaN is never lost. A
     step lower than the one before (a rollback) closes the bucket, so the new segment starts at
-    the restored step."""
+    the restored step, and the time of the event that restored it is kept (``restarted_at``):
+    what an alert's time is compared with to tell the branch it fired on."""
 
-    __slots__ = ("steps", "values", "stride", "limit", "restarts", "_n", "_step", "_value", "_last", "_newest")
+    __slots__ = ("steps", "values", "stride", "limit", "restarts", "restarted_at", "_n", "_step", "_value", "_last",
+                 "_newest")
 
     def __init__(self, limit: int):
         self.steps, self.values = array("q"), array("d")
         self.stride, self.limit = 1, max(limit, 2)
         self.restarts: list[tuple[int, int]] = []  # (step before, restored step): the newest 64, exact
+        self.restarted_at: list[float | None] = []  # each restart's event time, as the trainer gave it
         self._n, self._step, self._value = 0, 0, 0.0  # the open bucket: its size and the value it keeps
         self._last: int | None = None
         self._newest = 0.0  # the last value logged: shown even when its bucket kept another
@@ -29,11 +32,12 @@ class Series:
     def __len__(self) -> int:
         return len(self.steps) + (self._n > 0)
 
-    def add(self, step: int, value: float) -> None:
+    def add(self, step: int, value: float, ts: float | None = None) -> None:
         last, self._last, self._newest = self._last, step, value
         if last is not None and step <= last:
             self._close()
             self.restarts = [*self.restarts[-63:], (last, step)]
+            self.restarted_at = [*self.restarted_at[-63:], ts]
             self._append(step, value)  # a restored step is kept as it is
         elif self.stride == 1:  # the common case, and the reader's hot path: inlined
             steps = self.steps
