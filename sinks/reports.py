@@ -593,17 +593,41 @@ def int64(v) -> int | None:
 
 
 def implicated(report: dict) -> list[str]:
-    """The signals a report is about: those with a window, then every alert's metrics."""
+    """The signals a report is about: those with a window, then every signal its alerts name
+    (:func:`alert_marks`), an incident's members' among them."""
     names = [m for m in _mapping(report.get("windows"))]
     for a in _items(report.get("alerts")):
-        if not isinstance(a, dict):
-            continue
-        listed = a.get("metrics")
-        more: list = listed if isinstance(listed, list) else []
-        for m in [a.get("metric"), *more]:
-            if isinstance(m, str) and m and m not in names:
-                names.append(m)
+        if isinstance(a, dict):
+            names += [m for m in dict.fromkeys(m for m, _, _ in alert_marks(a)) if m not in names]
     return names
+
+
+def alert_marks(alert: dict) -> list[tuple[str, object, object]]:
+    """(signal, step, value) for each signal an alert names: its metric, the others it lists
+    (a NaN in the loss and the gradient norm at once), and for an incident each member's (an
+    incident's own ``metric`` names no signal). The value is None where the alert's is of
+    another signal.
+
+    >>> alert_marks({"metric": "incident", "step": 9, "evidence": {"detector": "incident", "members": [
+    ...     {"metric": "kl", "step": 7, "value": 1.5}, {"metric": "grad_norm", "step": 8, "value": 370.0}]}})
+    [('kl', 7, 1.5), ('grad_norm', 8, 370.0)]
+    """
+    evidence = _mapping(alert.get("evidence"))
+    incident = evidence.get("detector") == "incident" or alert.get("kind") == "incident"
+    marks: list[tuple[object, object, object]] = []
+    if not incident:
+        marks.append((alert.get("metric"), alert.get("step"), alert.get("value")))
+    marks += [(m, alert.get("step"), None) for m in _items(alert.get("metrics"))]
+    for member in _items(evidence.get("members")) if incident else []:
+        if isinstance(member, dict):
+            marks.append((member.get("metric"), member.get("step"), member.get("value")))
+    seen: set[str] = set()
+    out = []
+    for name, step, value in marks:
+        if isinstance(name, str) and name and name not in seen:
+            seen.add(name)
+            out.append((name, step, value))
+    return out
 
 
 def _window_series(window: dict, alert: dict, end: int) -> tuple[list[int], list[float]]:
@@ -631,28 +655,37 @@ def render_html(report: dict, *, run_href: str | None = None, series: dict | Non
                 step: int | None = None) -> str:
     """The report as one self-contained page: the text form's facts, and every implicated
     signal plotted by step up to the decision (``series``: {metric: (steps, values)} the run page
-    keeps, else the report's windows), linked to the run's page (``run_href``)."""
+    keeps, or (steps, values, restarts, restarted_at) after a rollback, so that the alerts are
+    drawn on the branch the run was on at the report; else the report's windows), linked to the
+    run's page (``run_href``)."""
     esc = html.escape
     step = int64(report.get("step")) if step is None else step
     alerts = [a for a in _items(report.get("alerts")) if isinstance(a, dict)]
     decision = f"decision: {report['action'].upper()}"
     plots = []
     for metric in implicated(report):
-        mine = [a for a in alerts if a.get("metric") == metric or metric in (a.get("metrics") or [])]
-        alert = next((a for a in mine if a.get("metric") == metric), mine[0] if mine else {})
+        marks = [(a, at, value) for a in alerts for name, at, value in alert_marks(a) if name == metric]
+        own = next((a for a, _, _ in marks if a.get("metric") == metric), None)
+        alert = own or {}
         evidence = _mapping(alert.get("evidence"))
         window = _mapping(_mapping(report.get("windows")).get(metric))
         kept = (series or {}).get(metric)
         # the windows were taken when the report was made, at its step, not at the alert's
         end = step if step is not None else int64(alert.get("step"))
+        branch = None
         if kept is not None and len(kept[0]):
-            steps, values = kept
+            steps, values = kept[0], kept[1]
+            if len(kept) >= 4:  # every alert of the report fired before it, on the branch of its time
+                branch = segment_at(report.get("ts"), step, kept[2], kept[3], int(segments_of(steps)[-1]) + 1)
             caption = "as the run page keeps it"
         elif window and window.get("values") and end is not None:
             steps, values = _window_series(window, alert, end)
             caption = f"the last {len(values)} values the baseline held, one per step"
         else:
-            plots.append(f'<p class="missing">{esc(metric)}: no values of it were kept in this report</p>')
+            said = next((f" (alert value {format_value(v)} at step {shown(at)})" for _, at, v in marks
+                         if v is not None), "")
+            plots.append(f'<p class="missing">{esc(metric)}: no values of it were kept in this report'
+                         f'{esc(said)}</p>')
             continue
         last = step if step is not None else int(max(steps))
         span = max(len((window or {}).get("values") or []), 50)
@@ -660,14 +693,16 @@ def render_html(report: dict, *, run_href: str | None = None, series: dict | Non
         band = None
         if is_finite_number(evidence.get("lower")) and is_finite_number(evidence.get("upper")):
             band = (np.full(len(steps), float(evidence["lower"])), np.full(len(steps), float(evidence["upper"])))
-        markers = [{"step": int64(a.get("step")), "id": a.get("id"), "severity": a.get("severity"), "state": "firing",
-                    "note": f"{a.get('severity')} {a.get('rule')} at step {a.get('step')}: "
-                            f"{format_value(a.get('value'))}"}
-                   for a in mine if int64(a.get("step")) is not None]
+        markers = [{"step": int64(at), "id": a.get("id"), "severity": a.get("severity"), "state": "firing",
+                    "segment": branch,
+                    "note": f"{a.get('severity')} {a.get('rule')} at step {at}"
+                            + (f": {format_value(value)}" if value is not None else "")}
+                   for a, at, value in marks if int64(at) is not None]
         plot = svg_steps_plot(metric, steps, values, band=band, x_range=x_range, alerts=markers,
                               decisions=[(step, f"{decision} at step {step}")] if step is not None else [],
                               clip_at_zero=True)
-        value = f" (alert value {esc(format_value(alert.get('value')))})" if "value" in alert else ""
+        known = [v for _, _, v in marks if v is not None]
+        value = f" (alert value {esc(format_value(known[0]))})" if known else ""
         plots.append(f'<figure>{plot}<figcaption>{esc(metric)}{value} from '
                      f'{esc(str((window or {}).get("source", alert.get("source", "")) or ""))}, {caption}'
                      f'</figcaption></figure>')

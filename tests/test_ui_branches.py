@@ -18,9 +18,10 @@ import pytest
 from tests.integration import browser
 from trainguard.core.kafka import Topics
 from trainguard.schemas import events as ev
+from trainguard.sinks.reports import implicated, render_html
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
-from trainguard.ui import Board, render_run, rolling_band
+from trainguard.ui import Board, render_report_page, render_run, rolling_band
 from trainguard.ui.plots import branch_band
 
 T0 = 1.7e9
@@ -185,6 +186,20 @@ def test_after_a_rollback_every_marker_sits_on_the_line_of_the_branch_it_fired_o
     print(f"\nscreenshot: {shot}")
 
 
+def test_the_report_page_draws_its_alerts_on_the_branch_the_run_was_on(rolled_back):
+    feed, _, _ = rolled_back
+    report = feed.board.snapshot(RUN)["reports"][0]
+    page = render_report_page(feed.board, RUN, report["id"])
+    plots = _plots(page)
+    assert {"actor/kl_loss", "actor/grad_norm"} <= set(plots), "every signal the decision names"
+    for metric in ("actor/kl_loss", "actor/grad_norm"):
+        svg = plots[metric]
+        markers = _markers(svg)
+        assert markers and all(m["segment"] == 0 for m in markers), "the report came before the rollback"
+        for m in markers:
+            assert _distance_to(_lines_by_segment(svg)[0], m["x"], m["y"]) <= 2.0
+
+
 # ------------------------------------------------------------------ bands per branch
 
 
@@ -230,3 +245,61 @@ def test_a_branch_restored_twice_and_a_hostile_series_stay_quick():
     started = time.perf_counter()
     branch_band(hostile, np.ones(len(hostile)), window=100, k=3.0)
     assert time.perf_counter() - started < 0.5
+
+
+# ------------------------------------------------------------------ the report names every signal
+
+
+def _incident_report() -> dict:
+    members = [{"rule": "grad_norm_jump", "id": "a1", "metric": "actor/grad_norm", "value": 370.0, "step": 104,
+                "layer": "data"},
+               {"rule": "entropy_collapse", "id": "a2", "metric": "actor/entropy", "value": 0.01, "step": 106,
+                "layer": "data"}]
+    return {"schema": "report/1", "id": "rep-1", "run_id": "inc", "action": "rollback", "command_id": "c1",
+            "ts": T0 + 106, "step": 106, "summary": "s",
+            "incident": {"onset_step": 104, "rules": ["entropy_collapse_after_spike"], "layers": ["data"]},
+            "checkpoint": {"chosen": None, "why": "w"}, "windows": {},
+            "alerts": [{"id": "i1", "rule": "entropy_collapse_after_spike", "severity": "P1", "metric": "incident",
+                        "value": 2, "step": 106, "evidence": {"detector": "incident", "members": members}},
+                       {"id": "n1", "rule": "non_finite", "severity": "P0", "metric": "actor/pg_loss",
+                        "value": "NaN", "step": 106, "metrics": ["actor/pg_loss", "critic/grad_norm"]}]}
+
+
+def test_the_report_shows_every_signal_its_incident_and_alerts_name():
+    report = _incident_report()
+    assert implicated(report) == ["actor/grad_norm", "actor/entropy", "actor/pg_loss", "critic/grad_norm"], \
+        "the incident's members and every metric an alert lists; 'incident' is no signal"
+    page = render_html(report)
+    named = re.findall(r'<p class="missing">([^:<]+):', page)
+    assert sorted(named) == sorted(implicated(report)), "without values, each is still named"
+    assert "alert value 370 at step 104" in page, "with what its alert saw"
+
+    topics = Topics()
+    board = Board(rules_mod.default(), topics)
+    for step in range(90, 111):
+        board.take(topics.events, b"inc", ev.encode(ev.metrics_event("inc", step, {
+            "actor/grad_norm": 370.0 if step == 104 else 1.0, "actor/entropy": 0.01 if step >= 106 else 1.2,
+            "actor/pg_loss": 0.3}, src=TRAINER, ts=T0 + step)))
+    board.take(topics.alerts, b"inc", orjson.dumps(report))
+    plots = _plots(render_report_page(board, "inc", "rep-1"))
+    assert {"actor/grad_norm", "actor/entropy", "actor/pg_loss"} <= set(plots), "plotted from what the page keeps"
+    assert 'data-step="104"' in plots["actor/grad_norm"] and 'data-step="106"' in plots["actor/entropy"]
+
+
+def test_the_report_page_adds_the_signals_the_run_pages_alert_named():
+    """A NaN in the loss and the gradient norm at once: one alert names both; the report keeps
+    only its metric, the page the alert's every signal."""
+    feed = _Feed()
+    for step in range(1, 31):
+        bad = step >= 25
+        feed.send(ev.metrics_event("nan", step, {"actor/pg_loss": math.nan if bad else 0.3,
+                                                 "actor/grad_norm": math.nan if bad else 1.0},
+                                   src=TRAINER, ts=T0 + step))
+        if step % 10 == 0:
+            feed.send(ev.checkpoint_event("nan", step, f"/ckpt/{step}", ts=T0 + step, src=TRAINER))
+    view = feed.board.snapshot("nan")
+    report = feed.board.report("nan", view["reports"][0]["id"])
+    assert implicated(report) == ["actor/pg_loss"], "(what the report alone names)"
+    plots = _plots(render_report_page(feed.board, "nan", report["id"]))
+    assert {"actor/pg_loss", "actor/grad_norm"} <= set(plots)
+    assert 'class="nonfinite"' in plots["actor/grad_norm"]

@@ -190,10 +190,17 @@ def render_report_page(board: Board, run_id: str, report_id: str) -> str | None:
     if report is None:
         return None
     page = report_for_page(report)
-    kept = (board.snapshot(run_id) or {}).get("series", {})
+    view = board.snapshot(run_id) or {}
+    # the report keeps each alert's own metric; the board knows every signal it named
+    named = {a["id"]: a["metrics"] for a in view.get("alerts", []) if a["status"] == "firing"}
+    for alert in page["alerts"]:
+        listed = alert.get("metrics") if isinstance(alert.get("metrics"), list) else []
+        alert["metrics"] = [*listed, *(named.get(alert["id"], []) if isinstance(alert.get("id"), str) else [])]
+    kept = view.get("series", {})
     series = {}
     for metric in implicated(page):
         name = next((n for n in kept if n == metric or n.startswith(metric + " @")), None)
         if name is not None:
-            series[metric] = (kept[name]["steps"], kept[name]["values"])
+            s = kept[name]
+            series[metric] = (s["steps"], s["values"], s["restarts"], s["restarted_at"])
     return render_report(page, run_href=_run_path(run_id), series=series, step=int64(report.get("step")))
