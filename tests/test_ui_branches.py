@@ -21,7 +21,7 @@ from trainguard.schemas import events as ev
 from trainguard.sinks.reports import implicated, render_html
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.engine import Engine
-from trainguard.ui import Board, render_report_page, render_run, rolling_band
+from trainguard.ui import Board, render_index, render_report_page, render_run, rolling_band
 from trainguard.ui.plots import branch_band
 
 T0 = 1.7e9
@@ -303,3 +303,46 @@ def test_the_report_page_adds_the_signals_the_run_pages_alert_named():
     plots = _plots(render_report_page(feed.board, "nan", report["id"]))
     assert {"actor/pg_loss", "actor/grad_norm"} <= set(plots)
     assert 'class="nonfinite"' in plots["actor/grad_norm"]
+
+
+# ------------------------------------------------------------------ the runs list
+
+
+def _text(page: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page))
+
+
+def test_the_runs_list_labels_every_column_and_says_what_trainguard_runs_says():
+    from trainguard.operate import format_runs
+
+    feed, _, _ = _rolled_back_run()
+    # a run that finished: the breaker stays armed, the run is over
+    for step in range(1, 6):
+        feed.send(ev.metrics_event("done", step, {"actor/pg_loss": 0.3}, src=TRAINER, ts=T0 + step))
+    feed.send(ev.lifecycle_event("done", "finished", step=5, src=TRAINER, ts=T0 + 6))
+    feed.status("done")
+    # a second trainer process under the first run's id
+    feed.send(ev.lifecycle_event(RUN, "started", step=150, src=ev.source("trainer", "gpu-b", 0), ts=T0 + 400))
+    # records no worker reports on (refused, say, as read from another run's partition)
+    feed.board.take(feed.topics.events, b"ghost", ev.encode(ev.metrics_event("ghost", 1, {"actor/pg_loss": 0.3},
+                                                                             src=TRAINER, ts=T0)))
+    index = render_index(feed.board)
+    headers = re.findall(r"<th>([^<]*)</th>", index)
+    assert headers and all(h.strip() for h in headers), f"every column labelled: {headers}"
+    rows = {m.group(1): m.group(0)
+            for m in re.finditer(r'<tr class="run"><td class="run"><a href="/run/([^"]+)">.*?</tr>', index)}
+    assert set(rows) == {RUN, "done"}, "a run id no worker reports on makes no run"
+    assert "1 more run id(s) on the events topic that no worker reports on" in _text(index)
+
+    statuses = {r: feed.engine.status(r) for r in ("done", RUN)}
+    cli = {line.split()[0]: line for line in format_runs(statuses).splitlines()[1:]}
+    for run in ("done", RUN):
+        state = re.search(r'<td class="state">([^<]*)</td>', rows[run]).group(1)
+        assert state in cli[run], f"{run}: the state `trainguard runs` says ({cli[run]!r}), not {state!r}"
+    assert '<td class="state">finished</td>' in rows["done"]
+    assert "2 attempts" in rows[RUN], "two trainer processes under one run id"
+
+    page = _text(render_run(feed.board, RUN))
+    assert "2 trainer processes logged this run, its attempts one after another" in page
+    assert "attempt 2 started" in page and "on gpu-b" in page
+    assert 'class="marker attempt" data-step="150"' in render_run(feed.board, RUN), "where attempt 2 began"

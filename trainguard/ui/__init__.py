@@ -6,13 +6,23 @@ reports, and the metric events of each run, of which it keeps only what a rule w
 the whole run in at most ``max_points`` points per series (:class:`Series`). Pages are built
 on request from that memory:
 
-- ``/``: the runs, newest first
+- ``/``: the runs a worker reports on, newest first, as ``trainguard runs`` lists them (the
+  status topic) and in its words for their state ("finished", "awaiting rollback"); a run id
+  heard of only on the events topic makes no run (its records may be ones the worker refused),
+  it is counted below; a run id that several trainer processes logged says how many attempts
 - ``/run/<run>``: the run's state, each watched signal as a plot by step over the whole run
   (``?from=&to=`` zooms to those steps) with the rolling baseline band the rules judge
   against, alerts as markers with their id, severity and state, breaker decisions as vertical
-  lines; the alerts (with silences and acks), commands and acks in time order, and reports
-- ``/run/<run>/report/<report id>``: the diagnosis report page (the reports sink's), its
-  signals plotted from what this page keeps, linked back to the run's page
+  lines, each new trainer process (an attempt) as a purple one; the alerts (with silences and
+  acks, and their attempt), commands and acks in time order, and reports
+- ``/run/<run>/report/<report id>``: the diagnosis report page (the reports sink's), every
+  signal its alerts name plotted from what this page keeps, linked back to the run's page
+
+After a rollback a series holds two branches over the same steps. The part of the old one the
+run replaced stays drawn, in grey, with its markers; every alert is drawn on the branch it fired
+on (its time against the time of the event that restored the step), at its value on that
+branch's line; each branch's band is computed from the values it holds (the old branch's up to
+the restored step, then its own), never from what the run abandoned.
 - ``/api/run/<run>``: the same as JSON
 
 Plots are SVG written on the server (:func:`trainguard.sinks.reports.svg_steps_plot`, shared

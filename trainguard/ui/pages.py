@@ -49,18 +49,35 @@ def _skipped_note(board: Board) -> str:
             f'their topic ({_attr(top)}); the worker dead-letters what it reads</p>')
 
 
-def render_index(board: Board) -> str:
-    rows = []
+_INDEX_COLUMNS = ("run", "trainer processes", "last step", "last event (UTC)", "state", "rollbacks",
+                  "healthy checkpoint", "open alerts")
+_INDEX_CLASSES = ("run", "attempts", "step", "when", "state", "rollbacks", "checkpoint", "alerts")
+
+
+def render_index(board: Board, now: float | None = None) -> str:
+    """The runs a worker reports on, as ``trainguard runs`` lists them (the status topic, a
+    summary past its retention left out), in its words for their state. A run id only heard of
+    on the events topic makes no run: its records may be ones the worker refused."""
+    now = time.time() if now is None else now
+    rows, unconfirmed = [], 0
     for r in board.runs():
-        status = r["status"] or {}
-        breaker = (status.get("breaker") or {}).get("status", "unknown")
-        rows.append(f'<tr class="run"><td><a href="{_run_href(r["run_id"])}">{_attr(r["run_id"])}</a></td>'
-                    f'<td>{_attr(status.get("last_step"))}</td><td>{_attr(breaker)}</td>'
-                    f'<td>{_attr(status.get("open_alerts", 0))}</td>'
-                    f'<td>{status.get("outcome") or ("finished" if status.get("finished") else "")}</td></tr>')
-    table = ("<table><tr><th>run</th><th>last step</th><th>breaker</th><th>open alerts</th><th></th></tr>"
-             + "".join(rows) + "</table>") if rows else "<p>no runs yet: nothing on the topics so far</p>"
-    return html_page("trainguard: runs", f"<h1>trainguard: runs</h1>{table}"
+        status = r["status"]
+        if status is None or (status.get("retained_until") or now) < now:
+            unconfirmed += status is None
+            continue
+        attempts = f'{r["attempts"]} attempts' if r["attempts"] > 1 else r["attempts"] or None
+        cells = (f'<a href="{_run_href(r["run_id"])}">{_attr(r["run_id"])}</a>', _attr(attempts),
+                 _attr(status.get("last_step")), _attr(utc_time(status.get("last_event_ts"))),
+                 _attr(status.get("state")),
+                 _attr(status["breaker"]["rollbacks"]), _attr(status.get("last_healthy_checkpoint_step")),
+                 _attr(status.get("open_alerts", 0)))
+        rows.append('<tr class="run">' + "".join(f'<td class="{css}">{c}</td>' for css, c in zip(
+            _INDEX_CLASSES, cells, strict=True)) + "</tr>")
+    header = "<tr>" + "".join(f"<th>{name}</th>" for name in _INDEX_COLUMNS) + "</tr>"
+    table = f"<table>{header}{''.join(rows)}</table>" if rows else "<p>no runs yet: no worker has reported one</p>"
+    pending = (f'<p class="meta unconfirmed">{unconfirmed} more run id(s) on the events topic that no worker '
+               f'reports on: records it refused, or no worker running yet</p>') if unconfirmed else ""
+    return html_page("trainguard: runs", f"<h1>trainguard: runs</h1>{table}{pending}"
                                      f'<p class="meta">{board.records} records read</p>{_skipped_note(board)}')
 
 
@@ -116,7 +133,10 @@ def render_run(board: Board, run_id: str, view: dict | None = None, *, x_range: 
                  for c in view["commands"] if int64(c["step"]) is not None]
     outcome = status.get("outcome") if status.get("outcome") in ("finished", "stopped") else None
     ended = f", {esc(outcome or 'finished')}" if status.get("finished") or outcome else ""
-    state = (f'<p class="state">breaker <b class="breaker">{esc(breaker.get("status", "unknown"))}</b>, '
+    said = status.get("state") or "no status from a worker yet"  # as `trainguard status` says it
+    said = "" if said == breaker.get("status") else f'<b class="run-state">{esc(said)}</b>; '
+    state = (f'<p class="state">{said}'
+             f'breaker <b class="breaker">{esc(breaker.get("status", "unknown"))}</b>, '
              f'{esc(breaker.get("rollbacks", 0))} rollback(s); last step {esc(status.get("last_step"))}'
              f'{ended}; newest healthy checkpoint '
              f'{esc(status.get("last_healthy_checkpoint_step") or "none")}</p>')
@@ -140,12 +160,25 @@ def render_run(board: Board, run_id: str, view: dict | None = None, *, x_range: 
     if silences:
         state += ('<p class="silences">silences in force: ' + "; ".join(
             f'{esc(s["id"])} ({esc(s["rule"])}, until {esc(s["until"])} UTC)' for s in silences) + "</p>")
+    attempts = view.get("attempts") or []
+    state += _attempts_note(attempts, view.get("trainer_hosts") or [])
+    starts = [(a["step"], f'attempt {i + 1}: a new trainer process{" on " + a["host"] if a["host"] else ""} '
+                          f'started at step {a["step"]}') for i, a in enumerate(attempts)
+              if i and int64(a["step"]) is not None]
     extent = steps_extent(view)
     shown_range = x_range or extent
-    plots = signal_plots(view, board.rules, alerts, decisions, shown_range)
+    plots = signal_plots(view, board.rules, alerts, decisions, shown_range, starts)
+
+    def attempt_cell(alert: dict) -> str:
+        if len(attempts) < 2:
+            return ""
+        fired = alert["fired"] if type(alert["fired"]) in (int, float) else 0.0
+        return f'<td class="attempt">{sum(a["ts"] <= fired for a in attempts) or "?"}</td>'
+
     alert_rows = "".join(
         f'<tr class="alert {esc(a["state"])}" data-step="{esc(a["step"])}" data-alert="{esc(a["id"])}">'
-        f'<td>{esc(a["id"])}</td><td class="when">{esc(utc_time(a["fired"]))}</td><td>{esc(a["step"])}</td>'
+        f'<td>{esc(a["id"])}</td>{attempt_cell(a)}<td class="when">{esc(utc_time(a["fired"]))}</td>'
+        f'<td>{esc(a["step"])}</td>'
         f'<td>{esc(a["severity"])}</td><td>{esc(a["rule"])}</td><td>{esc(a["metric"])}</td><td>{esc(a["value"])}{_forecast(a)}</td>'
         f'<td>{esc(a["state"])}{esc(" " + utc_time(a["resolved_ts"])) if a["resolved_ts"] else ""}</td>'
         f'<td>{"silenced" if a["silenced"] else ""}{" " if a["silenced"] and a["ack"] else ""}{esc(a["ack"])}</td>'
@@ -164,12 +197,30 @@ def render_run(board: Board, run_id: str, view: dict | None = None, *, x_range: 
     body = (f'<p><a href="/">all runs</a></p><h1>run {esc(run_id)}</h1>{state}'
             f'<h2>signals</h2>{_zoom_bar(run_id, extent, shown_range, kept_stride(view)) if plots else ""}'
             f'<section class="plots">{"".join(plots) or "<p>no watched signal yet</p>"}</section>'
-            f'<h2>alerts</h2><table><tr><th>id</th><th>fired (UTC)</th><th>step</th><th>severity</th><th>rule</th>'
-            f'<th>metric</th><th>value</th><th>state</th><th>silence / ack</th><th></th></tr>{alert_rows}</table>'
-            f'<h2>commands and acks</h2><table><tr><th>time (UTC)</th><th>step</th><th></th><th>action / ack</th>'
+            f'<h2>alerts</h2><table><tr><th>id</th>{"<th>attempt</th>" if len(attempts) > 1 else ""}'
+            f'<th>fired (UTC)</th><th>step</th><th>severity</th><th>rule</th>'
+            f'<th>metric</th><th>value</th><th>state</th><th>silence / ack</th><th>zoom</th></tr>{alert_rows}</table>'
+            f'<h2>commands and acks</h2><table><tr><th>time (UTC)</th><th>step</th><th>record</th><th>action / ack</th>'
             f'<th>command</th><th>detail</th></tr>{command_rows}</table>'
             f'<h2>diagnosis reports</h2><ul>{report_links or "<li>none</li>"}</ul>{_skipped_note(board)}')
     return html_page(f"trainguard: run {run_id}", body)
+
+
+def _attempts_note(attempts: list[dict], trainer_hosts: list[str]) -> str:
+    """Says that one run id holds several trainer processes, each an attempt of the run, where
+    each began, and the hosts whose trainers share the plots."""
+    out = ""
+    if len(attempts) > 1:
+        out += (f'<p class="attempts">{len(attempts)} trainer processes logged this run, its attempts one after '
+                f'another on these plots (a purple line where each began): ' + "; ".join(
+                    f'attempt {i + 1} started {_attr(utc_time(a["ts"]))} UTC'
+                    f'{" at step " + _attr(a["step"]) if a["step"] is not None else ""}'
+                    f'{" on " + _attr(a["host"]) if a["host"] else ""}'
+                    for i, a in enumerate(attempts)) + "</p>")
+    if len(trainer_hosts) > 1:
+        out += (f'<p class="trainers">the trainers of {len(trainer_hosts)} hosts logged this run id, their values '
+                f'on the same plots: {_attr(", ".join(trainer_hosts))}</p>')
+    return out
 
 
 def _forecast(alert: dict) -> str:

@@ -13,7 +13,7 @@ from trainguard.core.reader import TopicDecoder, topic_reader
 from trainguard.schemas import events as ev
 from trainguard.streams.rules import RuleSet
 from trainguard.ui.series import Series
-from trainguard.ui.views import ack_view, alert_view, command_view, report_view, status_view
+from trainguard.ui.views import ack_view, alert_view, command_view, report_view, short_text, status_view
 
 log = logging.getLogger("trainguard.ui")
 
@@ -22,7 +22,7 @@ class _Run:
     """What the board keeps of one run: small views of its records, not the records (a record
     is up to 1 MiB and carries fields the page does not show, such as a command's signature)."""
 
-    __slots__ = ("status", "alerts", "commands", "acks", "reports", "series", "heard")
+    __slots__ = ("status", "alerts", "commands", "acks", "reports", "series", "heard", "attempts", "trainer_hosts")
 
     def __init__(self):
         self.status: dict | None = None
@@ -32,6 +32,12 @@ class _Run:
         self.reports: dict[str, dict] = {}               # report id -> the report (for its page)
         self.series: dict[str, Series] = {}
         self.heard = 0.0
+        self.attempts: list[dict] = []                   # each trainer process's start: ts, step, source
+        self.trainer_hosts: dict[str, None] = {}         # hosts whose trainer logged the run's metrics
+
+
+MAX_ATTEMPTS = 20  # trainer processes remembered per run (the newest)
+MAX_TRAINER_HOSTS = 16
 
 
 def _bounded_put(table: dict, key, value, limit: int) -> None:
@@ -100,8 +106,14 @@ class Board:
         run_id, schema = event["run_id"], event["schema"]
         if schema == ev.METRICS:
             points = self._watched_points(event)
+            src = event["source"]
             with self.lock:
-                self._metrics(self._touch(run_id), points, event["ts"])
+                run = self._touch(run_id)
+                self._metrics(run, points, event["ts"])
+                host = short_text(src.get("host"), 64) if src["kind"] == "trainer" and src.get("rank") in (None, 0) \
+                    else None
+                if host is not None and host not in run.trainer_hosts and len(run.trainer_hosts) < MAX_TRAINER_HOSTS:
+                    run.trainer_hosts[host] = None
         elif schema == ev.ALERT:
             view = alert_view(event)
             with self.lock:
@@ -119,8 +131,11 @@ class Board:
             with self.lock:
                 _bounded_put(self._touch(run_id).acks, view["command_id"], view, self.max_alerts)
         else:  # checkpoint, lifecycle, operator: the run is alive
+            started = _trainer_start(event)
             with self.lock:
-                self._touch(run_id)
+                run = self._touch(run_id)
+                if started is not None:
+                    run.attempts = [*run.attempts[-(MAX_ATTEMPTS - 1):], started]
 
     def _touch(self, run_id: str) -> _Run:
         run = self.runs_by_id.pop(run_id, None)
@@ -186,9 +201,11 @@ class Board:
         return self.decoder.counts()
 
     def runs(self) -> list[dict]:
-        """Each run's line on the index, the most recently active first (a copy)."""
+        """Each run's line on the index, the most recently active first (a copy): every run id
+        heard of; ``status`` None for one no worker has reported on (its records refused, or no
+        worker running), ``attempts`` its trainer processes."""
         with self.lock:
-            rows = [{"run_id": run_id, "status": run.status, "heard": run.heard}
+            rows = [{"run_id": run_id, "status": run.status, "heard": run.heard, "attempts": len(run.attempts)}
                     for run_id, run in self.runs_by_id.items()]
         return sorted(rows, key=lambda r: -max(r["heard"], (r["status"] or {}).get("last_event_ts") or 0.0))
 
@@ -206,12 +223,15 @@ class Board:
             series = {name: (*s.copy(), list(s.restarts), list(s.restarted_at), s.stride)
                       for name, s in run.series.items()}
             status = run.status
+            attempts = list(run.attempts)
+            trainer_hosts = list(run.trainer_hosts)
         decisions = {r["command_id"]: r["step"] for r in reports}
         commands = [{**c, "ack": acks.get(c["id"]),
                      "step": decisions.get(c["id"], (acks.get(c["id"]) or {}).get("step"))} for c in commands]
         alerts.sort(key=lambda a: a["ts"])
         reports.sort(key=lambda r: r["ts"])
         return {"run_id": run_id, "status": status, "alerts": alerts, "commands": commands, "reports": reports,
+                "attempts": attempts, "trainer_hosts": trainer_hosts,
                 "series": {name: {"steps": steps, "values": values, "restarts": restarts, "restarted_at": at,
                                   "stride": stride}
                            for name, (steps, values, restarts, at, stride) in series.items()}}
@@ -232,6 +252,20 @@ class Board:
         with self.lock:
             run = self.runs_by_id.get(run_id)
             return None if run is None else run.reports.get(report_id)
+
+
+def _trainer_start(event: dict) -> dict | None:
+    """A trainer process's ``started`` (rank 0, or a trainer without ranks) as the run page
+    shows it, else None: each one begins an attempt of the run."""
+    if event["schema"] != ev.LIFECYCLE or event["event"] != "started":
+        return None
+    src = event.get("source") or {}
+    if src.get("kind", "trainer") != "trainer" or src.get("rank") not in (None, 0):
+        return None
+    step = event.get("step")
+    return {"ts": event["ts"], "step": step if type(step) is int else None,
+            "source": short_text(ev.source_id({"kind": "trainer", **src}), 128),
+            "host": short_text(src.get("host"), 64)}
 
 
 class Follower(threading.Thread):

@@ -9,6 +9,7 @@ import time
 
 import orjson
 
+from trainguard.operate import _state as cli_state
 from trainguard.sinks.reports import forecast_text, format_value, int64
 from trainguard.sinks.reports import shown as _shown
 
@@ -43,7 +44,7 @@ def status_view(s: dict) -> dict:
     ckpt = s.get("last_healthy_checkpoint") or {}
     unwatched = s.get("unwatched_metrics")
     names = [short_text(n) for n in unwatched[:50] if isinstance(n, str)] if isinstance(unwatched, list) else []
-    return {"run_id": s["run_id"], "ts": s["ts"], "last_step": s.get("last_step"),
+    return {"run_id": s["run_id"], "ts": s["ts"], "last_step": s.get("last_step"), "state": run_state(s),
             "last_event_ts": s.get("last_event_ts"), "finished": s.get("finished") is True,
             "breaker": {"status": short_text(breaker["status"], 64), "rollbacks": breaker["rollbacks"]},
             "open_alerts": len(s["open_alerts"]), "last_healthy_checkpoint_step": int64(ckpt.get("step")),
@@ -57,6 +58,15 @@ def status_view(s: dict) -> dict:
             "state_freed": s.get("state_freed") is True,
             "outcome": s.get("outcome") if s.get("outcome") in ("finished", "stopped", "idle") else None,
             "retained_until": s.get("retained_until") if type(s.get("retained_until")) in (int, float) else None}
+
+
+def run_state(s: dict) -> str:
+    """The run's state in the words of ``trainguard runs`` and ``status`` (from the same status
+    record): "finished", "awaiting rollback", a command the trainer refused, ..."""
+    try:
+        return short_text(cli_state(s), 300)
+    except Exception:  # valid, but of a shape the CLI cannot show either
+        return "unreadable status"
 
 
 def _suspect(saved) -> list[dict]:
