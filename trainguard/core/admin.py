@@ -40,6 +40,29 @@ def partitions_of(settings: KafkaSettings, topic: str, consequence: str) -> int:
     return found
 
 
+def topic_ids(admin, topics, timeout: float = 5.0) -> dict[str, str]:
+    """Each existing topic's id (a topic created again, or the embedded broker restarted on
+    memory storage, has a new one, and its offsets start again); "" from a broker without
+    topic ids (Kafka before 2.8). Missing topics are left out. KafkaException when the broker
+    does not answer within ``timeout``."""
+    from confluent_kafka import KafkaError, KafkaException, TopicCollection
+
+    if not topics:
+        return {}
+    found = {}
+    futures = admin.describe_topics(TopicCollection(list(topics)), request_timeout=timeout)
+    for topic, future in futures.items():
+        try:
+            description = future.result(timeout + 1.0)
+        except KafkaException as exc:
+            if exc.args and getattr(exc.args[0], "code", lambda: None)() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                continue
+            raise
+        topic_id = str(description.topic_id or "")
+        found[topic] = "" if topic_id.strip("A=") == "" else topic_id  # the zero id: none
+    return found
+
+
 def topic_config(topic: str) -> dict[str, str]:
     """Per topic (by its last name part): the status topic keeps only the latest record of each
     run, and drops those older than the summary retention (a live run's is republished often).

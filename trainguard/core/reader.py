@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 import uuid
 
 from trainguard.core.kafka import KafkaSettings, Topics
@@ -52,6 +53,120 @@ def topic_reader(settings: KafkaSettings, topics, *, start: str = "beginning", t
         consumer.close()
         raise
     return consumer, missing
+
+
+class LiveReader:
+    """:func:`topic_reader` for a process that follows topics for hours (``trainguard tail``, the
+    run page, the sinks without a group), across broker outages and restarts.
+
+    A broker that comes back without its records (the embedded one restarted on memory storage,
+    a topic deleted and created again) starts each log again at offset 0, while a plain reader
+    keeps fetching past the new end (the embedded broker answers such fetches with nothing) and
+    misses everything until the log grows past its old position. Here a connection error pauses
+    every assigned partition (what was fetched but not handed on is fetched again on resume);
+    once the broker answers, each topic's id is compared with the one it had: a topic with a new
+    id is read again from its new beginning, said in one line, and the others resume where they
+    were. The ids are compared every ``verify_every_s`` as well, for a restart too quick for the
+    client to notice. A topic that is gone stays paused until it is back. A position out of
+    range (records deleted by retention, or a log truncated) resumes at the earliest record left.
+
+    Connection errors are summarised by :class:`~trainguard.core.connection.ConnectionNews`
+    (``say`` gets its lines and this reader's). ``consume`` is the consumer's, with the checks
+    made after each call; call everything from one thread."""
+
+    def __init__(self, settings: KafkaSettings, topics, *, start: str = "beginning", who: str = "trainguard",
+                 say=None, verify_every_s: float = 30.0, timeout: float = 10.0, clock=time.monotonic, **config):
+        from confluent_kafka.admin import AdminClient
+
+        from trainguard.core.admin import topic_ids
+        from trainguard.core.connection import ConnectionNews
+
+        self.who = who
+        self.news = ConnectionNews(who, settings.bootstrap, say)
+        self.say = self.news.say
+        self.clock = clock
+        self.verify_every_s = verify_every_s
+        config = {"error_cb": self.news.on_error, "log_level": 0, "auto.offset.reset": "earliest", **config}
+        self.consumer, self.missing = topic_reader(settings, topics, start=start, timeout=timeout, **config)
+        self.topics = [t for t in topics if t not in self.missing]
+        # its own errors are the probe's to report: no second count of one outage
+        self.admin = AdminClient(settings.confluent(log_level=0, error_cb=lambda _err: None))
+        try:
+            self.ids = topic_ids(self.admin, self.topics, timeout)
+        except Exception:  # unknown until the first check that answers: nothing to compare yet
+            self.ids = {}
+        self.paused: set[str] = set()  # topics waiting for the broker to answer, or to exist again
+        self.resets = 0                # topics read again from a new beginning
+        self._verified = clock()
+
+    def consume(self, num_messages: int = 500, timeout: float = 0.5) -> list:
+        messages = self.consumer.consume(num_messages=num_messages, timeout=timeout)
+        if self.news.suspect and not self.paused:
+            self._pause(self.topics)
+        ids = None
+        if self.news.suspect:  # probed at most every second until the broker answers
+            ids = self.news.check(self._ids)
+        elif self.clock() - self._verified >= (1.0 if self.paused else self.verify_every_s):
+            try:  # a topic still missing is looked for every second, the others now and then
+                ids = self._ids()
+            except Exception as exc:  # the next call pauses and probes
+                self.news.on_error(exc.args[0] if exc.args and hasattr(exc.args[0], "name") else exc)
+        if ids is not None:
+            self._verified = self.clock()
+            self._follow(ids)
+        return messages
+
+    def close(self) -> None:
+        self.consumer.close()
+
+    def _ids(self) -> dict[str, str]:
+        from trainguard.core.admin import topic_ids
+
+        return topic_ids(self.admin, self.topics, timeout=1.0)
+
+    def _assigned(self, topics) -> list:
+        wanted = set(topics)
+        return [tp for tp in self.consumer.assignment() if tp.topic in wanted]
+
+    def _pause(self, topics) -> None:
+        parts = self._assigned(topics)
+        if parts:
+            self.consumer.pause(parts)
+        self.paused.update(topics)
+
+    def _follow(self, ids: dict[str, str]) -> None:
+        """The broker answered with these ids: topics with a new one are read from their new
+        beginning; present topics resume; missing ones stay paused."""
+        recreated = [t for t in self.topics if ids.get(t) and self.ids.get(t) and ids[t] != self.ids[t]]
+        if recreated:
+            self._pause(recreated)
+            for topic in recreated:
+                self._from_beginning(topic)
+            self.resets += len(recreated)
+            self.say(f"{self.who}: {', '.join(recreated)} came back empty (the broker restarted without its data, "
+                     f"or the topics were created again): reading {'it' if len(recreated) == 1 else 'them'} "
+                     f"from the new beginning")
+        self.ids.update({t: i for t, i in ids.items() if i})
+        back = [t for t in self.paused if t in ids]
+        parts = self._assigned(back)
+        if parts:
+            self.consumer.resume(parts)
+        self.paused.difference_update(back)
+
+    def _from_beginning(self, topic: str) -> None:
+        """Every partition the topic has now, from its first record (its count may have changed)."""
+        from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+
+        old = self._assigned([topic])
+        meta = self.consumer.list_topics(topic, timeout=5).topics.get(topic)
+        partitions = (sorted(meta.partitions) if meta is not None and meta.error is None
+                      else [tp.partition for tp in old])
+        if old:
+            self.consumer.incremental_unassign(old)
+        fresh = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions]
+        if fresh:
+            self.consumer.incremental_assign(fresh)
+            self.consumer.resume([TopicPartition(topic, p) for p in partitions])  # a partition keeps its pause
 
 
 class TopicDecoder:
