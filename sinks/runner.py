@@ -64,13 +64,21 @@ def _start_at(started_ms: int, attempts: int = 5, fresh_partitions: set | None =
         return {(tp.topic, tp.partition): tp.offset if tp.offset >= 0 else ends[(tp.topic, tp.partition)]
                 for tp in found}
 
+    assignments = 0
+
     def on_assign(consumer, partitions) -> None:
+        nonlocal assignments
+        assignments += 1
         error = None
         at: dict = {}
         for attempt in range(attempts):  # a topic just created may not have its leaders yet
             try:
                 fresh = [tp for tp in consumer.committed(partitions, timeout=10) if tp.offset < 0]
                 at = offsets(consumer, fresh) if fresh else {}
+                if fresh and assignments > 1:
+                    log.warning("trainguard: sinks: the group's committed offsets are gone for %d partition(s) (the "
+                                "broker came back empty, or the topics were created again): reading them from "
+                                "this process's start", len(fresh))
                 if fresh_partitions is not None:
                     fresh_partitions.update((tp.topic, tp.partition) for tp in fresh)
                 for tp in partitions:
@@ -101,7 +109,8 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
     ``TRAINGUARD_SINKS_MAX_AGE_S``) are skipped."""
     from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError
 
-    from trainguard.core.reader import topic_reader
+    from trainguard.core.connection import ConnectionNews
+    from trainguard.core.reader import LiveReader
 
     names = _topic_names(settings, topics)
     if start not in (None, "beginning", "end"):
@@ -117,19 +126,28 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
         # broker, every join) waiting that long
         "session.timeout.ms": int(number("TRAINGUARD_SESSION_TIMEOUT_S") * 1000),
         "heartbeat.interval.ms": 1000,
+        # An outage is said in two lines (ConnectionNews), not as librdkafka's line per retry.
+        "log_level": 0,
         **(consumer_config or {}),
     }
     started_ms = int(time.time() * 1000)
     fresh_partitions: set = set()  # a new group's partitions, until a record from its start is read
+    reader: LiveReader | None = None
     if assign:
-        consumer, missing = topic_reader(settings, names, start=start or "beginning",
-                                         **(consumer_config or {}))
-        if len(missing) == len(names):
-            consumer.close()
+        # followed across outages and broker restarts: a topic that comes back empty is read again
+        reader = LiveReader(settings, names, start=start or "beginning", who="trainguard sinks",
+                            **(consumer_config or {}))
+        consumer, news = reader.consumer, reader.news
+        if len(reader.missing) == len(names):
+            reader.close()
             raise RuntimeError(f"no partitions found for {names}; are the topics created?")
         how = f"from the {start or 'beginning'} of every partition, no group"
     else:
+        news = ConnectionNews("trainguard sinks", settings.bootstrap)
+        config["error_cb"] = news.on_error
         consumer = Consumer(settings.confluent(**config))
+        # A broker that comes back empty has no committed offsets for the group: the group
+        # joins again and reads each partition from this process's start time, so nothing new is skipped.
         consumer.subscribe(names, on_assign=_start_at(started_ms, fresh_partitions=fresh_partitions))
         how = (f"in group {group_id} (a new group starts at its start time; "
                f"alerts published over {max_age_s:.0f} s ago are skipped)")
@@ -138,7 +156,11 @@ def run_sinks(settings: KafkaSettings, sinks: list[Sink], stop: threading.Event,
     try:
         log.info("trainguard: sinks %s reading %s %s", [s.name for s in sinks], names, how)
         while not stop.is_set():
-            messages = consumer.consume(num_messages=batch_size, timeout=poll_s)
+            if reader is not None:
+                messages = reader.consume(num_messages=batch_size, timeout=poll_s)
+            else:
+                messages = consumer.consume(num_messages=batch_size, timeout=poll_s)
+                news.check(lambda: consumer.list_topics(names[0], timeout=1.0))
             now = time.time()
             for sink in sinks:
                 sink.advance(now)

@@ -20,7 +20,7 @@ from typing import TextIO
 
 from trainguard.core.clock import local_time
 from trainguard.core.kafka import KafkaSettings
-from trainguard.core.reader import topic_reader
+from trainguard.core.reader import LiveReader
 from trainguard.tail import REORDER_S, Reorder, partition_ends
 
 EXCERPT_CHARS = 120
@@ -110,10 +110,13 @@ def dlq(settings: KafkaSettings, *, follow: bool = False, run: str | None = None
     stop = stop or threading.Event()
     topic = settings.topics.dlq
     try:
-        consumer, missing = topic_reader(settings, [topic], start="beginning")
+        # followed across outages; a topic that comes back empty is read from its new beginning
+        reader = LiveReader(settings, [topic], start="beginning", who="trainguard dlq",
+                            say=lambda line: print(line, file=stderr, flush=True))
     except KafkaException as exc:
         print(f"trainguard dlq: cannot read {topic} on {settings.bootstrap}: {exc}", file=stderr)
         return 2
+    consumer, missing = reader.consumer, reader.missing
     shown, skipped, causes = 0, 0, set()
     try:
         if missing:
@@ -128,7 +131,7 @@ def dlq(settings: KafkaSettings, *, follow: bool = False, run: str | None = None
             print(f"following dead letters on {settings.bootstrap} ({topic}) ... Ctrl-C to stop", file=stderr,
                   flush=True)
         while not stop.is_set():
-            messages = consumer.consume(num_messages=500, timeout=0.5)
+            messages = reader.consume(num_messages=500, timeout=0.5)
             for msg in messages:
                 if msg.error():
                     continue
@@ -176,7 +179,7 @@ def dlq(settings: KafkaSettings, *, follow: bool = False, run: str | None = None
             stdout.flush()
             shown += len(rest)
     finally:
-        consumer.close()
+        reader.close()
     whose = f" of run {safe(run)}" if run else ""
     if not follow:
         print(f"{shown} dead letter(s){whose} on {topic}" + (f"; {skipped} record(s) skipped" if skipped else ""),

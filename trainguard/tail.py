@@ -10,6 +10,10 @@ published before it on another topic (an ack read before its command). Runs unti
 (or SIGTERM). When nothing arrives, a status line says what it is waiting on (on a terminal;
 otherwise it is said once, on stderr).
 
+A broker outage is said on stderr in one line when it begins and one when tail reconnects; a
+broker that came back empty (memory storage) or topics created again are read from their new
+beginning, so the next run's alerts are not missed (``LiveReader``).
+
 Each record is decoded for the topic it came from; an invalid one is skipped, the first of each
 cause said on stderr and the count at the end. Strings from the topics are printed without
 their control characters and escape sequences (``trainguard.terminal``).
@@ -24,7 +28,7 @@ import time
 from typing import TextIO
 
 from trainguard.core.kafka import KafkaSettings
-from trainguard.core.reader import TopicDecoder, topic_reader
+from trainguard.core.reader import LiveReader, TopicDecoder
 
 TOPICS = ("alerts", "control", "acks")
 
@@ -111,10 +115,12 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
     decoder = TopicDecoder(settings.topics, "trainguard tail", report=lambda m: print(m, file=stderr, flush=True))
 
     try:
-        consumer, missing = topic_reader(settings, names, start=start)
+        reader = LiveReader(settings, names, start=start, who="trainguard tail",
+                            say=lambda m: print(m, file=stderr, flush=True))
     except KafkaException as exc:
         print(f"trainguard tail: cannot reach Kafka at {settings.bootstrap}: {exc}", file=stderr)
         return 2
+    consumer, missing = reader.consumer, reader.missing
     try:
         if len(missing) == len(names):
             print(f"trainguard tail: none of the topics {', '.join(names)} exist on {settings.bootstrap}",
@@ -137,7 +143,7 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
         quiet_since = time.monotonic()
         while not stop.is_set():
             try:
-                messages = consumer.consume(num_messages=500, timeout=0.5)
+                messages = reader.consume(num_messages=500, timeout=0.5)
             except KafkaException as exc:  # the client's own trouble: say it once per kind, keep following
                 if str(exc) not in failures:
                     failures.add(str(exc))
@@ -184,7 +190,7 @@ def tail(settings: KafkaSettings, *, start: str = "end", run: str | None = None,
         if decoder.skipped:
             print(f"trainguard tail: {decoder.summary()}", file=stderr)
     finally:
-        consumer.close()
+        reader.close()
     return 0
 
 

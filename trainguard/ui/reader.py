@@ -9,7 +9,7 @@ import threading
 import time
 
 from trainguard.core.kafka import KafkaSettings, Topics
-from trainguard.core.reader import TopicDecoder, topic_reader
+from trainguard.core.reader import LiveReader, TopicDecoder
 from trainguard.schemas import events as ev
 from trainguard.streams.rules import RuleSet
 from trainguard.ui.series import Series
@@ -270,13 +270,16 @@ def _trainer_start(event: dict) -> dict | None:
 
 class Follower(threading.Thread):
     """Reads the topics into the board until stopped. Nothing read ends it: the board skips and
-    counts what it cannot take, and a consumer error is logged and waited out."""
+    counts what it cannot take, and a consumer error is logged and waited out. A broker outage is
+    said once and its end once; topics that come back empty (a broker restarted on memory storage)
+    are read again from their new beginning (:class:`LiveReader`)."""
 
     def __init__(self, settings: KafkaSettings, board: Board):
         super().__init__(name="trainguard-ui-reader", daemon=True)
         topics = settings.topics
         names = [topics.events, topics.alerts, topics.control, topics.acks, topics.status]
-        self.consumer, self.missing = topic_reader(settings, names)
+        self.reader = LiveReader(settings, names, who="trainguard ui")
+        self.consumer, self.missing = self.reader.consumer, self.reader.missing
         self.board = board
         self.stopped = threading.Event()
         self.errors = 0
@@ -286,7 +289,7 @@ class Follower(threading.Thread):
         try:
             while not self.stopped.is_set():
                 try:
-                    messages = self.consumer.consume(num_messages=1000, timeout=0.5)
+                    messages = self.reader.consume(num_messages=1000, timeout=0.5)
                 except Exception as exc:  # the client's own trouble: say it (once per kind), wait, go on
                     self.errors += 1
                     if str(exc)[:200] not in self._said:
@@ -299,7 +302,7 @@ class Follower(threading.Thread):
                         continue
                     self.board.take(msg.topic(), msg.key(), msg.value())
         finally:
-            self.consumer.close()
+            self.reader.close()
 
     def stop(self) -> None:
         self.stopped.set()
