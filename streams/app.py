@@ -520,7 +520,8 @@ class RepeatFilter(logging.Filter):
             entry[1] += 1
             return False
         if entry is not None and entry[1]:
-            record.msg, record.args = f"{text} [and {entry[1]} more like it in the last {now - entry[0]:.0f} s]", None
+            # args (), not None: Faust's formatter makes None an argument, and the line a logging error
+            record.msg, record.args = f"{text} [and {entry[1]} more like it in the last {now - entry[0]:.0f} s]", ()
         self._seen[key] = [now, 0]
         if now - self._swept >= self.interval_s:
             self._sweep(now)
