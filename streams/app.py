@@ -35,6 +35,7 @@ from trainguard.core.settings import value as setting
 from trainguard.schemas.signing import load_keys, signing_key_for_worker, unsigned_allowed
 from trainguard.streams import rules as rules_mod
 from trainguard.streams.checkpoint import Changelog, ChangelogWriter, Checkpoint, OutputRouter
+from trainguard.streams.continuity import VERIFY_EVERY_S, Continuity, start_afresh
 from trainguard.streams.engine import Engine, Limits
 from trainguard.streams.transport import (
     BULK_LANE_SUPPORTED,
@@ -156,6 +157,13 @@ def create_app(settings: KafkaSettings | None = None, *, rules_path: str | None 
     output_producer = None if exactly_once else output_publisher(settings)  # else in the transactions
     if output_producer is not None:
         atexit.register(output_producer.flush, 5.0)
+    app.trainguard_outputs = output_producer
+    # A broker that comes back empty (memory storage) or topics created again: the worker starts
+    # afresh on the new logs (run_worker executes it again in place; embedded elsewhere, it exits).
+    app.trainguard_continuity = Continuity(
+        settings, [settings.topics.events, settings.topics.acks],
+        [state_table.changelog_topic.get_topic_name(), window_table.changelog_topic.get_topic_name()],
+        lambda why: start_afresh(app, why, in_place=False), folder=data_dir(app_id))
     router = OutputRouter(output_producer, settings.topics, control_partitions_of(settings),
                           max_bytes=engine.limits.record_bytes, events_partitions=engine.partitions)
     message_out = app.sensors.on_message_out
@@ -449,6 +457,11 @@ def _agents_and_timers(app: WorkerApp, detection: Detection, settings: KafkaSett
         the next event, which may never come. Each run's status goes out at most every 5 s."""
         detection.tick()
 
+    @app.timer(VERIFY_EVERY_S)
+    async def verify_logs() -> None:
+        """The broker still holds the logs this worker read (checked before every recovery too)."""
+        await app.trainguard_continuity.verify()
+
     @app.timer(10.0)
     async def status() -> None:
         log.info("trainguard: %d events, %d samples processed, %d replays skipped (%s)",
@@ -591,6 +604,7 @@ def run_worker(settings: KafkaSettings | None = None, *, rules_path: str | None 
     print(f"trainguard worker: consuming {app.conf.broker[0]} with rules "
           f"{rules_path or 'default.yaml'}", flush=True)
     leave_orphaned_memberships(app)
+    app.trainguard_continuity.afresh = lambda why: start_afresh(app, why, in_place=True)
     worker = _Worker(app, loglevel=loglevel, quiet=True)
     try:
         worker.execute_from_commandline()

@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import faust
 from aiokafka.client import AIOKafkaClient, CoordinationType
 from aiokafka.protocol.group import LeaveGroupRequest
+from aiokafka.structs import TopicPartition
+from faust.tables.recovery import Recovery
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as aiokafka_driver
 
@@ -62,6 +64,14 @@ UPSTREAM = {
     # QuickFetchThread reads aiokafka's member id the way this reads the generation
     "faust.transport.drivers.aiokafka:ConsumerRebalanceListener.on_partitions_assigned": "1c1f8406ad3698a6",
     "faust.tables.manager:TableManager.on_start": "365dd25fbc0e0684",  # WorkerTableManager drops its sleep
+    # WorkerRecovery checks the broker's logs before each recovery, and reads a changelog that ends
+    # below the recovered offset from its end (Faust raised ConsistencyError)
+    "faust.tables.recovery:Recovery.on_rebalance": "aa4d997a1795ceae",
+    "faust.tables.recovery:Recovery._build_offsets": "27eec86be06cb51f",
+    "faust.tables.recovery:Recovery.on_recovery_completed": "6ef567acf072e46d",
+    # ...and after it started afresh, its first assignment reads the sources from their beginning
+    "faust.transport.consumer:ThreadDelegateConsumer.seek_to_committed": "f1d483b861b0328b",
+    "faust.transport.consumer:Consumer.perform_seek": "0e8c130ff4b0afd8",
     # WorkerTransport retries these when a broker died but is not fenced yet
     "faust.transport.drivers.aiokafka:Transport._really_create_topic": "698806ec237ce0d7",
     "faust.transport.drivers.aiokafka:Transport._get_controller_node": "5f99da292a60e6de",
@@ -124,6 +134,19 @@ class WorkerConsumer(aiokafka_driver.Consumer):
 
     def _new_consumer_thread(self):
         return QuickFetchThread(self, loop=self.loop, beacon=self.beacon)
+
+    async def seek_to_committed(self):
+        """Committed offsets, except in the first assignment after the worker started afresh
+        (streams/continuity.py): the events and acks partitions then start at their beginning,
+        since what was committed there was committed against the logs the broker lost."""
+        committed = await super().seek_to_committed()
+        continuity = getattr(self.app, "trainguard_continuity", None)
+        if continuity is None or not continuity.pending:
+            return committed
+        sources = {tp for tp in self.assignment() if tp.topic in continuity.sources}
+        if sources:
+            await self._thread.seek_to_beginning(*(TopicPartition(tp.topic, tp.partition) for tp in sources))
+        return {tp: offset for tp, offset in committed.items() if tp not in sources}
 
     async def commit(self, topics=None, start_new_transaction: bool = True) -> bool:
         if self.in_transaction:  # the checkpoint commits, with the outputs and state of the same events
@@ -235,6 +258,10 @@ class WorkerApp(faust.App):
     trainguard_engine: Engine | None = None
     trainguard_members: Memberships | None = None
     trainguard_bulk_lane: tuple[str, BulkHandler] | None = None
+    # whether the broker still holds what the worker read (streams/continuity.py), and the
+    # producer of alerts and commands, delivered before the worker starts afresh
+    trainguard_continuity: Any = None
+    trainguard_outputs: Any = None
 
     def _new_transport(self):
         return WorkerTransport(self.conf.broker_consumer, self)
@@ -344,15 +371,67 @@ def aiokafka_auth(app: faust.App) -> dict:
     return dict(aiokafka_driver.credentials_to_aiokafka_auth(app.conf.broker_credentials, app.conf.ssl_context))
 
 
+class WorkerRecovery(Recovery):
+    """Faust's table recovery, with the worker's check that the broker still holds what it read
+    (``app.trainguard_continuity``, streams/continuity.py) before every recovery: a broker that
+    came back empty makes the group join again, and the worker starts afresh before it reads a
+    record at offsets that mean something else now. A changelog that ends below the offset this
+    worker read it to no longer stops the worker with ``ConsistencyError``: once the ids say the
+    log is the same one (some brokers, the embedded one among them, report a partition's end at
+    its last record batch's start), it is read from that end."""
+
+    async def on_rebalance(self, assigned, revoked, newly_assigned, generation_id: int = 0) -> None:
+        continuity = getattr(self.app, "trainguard_continuity", None)
+        if continuity is not None:
+            await continuity.verify()  # starts afresh on a log that was replaced
+        await super().on_rebalance(assigned, revoked, newly_assigned, generation_id)
+
+    async def _build_offsets(self, consumer, tps, destination, title: str) -> None:
+        await super()._build_offsets(consumer, tps, destination, title)
+        ends = await consumer.highwaters(*tps)
+        continuity = getattr(self.app, "trainguard_continuity", None)
+        if continuity is not None and continuity.pending:
+            # started afresh: what the changelogs hold was written against the logs the broker lost
+            for tp, end in ends.items():
+                if end is not None:
+                    destination[tp] = end - 1
+            if any(end for end in ends.values()):
+                log.warning("trainguard worker: started afresh: the %s changelog records on the new topics are not "
+                            "restored (the previous start wrote them against the lost logs)", title)
+            return
+        beyond = {tp: (destination[tp], end) for tp, end in ends.items()
+                  if end is not None and destination.get(tp) is not None and destination[tp] >= end}
+        if not beyond:
+            return
+        if continuity is not None:
+            await continuity.verify()
+        for tp, (offset, end) in beyond.items():
+            log.info("trainguard: changelog %s[%d] ends at offset %d, not past offset %d this worker read it to: "
+                     "read from its end", tp.topic, tp.partition, end, offset)
+            destination[tp] = end - 1
+
+    async def on_recovery_completed(self, generation_id: int = 0) -> None:
+        await super().on_recovery_completed(generation_id)
+        continuity = getattr(self.app, "trainguard_continuity", None)
+        if continuity is not None and continuity.pending and self.app.consumer_generation_id == generation_id:
+            continuity.done()
+
+
 class WorkerTableManager(faust.tables.TableManager):
     """Faust's table manager waits a second at start for tables added late; the worker adds
     both of its tables before it starts, and that second is a second more of every restart
-    with no run watched."""
+    with no run watched. Its recovery is :class:`WorkerRecovery`."""
 
     async def on_start(self) -> None:
         if not self.should_stop:
             await self._update_channels()
             await self.recovery.start()
+
+    @property
+    def recovery(self) -> Recovery:
+        if self._recovery is None:
+            self._recovery = WorkerRecovery(self.app, self, beacon=self.beacon, loop=self.loop)
+        return self._recovery
 
 
 class BytesTable(faust.Table):
