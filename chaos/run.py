@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """``make chaos``: what the trainer side does when the broker fails under it.
 
-    python chaos/run.py [--quick] [--only broker_restart,close,listener]
+    python chaos/run.py [--quick] [--only broker_restart,readers_restart,close,listener]
 
 Scenarios (``chaos/scenarios.py``, ``chaos/cluster.py``) run on a three-node Apache Kafka cluster
 on loopback (``make kafka``; replication factor 3, min.insync.replicas 2), all but those that stop
 or restart the broker themselves and need the embedded broker's memory storage or its port
-(``broker_restart``, ``close``, ``shutdown``, ``listener_reset``): each of those has an embedded
+(``broker_restart``, ``readers_restart``, ``close``, ``shutdown``, ``listener_reset``): each of those has an embedded
 broker of its own. Without the Kafka jars (or with ``--broker tansu``) every scenario runs on an
 embedded broker and the cluster's own scenarios are left out.
 
@@ -37,6 +37,13 @@ On the embedded broker or the cluster:
   stays down for 25 s and comes back on the same port (memory storage: empty); the loop never
   stops. Figures: the share of the steps logged after the broker is back that reach it, every
   event delivered or counted lost, how long ``close()`` takes against its timeout.
+- ``readers_restart``: the embedded broker restarted (back empty) under a worker, a sinks process
+  paging a real HTTP receiver, ``trainguard tail`` and the run page's reader, each far past where
+  the new topics end, while a run logs; right after, that run's loss turns NaN and a new run's
+  too. Figures: processes that died (``broker_restart_crashes``), those alerts missing at a reader
+  (``broker_restart_missed_alerts``), librdkafka's raw lines in the sinks' and tail's output
+  (``broker_restart_raw_client_lines``), all with target 0, and seconds from the broker's return
+  to the new run's page.
 - ``close``: a trainer whose broker never answers logs 2,000 steps and closes.
 - ``listener``: a control listener applies and acks three commands and is restarted; the new one
   must apply none of them again, nor a command issued before its lookback window.
@@ -119,6 +126,9 @@ from trainguard.schemas.signing import ensure_key  # noqa: E402
 # figure -> (target, how to compare): "le" at most, "ge" at least
 TARGETS = {
     "broker_restart_delivered_after_ratio": (0.99, "ge"),
+    "broker_restart_crashes": (0, "le"),
+    "broker_restart_missed_alerts": (0, "le"),
+    "broker_restart_raw_client_lines": (0, "le"),
     "lost_uncounted": (0, "le"),
     "close_over_timeout_s": (1.0, "le"),
     "listener_restart_reapplied": (0, "le"),
@@ -164,7 +174,7 @@ TARGETS = {
 }
 
 # Stop or restart their broker themselves (memory storage, one port): an embedded broker each.
-TANSU_ONLY = ("broker_restart", "close", "shutdown", "listener_reset")
+TANSU_ONLY = ("broker_restart", "readers_restart", "close", "shutdown", "listener_reset")
 CLUSTER_ONLY = ("broker_kill", "cluster_restart", "election", "exactly_once", "refused_outputs")
 
 
@@ -217,6 +227,11 @@ def run_on_broker(only: set[str], quick: bool) -> dict:
         print("broker_restart: logging, killing the broker, waiting, restarting it ...", file=sys.stderr, flush=True)
         r = scenarios.broker_restart(up_s=3, down_s=8 if quick else 25, after_s=5 if quick else 10)
         out["broker_restart"] = r
+    if "readers_restart" in only:
+        print("readers_restart: the broker restarted empty under a worker, sinks, tail and the run page ...",
+              file=sys.stderr, flush=True)
+        out["readers_restart"] = scenarios.broker_restart_readers(down_s=8 if quick else 25,
+                                                                  history=300 if quick else 3000)
     if "close" in only:
         print("close: a trainer whose broker never answers ...", file=sys.stderr, flush=True)
         out["close"] = scenarios.close_with_broker_gone()
@@ -306,6 +321,11 @@ def summary(results: dict, where: dict) -> dict:
         s["broker_restart_delivered_after_ratio"] = r["broker_restart_delivered_after_ratio"]
         s["lost_uncounted"] = r["lost_uncounted"]
         s["close_seconds"] = r["close_seconds"]
+    if "readers_restart" in results:
+        r = results["readers_restart"]
+        for k in ("broker_restart_crashes", "broker_restart_missed_alerts", "broker_restart_raw_client_lines"):
+            s[k] = r[k]
+        s["broker_restart_page_after_back_s"] = r["page_after_back_s"]
     if "close" in results:
         r = results["close"]
         s["lost_uncounted"] = s.get("lost_uncounted", 0) + r["lost_uncounted"]
@@ -405,7 +425,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="an 8 s outage instead of 25 s, 200 runs instead of 1,000, "
                                                          "5,000 tiny runs instead of 20,000, 50 steps instead of 200")
-    ap.add_argument("--only", default="", help="comma-separated: broker_restart, close, listener, lifecycle, "
+    ap.add_argument("--only", default="", help="comma-separated: broker_restart, readers_restart, close, listener, "
+                                               "lifecycle, "
                                                "shutdown, hostile, worker_kill, forged, unsigned_metrics, "
                                                "scope_forgeries, listener_reset, "
                                                "chat_injections, sinks_restart, ts_poison, ui, "
@@ -416,7 +437,8 @@ def main(argv=None) -> int:
                     help="apache-kafka (default where `make kafka` resolved its jars): a three-node cluster for "
                          "every scenario but those that restart the broker; tansu: the embedded broker only")
     args = ap.parse_args(argv)
-    only = set(filter(None, args.only.split(","))) or {"broker_restart", "close", "listener", "lifecycle", "shutdown",
+    only = set(filter(None, args.only.split(","))) or {"broker_restart", "readers_restart", "close", "listener",
+                                                       "lifecycle", "shutdown",
                                                        "hostile", "worker_kill", "forged", "unsigned_metrics",
                                                        "scope_forgeries", "listener_reset",
                                                        "chat_injections", "sinks_restart", "ts_poison", "ui"}

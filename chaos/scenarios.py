@@ -1578,3 +1578,140 @@ def _produce_raw(settings: KafkaSettings, topic: str, key: str, values: list[byt
     for v in values:
         p.produce(topic, v, key)
     assert p.flush(15) == 0
+
+
+def _history_alert(run_id: str, i: int) -> dict:
+    ts = time.time()
+    return {"schema": ev.ALERT, "id": f"{run_id}-history-{i}", "run_id": run_id, "rule": "forecast", "severity": "P3",
+            "status": "firing", "metric": "actor/entropy", "value": 0.1, "step": i, "ts": ts,
+            "onset": {"step": i, "ts": ts}, "evidence": {"detector": "history"}, "diagnosis": "before the restart",
+            "suggestion": "none"}
+
+
+def broker_restart_readers(down_s: float = 4.0, history: int = 300, timeout_s: float = 60.0, log_dir=None) -> dict:
+    """The embedded broker restarted (memory storage: back empty, every offset from 0 again) under
+    a worker, a sinks process paging a real HTTP receiver, ``trainguard tail`` and the run page's
+    reader, while a run logs across the outage. Before it, ``history`` alerts and a few hundred
+    steps put every reader far past where the new topics will end for a while. After it, the
+    running run's loss turns NaN and a new run starts and turns NaN at once, both before the
+    worker noticed anything. Figures: processes that died (``broker_restart_crashes``, target 0),
+    those two alerts missing at a reader (tail's FIRING line, the receiver's page, the run page's
+    alerts and status: ``broker_restart_missed_alerts``, target 0), librdkafka's raw lines in the
+    sinks' and tail's output (``broker_restart_raw_client_lines``, target 0), seconds from the
+    broker's return to the new run's page, and the lines each said about the outage."""
+    import re
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from tests.integration import CliProcess, Receiver, SinksProcess, WorkerProcess
+    from trainguard.streams import rules as rules_mod
+    from trainguard.ui.reader import Board, Follower
+
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="chaos-readers-"))
+    port = free_port()
+    settings = _settings(port)
+    broker = EmbeddedBroker(port=port, topics=False).start()
+    create_topics(settings)
+    partition = partition_for("chaos-running", settings.partitions)  # both runs on one partition
+    new_run = next(r for r in (f"chaos-new-{i}" for i in range(1000))
+                   if partition_for(r, settings.partitions) == partition)
+    receiver = Receiver()
+    worker = WorkerProcess(settings, log_dir).start()
+    sinks = SinksProcess(settings, log_dir, sinks_env(receiver.url, log_dir, TRAINGUARD_GROUP_INTERVAL_S="0")).start()
+    tail = CliProcess(settings, log_dir / "tail.log")
+    tail._spawn("tail")
+    board = Board(rules_mod.default(), settings.topics)
+    follower = Follower(settings, board)
+    follower.start()
+    running = TrainerLogger("chaos-running", settings, host="chaos")
+    stop_logging = threading.Event()
+    nan_wanted = threading.Event()
+    nan_step: list[int] = []
+
+    def keep_logging(step: int) -> None:  # 50 steps a second, the NaN once asked for
+        while not stop_logging.is_set():
+            loss = -0.01
+            if nan_wanted.is_set() and not nan_step:
+                loss = float("nan")
+                nan_step.append(step)
+            running.log({"actor/pg_loss": loss, "actor/kl_loss": 0.01}, step)
+            step += 1
+            stop_logging.wait(0.02)
+
+    logging_thread = threading.Thread(target=keep_logging, args=(history + 1,), daemon=True)
+    back_at = paged_at = None
+    try:
+        worker.wait_ready()
+        sinks_started(sinks)
+        _produce(settings, settings.topics.alerts, new_run, [_history_alert(new_run, i) for i in range(history)])
+        for step in range(1, history + 1):
+            running.log({"actor/pg_loss": -0.01, "actor/kl_loss": 0.01}, step)
+        logging_thread.start()
+        time.sleep(3.0)  # read by everyone
+        broker.stop()
+        time.sleep(down_s)
+        broker = EmbeddedBroker(port=port, topics=False).start()
+        create_topics(settings)
+        back_at = time.monotonic()
+        nan_wanted.set()
+        newcomer = TrainerLogger(new_run, settings, host="chaos")
+        for step in range(1, 11):
+            newcomer.log({"actor/pg_loss": -0.01, "actor/kl_loss": 0.01}, step)
+        newcomer.log({"actor/pg_loss": float("nan"), "actor/kl_loss": 0.01}, 11)
+        newcomer.publisher.flush(5)
+
+        def seen() -> dict[str, bool]:
+            pages = receiver.bodies()
+            snap = board.snapshot(new_run)
+            said = tail.log()
+            return {
+                "tail_new": f"FIRING non_finite run={new_run} step=11" in said,
+                "tail_running": bool(nan_step) and f"FIRING non_finite run=chaos-running step={nan_step[0]}" in said,
+                "sinks_new": any(p.get("run_id") == new_run and p.get("step") == 11 for p in pages),
+                "sinks_running": bool(nan_step) and any(p.get("run_id") == "chaos-running"
+                                                        and p.get("step") == nan_step[0] for p in pages),
+                "ui_alert": bool(snap and any(a.get("step") == 11 for a in snap["alerts"])),
+                "ui_status": bool(snap and snap["status"]),
+            }
+
+        got = seen()
+        deadline = time.monotonic() + timeout_s
+        while not all(got.values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            got = seen()
+            if paged_at is None and got["sinks_new"]:
+                paged_at = time.monotonic()
+        newcomer.close(2, quiet=True)
+    finally:
+        stop_logging.set()
+        if logging_thread.is_alive():
+            logging_thread.join(5)
+        running.close(2, quiet=True)
+        crashed = {name: proc.proc.poll() for name, proc in (("worker", worker), ("sinks", sinks), ("tail", tail))
+                   if proc.proc is not None and proc.proc.poll() is not None}
+        if not follower.is_alive():
+            crashed["ui reader"] = follower.errors
+        follower.stop()
+        worker.kill()
+        sinks.stop()
+        tail.kill(signal.SIGTERM)
+        receiver.stop()
+        broker.stop()
+    raw = re.compile(r"^%\d\|", re.M)  # librdkafka's own format: %LEVEL|time|FAC|...
+    worker_log, sinks_log, tail_log = worker.log(), sinks.log(), tail.log()
+    return {
+        "broker_restart_crashes": len(crashed),
+        "exited": crashed,
+        "broker_restart_missed_alerts": sum(not v for v in got.values()),
+        "seen": got,
+        "broker_restart_raw_client_lines": len(raw.findall(sinks_log)) + len(raw.findall(tail_log)),
+        "page_after_back_s": round(paged_at - back_at, 1) if paged_at is not None and back_at is not None else None,
+        "worker_started_afresh": worker_log.count("starting afresh"),
+        "worker_tracebacks": worker_log.count("Traceback"),
+        "sinks_outage_lines": [line.split(": ", 1)[-1][:100] for line in sinks_log.splitlines()
+                               if "Kafka at" in line or "committed offsets are gone" in line],
+        "tail_outage_lines": [line[:100] for line in tail_log.splitlines() if line.startswith("trainguard tail:")],
+        "ui_resets": follower.reader.resets,
+        "log_dir": str(log_dir),
+    }

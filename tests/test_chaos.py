@@ -30,6 +30,24 @@ def test_a_broker_restart_loses_nothing_uncounted_and_delivery_resumes(caplog):
     assert sum("reachable again" in m for m in said) == 1, said
 
 
+def test_a_broker_restarted_empty_under_every_reader_crashes_none_and_skips_nothing(tmp_path):
+    """The embedded broker restarted (back empty, offsets from 0) under a worker, a sinks process,
+    `trainguard tail` and the run page's reader, every one of them far past the new topics' ends:
+    the worker says in one line that it starts afresh (no ConsistencyError), each reader says it
+    reconnected, and the NaNs logged right after the restart, by the run that kept logging and by
+    a new one, reach all of them (tail's FIRING lines, pages at a real HTTP receiver, the run page)."""
+    r = scenarios.broker_restart_readers(down_s=3.0, history=200, timeout_s=45.0, log_dir=tmp_path)
+    assert r["broker_restart_crashes"] == 0 and r["worker_tracebacks"] == 0, r
+    assert r["broker_restart_missed_alerts"] == 0, r
+    assert r["worker_started_afresh"] == 1, r
+    assert r["broker_restart_raw_client_lines"] == 0, r
+    tail_said = " | ".join(r["tail_outage_lines"])
+    assert "cannot reach Kafka" in tail_said and "reconnected to Kafka" in tail_said and "came back empty" in tail_said
+    sinks_said = r["sinks_outage_lines"]  # one line when the outage starts, one when it ends, one on the rejoin
+    assert len(sinks_said) <= 3 and any("reconnected" in line for line in sinks_said), sinks_said
+    assert r["ui_resets"] == 5, r  # every topic the run page reads, from its new beginning
+
+
 def test_close_returns_within_its_timeout_and_counts_what_it_gave_up():
     r = scenarios.close_with_broker_gone(events=500, close_timeout_s=1.0)
     assert r["close_seconds"] <= r["close_timeout_s"] + 1, r
