@@ -499,18 +499,14 @@ def svg_steps_plot(name: str, steps, values, *, band=None, x_range=None, alerts=
         parts.append(f'<line class="nonfinite" data-step="{esc(s)}" x1="{tx:.1f}" y1="{top}" x2="{tx:.1f}" '
                      f'y2="{top + 10}" stroke="#d62728" stroke-width="2"><title>{esc(str(kv[i]))} at step '
                      f'{esc(s)}</title></line>')
-    for s, text in sorted(set(starts)):
-        if inside(s):
-            tx = float(fx(s))
-            parts.append(f'<line class="marker attempt" data-step="{esc(s)}" x1="{tx:.1f}" y1="{top}" x2="{tx:.1f}" '
-                         f'y2="{bottom}" stroke="#9467bd" stroke-width="1.5" stroke-dasharray="1 2">'
-                         f'<title>{esc(text)}</title></line>')
-    for s, text in sorted(set(decisions)):
-        if inside(s):
-            tx = float(fx(s))
-            parts.append(f'<line class="marker command" data-step="{esc(s)}" x1="{tx:.1f}" y1="{top}" x2="{tx:.1f}" '
-                         f'y2="{bottom}" stroke="#2a7ae2" stroke-width="1.5" stroke-dasharray="5 3">'
-                         f'<title>{esc(text)}</title></line>')
+    # vertical lines across the plot: an attempt's start, a breaker decision
+    for kind, color, dash, marks in (("attempt", "#9467bd", "1 2", starts), ("command", "#2a7ae2", "5 3", decisions)):
+        for s, text in sorted(set(marks)):
+            if inside(s):
+                tx = float(fx(s))
+                parts.append(f'<line class="marker {kind}" data-step="{esc(s)}" x1="{tx:.1f}" y1="{top}" '
+                             f'x2="{tx:.1f}" y2="{bottom}" stroke="{color}" stroke-width="1.5" '
+                             f'stroke-dasharray="{dash}"><title>{esc(text)}</title></line>')
     for a in alerts:
         s = a["step"]
         if not inside(s):
