@@ -423,11 +423,16 @@ def _climb(state: BreakerState, policy: Policy, checkpoints: list[dict], step: i
                                       f"{target['step']}, {skipping(skip)}, because {came}")
 
 
+def recent_rollbacks(state: BreakerState, ts: float) -> list[float]:
+    """The run's rollbacks within the hour before ``ts`` (what ``max_rollbacks_per_hour`` counts)."""
+    return [t for t in state.rollback_ts if ts - t < 3600]
+
+
 def _decide(state: BreakerState, policy: Policy, *, run_id, step, ts, checkpoints, diagnosis, now,
             ids, changed: Callable[[int], tuple[int, str] | None] | None = None) -> Decision:
     onset = state.onset_step
     assert onset is not None  # on_step set it with the streak's first step
-    recent = [t for t in state.rollback_ts if ts - t < 3600]
+    recent = recent_rollbacks(state, ts)
     target, why, began = _safe(state, policy, checkpoints, changed)
     verdict, state.verdict = state.verdict, None
     rung, skip, adjust = 1, None, False

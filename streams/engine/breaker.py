@@ -464,7 +464,7 @@ class Breaker(AlertBook, StatusRoom):
         healthy = [c["step"] for c in run.checkpoints if c.get("healthy")]
         if not healthy:
             return human("no healthy checkpoint to roll back to: the breaker would stop the run")
-        if len([t for t in b.rollback_ts if alert["ts"] - t < 3600]) >= pol.max_rollbacks_per_hour:
+        if len(policy.recent_rollbacks(b, alert["ts"])) >= pol.max_rollbacks_per_hour:
             return human(f"the run was rolled back {pol.max_rollbacks_per_hour} times in the last hour "
                          f"(max_rollbacks_per_hour): the breaker would stop the run")
         return {"by": "breaker", "action": "rollback", "newest_healthy_step": max(healthy),
